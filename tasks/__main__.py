@@ -1,0 +1,6 @@
+"""``python -m tasks``: the ``devicefleet`` command."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The Celery app: Redis as broker and result backend, JSON only, late acks.
+
+``create_app(settings)`` builds an app for explicit settings (tests, the launcher, several
+fleets in one process). The module-level :data:`app` reads :class:`Settings` lazily, the first
+time Celery needs its configuration, so ``celery -A tasks worker`` and producers that set
+``DEVICEFLEET_REDIS_URL`` late both work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from .queues import QueueName
+from .settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings derived from ``settings``."""
+    url = settings.resolve_redis_url()
+    return {
+        "broker_url": url,
+        "result_backend": url,
+        # JSON only: a pickle payload is refused by workers and producers alike.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # A job is acknowledged once it has finished, and a worker process holds one message
+        # at a time, so a crash never swallows queued work.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # Events feed Flower; extended results keep the task name, args and worker.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "result_extended": True,
+        "task_track_started": True,
+        "result_expires": settings.result_expires_s,
+        "task_queues": [Queue(name.value) for name in QueueName],
+        "task_default_queue": QueueName.FLEET.value,
+        "broker_connection_retry_on_startup": True,
+        "worker_redirect_stdouts": False,
+        "enable_utc": True,
+    }
+
+
+def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> Celery:
+    """A Celery app for ``settings``; ``None`` reads them from the environment when first needed."""
+    celery = Celery(main, include=["tasks.runner"], set_as_current=settings is None)
+    if settings is None:
+        # A promise: evaluated when the configuration is first read, not at import.
+        celery.add_defaults(lambda: celery_config(Settings.load()))
+    else:
+        celery.conf.update(celery_config(settings))
+    # Register the shared tasks on this app too.
+    import tasks.runner  # noqa: F401
+
+    return celery
+
+
+app = create_app()

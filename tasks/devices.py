@@ -1,0 +1,239 @@
+"""Devices: their names, what a worker process may see, and how cores are shared.
+
+A device is named ``<kind><index>``: ``cpu0``, ``cpu1``, ``gpu0``. The worker that owns a
+device runs with ``CUDA_VISIBLE_DEVICES`` set before torch is imported: ``-1`` for a CPU
+device, the GPU's index for a GPU device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from .errors import ConfigError, DeviceVisibilityError
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(?P<kind>cpu|gpu)(?P<index>\d{1,3})$")
+
+
+class DeviceKind(str, Enum):
+    """What a device is; also the name of the queue every worker of that kind consumes."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device of this host, parsed from its name."""
+
+    kind: DeviceKind
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind.value}{self.index}"
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        """What the owning worker's ``CUDA_VISIBLE_DEVICES`` must be."""
+        return "-1" if self.kind is DeviceKind.CPU else str(self.index)
+
+    @classmethod
+    def parse(cls, name: str) -> Device:
+        """Parse ``cpu0`` / ``gpu3``.
+
+        Raises:
+            ConfigError: ``name`` is not a device name.
+        """
+        match = _NAME.match(name)
+        if not match:
+            raise ConfigError(
+                f"{name!r} is not a device name: expected cpu<N> or gpu<N>, e.g. cpu0 or gpu1"
+            )
+        return cls(DeviceKind(match["kind"]), int(match["index"]))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def apply_visibility(device: Device) -> None:
+    """Set ``CUDA_VISIBLE_DEVICES`` for ``device`` in this process, before torch loads.
+
+    Raises:
+        DeviceVisibilityError: torch is already imported with another visibility, so the
+            setting would have no effect.
+    """
+    wanted = device.cuda_visible_devices
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if current == wanted:
+        return
+    if "torch" in sys.modules:
+        raise DeviceVisibilityError(
+            f"{device}: torch was imported before CUDA_VISIBLE_DEVICES was set to {wanted!r} "
+            f"(it is {current!r}); start the worker with `devicefleet worker {device}` or set "
+            "CUDA_VISIBLE_DEVICES in its environment"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
+
+
+def visibility() -> dict[str, Any]:
+    """What this process sees: its ``CUDA_VISIBLE_DEVICES`` and torch's view of the devices."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    info: dict[str, Any] = {
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_available": cuda,
+        "cuda_device_count": torch.cuda.device_count() if cuda else 0,
+        "device_name": torch.cuda.get_device_name(0) if cuda else cpu_model_name(),
+        "total_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return info
+
+
+def check_visibility(device: Device) -> dict[str, Any]:
+    """Refuse to run a worker that cannot see exactly the device it owns.
+
+    Returns:
+        :func:`visibility` of this process.
+
+    Raises:
+        DeviceVisibilityError: a GPU worker sees no GPU, or a CPU worker sees one.
+    """
+    seen = visibility()
+    if device.kind is DeviceKind.GPU and not seen["cuda_available"]:
+        raise DeviceVisibilityError(
+            f"{device}: GPU {device.index} is not visible (CUDA_VISIBLE_DEVICES="
+            f"{seen['cuda_visible_devices']}, torch {seen['torch_version']} sees no CUDA device). "
+            "Check `nvidia-smi`, the driver, and that this host has that many GPUs; "
+            "refusing to start."
+        )
+    if device.kind is DeviceKind.CPU and seen["cuda_available"]:
+        raise DeviceVisibilityError(
+            f"{device}: a CPU worker sees a CUDA device (CUDA_VISIBLE_DEVICES="
+            f"{seen['cuda_visible_devices']}); refusing to start"
+        )
+    return seen
+
+
+def cpu_model_name() -> str:
+    """The host CPU's model name, or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def count_gpus() -> int:
+    """GPUs torch sees in this process (honours ``CUDA_VISIBLE_DEVICES``)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def parse_core_list(text: str) -> list[int]:
+    """Parse a Linux CPU list such as ``0-3,6``.
+
+    Raises:
+        ConfigError: ``text`` is not a CPU list.
+    """
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part:
+                low, high = (int(x) for x in part.split("-", 1))
+                if high < low:
+                    raise ValueError
+                cores.update(range(low, high + 1))
+            else:
+                cores.add(int(part))
+    except ValueError:
+        raise ConfigError(f"cores={text!r} is not a CPU list such as 0-3,6") from None
+    if not cores or min(cores) < 0:
+        raise ConfigError(f"cores={text!r} is not a CPU list such as 0-3,6")
+    return sorted(cores)
+
+
+def format_core_list(cores: list[int]) -> str:
+    """The inverse of :func:`parse_core_list`, compact: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[str] = []
+    ordered = sorted(set(cores))
+    start = prev = ordered[0]
+    for core in ordered[1:] + [None]:  # type: ignore[list-item]
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return ",".join(runs)
+
+
+def plan_cores(
+    cores: list[int], cpu_workers: int, gpu_workers: int, loader_cores_per_gpu: int
+) -> dict[str, list[int]]:
+    """Share ``cores`` between workers so they never oversubscribe the host.
+
+    Each GPU worker gets up to ``loader_cores_per_gpu`` cores for its data loading, but never
+    more than its fair share; the rest is split evenly between CPU workers, who each get at
+    least one core. With fewer cores than workers, workers share cores round-robin.
+
+    Returns:
+        ``{device name: cores}`` for ``cpu0..`` and ``gpu0..``.
+    """
+    if cpu_workers < 0 or gpu_workers < 0 or cpu_workers + gpu_workers == 0:
+        raise ConfigError(
+            f"cannot plan cores for {cpu_workers} CPU and {gpu_workers} GPU workers"
+        )
+    total = len(cores)
+    workers = cpu_workers + gpu_workers
+    plan: dict[str, list[int]] = {}
+    if total < workers:
+        names = [f"gpu{i}" for i in range(gpu_workers)] + [f"cpu{i}" for i in range(cpu_workers)]
+        for position, name in enumerate(names):
+            plan[name] = [cores[position % total]]
+        return plan
+    fair = total // workers
+    per_gpu = max(1, min(loader_cores_per_gpu, fair)) if cpu_workers else total // workers
+    next_core = 0
+    for index in range(gpu_workers):
+        plan[f"gpu{index}"] = cores[next_core : next_core + per_gpu]
+        next_core += per_gpu
+    remaining = cores[next_core:]
+    if cpu_workers:
+        share, extra = divmod(len(remaining), cpu_workers)
+        start = 0
+        for index in range(cpu_workers):
+            size = share + (1 if index < extra else 0)
+            plan[f"cpu{index}"] = remaining[start : start + size]
+            start += size
+    return plan

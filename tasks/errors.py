@@ -1,0 +1,99 @@
+"""Every exception devicefleet raises derives from :class:`DeviceFleetError`.
+
+The tree, by area::
+
+    DeviceFleetError
+    ├── ConfigError               settings, worker configs, command-line values
+    ├── FleetError                starting or finding a fleet
+    │   ├── RedisServerError      the embedded redis-server
+    │   ├── NoFleetError          nothing to connect to
+    │   └── DeviceVisibilityError a worker cannot see the device it owns
+    ├── FanOutError               dispatching and collecting jobs
+    │   ├── DeviceUnavailable     a requested device has no live worker
+    │   └── FanOutTimeout         the result did not arrive in time
+    └── JobError                  raised inside a worker, reported in an entry
+        ├── UnknownJob            not a job of the worker's allowlist
+        ├── InvalidJobArguments   kwargs that the job's schema refuses
+        ├── DatasetError          a dataset file is missing or unreadable
+        └── TrainingDiverged      the loss became NaN or infinite
+
+Every message says what was wrong, with the offending value, and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class DeviceFleetError(Exception):
+    """Root of every devicefleet error."""
+
+
+class ConfigError(DeviceFleetError, ValueError):
+    """A setting, worker config or command-line value is invalid."""
+
+
+class FleetError(DeviceFleetError):
+    """Starting, stopping or finding a fleet failed."""
+
+
+class RedisServerError(FleetError):
+    """The embedded redis-server could not be found or started."""
+
+
+class NoFleetError(FleetError):
+    """No Redis URL was given and no local fleet is running."""
+
+
+class DeviceVisibilityError(FleetError):
+    """A worker cannot see the device it is meant to own."""
+
+
+class FanOutError(DeviceFleetError):
+    """A fan-out could not be dispatched or collected."""
+
+
+class DeviceUnavailable(FanOutError, LookupError):
+    """A requested device has no live worker."""
+
+    def __init__(self, missing: Iterable[str], live: Iterable[str]) -> None:
+        self.missing = sorted(missing)
+        self.live = sorted(live)
+        live_text = ", ".join(self.live) if self.live else "none"
+        super().__init__(
+            f"no live worker for device(s) {', '.join(self.missing)}; live devices: {live_text}. "
+            "Start the missing workers (`devicefleet up`, or `devicefleet worker NAME`) "
+            "or ask for live devices only."
+        )
+
+
+class FanOutTimeout(FanOutError, TimeoutError):
+    """``FanOut.get`` ran out of time before every device reported."""
+
+    def __init__(self, timeout: float, pending: Iterable[str]) -> None:
+        self.timeout = timeout
+        self.pending = sorted(pending)
+        super().__init__(
+            f"fan-out not finished after {timeout:g} s; still running on: "
+            f"{', '.join(self.pending) or 'none (collecting)'}. Call get() again to keep waiting."
+        )
+
+
+class JobError(DeviceFleetError):
+    """A job could not run; reported in the device's entry, never raised to the producer."""
+
+
+class UnknownJob(JobError, LookupError):
+    """The job name is not in the worker's allowlist."""
+
+
+class InvalidJobArguments(JobError, ValueError):
+    """The job's kwargs do not match its schema."""
+
+
+class DatasetError(JobError):
+    """A dataset is missing, unreadable, or not of the expected shape."""
+
+
+class TrainingDiverged(JobError, ArithmeticError):
+    """Training produced a NaN or infinite loss."""

@@ -1,0 +1,296 @@
+"""The local launcher: Redis (embedded unless a URL is given) plus one worker per device.
+
+``devicefleet up`` and ``devicefleet demo`` use :class:`Fleet`; so do the tests. Each worker is a
+real process started as users start one (``python -m tasks worker cpu0``), in its own session
+so that a Ctrl-C in the terminal reaches only the launcher, which then stops the workers in
+order: SIGTERM (Celery's warm shutdown: finish the running job, take no new one), then SIGKILL
+after ``stop_timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from . import registry
+from .celery_app import create_app
+from .devices import DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
+from .errors import FleetError
+from .redis_server import EmbeddedRedis
+from .settings import Settings, read_fleet_file, redact_url
+from .worker_config import load_worker_config
+from .devices import Device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerProcess:
+    """One device worker the launcher runs."""
+
+    name: str
+    cores: list[int]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """``settings`` as ``DEVICEFLEET_*`` variables, so child processes see the same values."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        env[f"DEVICEFLEET_{name.upper()}"] = str(value)
+    return env
+
+
+def default_cpu_workers(gpus: int, cores: int) -> int:
+    """Two CPU devices on a host with no GPU (so a fan-out is a parallel one), else one."""
+    return 2 if gpus == 0 and cores >= 2 else 1
+
+
+@dataclass
+class Fleet:
+    """Redis and the device workers of this host.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    settings: Settings
+    cpu_workers: int | None = None
+    gpus: int | None = None
+    stop_timeout: float = 60.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    redis: EmbeddedRedis | None = None
+    workers: dict[str, WorkerProcess] = field(default_factory=dict)
+    redis_url: str = ""
+    _stopping: bool = False
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def plan(self) -> dict[str, list[int]]:
+        """``{device: cores}`` for the workers this fleet runs."""
+        cores = usable_cores()
+        gpus = self.gpus if self.gpus is not None else self.settings.gpus
+        if gpus is None:
+            gpus = count_gpus()
+        cpus = self.cpu_workers or self.settings.cpu_workers or default_cpu_workers(gpus, len(cores))
+        loader = 4
+        if gpus:
+            loader = load_worker_config(self.settings.worker_configs_path, Device(DeviceKind.GPU, 0)).loader_cores
+        plan = plan_cores(cores, cpus, gpus, loader)
+        for name in plan:  # fail now, with the file's name, not in a worker's log
+            load_worker_config(self.settings.worker_configs_path, Device.parse(name))
+        return plan
+
+    def start(self, timeout: float = 120.0) -> Fleet:
+        """Start Redis (unless ``settings.redis_url``) and every worker; wait until all are ready.
+
+        Raises:
+            FleetError: a fleet already runs for this state dir, or a worker failed to start
+                (the message has the tail of its log).
+        """
+        existing = read_fleet_file(self.settings.fleet_file)
+        if existing is not None:
+            raise FleetError(
+                f"a fleet is already running for state dir {self.settings.state_dir} "
+                f"(launcher pid {existing.get('pid')}); stop it first, or set "
+                "DEVICEFLEET_STATE_DIR to another folder"
+            )
+        plan = self.plan()
+        self.settings.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.settings.redis_url:
+                self.redis_url = self.settings.redis_url
+            else:
+                self.redis = EmbeddedRedis(
+                    self.settings.state_dir / "redis",
+                    port=self.settings.embedded_redis_port,
+                    binary=self.settings.redis_server,
+                )
+                self.redis.start()
+                self.redis_url = self.redis.url
+            logs = self.settings.state_dir / "logs"
+            logs.mkdir(exist_ok=True)
+            for name, cores in plan.items():
+                worker = WorkerProcess(name=name, cores=cores, log=logs / f"{name}.log")
+                self.workers[name] = worker
+                self._spawn(worker)
+            self._write_fleet_file()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _env(self, worker: WorkerProcess) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(settings_env(self.settings))
+        env.update({
+            "DEVICEFLEET_REDIS_URL": self.redis_url,
+            "DEVICEFLEET_CORES": format_core_list(worker.cores),
+            "CUDA_VISIBLE_DEVICES": Device.parse(worker.name).cuda_visible_devices,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, worker: WorkerProcess) -> None:
+        with open(worker.log, "ab") as log:
+            worker.process = subprocess.Popen(
+                [sys.executable, "-m", "tasks", "worker", worker.name],
+                env=self._env(worker),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        worker.started_at = time.time()
+        logger.info("started %s (pid %d, cores %s)", worker.name, worker.process.pid,
+                    format_core_list(worker.cores))
+
+    def _write_fleet_file(self) -> None:
+        info = {
+            "pid": os.getpid(),
+            "redis_url": self.redis_url,
+            "embedded_redis": self.redis is not None,
+            "devices": {name: {"cores": w.cores, "log": str(w.log)} for name, w in self.workers.items()},
+            "started_at": time.time(),
+        }
+        path = self.settings.fleet_file
+        tmp = path.with_suffix(".tmp")
+        # The file holds the Redis password: readable by its owner only.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(info, handle, indent=2)
+        os.replace(tmp, path)
+
+    def wait_ready(self, timeout: float = 120.0, names: list[str] | None = None) -> None:
+        """Wait until each worker has joined the registry and is consuming.
+
+        Raises:
+            FleetError: a worker exited, or ``timeout`` passed first.
+        """
+        wanted = set(names or self.workers)
+        client = registry.connect(self.redis_url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                live = registry.live_workers(client)
+                ready = {
+                    name for name in wanted
+                    if live.get(name, {}).get("ready")
+                    and live[name].get("pid") == self.workers[name].process.pid  # type: ignore[union-attr]
+                }
+                if ready == wanted:
+                    return
+                for name in wanted - ready:
+                    worker = self.workers[name]
+                    if not worker.alive:
+                        raise FleetError(
+                            f"worker {name} exited with code {worker.process.returncode if worker.process else None} "  # noqa: E501
+                            f"before joining the fleet; log {worker.log}: {_tail(worker.log)}"
+                        )
+                if time.monotonic() > deadline:
+                    raise FleetError(
+                        f"workers {', '.join(sorted(wanted - ready))} not ready after {timeout:g} s; "
+                        f"see their logs in {self.settings.state_dir / 'logs'}"
+                    )
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def app(self) -> Celery:
+        """A Celery app connected to this fleet, for producers in this process."""
+        return create_app(self.settings.model_copy(update={"redis_url": self.redis_url}))
+
+    def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
+        """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, until ``stop``."""
+        while not stop.wait(poll_s):
+            for worker in self.workers.values():
+                if self._stopping or worker.alive or worker.process is None:
+                    continue
+                code = worker.process.returncode
+                worker.restarts += 1
+                logger.warning("%s exited with code %s; restarting it (restart %d)",
+                               worker.name, code, worker.restarts)
+                self._spawn(worker)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "redis_url": redact_url(self.redis_url),
+            "embedded_redis": self.redis is not None,
+            "state_dir": str(self.settings.state_dir),
+            "workers": {
+                name: {"pid": w.process.pid if w.process else None, "cores": format_core_list(w.cores),
+                       "log": str(w.log), "restarts": w.restarts}
+                for name, w in self.workers.items()
+            },
+        }
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Warm-stop every worker (SIGTERM), kill those still running after ``timeout``, stop Redis."""
+        self._stopping = True
+        timeout = self.stop_timeout if timeout is None else timeout
+        running = [w for w in self.workers.values() if w.alive]
+        for worker in running:
+            worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        for worker in running:
+            assert worker.process is not None
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s still running after %g s; killing it", worker.name, timeout)
+                worker.process.kill()
+                worker.process.wait()
+        if self.redis is not None:
+            self.redis.stop()
+        info = read_fleet_file(self.settings.fleet_file)
+        if info is not None and info.get("pid") == os.getpid():
+            self.settings.fleet_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """Stop everything at once (a second Ctrl-C)."""
+        for worker in self.workers.values():
+            if worker.alive:
+                worker.process.kill()  # type: ignore[union-attr]
+        self.stop(timeout=5)
+
+    def __enter__(self) -> Fleet:
+        if not self.workers:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,64 @@
+"""``probe``: report what the worker sees, and optionally keep its device busy for a while."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..devices import usable_cores, visibility
+from ..job import JobContext, job
+
+
+class ProbeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Seconds to keep the device busy (0: report and return at once).
+    busy_s: float = Field(default=0.0, ge=0, le=86_400)
+    #: ``compute``: matrix products on the device; ``sleep``: idle wait (no compute).
+    mode: Literal["compute", "sleep"] = "compute"
+    #: Side of the square matrices multiplied while busy.
+    size: int = Field(default=256, ge=8, le=16_384)
+
+
+@job("probe", params=ProbeParams)
+def probe(ctx: JobContext, params: ProbeParams) -> dict[str, Any]:
+    """Report env, torch's view, host and pid; keep the device busy for ``busy_s`` seconds."""
+    started = time.time()
+    iterations = 0
+    if params.busy_s > 0:
+        deadline = time.perf_counter() + params.busy_s
+        if params.mode == "sleep":
+            time.sleep(params.busy_s)
+        else:
+            import torch
+
+            device = torch.device(ctx.torch_device)
+            a = torch.rand(params.size, params.size, device=device)
+            b = torch.rand(params.size, params.size, device=device)
+            while time.perf_counter() < deadline:
+                for _ in range(8):
+                    a = torch.tanh(a @ b)
+                iterations += 8
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": ctx.device,
+        "torch_device": ctx.torch_device,
+        "env": {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")},
+        "torch": visibility(),
+        "affinity": usable_cores(),
+        "python": platform.python_version(),
+        "argv0": os.path.basename(sys.argv[0]) if sys.argv else None,
+        "busy_s": params.busy_s,
+        "mode": params.mode,
+        "iterations": iterations,
+        "window": [started, time.time()],
+    }

@@ -1,0 +1,35 @@
+"""Queue names. Every device worker consumes three queues:
+
+- its kind's queue (``cpu`` or ``gpu``): work for any worker of that kind;
+- its own queue (``device.<name>``): work for exactly this device, which is how a fan-out
+  addresses each device once;
+- ``fleet``: bookkeeping every worker may do, such as a chord's collect step.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .devices import Device
+
+DEVICE_QUEUE_PREFIX = "device."
+
+
+class QueueName(str, Enum):
+    CPU = "cpu"
+    GPU = "gpu"
+    FLEET = "fleet"
+
+
+def device_queue(device: str) -> str:
+    """The queue only ``device``'s worker consumes."""
+    return f"{DEVICE_QUEUE_PREFIX}{device}"
+
+
+def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:
+    """Every queue the worker owning ``device`` consumes, in priority order."""
+    queues = [device_queue(device.name), device.kind.value, QueueName.FLEET.value]
+    for name in extra or []:
+        if name not in queues:
+            queues.append(name)
+    return queues

