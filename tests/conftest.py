@@ -1,0 +1,71 @@
+"""Fixtures: a real redis-server and real device workers, started by the launcher users use.
+
+The session fleet runs two CPU devices (cpu0, cpu1) on its own embedded Redis, in a temporary
+state dir, plus one worker per GPU where torch sees one. It allowlists ``tests.fleet_jobs`` next
+to the built-in jobs, so tests can make a job fail on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The tests must not pick up a developer's own fleet or settings.
+for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_")]:
+    del os.environ[_key]
+
+from tasks import Fleet, Settings  # noqa: E402
+from tasks.devices import count_gpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_JOB_MODULES = ["tasks.jobs", "tests.fleet_jobs"]
+
+
+def test_env() -> dict[str, str]:
+    """Environment for processes the tests start: they can import ``tests.fleet_jobs``."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+
+
+def make_settings(state_dir: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "state_dir": state_dir,
+        "job_modules": TEST_JOB_MODULES,
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_ttl_s": 3.0,
+    }
+    values.update(overrides)
+    return Settings.load(**values)
+
+
+@pytest.fixture(scope="session")
+def gpu_count() -> int:
+    return count_gpus()
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two CPU devices (and each visible GPU) on an embedded redis-server."""
+    settings = make_settings(tmp_path_factory.mktemp("fleet"))
+    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def app(fleet: Fleet):  # type: ignore[no-untyped-def]
+    return fleet.app()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any(item.get_closest_marker("gpu") for item in items) and count_gpus() == 0:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; torch sees none")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+__all__ = ["ROOT", "make_settings", "test_env", "sys"]
