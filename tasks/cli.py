@@ -266,38 +266,49 @@ def _print_status(live: dict[str, dict[str, Any]]) -> None:
     console.print(table)
 
 
-_SUMMARY_KEYS = ("accuracy", "loss", "samples_per_s", "data_wait_fraction", "checkpoint")
+_SUMMARY_KEYS = {"accuracy": "accuracy", "loss": "loss", "samples_per_s": "samples/s",
+                 "data_wait_fraction": "data wait"}
 
 
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return
+    outputs = [entry.get("output") or {} for entry in results.values()]
+    metrics = [key for key in _SUMMARY_KEYS if any(key in out for out in outputs)]
+    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
     table = Table(title="fan-out result")
-    for column in ("device", "status", "worker", "seconds", "sees", "output / error"):
-        table.add_column(column, overflow="fold")
+    for column in ("device", "status", "seconds", "CUDA_VISIBLE_DEVICES"):
+        table.add_column(column)
+    for key in metrics:
+        table.add_column(_SUMMARY_KEYS[key], justify="right")
+    if other:
+        table.add_column("output / error", overflow="fold")
+    files: list[str] = []
     for device, entry in results.items():
-        if entry["status"] == "ok":
-            output = entry.get("output") or {}
-            shown = {k: output[k] for k in _SUMMARY_KEYS if k in output} or {
-                k: v for k, v in list(output.items())[:4] if not isinstance(v, (dict, list))
-            }
-            detail = ", ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
-            status_text = "[green]ok[/]"
-        else:
-            detail = f"{entry['error']['type']}: {entry['error']['message']}"
-            status_text = "[red]error[/]"
+        output = entry.get("output") or {}
         vis = entry.get("visibility") or {}
-        table.add_row(
-            device, status_text, str(entry.get("worker")), _fmt(entry.get("duration_s")),
-            f"CUDA_VISIBLE_DEVICES={vis.get('cuda_visible_devices')}, {vis.get('device_name')}", detail,
-        )
+        ok = entry["status"] == "ok"
+        row = [device, "[green]ok[/]" if ok else "[red]error[/]", _fmt(entry.get("duration_s")),
+               str(vis.get("cuda_visible_devices"))]
+        row += [_fmt(output.get(key, "")) for key in metrics]
+        if other:
+            if ok:
+                row.append(", ".join(f"{k}={_fmt(v)}" for k, v in list(output.items())[:4]
+                                     if not isinstance(v, (dict, list)) and k not in metrics))
+            else:
+                row.append(f"{entry['error']['type']}: {entry['error']['message']}")
+        table.add_row(*row)
+        if output.get("checkpoint"):
+            files.append(f"{device}: {output['checkpoint']}")
     console.print(table)
+    for line in files:
+        console.print(f"checkpoint {line}", highlight=False, soft_wrap=True)
 
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
     return str(value)
 
 

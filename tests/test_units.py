@@ -1,0 +1,163 @@
+"""Unit tests of pure logic: settings, device names, core planning, worker configs, job specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks import ConfigError, JobSpec, Settings
+from tasks.devices import Device, DeviceKind, format_core_list, parse_core_list, plan_cores
+from tasks.errors import DeviceUnavailable, NoFleetError
+from tasks.fanout import select_devices
+from tasks.job import JobRegistry
+from tasks.queues import worker_queues
+from tasks.worker import device_from_nodename
+from tasks.worker_config import WorkerConfig, load_worker_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_settings_reject_a_non_redis_url_naming_it(monkeypatch):
+    monkeypatch.setenv("DEVICEFLEET_REDIS_URL", "http://example:6379")
+    with pytest.raises(ConfigError) as info:
+        Settings.load()
+    assert "DEVICEFLEET_REDIS_URL" in str(info.value) and "http://example:6379" in str(info.value)
+
+
+def test_settings_redact_passwords_in_errors(monkeypatch):
+    monkeypatch.setenv("DEVICEFLEET_REDIS_URL", "ftp://:s3cret@host")
+    with pytest.raises(ConfigError) as info:
+        Settings.load()
+    assert "s3cret" not in str(info.value)
+
+
+def test_settings_precedence_override_beats_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEVICEFLEET_STATE_DIR", "/from/env")
+    assert Settings.load().state_dir == Path("/from/env")
+    assert Settings.load(state_dir=tmp_path).state_dir == tmp_path
+
+
+def test_job_modules_from_a_comma_list(monkeypatch):
+    monkeypatch.setenv("DEVICEFLEET_JOB_MODULES", "tasks.jobs, my_pkg.jobs")
+    assert Settings.load().job_modules == ["tasks.jobs", "my_pkg.jobs"]
+    monkeypatch.setenv("DEVICEFLEET_JOB_MODULES", "tasks.jobs,not a module")
+    with pytest.raises(ConfigError, match="not a module"):
+        Settings.load()
+
+
+def test_no_fleet_error_says_how_to_start_one(tmp_path):
+    with pytest.raises(NoFleetError, match="devicefleet up"):
+        Settings.load(state_dir=tmp_path).resolve_redis_url()
+
+
+@pytest.mark.parametrize("name,kind,index,visible", [
+    ("cpu0", DeviceKind.CPU, 0, "-1"), ("cpu3", DeviceKind.CPU, 3, "-1"), ("gpu2", DeviceKind.GPU, 2, "2"),
+])
+def test_device_names(name, kind, index, visible):
+    device = Device.parse(name)
+    assert (device.kind, device.index, device.cuda_visible_devices, str(device)) == (kind, index, visible, name)
+
+
+@pytest.mark.parametrize("bad", ["gpu", "tpu0", "cpu-1", "GPU0", "cpu0 ", ""])
+def test_bad_device_names_are_refused_by_name(bad):
+    with pytest.raises(ConfigError) as info:
+        Device.parse(bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_worker_name_must_start_with_a_device():
+    assert device_from_nodename("gpu1@host").name == "gpu1"
+    with pytest.raises(ConfigError, match="celery@host"):
+        device_from_nodename("celery@host")
+
+
+def test_queues_of_a_worker():
+    assert worker_queues(Device.parse("gpu1"), ["extra"]) == ["device.gpu1", "gpu", "fleet", "extra"]
+
+
+def test_core_lists_round_trip():
+    assert parse_core_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+    assert format_core_list([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
+    for bad in ("", "a", "3-1", "-1"):
+        with pytest.raises(ConfigError):
+            parse_core_list(bad)
+
+
+def test_core_plan_two_cpu_workers_on_two_cores():
+    assert plan_cores([0, 1], 2, 0, 4) == {"cpu0": [0], "cpu1": [1]}
+
+
+def test_core_plan_gpu_loader_cores_and_cpu_share():
+    plan = plan_cores(list(range(16)), 1, 1, 4)
+    assert plan == {"gpu0": [0, 1, 2, 3], "cpu0": list(range(4, 16))}
+    plan = plan_cores(list(range(16)), 2, 4, 4)
+    assert [len(plan[f"gpu{i}"]) for i in range(4)] == [2, 2, 2, 2]
+    assert sorted(plan["cpu0"] + plan["cpu1"]) == list(range(8, 16))
+    used = [c for cores in plan.values() for c in cores]
+    assert len(used) == len(set(used)) == 16
+
+
+def test_core_plan_with_fewer_cores_than_workers_shares_round_robin():
+    assert plan_cores([0], 2, 1, 4) == {"gpu0": [0], "cpu0": [0], "cpu1": [0]}
+
+
+def test_repository_worker_configs_are_valid():
+    configs = ROOT / "worker_configs"
+    assert load_worker_config(configs, Device.parse("cpu0")).kind is DeviceKind.CPU
+    assert load_worker_config(configs, Device.parse("gpu3")).kind is DeviceKind.GPU
+
+
+def test_gpu_worker_config_refuses_prefork(tmp_path):
+    (tmp_path / "gpu.toml").write_text('kind = "gpu"\npool = "prefork"\n')
+    with pytest.raises(ConfigError) as info:
+        load_worker_config(tmp_path, Device.parse("gpu0"))
+    assert "gpu.toml" in str(info.value) and "prefork" in str(info.value)
+
+
+def test_worker_config_names_the_file_and_the_bad_value(tmp_path):
+    (tmp_path / "cpu.toml").write_text('kind = "cpu"\nconcurrency = 0\n')
+    with pytest.raises(ConfigError, match=r"cpu\.toml: concurrency=0"):
+        load_worker_config(tmp_path, Device.parse("cpu0"))
+    (tmp_path / "cpu1.toml").write_text('kind = "gpu"\n')
+    with pytest.raises(ConfigError, match="configures cpu1"):
+        load_worker_config(tmp_path, Device.parse("cpu1"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_worker_config(tmp_path, Device.parse("gpu0"))
+
+
+def test_worker_config_defaults():
+    config = WorkerConfig(kind=DeviceKind.CPU)
+    assert (config.pool.value, config.concurrency, config.cores) == ("threads", 1, "auto")
+
+
+def test_job_specs():
+    assert JobSpec.of("train", {"epochs": 2}) == JobSpec(name="train", kwargs={"epochs": 2})
+    assert JobSpec.of(("probe", {"busy_s": 1})).kwargs == {"busy_s": 1}
+    assert JobSpec.of({"name": "probe"}).name == "probe"
+    for bad in ("", "rm -rf /", ("probe", "notadict"), 42, {"name": "x", "extra": 1}):
+        with pytest.raises(ConfigError):
+            JobSpec.of(bad)  # type: ignore[arg-type]
+
+
+def test_select_devices():
+    live = {"cpu0": {"kind": "cpu"}, "cpu1": {"kind": "cpu"}, "gpu0": {"kind": "gpu"}}
+    assert select_devices("all", live) == ["cpu0", "cpu1", "gpu0"]
+    assert select_devices("gpu", live) == ["gpu0"]
+    assert select_devices("cpu1,gpu0", live) == ["cpu1", "gpu0"]
+    assert select_devices(["cpu", "cpu0"], live) == ["cpu0", "cpu1"]
+    with pytest.raises(DeviceUnavailable, match="gpu"):
+        select_devices("gpu", {"cpu0": {"kind": "cpu"}})
+    with pytest.raises(ConfigError):
+        select_devices("", live)
+
+
+def test_job_registry_only_knows_allowlisted_modules():
+    import tests.forbidden_jobs  # noqa: F401  (defined, but not allowed)
+
+    registry = JobRegistry(["tasks.jobs"])
+    assert registry.names == ["probe", "train"]
+    with pytest.raises(Exception, match="unknown job 'forbidden'"):
+        registry.get("forbidden")
+    with pytest.raises(ConfigError, match="no_such_module"):
+        JobRegistry(["no_such_module"])
