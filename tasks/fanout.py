@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import redis
 from celery import Celery, chord
@@ -56,9 +56,9 @@ class JobSpec(BaseModel):
             if isinstance(job, JobSpec):
                 spec = job if kwargs is None else job.model_copy(update={"kwargs": dict(kwargs)})
             elif isinstance(job, str):
-                spec = cls(name=job, kwargs=dict(kwargs or {}))
+                spec = cls.model_validate({"name": job, "kwargs": dict(kwargs or {})})
             elif isinstance(job, tuple) and len(job) == 2:
-                spec = cls(name=job[0], kwargs=job[1])
+                spec = cls.model_validate({"name": job[0], "kwargs": job[1]})
             elif isinstance(job, Mapping):
                 spec = cls.model_validate(dict(job))
             else:
@@ -71,7 +71,7 @@ class JobSpec(BaseModel):
         return spec
 
 
-JobLike = Union[str, JobSpec, tuple[str, Mapping[str, Any]], Mapping[str, Any]]
+JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -130,7 +130,7 @@ class FanOut:
         self.plan = plan
         self._result = result
         header = result.parent
-        self._headers: dict[str, AsyncResult] = dict(zip(plan, header.results if header else []))
+        self._headers: dict[str, AsyncResult] = dict(zip(plan, header.results, strict=True)) if header else {}
 
     @property
     def id(self) -> str:

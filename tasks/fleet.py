@@ -25,12 +25,11 @@ from celery import Celery
 
 from . import registry
 from .celery_app import create_app
-from .devices import DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
+from .devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from .errors import FleetError
 from .redis_server import EmbeddedRedis
 from .settings import Settings, read_fleet_file, redact_url
 from .worker_config import load_worker_config
-from .devices import Device
 
 logger = logging.getLogger(__name__)
 

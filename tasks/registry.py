@@ -34,12 +34,12 @@ def connect(url: str) -> redis.Redis:
 
 def live_workers(client: redis.Redis) -> dict[str, dict[str, Any]]:
     """``{device: record}`` of every worker whose heartbeat has not expired."""
-    devices = sorted(client.smembers(INDEX_KEY))  # type: ignore[arg-type]
+    devices = sorted(str(d) for d in client.smembers(INDEX_KEY))  # type: ignore[union-attr]
     if not devices:
         return {}
     records = client.mget([worker_key(device) for device in devices])
     live: dict[str, dict[str, Any]] = {}
-    for device, raw in zip(devices, records):
+    for device, raw in zip(devices, records, strict=True):
         if raw is None:
             continue
         try:
