@@ -86,17 +86,17 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
     signal.signal(signal.SIGTERM, on_signal)
     try:
         fleet.start()
-    except DeviceFleetError as exc:
-        _fail(exc)
-    info = fleet.describe()
-    console.print(f"[bold green]fleet up[/]: redis {info['redis_url']}, state {info['state_dir']}")
-    _print_status(_live(fleet.redis_url))
-    console.print("`devicefleet run probe` or `devicefleet status` in another terminal; Ctrl-C to stop.")
-    try:
+        info = fleet.describe()
+        console.print(f"[bold green]fleet up[/]: redis {info['redis_url']}, state {info['state_dir']}")
+        _print_status(_live(fleet.redis_url))
+        console.print("`devicefleet run probe` or `devicefleet status` in another terminal; Ctrl-C to stop.")
         fleet.supervise(stop)
         fleet.stop()
     except _ForceStop:
         fleet.kill()
+    except DeviceFleetError as exc:
+        fleet.stop()
+        _fail(exc)
     console.print("fleet stopped")
 
 

@@ -161,3 +161,13 @@ def test_job_registry_only_knows_allowlisted_modules():
         registry.get("forbidden")
     with pytest.raises(ConfigError, match="no_such_module"):
         JobRegistry(["no_such_module"])
+
+
+def test_importing_the_package_does_not_import_torch():
+    # A worker must set CUDA_VISIBLE_DEVICES before torch loads; `import tasks` must not load it.
+    import subprocess
+    import sys
+
+    code = "import sys, tasks, tasks.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
