@@ -110,7 +110,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
 @click.option("--loglevel", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="Override the config's log level.")
 def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | None) -> None:
     """Run the worker that owns device NAME (cpu0, gpu1...) in the foreground."""
-    from .devices import Device, apply_visibility
+    from .devices import apply_visibility
     from .worker_config import load_worker_config
 
     # Options become environment so Celery's signal handlers read the same settings.
@@ -119,7 +119,7 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
             os.environ[key] = value
     settings = _settings()
     try:
-        device = Device.parse(name)
+        device = settings.device(name)
         config = load_worker_config(settings.worker_configs_path, device)
         settings.resolve_redis_url()
         apply_visibility(device)  # before anything imports torch
@@ -131,7 +131,8 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
 
     argv = [
         "worker",
-        "--hostname", f"{device.name}@{host_name()}",
+        # Multi-host names (cpu0@hosta) are already the node name.
+        "--hostname", device.name if device.host else f"{device.name}@{host_name()}",
         "--pool", config.pool.value,
         "--concurrency", str(config.concurrency),
         "--queues", ",".join(worker_queues(device, config.extra_queues)),
@@ -229,6 +230,46 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
     _print_results(results, as_json)
     say(f"demo done in {time.perf_counter() - started:.1f} s")
     raise SystemExit(0 if all(e["status"] == "ok" for e in results.values()) else 1)
+
+
+# -- deploy ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"), show_default=True,
+              help="Write the files under this folder (for review) instead of the system.")
+@click.option("--gpus", type=click.IntRange(0, 64), help="GPU workers to render (default: one per GPU torch sees).")
+@click.option("--cpu-workers", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--join", "join_url", metavar="URL", help="Join another host's Redis (rediss://...) instead of running one.")
+@click.option("--serve", "serve_address", metavar="ADDRESS", help="Run Redis for other hosts too, with TLS on ADDRESS.")
+@click.option("--device-names", type=click.Choice(["short", "host"]), help="Default: host with --join/--serve, else short.")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path("/var/lib/devicefleet"), show_default=True)
+@click.option("--stop-margin", type=click.IntRange(0, 86_400), default=60, show_default=True,
+              help="Seconds of stop timeout beyond each worker's max_job_seconds.")
+@click.option("--bin", "devicefleet_bin", type=click.Path(dir_okay=False, path_type=Path),
+              help="The devicefleet executable the units run (default: this one).")
+def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None, serve_address: str | None,
+           device_names: str | None, state_dir: Path, stop_margin: int, devicefleet_bin: Path | None) -> None:
+    """Render systemd units and configs for this host's devices; print the commands to enable them."""
+    from .deploy import plan_host, render
+    from .devices import DeviceNames
+
+    try:
+        plan = plan_host(
+            gpus=gpus, cpu_workers=cpu_workers, join_url=join_url, serve_address=serve_address,
+            device_names=DeviceNames(device_names) if device_names else None, root=root,
+            devicefleet_bin=devicefleet_bin, state_dir=state_dir, stop_margin_s=stop_margin,
+        )
+        done = render(plan, root)
+    except DeviceFleetError as exc:
+        _fail(exc, 2)
+    for path in done.files:
+        console.print(f"wrote {root / path.relative_to(path.anchor)}", highlight=False)
+    for path in done.kept:
+        console.print(f"kept  {root / path.relative_to(path.anchor)} (already there)", highlight=False)
+    console.print(f"workers: {', '.join(plan.devices)}; then, as root:", highlight=False)
+    for line in done.commands:
+        click.echo(f"  {line}")
 
 
 # -- output ------------------------------------------------------------------------------------

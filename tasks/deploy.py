@@ -1,0 +1,395 @@
+"""Render the systemd units and config files of one host from the templates in ``deploy/``.
+
+``devicefleet deploy`` calls :func:`plan_host` then :func:`render`. The templates are real,
+commented files in ``deploy/`` that an operator can read; ``{{ name }}`` placeholders are the
+only thing filled in. A host gets:
+
+- ``devicefleet-worker@.service`` (the worker of one device per instance) and, per instance,
+  drop-ins with its stop timeout (and, for a GPU, access to the NVIDIA devices);
+- ``devicefleet-flower.service`` and ``devicefleet.target`` (wants every unit of this host);
+- ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640);
+- a copy of ``worker_configs/`` (the units read this copy; edits there are kept);
+- for the host that runs Redis: a snippet for Debian's ``redis-server`` (bind, password,
+  append-only, and TLS when other hosts join).
+
+Paths in the plan are where files live on the target system; :func:`render` writes them under
+``root`` (``/`` on the host itself, a review folder otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+from .devices import Device, DeviceKind, DeviceNames
+from .errors import ConfigError
+from .settings import check_redis_auth
+from .worker_config import config_file, load_worker_config
+
+logger = logging.getLogger(__name__)
+
+WORKER_UNIT = "devicefleet-worker@.service"
+FLOWER_UNIT = "devicefleet-flower.service"
+TARGET_UNIT = "devicefleet.target"
+REDIS_UNIT = "redis-server.service"
+#: Seconds a stop may take beyond the longest job: Celery's shutdown and storing the result.
+DEFAULT_STOP_MARGIN_S = 60
+DEFAULT_REDIS_PORT = 6379
+DEFAULT_REDIS_TLS_PORT = 6380
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
+# Characters an EnvironmentFile value or a unit line cannot carry as is ($ expands there).
+_UNSAFE = re.compile(r"[\s\"'\\$`%]")
+
+
+def templates_dir() -> Path:
+    """The ``deploy/`` folder: next to the package in a checkout, inside it in a wheel.
+
+    Raises:
+        ConfigError: neither is there.
+    """
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "deploy", package / "_deploy"):
+        if (candidate / WORKER_UNIT).is_file():
+            return candidate
+    raise ConfigError(f"no deploy/ templates found next to {package}")
+
+
+def fill(text: str, values: dict[str, object]) -> str:
+    """Replace every ``{{ name }}`` in ``text``.
+
+    Raises:
+        ConfigError: a placeholder has no value (a template and this module disagree).
+    """
+
+    def one(match: re.Match[str]) -> str:
+        name = match[1]
+        if name not in values:
+            raise ConfigError(f"deploy template placeholder {{{{ {name} }}}} has no value")
+        return str(values[name])
+
+    return _PLACEHOLDER.sub(one, text)
+
+
+def _check_safe(name: str, value: str) -> str:
+    if _UNSAFE.search(value):
+        raise ConfigError(
+            f"{name}={value!r} contains a space, quote, backslash, $, ` or %, which systemd "
+            "would expand or split; percent-encode it in the URL or choose another value"
+        )
+    return value
+
+
+@dataclass
+class HostPlan:
+    """What to render for one host. Paths are those on the target system."""
+
+    devicefleet_bin: Path
+    celery_bin: Path
+    worker_configs_src: Path
+    cpu_workers: int = 1
+    gpus: int = 0
+    user: str = "devicefleet"
+    config_dir: Path = Path("/etc/devicefleet")
+    unit_dir: Path = Path("/etc/systemd/system")
+    redis_conf_dir: Path = Path("/etc/redis")
+    state_dir: Path = Path("/var/lib/devicefleet")
+    artifacts_dir: Path | None = None
+    #: Join this Redis (another host's). None: this host runs Redis (Debian's redis-server).
+    join_url: str | None = None
+    #: Address other hosts reach this host's Redis on (TLS); None: loopback only.
+    serve_address: str | None = None
+    redis_port: int = DEFAULT_REDIS_PORT
+    redis_tls_port: int = DEFAULT_REDIS_TLS_PORT
+    redis_password: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    device_names: DeviceNames = DeviceNames.SHORT
+    device_host: str = field(default_factory=socket.gethostname)
+    stop_margin_s: int = DEFAULT_STOP_MARGIN_S
+    flower_address: str = "127.0.0.1"
+    flower_port: int = 5555
+    flower_auth: str = field(default_factory=lambda: f"admin:{secrets.token_urlsafe(18)}")
+
+    @property
+    def devices(self) -> list[str]:
+        """The worker instances of this host: ``cpu0..``, then ``gpu0..``."""
+        return [f"cpu{i}" for i in range(self.cpu_workers)] + [f"gpu{i}" for i in range(self.gpus)]
+
+    @property
+    def runs_redis(self) -> bool:
+        return self.join_url is None
+
+    @property
+    def artifacts(self) -> Path:
+        return self.artifacts_dir or self.state_dir / "artifacts"
+
+    @property
+    def redis_url(self) -> str:
+        """The URL every unit of this host uses."""
+        if self.join_url is not None:
+            return self.join_url
+        password = quote(self.redis_password, safe="")
+        if self.serve_address is None:
+            return f"redis://:{password}@127.0.0.1:{self.redis_port}/0"
+        ca = quote(str(self.config_dir / "tls" / "ca.crt"), safe="")
+        return (f"rediss://:{password}@{self.serve_address}:{self.redis_tls_port}/0"
+                f"?ssl_cert_reqs=required&ssl_ca_certs={ca}")
+
+
+@dataclass
+class Rendered:
+    """The outcome of :func:`render`: files written (target paths) and commands to run."""
+
+    files: list[Path]
+    kept: list[Path]
+    commands: list[str]
+    units: list[str]
+
+
+def plan_host(
+    *,
+    gpus: int | None = None,
+    cpu_workers: int = 1,
+    join_url: str | None = None,
+    serve_address: str | None = None,
+    device_names: DeviceNames | None = None,
+    root: Path = Path("/"),
+    worker_configs_src: Path | None = None,
+    devicefleet_bin: Path | None = None,
+    **paths: object,
+) -> HostPlan:
+    """A :class:`HostPlan` for this host: one CPU worker and one worker per GPU by default.
+
+    An existing rendering under ``root`` keeps its Redis password and Flower login, so that
+    rendering again never locks out the workers of other hosts.
+
+    Raises:
+        ConfigError: incompatible options, or a URL without a password to another host.
+    """
+    if join_url is not None and serve_address is not None:
+        raise ConfigError("--join and --serve exclude each other: a host either runs Redis or joins one")
+    if join_url is not None:
+        try:
+            check_redis_auth(join_url)
+        except ValueError as exc:
+            raise ConfigError(f"--join {join_url!r}: {exc}") from None
+    if gpus is None:
+        from .devices import count_gpus
+
+        gpus = count_gpus()
+    binary = devicefleet_bin or _find_bin("devicefleet")
+    plan = HostPlan(
+        devicefleet_bin=binary,
+        celery_bin=binary.parent / "celery",
+        worker_configs_src=worker_configs_src or _default_worker_configs(),
+        cpu_workers=cpu_workers,
+        gpus=gpus,
+        join_url=join_url,
+        serve_address=serve_address,
+        **paths,  # type: ignore[arg-type]
+    )
+    multi_host = join_url is not None or serve_address is not None
+    plan.device_names = device_names or (DeviceNames.HOST if multi_host else DeviceNames.SHORT)
+    _reuse_secrets(plan, root)
+    return plan
+
+
+def _find_bin(name: str) -> Path:
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return beside
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise ConfigError(f"no {name} executable next to {sys.executable} or on PATH; pass --bin")
+
+
+def _default_worker_configs() -> Path:
+    from .settings import Settings
+
+    return Settings.load().worker_configs_path
+
+
+def _under(root: Path, path: Path) -> Path:
+    return root / path.relative_to(path.anchor) if path.is_absolute() else root / path
+
+
+def _reuse_secrets(plan: HostPlan, root: Path) -> None:
+    conf = _under(root, plan.redis_conf_dir / "devicefleet.conf")
+    if plan.runs_redis and conf.is_file():
+        for line in conf.read_text().splitlines():
+            if line.startswith("requirepass "):
+                plan.redis_password = line.split(None, 1)[1].strip()
+    flower = _under(root, plan.config_dir / "flower.env")
+    if flower.is_file():
+        match = re.search(r'^FLOWER_BASIC_AUTH="([^"]+)"', flower.read_text(), re.MULTILINE)
+        if match:
+            plan.flower_auth = match[1]
+
+
+def stop_timeout(configs_dir: Path, device: Device, margin_s: int) -> tuple[int, Path, int]:
+    """``(TimeoutStopSec, config file, max_job_seconds)`` of ``device``'s worker."""
+    config = load_worker_config(configs_dir, device)
+    return config.max_job_seconds + margin_s, config_file(configs_dir, device), config.max_job_seconds
+
+
+def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
+    """Write every file of ``plan`` under ``root``; return them and the commands to run.
+
+    Raises:
+        ConfigError: a worker config is invalid, or a value cannot go into a unit file.
+    """
+    src = templates_dir()
+    written: list[Path] = []
+    kept: list[Path] = []
+
+    def write(target: Path, text: str, mode: int = 0o644) -> None:
+        path = _under(root, target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=mode, exist_ok=True)
+        path.chmod(mode)  # before the content: a secret is never world-readable
+        path.write_text(text)
+        written.append(target)
+
+    # Worker configs first: the units' timeouts come from the copy the units will read.
+    configs = plan.config_dir / "worker_configs"
+    for source in sorted(plan.worker_configs_src.glob("*.toml")):
+        target = configs / source.name
+        if _under(root, target).exists():
+            kept.append(target)
+        else:
+            write(target, source.read_text())
+    configs_here = _under(root, configs)
+    for device in plan.devices:  # validate every file now, not in a worker's journal
+        load_worker_config(configs_here, Device.parse(device))
+
+    after = REDIS_UNIT if plan.runs_redis else ""
+    workers = [f"devicefleet-worker@{d}.service" for d in plan.devices]
+    wanted = ([REDIS_UNIT] if plan.runs_redis else []) + workers + [FLOWER_UNIT]
+    margin = plan.stop_margin_s
+    timeouts = {d: stop_timeout(configs_here, Device.parse(d), margin) for d in plan.devices}
+    values: dict[str, object] = {
+        "after_units": after,
+        "user": _check_safe("user", plan.user),
+        "config_dir": _check_safe("config dir", str(plan.config_dir)),
+        "state_dir": _check_safe("state dir", str(plan.state_dir)),
+        "artifacts_dir": _check_safe("artifacts dir", str(plan.artifacts)),
+        "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
+        "celery_bin": _check_safe("celery binary", str(plan.celery_bin)),
+        "timeout_stop_s": max([t for t, _, _ in timeouts.values()], default=3600 + margin),
+        "flower_address": plan.flower_address,
+        "flower_port": plan.flower_port,
+        "flower_auth": _check_safe("Flower login", plan.flower_auth),
+        "worker_list": ", ".join(plan.devices) or "none",
+        "wanted_units": " ".join(wanted),
+        "redis_url": _check_url(plan.redis_url),
+        "cpu_workers": plan.cpu_workers,
+        "gpus": plan.gpus,
+        "device_names": plan.device_names.value,
+        "device_host": _check_safe("device host", plan.device_host),
+    }
+
+    def template(name: str, extra: dict[str, object] | None = None) -> str:
+        return fill((src / name).read_text(), values | (extra or {}))
+
+    units = plan.unit_dir
+    write(units / WORKER_UNIT, template(WORKER_UNIT))
+    for device in plan.devices:
+        timeout, cfg, max_job = timeouts[device]
+        dropins = units / f"devicefleet-worker@{device}.service.d"
+        write(dropins / "10-stop-timeout.conf", template("worker-stop-timeout.conf", {
+            "device": device, "timeout_stop_s": timeout, "margin_s": margin,
+            "max_job_seconds": max_job, "config_file": plan.config_dir / "worker_configs" / cfg.name,
+        }))
+        parsed = Device.parse(device)
+        if parsed.kind is DeviceKind.GPU:
+            write(dropins / "20-gpu.conf", template("worker-gpu.conf", {
+                "device": device, "gpu_index": parsed.index,
+            }))
+    write(units / FLOWER_UNIT, template(FLOWER_UNIT))
+    write(units / TARGET_UNIT, template(TARGET_UNIT))
+    write(plan.config_dir / "devicefleet.env", template("devicefleet.env"), 0o640)
+    write(plan.config_dir / "flower.env", template("flower.env"), 0o640)
+    if plan.runs_redis:
+        redis_values = {
+            "redis_bind": "127.0.0.1 -::1" if plan.serve_address is None
+            else f"127.0.0.1 -::1 {plan.serve_address}",
+            "redis_port": plan.redis_port if plan.serve_address is None else 0,
+            "redis_password": plan.redis_password,
+            "redis_tls_port": plan.redis_tls_port,
+            "redis_tls_host": plan.serve_address,
+        }
+        text = template("redis-devicefleet.conf", redis_values)
+        if plan.serve_address is not None:
+            text += template("redis-devicefleet-tls.conf", redis_values)
+        write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
+    return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT])
+
+
+def _check_url(url: str) -> str:
+    # %XX escapes are fine in an EnvironmentFile value; $, quotes and spaces are not.
+    if re.search(r"[\s\"'\\$`]", url):
+        raise ConfigError(
+            "the Redis URL contains a space, quote, backslash, $ or `, which systemd would "
+            "expand or split; percent-encode the password"
+        )
+    return url
+
+
+def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
+    """The shell commands, as root, that finish the installation on the host."""
+    user = plan.user
+    out: list[str] = []
+    if root != Path("/"):
+        out.append(f"cp -a --no-preserve=ownership {root}/. /   # install the reviewed files")
+    out += [
+        f"id -u {user} >/dev/null 2>&1 || useradd --system --home-dir {plan.state_dir} "
+        f"--shell /usr/sbin/nologin {user}",
+        f"install -d -m 0750 -o {user} -g {user} {plan.state_dir} {plan.artifacts}",
+        f"chown root:{user} {plan.config_dir}/devicefleet.env {plan.config_dir}/flower.env",
+    ]
+    if plan.runs_redis:
+        conf = plan.redis_conf_dir / "devicefleet.conf"
+        include = f"include {conf}"
+        out += [
+            "apt-get install -y redis-server",
+            f"chown root:redis {conf}",
+            f"grep -qxF '{include}' /etc/redis/redis.conf || echo '{include}' >> /etc/redis/redis.conf",
+        ]
+        if plan.serve_address is not None:
+            out.append(
+                f"ls /etc/redis/tls/redis.crt /etc/redis/tls/redis.key /etc/redis/tls/ca.crt "
+                f"{plan.config_dir}/tls/ca.crt   # TLS files: see the README"
+            )
+        out.append("systemctl restart redis-server")
+    elif plan.join_url and "ssl_ca_certs=" in plan.join_url:
+        out.append(f"ls {plan.config_dir}/tls/ca.crt   # the fleet's CA certificate, from the Redis host")
+    out += ["systemctl daemon-reload", f"systemctl enable --now {TARGET_UNIT}"]
+    out.append(f"(set -a; . {plan.config_dir}/devicefleet.env; {plan.devicefleet_bin} status)"
+               "   # the fleet, as the workers see it")
+    return out
+
+
+def read_env_value(text: str, name: str) -> str | None:
+    """The value of ``name`` in an EnvironmentFile we rendered (double-quoted, no escapes)."""
+    match = re.search(rf'^{re.escape(name)}="([^"]*)"', text, re.MULTILINE)
+    return match[1] if match else None
+
+
+__all__ = [
+    "HostPlan",
+    "Rendered",
+    "commands",
+    "fill",
+    "plan_host",
+    "read_env_value",
+    "render",
+    "stop_timeout",
+    "templates_dir",
+]

@@ -1,0 +1,103 @@
+"""How a device worker stops: warm on the first SIGTERM, at once on a second one or SIGQUIT.
+
+- First ``SIGTERM`` (``systemctl stop``, the launcher's stop): Celery's warm shutdown. The
+  worker takes no new job, finishes the running one, stores its result, and exits 0.
+- A second ``SIGTERM``, or ``SIGQUIT``: stop now. Celery alone cannot do that with the
+  ``threads`` pool (a running thread cannot be cancelled, and its cold shutdown waits for it),
+  and by default ignores a second SIGTERM. So this module puts every job the worker holds
+  back at the head of its queue (they are acknowledged late, so Redis still has them), then
+  exits the process with status 1. The device's next worker, such as the one systemd's
+  ``Restart=on-failure`` starts, runs those jobs again from the start.
+
+A ``SIGKILL`` (systemd's last resort after ``TimeoutStopSec``) leaves the message unacknowledged
+in Redis, where the broker's visibility timeout brings it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any, Callable
+
+from celery.signals import worker_ready
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the forced stop waits for Redis while it puts the running jobs back.
+REQUEUE_TIMEOUT_S = 5.0
+#: Exit status of a forced stop: a failure, so ``Restart=on-failure`` starts the worker again.
+FORCED_EXIT_STATUS = 1
+
+Handler = Callable[[int, FrameType | None], Any]
+
+
+def requeue_active() -> list[str]:
+    """Put every job this worker runs but has not acknowledged back on its queue.
+
+    Returns:
+        The ids of the tasks put back.
+    """
+    from celery.worker import state
+
+    done: list[str] = []
+    for request in list(state.active_requests):
+        if request.acknowledged:
+            continue
+        try:
+            # The message itself: Request.reject would log and swallow a broker error.
+            request.message.reject(requeue=True)
+            done.append(str(request.id))
+        except Exception as exc:  # the broker is gone: the visibility timeout still returns it
+            logger.warning("could not requeue task %s: %s", request.id, exc)
+    return done
+
+
+def force_stop(signum: int) -> None:
+    """Requeue the running jobs (bounded by :data:`REQUEUE_TIMEOUT_S`) and exit at once."""
+    name = signal.Signals(signum).name
+    requeued: list[str] = []
+    # Redis I/O from a thread, never from the signal handler's frame: the interrupted main
+    # thread may hold a connection-pool lock.
+    worker = threading.Thread(target=lambda: requeued.extend(requeue_active()), daemon=True)
+    worker.start()
+    worker.join(REQUEUE_TIMEOUT_S)
+    logger.warning(
+        "%s: stopping at once; requeued %d running job(s): %s", name, len(requeued),
+        ", ".join(requeued) or "none",
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    # os._exit: interpreter shutdown would wait for the job's (non-daemon) pool thread.
+    os._exit(FORCED_EXIT_STATUS)
+
+
+def install() -> None:
+    """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler."""
+    celery_term = signal.getsignal(signal.SIGTERM)
+    seen = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        if seen.is_set():
+            force_stop(signum)
+        seen.set()
+        logger.warning("SIGTERM: warm shutdown, finishing the running job (again to stop at once)")
+        if callable(celery_term):
+            celery_term(signum, frame)
+
+    def on_quit(signum: int, frame: FrameType | None) -> None:
+        force_stop(signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGQUIT, on_quit)
+
+
+@worker_ready.connect
+def _on_ready(sender: Any = None, **_: Any) -> None:
+    # After Celery installed its own handlers, in the worker's main thread.
+    from .worker import _current
+
+    if _current is not None and threading.current_thread() is threading.main_thread():
+        install()

@@ -1,0 +1,372 @@
+"""systemd deployment: rendered units, verified by systemd, run as systemd would run them.
+
+This machine does not run systemd as PID 1, so each unit's command is started by the tests
+with the argv and environment that systemd would give it (``tests/systemd_units.py``), against
+a real redis-server configured by the rendered Redis snippet.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tasks import registry
+from tasks.celery_app import create_app
+from tasks.deploy import HostPlan, plan_host, read_env_value, render
+from tasks.devices import DeviceNames, count_gpus
+from tasks.fanout import fan_out
+from tasks.redis_server import find_redis_server, free_port
+from tasks.settings import Settings
+
+from .conftest import ROOT, test_env
+from .systemd_units import load_unit, parse_env_file, service_exec, unit_files
+
+pytestmark = pytest.mark.timeout(180)
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+def _plan(tmp: Path, **overrides: object) -> HostPlan:
+    """A plan whose target paths are real folders under ``tmp``, so its units can run here."""
+    values: dict[str, object] = {
+        "gpus": 0,
+        "worker_configs_src": ROOT / "worker_configs",
+        "devicefleet_bin": Path(sys.executable).parent / "devicefleet",
+        "config_dir": tmp / "etc" / "devicefleet",
+        "unit_dir": tmp / "etc" / "systemd" / "system",
+        "redis_conf_dir": tmp / "etc" / "redis",
+        "state_dir": tmp / "state",
+        "root": Path("/"),
+    }
+    values.update(overrides)
+    return plan_host(**values)  # type: ignore[arg-type]
+
+
+def _instances(unit_dir: Path) -> set[str]:
+    return {p.name.removeprefix("devicefleet-worker@").removesuffix(".service.d")
+            for p in unit_dir.glob("devicefleet-worker@*.service.d")}
+
+
+def _wait(condition, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- rendering -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 4])
+def test_render_gives_one_instance_per_device(tmp_path: Path, gpus: int) -> None:
+    plan = _plan(tmp_path, gpus=gpus)
+    done = render(plan)
+    unit_dir = plan.unit_dir
+    expected = {"cpu0"} | {f"gpu{i}" for i in range(gpus)}
+    assert _instances(unit_dir) == expected
+    assert set(plan.devices) == expected
+    gpu_dropins = {p.parent.name for p in unit_dir.glob("*/20-gpu.conf")}
+    assert gpu_dropins == {f"devicefleet-worker@gpu{i}.service.d" for i in range(gpus)}
+    target = load_unit(unit_dir, "devicefleet.target")
+    wanted = set(" ".join(target["Unit.Wants"]).split())
+    assert wanted == {"redis-server.service", "devicefleet-flower.service"} | {
+        f"devicefleet-worker@{d}.service" for d in expected
+    }
+    assert done.units[0] == "devicefleet.target"
+    env = parse_env_file((plan.config_dir / "devicefleet.env").read_text())
+    assert env["DEVICEFLEET_GPUS"] == str(gpus) and env["DEVICEFLEET_CPU_WORKERS"] == "1"
+    assert env["DEVICEFLEET_DEVICE_NAMES"] == "short"
+
+
+def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
+    (tmp_path / "configs").mkdir()
+    for name in ("cpu.toml", "gpu.toml"):
+        shutil.copy(ROOT / "worker_configs" / name, tmp_path / "configs" / name)
+    # One worker's own file: a longer job, hence a longer stop timeout for it only.
+    text = (ROOT / "worker_configs" / "gpu.toml").read_text()
+    (tmp_path / "configs" / "gpu1.toml").write_text(text.replace("max_job_seconds = 3600", "max_job_seconds = 7200"))
+    plan = _plan(tmp_path, gpus=2, worker_configs_src=tmp_path / "configs", stop_margin_s=90)
+    render(plan)
+    cpu = load_unit(plan.unit_dir, "devicefleet-worker@cpu0.service")
+    gpu1 = load_unit(plan.unit_dir, "devicefleet-worker@gpu1.service")
+    assert cpu["Service.KillSignal"] == ["SIGTERM"] and cpu["Service.KillMode"] == ["mixed"]
+    assert cpu["Service.Restart"] == ["on-failure"]
+    assert cpu["Service.TimeoutStopSec"][-1] == str(3600 + 90)
+    assert gpu1["Service.TimeoutStopSec"][-1] == str(7200 + 90)
+    assert cpu["Service.User"] == ["devicefleet"]
+    for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
+                       ("ProtectHome", "yes"), ("PrivateTmp", "yes")]:
+        assert cpu[f"Service.{key}"] == [value]
+    assert cpu["Service.ReadWritePaths"] == [f"{plan.state_dir} {plan.state_dir / 'artifacts'}"]
+    # The binary itself, no shell.
+    argv = cpu["Service.ExecStart"][0].split()
+    assert argv == [str(plan.devicefleet_bin), "worker", "%i"]
+    # GPU access for GPU units only.
+    assert cpu["Service.PrivateDevices"] == ["yes"] and "Service.DeviceAllow" not in cpu
+    assert gpu1["Service.PrivateDevices"][-1] == "no"
+    assert gpu1["Service.DevicePolicy"] == ["closed"]
+    assert "char-nvidia-frontend rw" in gpu1["Service.DeviceAllow"]
+    assert "20-gpu.conf" not in {p.name for p in unit_files(plan.unit_dir, "devicefleet-worker@cpu0.service")}
+    # Secrets are not world-readable.
+    for name in ("devicefleet.env", "flower.env"):
+        assert stat.S_IMODE((plan.config_dir / name).stat().st_mode) == 0o640
+    assert stat.S_IMODE((plan.redis_conf_dir / "devicefleet.conf").stat().st_mode) == 0o640
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (apt-get install systemd)")
+@pytest.mark.parametrize("mode", ["local", "serve", "join"])
+def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) -> None:
+    extra: dict[str, object] = {"gpus": 2}
+    if mode == "serve":
+        extra["serve_address"] = "10.0.0.1"
+    if mode == "join":
+        extra["join_url"] = "rediss://:pw@10.0.0.1:6380/0?ssl_cert_reqs=required"
+    plan = _plan(tmp_path, **extra)
+    render(plan)
+    units = ["devicefleet.target", "devicefleet-flower.service"] + [
+        f"devicefleet-worker@{d}.service" for d in plan.devices
+    ]
+    for unit in units:
+        result = subprocess.run(
+            [str(SYSTEMD_ANALYZE), "verify", "--man=no", str(plan.unit_dir / unit)],
+            capture_output=True, text=True, timeout=60, cwd=plan.unit_dir,
+        )
+        output = (result.stdout + result.stderr).strip()
+        # verify exits 0 even on unknown keys or bad values: any message is a failure here.
+        assert result.returncode == 0 and output == "", f"{unit}: {output}"
+
+
+def test_verify_would_catch_a_bad_unit(tmp_path: Path) -> None:
+    """The check above can fail: a typo in a rendered drop-in makes systemd-analyze complain."""
+    if SYSTEMD_ANALYZE is None:
+        pytest.skip("systemd-analyze not installed")
+    plan = _plan(tmp_path, gpus=1)
+    render(plan)
+    dropin = plan.unit_dir / "devicefleet-worker@gpu0.service.d" / "20-gpu.conf"
+    dropin.write_text(dropin.read_text() + "DeviceAlow=/dev/nvidia0 rw\n")
+    result = subprocess.run([str(SYSTEMD_ANALYZE), "verify", "--man=no",
+                             str(plan.unit_dir / "devicefleet-worker@gpu0.service")],
+                            capture_output=True, text=True, timeout=60)
+    assert "DeviceAlow" in result.stderr
+
+
+def test_cli_root_renders_for_review_and_prints_commands(tmp_path: Path) -> None:
+    root = tmp_path / "review"
+    cmd = [sys.executable, "-m", "tasks", "deploy", "--root", str(root), "--gpus", "1"]
+    env = {**os.environ, **test_env()}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 0, first.stderr
+    system = root / "etc" / "systemd" / "system"
+    for name in ("devicefleet-worker@.service", "devicefleet-flower.service", "devicefleet.target",
+                 "devicefleet-worker@gpu0.service.d/20-gpu.conf"):
+        assert (system / name).is_file(), name
+    assert sorted(p.name for p in (root / "etc/devicefleet/worker_configs").iterdir()) == ["cpu.toml", "gpu.toml"]
+    env_text = (root / "etc/devicefleet/devicefleet.env").read_text()
+    # The units reference the system's paths, not the review folder's.
+    assert read_env_value(env_text, "DEVICEFLEET_WORKER_CONFIGS_DIR") == "/etc/devicefleet/worker_configs"
+    assert "systemctl enable --now devicefleet.target" in first.stdout
+    assert "systemctl daemon-reload" in first.stdout
+    # Rendering again keeps the Redis password and the operator's edits to worker configs.
+    url = read_env_value(env_text, "DEVICEFLEET_REDIS_URL")
+    edited = root / "etc/devicefleet/worker_configs/cpu.toml"
+    edited.write_text(edited.read_text().replace("max_job_seconds = 3600", "max_job_seconds = 100"))
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert second.returncode == 0, second.stderr
+    assert read_env_value((root / "etc/devicefleet/devicefleet.env").read_text(), "DEVICEFLEET_REDIS_URL") == url
+    assert "max_job_seconds = 100" in edited.read_text()
+    timeout = (system / "devicefleet-worker@cpu0.service.d/10-stop-timeout.conf").read_text()
+    assert "TimeoutStopSec=160" in timeout
+
+
+def test_deploy_refuses_to_join_a_remote_redis_without_password(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tasks", "deploy", "--root", str(tmp_path), "--gpus", "0",
+         "--join", "redis://10.1.2.3:6379/0"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **test_env()},
+    )
+    assert result.returncode == 2
+    assert "10.1.2.3" in result.stderr and "no password" in result.stderr
+    assert not (tmp_path / "etc").exists()
+
+
+# -- running the units' commands -------------------------------------------------------------------
+
+
+@pytest.fixture
+def rendered_host(tmp_path: Path) -> Iterator[HostPlan]:
+    """A host rendered with one CPU and one GPU worker, and Redis run from the rendered snippet."""
+    plan = _plan(tmp_path, gpus=1, redis_port=free_port())
+    render(plan)
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = subprocess.Popen(
+        [str(find_redis_server()), str(plan.redis_conf_dir / "devicefleet.conf"), "--dir", str(data)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    client = redis.Redis(host="127.0.0.1", port=plan.redis_port, password=plan.redis_password,
+                         decode_responses=True)
+    try:
+        _wait(lambda: _pings(client), 20, "the rendered redis to answer")
+        # The snippet's settings are live: a password, and the append-only file.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=plan.redis_port).ping()
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        yield plan
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.BusyLoadingError):
+        return False
+
+
+class UnitProcess:
+    """The process systemd would start for a unit, started here with that argv and env."""
+
+    def __init__(self, plan: HostPlan, unit: str, log: Path) -> None:
+        self.argv, self.env = service_exec(plan.unit_dir, unit)
+        # Only so the child imports this checkout's `tasks` (CI installs it; here the
+        # devicefleet script may belong to another checkout): not a setting of the unit.
+        full_env = {**self.env, **test_env()}
+        self.log = log
+        with open(log, "ab") as handle:
+            self.process = subprocess.Popen(self.argv, env=full_env, stdout=handle,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.argv} still running after {timeout:g} s:\n{self.output()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _record(client: redis.Redis, device: str, pid: int) -> dict | None:
+    rec = registry.live_workers(client).get(device)
+    return rec if rec and rec.get("pid") == pid and rec.get("ready") else None
+
+
+def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostPlan, tmp_path: Path) -> None:
+    plan = rendered_host
+    unit = "devicefleet-worker@cpu0.service"
+    argv, env = service_exec(plan.unit_dir, unit)
+    assert argv == [str(plan.devicefleet_bin), "worker", "cpu0"]
+    assert env["DEVICEFLEET_REDIS_URL"] == plan.redis_url
+    assert env["DEVICEFLEET_WORKER_CONFIGS_DIR"] == str(plan.config_dir / "worker_configs")
+    assert env["PYTHONUNBUFFERED"] == "1"
+    settings = Settings.load(redis_url=plan.redis_url, state_dir=tmp_path / "producer")
+    app = create_app(settings)
+    client = registry.connect(plan.redis_url)
+    workers: list[UnitProcess] = []
+
+    def start() -> tuple[UnitProcess, dict]:
+        worker = UnitProcess(plan, unit, tmp_path / "cpu0.log")
+        workers.append(worker)
+        rec = _wait(lambda: _record(client, "cpu0", worker.process.pid) or (
+            worker.process.poll() is not None and pytest.fail(f"worker exited:\n{worker.output()[-3000:]}")
+        ), 120, "cpu0 to join the registry")
+        return worker, rec
+
+    def wait_busy(worker: UnitProcess) -> None:
+        _wait(lambda: (registry.live_workers(client).get("cpu0") or {}).get("busy"), 60, "cpu0 to be busy")
+
+    try:
+        worker, rec = start()
+        assert rec["cuda_visible_devices"] == "-1" and rec["cuda_available"] is False
+        assert rec["queues"] == ["device.cpu0", "cpu", "fleet"]
+        probe = fan_out("probe", ["cpu0"], app=app).get(timeout=60)["cpu0"]
+        assert probe["status"] == "ok" and probe["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
+
+        # 1. SIGTERM during a job: the job finishes, its result is stored, the worker exits 0.
+        warm = fan_out("probe", ["cpu0"], kwargs={"busy_s": 3, "mode": "sleep"}, app=app)
+        wait_busy(worker)
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.output()[-3000:]
+        assert warm.states() == {"cpu0": "SUCCESS"}  # stored before the worker exited
+        warm_pid = worker.process.pid
+
+        # 2. A second SIGTERM, then 3. a SIGQUIT: the worker stops at once, the job is not lost:
+        # the restarted worker (systemd's Restart=on-failure, exit status 1) runs it again.
+        for signals in ([signal.SIGTERM, signal.SIGTERM], [signal.SIGQUIT]):
+            worker, _ = start()
+            handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
+            wait_busy(worker)
+            sent = time.monotonic()
+            for signum in signals:
+                worker.process.send_signal(signum)
+                time.sleep(0.2)
+            assert worker.wait(30) == 1, worker.output()[-3000:]
+            assert time.monotonic() - sent < 5, "the forced stop waited for the job"
+            assert not handle.ready()
+            assert "requeued 1 running job" in worker.output()
+            again, _ = start()
+            if warm is not None:  # the fan-out's collect step ran on this worker
+                entry = warm.get(timeout=60)["cpu0"]
+                assert entry["status"] == "ok" and entry["output"]["busy_s"] == 3
+                assert entry["output"]["pid"] == warm_pid
+                warm = None
+            entry = handle.get(timeout=90)["cpu0"]
+            assert entry["status"] == "ok", entry
+            assert entry["output"]["pid"] == again.process.pid  # it ran again, on the new worker
+            again.process.send_signal(signal.SIGTERM)
+            assert again.wait(60) == 0
+    finally:
+        for worker in workers:
+            worker.stop()
+        client.close()
+
+
+@pytest.mark.skipif(count_gpus() > 0, reason="this host has a GPU: the GPU unit would start")
+def test_gpu_unit_refuses_to_start_without_its_gpu(rendered_host: HostPlan, tmp_path: Path) -> None:
+    plan = rendered_host
+    argv, env = service_exec(plan.unit_dir, "devicefleet-worker@gpu0.service")
+    assert argv == [str(plan.devicefleet_bin), "worker", "gpu0"]
+    assert env["DEVICEFLEET_GPUS"] == "1"
+    unit = load_unit(plan.unit_dir, "devicefleet-worker@gpu0.service")
+    assert unit["Service.PrivateDevices"][-1] == "no"
+    worker = UnitProcess(plan, "devicefleet-worker@gpu0.service", tmp_path / "gpu0.log")
+    try:
+        code = worker.wait(120)
+    finally:
+        worker.stop()
+    output = worker.output()
+    assert code != 0
+    assert "CUDA_VISIBLE_DEVICES=0" in output and "GPU 0 is not visible" in output, output[-3000:]
+    assert "refusing to start" in output
+
+
+def test_flower_unit_command_and_env(rendered_host: HostPlan) -> None:
+    argv, env = service_exec(rendered_host.unit_dir, "devicefleet-flower.service")
+    assert argv[:4] == [str(rendered_host.celery_bin), "--app", "tasks", "flower"]
+    assert "--address=127.0.0.1" in argv
+    user, _, password = env["FLOWER_BASIC_AUTH"].partition(":")
+    assert user == "admin" and len(password) >= 16
+    assert env["DEVICEFLEET_REDIS_URL"] == rendered_host.redis_url
+    assert DeviceNames(env["DEVICEFLEET_DEVICE_NAMES"]) is DeviceNames.SHORT
