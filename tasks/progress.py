@@ -78,14 +78,15 @@ def watch(handle: Any, console: Console, interval_s: float = 0.25, timeout: floa
     columns = (
         TextColumn("[bold]{task.fields[device]:>6}"),
         BarColumn(),
-        TextColumn("{task.completed:>4.0f}/{task.total:<4.0f}"),
+        TextColumn("{task.fields[count]:>9}"),
         TextColumn("{task.fields[state]:<8}"),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=False) as bars:
         ids: dict[str, TaskID] = {
-            device: bars.add_task(device, total=None, device=device, state="PENDING", info="")
+            device: bars.add_task(device, total=None, device=device, state="PENDING", info="",
+                                    count="")
             for device in handle.devices
         }
         while True:
@@ -99,7 +100,8 @@ def watch(handle: Any, console: Console, interval_s: float = 0.25, timeout: floa
                 if fields:
                     update["info"] = describe(fields)
                 if counter is not None:
-                    update.update(completed=counter[0], total=counter[1])
+                    update.update(completed=counter[0], total=counter[1],
+                                  count=f"{counter[0]:g}/{counter[1]:g}")
                 if state in ("SUCCESS", "FAILURE"):
                     total = bars.tasks[task_id].total or 1
                     update.update(total=total, completed=total)
