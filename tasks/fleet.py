@@ -28,6 +28,7 @@ from .celery_app import create_app
 from .devices import DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from .errors import FleetError
 from .monitor import FleetMonitor
+from .proc import log_tail
 from .redis_server import EmbeddedRedis
 from .settings import Settings, read_fleet_file, redact_url
 from .worker_config import load_worker_config
@@ -302,7 +303,4 @@ class Fleet:
 
 
 def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return log_tail(path, lines)

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from .errors import FlowerError
+from .proc import log_tail, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +109,14 @@ class FlowerProcess:
         while True:
             if self.process.poll() is not None:
                 raise FlowerError(f"flower exited with code {self.process.returncode}; log "
-                                  f"{self.log}: {_tail(self.log)}")
+                                  f"{self.log}: {log_tail(self.log)}")
             if self._answers():
                 logger.info("flower at %s (pid %d)", self.url, self.process.pid)
                 return self
             if time.monotonic() > deadline:
                 self.stop()
                 raise FlowerError(f"flower did not answer at {self.url} within {timeout:g} s; "
-                                  f"log {self.log}: {_tail(self.log)}")
+                                  f"log {self.log}: {log_tail(self.log)}")
             time.sleep(0.2)
 
     def _answers(self) -> bool:
@@ -128,18 +129,4 @@ class FlowerProcess:
             return False
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+        stop_process(self.process, timeout)

@@ -93,7 +93,7 @@ def record_job(
     pipe.sadd(DEVICES_KEY, device)
     pipe.hincrby(key, f"jobs_{status}", 1)
     pipe.hincrbyfloat(key, "busy_seconds", max(0.0, finished - started))
-    latest: dict[str, Any] = {"worker": worker, "last_finished_at": finished}
+    latest: dict[str, str | float | int] = {"worker": worker, "last_finished_at": finished}
     for field in ("samples_per_s", "data_wait_fraction"):
         value = output.get(field)
         if isinstance(value, (int, float)):
@@ -104,7 +104,7 @@ def record_job(
         pipe.hincrby(key, "samples", samples * epochs)
     if gpu_memory_bytes is not None:
         latest["gpu_memory_bytes"] = gpu_memory_bytes
-    pipe.hset(key, mapping=latest)
+    pipe.hset(key, mapping=latest)  # type: ignore[arg-type]
     pipe.zadd(finished_key(device), {job_id: finished})
     pipe.zremrangebyscore(finished_key(device), "-inf", finished - KEEP_S)
     pipe.execute()
@@ -176,7 +176,8 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
     """
     now = time.time() if now is None else now
     live = registry.live_workers(client)
-    devices = sorted(set(live) | set(client.smembers(DEVICES_KEY)))  # type: ignore[arg-type]
+    counted: set[str] = {str(d) for d in client.smembers(DEVICES_KEY)}  # type: ignore[union-attr]
+    devices = sorted(set(live) | counted)
     pipe = client.pipeline(transaction=False)
     for device in devices:
         pipe.hgetall(stats_key(device))

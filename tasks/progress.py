@@ -35,16 +35,16 @@ def publish(task: Any, device: str, fields: dict[str, Any], heartbeat: Any = Non
     meta = {"device": device, **fields}
     try:
         task.update_state(state=PROGRESS_STATE, meta=meta)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
         logger.debug("progress to the result backend failed: %s", exc)
     try:
         task.send_event(PROGRESS_EVENT, progress=meta)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
         logger.debug("progress event failed: %s", exc)
     if heartbeat is not None:
         try:
             heartbeat.update(progress=meta)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to the registry failed: %s", exc)
 
 
