@@ -9,11 +9,13 @@ plus the chord ``collect`` steps it happened to run (the ledger knows which work
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,11 +28,12 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from tasks import FanOut, Fleet, fan_out
 from tasks.devices import host_name
 from tasks.flower import auth_header, credentials
-from tasks.progress import describe, fraction
+from tasks.progress import describe, fraction, watch
 
 from .conftest import ROOT, make_settings
 from .conftest import test_env as child_env
@@ -323,8 +326,18 @@ def test_progress_reaches_producers_status_and_flower(
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "flower-task-progress.png"), full_page=True)
         page.context.close()
+        # The CLI's live bars (what `devicefleet run` draws), built on the same handle.
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=True, width=120, color_system=None)
+        watcher = threading.Thread(target=watch, args=(handle, console), kwargs={"interval_s": 0.05})
+        watcher.start()
+        wait_for(lambda: re.search(r"cpu1 .*4/4 PROGRESS loss=0\.25", out.getvalue()), 30,
+                 "a bar at 4/4 with the loss")
     finally:
         release.touch()
+    watcher.join(timeout=60)
+    assert not watcher.is_alive()
+    assert "SUCCESS" in out.getvalue()
     assert handle.get(timeout=60)["cpu1"]["status"] == "ok"
     wait_for(lambda: flower_state() == "SUCCESS", 30, "Flower showing the task as SUCCESS")
 
@@ -348,6 +361,39 @@ def test_dashboard_and_alerts_use_only_exported_metrics(monitored: Monitored) ->
     scrape_config = yaml.safe_load((deploy / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in scrape_config["scrape_configs"]}
     assert {"flower", "devicefleet"} <= set(jobs)
+
+
+def test_status_watch_refreshes_in_place_until_ctrl_c(monitored: Monitored) -> None:
+    import pty
+    import select
+    import signal
+
+    master, slave = pty.openpty()
+    env = {**os.environ, **child_env(), "COLUMNS": "160", "LINES": "60", "TERM": "xterm",
+           "DEVICEFLEET_STATE_DIR": str(monitored.fleet.settings.state_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "tasks", "status", "--watch", "--interval", "0.2"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        # Two full drawings: the first and at least one refresh.
+        while seen.count(b"device.cpu0") < 2 and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+        assert seen.count(b"device.cpu0") >= 2, seen.decode(errors="replace")[-2000:]
+        assert b"jobs/s" in seen and b"\x1b[" in seen  # redrawn with cursor moves, in place
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
 
 
 def test_progress_fields_to_bar() -> None:
