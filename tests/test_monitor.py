@@ -9,6 +9,7 @@ plus the chord ``collect`` steps it happened to run (the ledger knows which work
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -139,7 +140,11 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=child_env(), flower=True).start() as fleet:
         info = fleet.describe()
         auth, _ = credentials(settings.state_dir)
-        yield Monitored(fleet, info["flower_url"], auth, info["metrics_url"])
+        monitored = Monitored(fleet, info["flower_url"], auth, info["metrics_url"])
+        yield monitored
+        # Results unsubscribe from Redis when collected: let them go while Redis still runs.
+        monitored.handles.clear()
+        gc.collect()
 
 
 @pytest.fixture(scope="module")
