@@ -65,7 +65,8 @@ def cli(verbose: int) -> None:
 @click.option("--gpus", type=click.IntRange(0, 64), help="GPU workers to run (default: one per visible GPU).")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Where Redis data, logs and the fleet file go.")
 @click.option("--stop-timeout", type=float, default=60.0, show_default=True, help="Seconds a stopping worker may finish its job.")
-def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_timeout: float) -> None:
+@click.option("--flower/--no-flower", default=True, show_default=True, help="Start Flower (loopback, basic auth) with the fleet.")
+def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_timeout: float, flower: bool) -> None:
     """Start Redis (embedded unless DEVICEFLEET_REDIS_URL is set) and a worker per device.
 
     Runs in the foreground; Ctrl-C or SIGTERM stops everything (a second one kills at once).
@@ -73,7 +74,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
     from .fleet import Fleet
 
     settings = _settings(state_dir=state_dir)
-    fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout)
+    fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout, flower=flower)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -88,6 +89,11 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
         fleet.start()
         info = fleet.describe()
         console.print(f"[bold green]fleet up[/]: redis {info['redis_url']}, state {info['state_dir']}")
+        if info.get("flower_url"):
+            where = info.get("flower_auth_file") or "$FLOWER_BASIC_AUTH"
+            console.print(f"Flower: {info['flower_url']} (user:password in {where})")
+        if info.get("metrics_url"):
+            console.print(f"Prometheus metrics: {info['metrics_url']}")
         _print_status(_live(fleet.redis_url))
         console.print("`devicefleet run probe` or `devicefleet status` in another terminal; Ctrl-C to stop.")
         fleet.supervise(stop)
@@ -166,8 +172,9 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for every device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result dict as JSON.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar per device (on stderr).")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, redis_url: str | None) -> None:
+def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed."""
     from .celery_app import create_app
     from .fanout import fan_out
@@ -176,7 +183,10 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
     settings = _settings(redis_url=redis_url)
     try:
         app = create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
-        results = fan_out(job, devices, kwargs=kwargs, app=app).get(timeout=timeout)
+        handle = fan_out(job, devices, kwargs=kwargs, app=app)
+        if progress:
+            _watch_progress(handle, timeout)
+        results = handle.get(timeout=timeout)
     except DeviceFleetError as exc:
         _fail(exc)
     _print_results(results, as_json)
@@ -185,19 +195,38 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the fleet as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--redis-url", help="Fleet to show (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def status(as_json: bool, redis_url: str | None) -> None:
-    """Show the live fleet: each device's worker, what it sees, and what it runs."""
+def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -> None:
+    """Show the live fleet: each device's worker, busy or idle, throughput, queue depths."""
+    from .fleet_status import render, report
+    from .settings import read_fleet_file
+
     settings = _settings(redis_url=redis_url)
     try:
         url = settings.resolve_redis_url()
-        live = _live(url)
+        info = read_fleet_file(settings.fleet_file)
+        rep = report(url, info)
     except DeviceFleetError as exc:
         _fail(exc)
     if as_json:
-        click.echo(json.dumps({"redis_url": redact_url(url), "workers": live}, indent=2))
+        click.echo(json.dumps(rep, indent=2))
+    elif not watch:
+        console.print(render(rep))
     else:
-        _print_status(live)
+        from rich.live import Live
+
+        with Live(render(rep), console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    try:
+                        live.update(render(report(url, info)))
+                    except DeviceFleetError as exc:
+                        live.update(f"[red]{exc}[/]")
+            except KeyboardInterrupt:
+                pass
 
 
 @cli.command()
@@ -223,8 +252,10 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
                 devices = list(fleet.workers)
                 say(f"fleet ready in {time.perf_counter() - started:.1f} s: {', '.join(devices)}; "
                     f"training {model} on digits for {epochs} epochs on each")
-                results = fan_out("train", "all", kwargs={"model": model, "epochs": epochs},
-                                  app=fleet.app()).get(timeout=600)
+                handle = fan_out("train", "all", kwargs={"model": model, "epochs": epochs},
+                                 app=fleet.app())
+                _watch_progress(handle, 600)
+                results = handle.get(timeout=600)
         except DeviceFleetError as exc:
             _fail(exc)
     _print_results(results, as_json)
@@ -273,6 +304,14 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
 
 
 # -- output ------------------------------------------------------------------------------------
+
+
+def _watch_progress(handle: Any, timeout: float) -> None:
+    """Live progress bars on stderr while ``handle`` runs (only on a terminal)."""
+    from .progress import watch
+
+    if err_console.is_terminal:
+        watch(handle, err_console, timeout=timeout)
 
 
 def _live(url: str) -> dict[str, dict[str, Any]]:

@@ -49,6 +49,10 @@ class DeviceVisibilityError(FleetError):
     """A worker cannot see the device it is meant to own."""
 
 
+class FlowerError(FleetError):
+    """Flower, started with the fleet, failed to start or is misconfigured."""
+
+
 class FanOutError(DeviceFleetError):
     """A fan-out could not be dispatched or collected."""
 

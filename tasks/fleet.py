@@ -27,6 +27,8 @@ from . import registry
 from .celery_app import create_app
 from .devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from .errors import FleetError
+from .monitor import FleetMonitor
+from .proc import log_tail
 from .redis_server import EmbeddedRedis
 from .settings import Settings, read_fleet_file, redact_url
 from .worker_config import load_worker_config
@@ -79,9 +81,13 @@ class Fleet:
     gpus: int | None = None
     stop_timeout: float = 60.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: Start Flower (``devicefleet up`` does) and the Prometheus exporter with the fleet.
+    flower: bool = False
+    metrics: bool = True
     redis: EmbeddedRedis | None = None
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
     redis_url: str = ""
+    monitor: FleetMonitor | None = None
     _stopping: bool = False
 
     # -- start ---------------------------------------------------------------------------------
@@ -130,6 +136,9 @@ class Fleet:
                 self.redis_url = self.redis.url
             logs = self.settings.state_dir / "logs"
             logs.mkdir(exist_ok=True)
+            # Before the workers, so that Flower sees them come online.
+            self.monitor = FleetMonitor(self.settings, self.redis_url, flower=self.flower,
+                                        metrics=self.metrics, extra_env=self.extra_env).start()
             for name, cores in plan.items():
                 worker = WorkerProcess(name=name, cores=cores, log=logs / f"{name}.log")
                 self.workers[name] = worker
@@ -174,6 +183,7 @@ class Fleet:
             "embedded_redis": self.redis is not None,
             "devices": {name: {"cores": w.cores, "log": str(w.log)} for name, w in self.workers.items()},
             "started_at": time.time(),
+            **(self.monitor.describe() if self.monitor else {}),
         }
         path = self.settings.fleet_file
         tmp = path.with_suffix(".tmp")
@@ -246,6 +256,7 @@ class Fleet:
                        "log": str(w.log), "restarts": w.restarts}
                 for name, w in self.workers.items()
             },
+            **(self.monitor.describe() if self.monitor else {}),
         }
 
     # -- stop ----------------------------------------------------------------------------------
@@ -266,6 +277,8 @@ class Fleet:
                 logger.warning("%s still running after %g s; killing it", worker.name, timeout)
                 worker.process.kill()
                 worker.process.wait()
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.redis is not None:
             self.redis.stop()
         info = read_fleet_file(self.settings.fleet_file)
@@ -289,7 +302,4 @@ class Fleet:
 
 
 def _tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return log_tail(path, lines)

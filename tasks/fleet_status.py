@@ -1,0 +1,106 @@
+"""``devicefleet status``: the live fleet at a glance, as a dict (``--json``) or rich tables.
+
+:func:`report` reads the registry and the throughput counters (:func:`tasks.metrics.fleet_snapshot`)
+and adds the Flower and metrics URLs from the fleet file; :func:`render` draws it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from . import metrics, registry
+from .errors import FleetError
+from .progress import describe, fraction
+from .settings import redact_url
+
+logger = logging.getLogger(__name__)
+
+
+def report(url: str, fleet_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "at"}``.
+
+    ``workers`` are the registry records (as before); ``devices`` the throughput figures of
+    :func:`tasks.metrics.fleet_snapshot`; ``queues`` each queue's depth and oldest age.
+
+    Raises:
+        FleetError: Redis cannot be read.
+    """
+    client = registry.connect(url)
+    try:
+        live = registry.live_workers(client)
+        snap = metrics.fleet_snapshot(client)
+    except Exception as exc:  # redis-py's errors, said plainly
+        raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
+    finally:
+        client.close()
+    info = fleet_info or {}
+    return {
+        "redis_url": redact_url(url),
+        "flower_url": info.get("flower_url"),
+        "flower_auth_file": info.get("flower_auth_file"),
+        "metrics_url": info.get("metrics_url"),
+        "at": snap["at"],
+        "workers": live,
+        "devices": snap["devices"],
+        "queues": snap["queues"],
+    }
+
+
+def _state(device: dict[str, Any], now: float) -> str:
+    busy = device.get("busy")
+    if not device.get("live"):
+        return "[dim]offline[/]"
+    if not busy:
+        return "idle" if device.get("ready") else "starting"
+    text = f"[yellow]busy[/]: {busy.get('job')} {now - float(busy.get('since', now)):.0f}s"
+    fields = device.get("progress") or {}
+    counter = fraction(fields)
+    if counter is not None:
+        text += f" {counter[0]:g}/{counter[1]:g}"
+    extra = describe(fields)
+    return f"{text} {extra}" if extra else text
+
+
+def _num(value: float | None, fmt: str = "{:.3g}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render(rep: dict[str, Any]) -> Group:
+    """Rich tables: devices (state, jobs, jobs/s, samples/s...), then queues."""
+    now = float(rep.get("at") or time.time())
+    devices = Table(title=f"{sum(1 for d in rep['devices'].values() if d['live'])} live device(s)")
+    for column in ("device", "worker", "state", "jobs ok", "errors", "jobs/s (1 min)", "samples/s",
+                   "data wait", "GPU mem", "cores", "sees"):
+        devices.add_column(column)
+    for name, dev in rep["devices"].items():
+        rec = rep["workers"].get(name, {})
+        sees = f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else "") if rec else "-"
+        gpu = dev.get("gpu_memory_bytes")
+        devices.add_row(
+            name, str(dev.get("worker") or "-"), _state(dev, now), str(dev["jobs_ok"]),
+            str(dev["jobs_error"]), f"{dev['jobs_per_s']:.3f}", _num(dev.get("samples_per_s"), "{:,.0f}"),
+            _num(dev.get("data_wait_fraction"), "{:.0%}"),
+            "-" if gpu is None else f"{gpu / 2**20:,.0f} MiB",
+            ",".join(str(c) for c in rec.get("cores", [])) or "-", sees,
+        )
+    queues = Table(title="queues")
+    queues.add_column("queue")
+    queues.add_column("waiting", justify="right")
+    queues.add_column("oldest", justify="right")
+    for name, q in rep["queues"].items():
+        age = q.get("oldest_age_s")
+        queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
+    parts: list[Any] = [devices, queues]
+    links = []
+    if rep.get("flower_url"):
+        where = rep.get("flower_auth_file") or "FLOWER_BASIC_AUTH"
+        links.append(f"Flower: {rep['flower_url']} (login in {where})")
+    if rep.get("metrics_url"):
+        links.append(f"Prometheus metrics: {rep['metrics_url']}")
+    parts.extend(links)
+    return Group(*parts)

@@ -1,0 +1,132 @@
+"""Flower, started with the fleet: ``celery -A tasks flower`` on loopback, behind basic auth.
+
+Credentials come from ``FLOWER_BASIC_AUTH`` (``user:password``, Flower's own variable) when it
+is set; otherwise the fleet generates a password once and keeps ``devicefleet:<password>`` in
+``<state_dir>/flower-auth`` (mode 0600), so the same login works across restarts. They reach
+Flower through its environment, never its argv (which any user can list).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import FlowerError
+from .proc import log_tail, stop_process
+
+logger = logging.getLogger(__name__)
+
+AUTH_ENV = "FLOWER_BASIC_AUTH"
+AUTH_FILE = "flower-auth"
+DEFAULT_USER = "devicefleet"
+
+
+def credentials(state_dir: Path) -> tuple[str, Path | None]:
+    """``("user:password", file)``: from ``FLOWER_BASIC_AUTH`` (file None), else the state dir's file.
+
+    Raises:
+        FlowerError: ``FLOWER_BASIC_AUTH`` is set but not ``user:password``.
+    """
+    given = os.environ.get(AUTH_ENV)
+    if given:
+        if ":" not in given.split(",")[0]:
+            raise FlowerError(f"{AUTH_ENV} must be user:password (comma-separated for several), "
+                              f"got a value with no ':'")
+        return given, None
+    path = state_dir / AUTH_FILE
+    try:
+        text = path.read_text().strip()
+        if ":" in text:
+            return text, path
+    except FileNotFoundError:
+        pass
+    text = f"{DEFAULT_USER}:{secrets.token_urlsafe(18)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text + "\n")
+    return text, path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def auth_header(basic_auth: str) -> str:
+    """The ``Authorization`` header value for the first ``user:password`` of ``basic_auth``."""
+    return "Basic " + base64.b64encode(basic_auth.split(",")[0].encode()).decode()
+
+
+class FlowerProcess:
+    """One ``celery flower`` process for a fleet's Redis."""
+
+    def __init__(self, redis_url: str, state_dir: Path, port: int = 0, host: str = "127.0.0.1",
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.redis_url = redis_url
+        self.state_dir = state_dir
+        self.host = host
+        self.port = port or free_port(host)
+        self.extra_env = dict(extra_env or {})
+        self.basic_auth, self.auth_file = credentials(state_dir)
+        self.log = state_dir / "logs" / "flower.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> FlowerProcess:
+        """Start Flower and wait until it answers an authenticated request.
+
+        Raises:
+            FlowerError: Flower exited or did not answer within ``timeout``; the message has the
+                tail of its log.
+        """
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update({"DEVICEFLEET_REDIS_URL": self.redis_url, AUTH_ENV: self.basic_auth,
+                    "PYTHONUNBUFFERED": "1"})
+        argv = [sys.executable, "-m", "celery", "-A", "tasks", "flower",
+                f"--address={self.host}", f"--port={self.port}",
+                # Flower forgets workers that stay offline this long (seconds).
+                "--purge_offline_workers=3600"]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise FlowerError(f"flower exited with code {self.process.returncode}; log "
+                                  f"{self.log}: {log_tail(self.log)}")
+            if self._answers():
+                logger.info("flower at %s (pid %d)", self.url, self.process.pid)
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise FlowerError(f"flower did not answer at {self.url} within {timeout:g} s; "
+                                  f"log {self.log}: {log_tail(self.log)}")
+            time.sleep(0.2)
+
+    def _answers(self) -> bool:
+        request = urllib.request.Request(f"{self.url}/healthcheck",
+                                         headers={"Authorization": auth_header(self.basic_auth)})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as reply:
+                return bool(reply.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        stop_process(self.process, timeout)

@@ -1,0 +1,319 @@
+"""Fleet throughput metrics: what each device ran, how deep each queue is, in Prometheus format.
+
+Design: Flower already turns Celery's task events into ``/metrics`` (``flower_events_total``,
+``flower_task_runtime_seconds``, ``flower_worker_online``...). What it lacks (flower#1173) lives
+in Redis, so the fleet exports it itself, from one exporter thread the launcher starts:
+
+- each worker, when a job ends, adds to its device's counters in Redis (:func:`record_job`):
+  jobs by status, busy seconds, training samples, the last samples/s and data-wait fraction,
+  GPU memory, and the finish time in a sorted set (for jobs/s over the last minute). Counters
+  in Redis survive a worker restart and need no event stream, so they are exact;
+- queue depth is ``LLEN`` of kombu's Redis lists (one per priority step), and the oldest waiting
+  message's age comes from a ``devicefleet_sent_at`` header every producer stamps
+  (:func:`stamp_sent_at`, a ``before_task_publish`` handler);
+- :class:`FleetCollector` reads all of that on each scrape; :class:`MetricsExporter` serves it
+  with prometheus_client on loopback. :func:`fleet_snapshot` gives the same figures as a dict,
+  for ``devicefleet status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import redis
+from celery.signals import before_task_publish
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from . import registry
+from .queues import QueueName, device_queue
+
+logger = logging.getLogger(__name__)
+
+STATS_PREFIX = "devicefleet:stats:"
+FINISHED_PREFIX = "devicefleet:finished:"
+DEVICES_KEY = "devicefleet:stats-devices"
+SENT_AT_HEADER = "devicefleet_sent_at"
+#: Jobs/s is counted over this window; finish times older than ``KEEP_S`` are dropped.
+RATE_WINDOW_S = 60.0
+KEEP_S = 600.0
+#: kombu's Redis transport keeps one list per priority step; priority 0 is the bare queue name.
+PRIORITY_STEPS = (0, 3, 6, 9)
+PRIORITY_SEP = "\x06\x16"
+
+
+def stats_key(device: str) -> str:
+    return f"{STATS_PREFIX}{device}"
+
+
+def finished_key(device: str) -> str:
+    return f"{FINISHED_PREFIX}{device}"
+
+
+# -- producer side: stamp the send time ------------------------------------------------------------
+
+
+@before_task_publish.connect
+def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Put the send time in each task message's headers, for the oldest-message age."""
+    if headers is not None:
+        headers.setdefault(SENT_AT_HEADER, time.time())
+
+
+# -- worker side: count each finished job -----------------------------------------------------------
+
+
+def record_job(
+    client: redis.Redis,
+    device: str,
+    worker: str,
+    *,
+    job_id: str,
+    status: str,
+    started: float,
+    finished: float,
+    output: Mapping[str, Any] | None = None,
+    gpu_memory_bytes: int | None = None,
+) -> None:
+    """Add one finished job to ``device``'s counters in Redis (one round trip).
+
+    Args:
+        status: the entry's status (``ok`` or ``error``).
+        output: the job's output; ``samples_per_s``, ``data_wait_fraction`` and
+            ``train_samples`` x ``epochs`` are taken from it when present.
+    """
+    output = output or {}
+    key = stats_key(device)
+    pipe = client.pipeline(transaction=True)
+    pipe.sadd(DEVICES_KEY, device)
+    pipe.hincrby(key, f"jobs_{status}", 1)
+    pipe.hincrbyfloat(key, "busy_seconds", max(0.0, finished - started))
+    latest: dict[str, str | float | int] = {"worker": worker, "last_finished_at": finished}
+    for field in ("samples_per_s", "data_wait_fraction"):
+        value = output.get(field)
+        if isinstance(value, (int, float)):
+            latest[f"last_{field}"] = float(value)
+    samples = output.get("train_samples")
+    epochs = output.get("epochs")
+    if isinstance(samples, int) and isinstance(epochs, int):
+        pipe.hincrby(key, "samples", samples * epochs)
+    if gpu_memory_bytes is not None:
+        latest["gpu_memory_bytes"] = gpu_memory_bytes
+    pipe.hset(key, mapping=latest)  # type: ignore[arg-type]
+    pipe.zadd(finished_key(device), {job_id: finished})
+    pipe.zremrangebyscore(finished_key(device), "-inf", finished - KEEP_S)
+    pipe.execute()
+
+
+def gpu_memory_in_use() -> int | None:
+    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_reserved())
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+
+def queue_depth(client: redis.Redis, queue: str, now: float | None = None) -> tuple[int, float | None]:
+    """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue."""
+    now = time.time() if now is None else now
+    depth = 0
+    oldest: float | None = None
+    for step in PRIORITY_STEPS:
+        key = queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}"
+        length = int(client.llen(key))  # type: ignore[arg-type]
+        if not length:
+            continue
+        depth += length
+        raw = client.lindex(key, -1)  # kombu LPUSHes and BRPOPs: the tail is the oldest
+        sent = _sent_at(raw)
+        if sent is not None:
+            oldest = sent if oldest is None else min(oldest, sent)
+    return depth, (max(0.0, now - oldest) if oldest is not None else None)
+
+
+def _sent_at(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)["headers"].get(SENT_AT_HEADER)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def fleet_queues(live: Mapping[str, Mapping[str, Any]], devices: list[str]) -> list[str]:
+    """Every queue of the fleet: the shared ones, each device's own, and extra queues."""
+    names = [q.value for q in QueueName]
+    for device in devices:
+        if device_queue(device) not in names:
+            names.append(device_queue(device))
+    for rec in live.values():
+        for name in rec.get("queues", []):
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, Any]:
+    """The fleet at a glance, read from Redis.
+
+    Returns:
+        ``{"at", "devices": {device: {...}}, "queues": {queue: {"depth", "oldest_age_s"}}}``;
+        a device appears while its worker is live or once it has run a job. Its fields:
+        ``live``, ``worker``, ``busy`` (the running job, or None), ``progress``, ``jobs_ok``,
+        ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
+        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``.
+    """
+    now = time.time() if now is None else now
+    live = registry.live_workers(client)
+    counted: set[str] = {str(d) for d in client.smembers(DEVICES_KEY)}  # type: ignore[union-attr]
+    devices = sorted(set(live) | counted)
+    pipe = client.pipeline(transaction=False)
+    for device in devices:
+        pipe.hgetall(stats_key(device))
+        pipe.zcount(finished_key(device), now - RATE_WINDOW_S, "+inf")
+    replies = pipe.execute()
+    out: dict[str, dict[str, Any]] = {}
+    for i, device in enumerate(devices):
+        stats: dict[str, str] = replies[2 * i]
+        recent = int(replies[2 * i + 1])
+        rec = live.get(device, {})
+        ok, err = int(stats.get("jobs_ok", 0)), int(stats.get("jobs_error", 0))
+        out[device] = {
+            "live": device in live,
+            "kind": rec.get("kind") or device.rstrip("0123456789"),
+            "worker": rec.get("worker") or stats.get("worker"),
+            "ready": bool(rec.get("ready")),
+            "busy": rec.get("busy"),
+            "progress": rec.get("progress"),
+            "jobs_ok": ok,
+            "jobs_error": err,
+            "jobs_total": ok + err,
+            "busy_seconds": float(stats.get("busy_seconds", 0.0)),
+            "samples": int(stats.get("samples", 0)),
+            "jobs_per_s": recent / RATE_WINDOW_S,
+            "samples_per_s": _float(stats.get("last_samples_per_s")),
+            "data_wait_fraction": _float(stats.get("last_data_wait_fraction")),
+            "gpu_memory_bytes": _float(stats.get("gpu_memory_bytes")),
+        }
+    queues = {}
+    for name in fleet_queues(live, devices):
+        depth, age = queue_depth(client, name, now)
+        queues[name] = {"depth": depth, "oldest_age_s": age}
+    return {"at": now, "devices": out, "queues": queues}
+
+
+def _float(value: str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+# -- Prometheus ----------------------------------------------------------------------------------
+
+
+class FleetCollector(Collector):
+    """Reads :func:`fleet_snapshot` on each scrape and yields it as ``devicefleet_*`` metrics."""
+
+    def __init__(self, url: str) -> None:
+        self._client = registry.connect(url)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("devicefleet_up", "1 if the exporter could read the fleet's Redis")
+        try:
+            snap = fleet_snapshot(self._client)
+        except redis.RedisError as exc:
+            logger.warning("metrics scrape could not read Redis: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        labels = ["device", "kind"]
+        jobs = CounterMetricFamily("devicefleet_jobs", "Jobs each device finished, by status",
+                                   labels=[*labels, "status"])
+        busy_s = CounterMetricFamily("devicefleet_job_seconds", "Seconds each device spent running jobs",
+                                     labels=labels)
+        samples = CounterMetricFamily("devicefleet_train_samples", "Training samples each device processed",
+                                      labels=labels)
+        online = GaugeMetricFamily("devicefleet_worker_online", "1 while the device's worker heartbeats",
+                                   labels=labels)
+        busy = GaugeMetricFamily("devicefleet_worker_busy", "1 while the device runs a job", labels=labels)
+        rate = GaugeMetricFamily("devicefleet_jobs_per_second",
+                                 f"Jobs finished per second over the last {RATE_WINDOW_S:g} s", labels=labels)
+        sps = GaugeMetricFamily("devicefleet_samples_per_second",
+                                "Training samples/s of the device's last training job", labels=labels)
+        wait = GaugeMetricFamily("devicefleet_data_wait_fraction",
+                                 "Fraction of the last training job spent waiting for data", labels=labels)
+        gpu = GaugeMetricFamily("devicefleet_gpu_memory_bytes",
+                                "GPU memory the device's worker holds (CUDA caching allocator)",
+                                labels=labels)
+        for device, d in snap["devices"].items():
+            lv = [device, str(d["kind"])]
+            for status in ("ok", "error"):
+                jobs.add_metric([*lv, status], d[f"jobs_{status}"])
+            busy_s.add_metric(lv, d["busy_seconds"])
+            samples.add_metric(lv, d["samples"])
+            online.add_metric(lv, 1 if d["live"] else 0)
+            busy.add_metric(lv, 1 if d["busy"] else 0)
+            rate.add_metric(lv, d["jobs_per_s"])
+            if d["samples_per_s"] is not None:
+                sps.add_metric(lv, d["samples_per_s"])
+            if d["data_wait_fraction"] is not None:
+                wait.add_metric(lv, d["data_wait_fraction"])
+            if d["gpu_memory_bytes"] is not None:
+                gpu.add_metric(lv, d["gpu_memory_bytes"])
+        depth = GaugeMetricFamily("devicefleet_queue_length", "Messages waiting in each queue",
+                                  labels=["queue"])
+        age = GaugeMetricFamily("devicefleet_queue_oldest_age_seconds",
+                                "Age of the oldest message waiting in each queue (0 when empty)",
+                                labels=["queue"])
+        for name, q in snap["queues"].items():
+            depth.add_metric([name], q["depth"])
+            age.add_metric([name], q["oldest_age_s"] or 0.0)
+        yield from (jobs, busy_s, samples, online, busy, rate, sps, wait, gpu, depth, age)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class MetricsExporter:
+    """An HTTP server (a thread) that serves the fleet's metrics at ``http://HOST:PORT/metrics``."""
+
+    def __init__(self, redis_url: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.redis_url = redis_url
+        self.host = host
+        self.port = port
+        self._collector: FleetCollector | None = None
+        self._server: Any = None
+        self._thread: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def start(self) -> MetricsExporter:
+        reg = CollectorRegistry(auto_describe=False)
+        self._collector = FleetCollector(self.redis_url)
+        reg.register(self._collector)
+        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=reg)
+        self.port = int(self._server.server_port)
+        logger.info("fleet metrics at %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None

@@ -1,0 +1,111 @@
+"""Job progress: published by the worker three ways, shown live by the CLI.
+
+A job calls ``ctx.progress(epoch=3, epochs=15, loss=0.21)``; the worker then
+
+- stores it in the result backend as state ``PROGRESS`` with the fields as meta (producers read
+  it through :meth:`tasks.fanout.FanOut.progress`);
+- sends a ``task-progress`` task event. Flower keeps task state from events
+  (``celery.events.state.Task.event``), and an event type it does not know becomes the state of
+  the same name upper-cased: ``task-progress`` shows the task as ``PROGRESS`` in Flower, with the
+  fields under ``progress``. ``SUCCESS`` ranks above it, so the task still ends ``SUCCESS``;
+- puts it in the worker's registry record (``progress``), for ``devicefleet status``.
+
+:func:`watch` draws one rich progress bar per device while a fan-out runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_STATE = "PROGRESS"
+PROGRESS_EVENT = "task-progress"
+#: Field pairs ``(done, total)`` a job may report, in the order they are looked for.
+_COUNTERS = (("epoch", "epochs"), ("step", "total"), ("step", "steps"), ("done", "total"))
+
+
+def publish(task: Any, device: str, fields: dict[str, Any], heartbeat: Any = None) -> None:
+    """Report ``fields`` of the job ``task`` runs on ``device``; never raises (best effort)."""
+    meta = {"device": device, **fields}
+    try:
+        task.update_state(state=PROGRESS_STATE, meta=meta)
+    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
+        logger.debug("progress to the result backend failed: %s", exc)
+    try:
+        task.send_event(PROGRESS_EVENT, progress=meta)
+    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
+        logger.debug("progress event failed: %s", exc)
+    if heartbeat is not None:
+        try:
+            heartbeat.update(progress=meta)
+        except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
+            logger.debug("progress to the registry failed: %s", exc)
+
+
+def fraction(fields: dict[str, Any]) -> tuple[float, float] | None:
+    """``(done, total)`` from progress fields, or None when they carry no counter."""
+    for done, total in _COUNTERS:
+        a, b = fields.get(done), fields.get(total)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0:
+            return float(a), float(b)
+    return None
+
+
+def describe(fields: dict[str, Any]) -> str:
+    """A short text of the fields that are not counters, e.g. ``loss=0.213``."""
+    skip = {"device"} | {name for pair in _COUNTERS for name in pair}
+    parts = []
+    for key, value in fields.items():
+        if key in skip or isinstance(value, (dict, list)):
+            continue
+        parts.append(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
+    return " ".join(parts)
+
+
+def watch(handle: Any, console: Console, interval_s: float = 0.25, timeout: float | None = None) -> None:
+    """Draw one progress bar per device of ``handle`` (a FanOut) until every device is done.
+
+    Returns when the fan-out is ready or ``timeout`` seconds passed; the caller then calls
+    ``handle.get``, which raises the timeout.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    columns = (
+        TextColumn("[bold]{task.fields[device]:>6}"),
+        BarColumn(),
+        TextColumn("{task.fields[count]:>9}"),
+        TextColumn("{task.fields[state]:<8}"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bars:
+        ids: dict[str, TaskID] = {
+            device: bars.add_task(device, total=None, device=device, state="PENDING", info="",
+                                    count="")
+            for device in handle.devices
+        }
+        while True:
+            states = handle.states()
+            progress = handle.progress()
+            for device, task_id in ids.items():
+                state = states.get(device, "PENDING")
+                fields = progress.get(device) or {}
+                counter = fraction(fields)
+                update: dict[str, Any] = {"state": state}
+                if fields:
+                    update["info"] = describe(fields)
+                if counter is not None:
+                    update.update(completed=counter[0], total=counter[1],
+                                  count=f"{counter[0]:g}/{counter[1]:g}")
+                if state in ("SUCCESS", "FAILURE"):
+                    total = bars.tasks[task_id].total or 1
+                    update.update(total=total, completed=total)
+                bars.update(task_id, **update)
+            if handle.ready() or (deadline is not None and time.monotonic() > deadline):
+                return
+            time.sleep(interval_s)

@@ -1,0 +1,409 @@
+"""Monitoring against a real fleet: Flower (seen in headless Chromium), Flower's /metrics, the
+fleet's exporter and ``devicefleet status`` must all agree with the jobs each device ran.
+
+The module runs its own fleet (two CPU devices, Flower, exporter) on its own embedded Redis,
+and keeps a ledger of every fan-out it sends, so the expected counts are exact whatever order
+the tests run in. Flower's "Processed" counts every task a worker received: the device's jobs
+plus the chord ``collect`` steps it happened to run (the ledger knows which worker ran each).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from tasks import FanOut, Fleet, fan_out
+from tasks.devices import host_name
+from tasks.flower import auth_header, credentials
+from tasks.progress import describe, fraction, watch
+
+from .conftest import ROOT, make_settings
+from .conftest import test_env as child_env
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+ARTIFACTS = ROOT / "test-artifacts"
+DEVICES = ["cpu0", "cpu1"]
+N = 3
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    pytest.fail(f"{what} not true after {timeout:g} s; last value {last!r}")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def exported_names(url: str, auth: str | None = None) -> set[str]:
+    """Every metric a page exports: family names (with or without series) and sample names."""
+    headers = {"Authorization": auth_header(auth)} if auth else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+        families = list(text_string_to_metric_families(reply.read().decode()))
+    names = {f.name for f in families} | {s.name for f in families for s in f.samples}
+    return names | {f"{f.name}_total" for f in families if f.type == "counter"}
+
+
+def scrape(url: str, auth: str | None = None) -> Samples:
+    """Every sample of a Prometheus text page: ``{(name, labels): value}``."""
+    headers = {"Authorization": auth_header(auth)} if auth else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def http_status(url: str, auth: str | None = None) -> int:
+    headers = {"Authorization": auth_header(auth)} if auth else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@dataclass
+class Monitored:
+    fleet: Fleet
+    flower_url: str
+    auth: str
+    metrics_url: str
+    handles: list[FanOut] = field(default_factory=list)
+
+    def worker(self, device: str) -> str:
+        return f"{device}@{host_name()}"
+
+    def run(self, jobs: Any, devices: Any = "all", timeout: float = 120) -> dict[str, Any]:
+        handle = fan_out(jobs, devices, app=self.fleet.app())
+        self.handles.append(handle)
+        return handle.get(timeout=timeout)
+
+    def jobs_per_device(self) -> Counter[str]:
+        return Counter(device for h in self.handles for device in h.devices)
+
+    def tasks_per_worker(self) -> Counter[str]:
+        """Tasks each worker received: its device's jobs plus the collect steps it ran."""
+        counts = Counter({self.worker(d): n for d, n in self.jobs_per_device().items()})
+        for h in self.handles:
+            collector = h._result.worker  # result_extended records the worker of each task
+            assert collector, f"no worker recorded for collect step {h.id}"
+            counts[str(collector)] += 1
+        return counts
+
+    def status_json(self) -> dict[str, Any]:
+        env = {**os.environ, **child_env(), "DEVICEFLEET_STATE_DIR": str(self.fleet.settings.state_dir)}
+        out = subprocess.run([sys.executable, "-m", "tasks", "status", "--json"], env=env,
+                             capture_output=True, text=True, timeout=60, check=True)
+        return dict(json.loads(out.stdout))
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
+    settings = make_settings(tmp_path_factory.mktemp("monitored"))
+    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=child_env(), flower=True).start() as fleet:
+        info = fleet.describe()
+        auth, _ = credentials(settings.state_dir)
+        monitored = Monitored(fleet, info["flower_url"], auth, info["metrics_url"])
+        yield monitored
+        # Results unsubscribe from Redis when collected: let them go while Redis still runs.
+        monitored.handles.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+def flower_page(browser: Any, mon: Monitored) -> Any:
+    user, password = mon.auth.split(":", 1)
+    context = browser.new_context(http_credentials={"username": user, "password": password},
+                                  viewport={"width": 1400, "height": 900})
+    return context.new_page()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def test_flower_runs_on_loopback_behind_basic_auth(monitored: Monitored) -> None:
+    assert monitored.flower_url.startswith("http://127.0.0.1:")
+    auth_file = monitored.fleet.settings.state_dir / "flower-auth"
+    assert auth_file.stat().st_mode & 0o777 == 0o600
+    assert auth_file.read_text().strip() == monitored.auth
+    user = monitored.auth.split(":", 1)[0]
+    for path in ("/", "/workers", "/tasks", "/api/workers", "/api/tasks"):
+        assert http_status(monitored.flower_url + path) == 401, path
+        assert http_status(monitored.flower_url + path, f"{user}:wrong-password") == 401, path
+        assert http_status(monitored.flower_url + path, monitored.auth) == 200, path
+    # Flower serves /metrics (and /healthcheck) to anyone who reaches it, for Prometheus; it
+    # listens on loopback only.
+    assert http_status(monitored.flower_url + "/metrics") == 200
+    # The password is never in Flower's argv, which every local user can read.
+    flower = monitored.fleet.monitor.flower  # type: ignore[union-attr]
+    cmdline = Path(f"/proc/{flower.process.pid}/cmdline").read_bytes().decode()
+    assert monitored.auth.split(":", 1)[1] not in cmdline
+
+
+def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
+    monitored: Monitored, browser: Any
+) -> None:
+    handles_before = len(monitored.handles)
+    for _ in range(N):
+        results = monitored.run("echo")
+        assert set(results) == set(DEVICES) and all(e["status"] == "ok" for e in results.values())
+    assert len(monitored.handles) - handles_before == N
+    jobs = monitored.jobs_per_device()
+    tasks = monitored.tasks_per_worker()
+
+    # Flower's own /metrics: every device worker, succeeded run_job events == jobs it ran.
+    def flower_caught_up() -> bool:
+        got = scrape(monitored.flower_url + "/metrics", monitored.auth)
+        return all(
+            sample(got, "flower_events_total", worker=monitored.worker(d), type="task-succeeded",
+                   task="devicefleet.run_job") == jobs[d]
+            and sample(got, "flower_worker_online", worker=monitored.worker(d)) == 1
+            for d in DEVICES
+        )
+
+    wait_for(flower_caught_up, 60, "Flower's /metrics counting every job")
+    flower = scrape(monitored.flower_url + "/metrics", monitored.auth)
+    for d in DEVICES:
+        received = sum(
+            sample(flower, "flower_events_total", worker=monitored.worker(d), type="task-received", task=t)
+            for t in ("devicefleet.run_job", "devicefleet.collect")
+        )
+        assert received == tasks[monitored.worker(d)]
+        assert sample(flower, "flower_task_runtime_seconds_count", worker=monitored.worker(d),
+                      task="devicefleet.run_job") == jobs[d]
+
+    # The fleet's exporter: exact counts per device, from the workers' own counters.
+    fleet = scrape(monitored.metrics_url)
+    for d in DEVICES:
+        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="ok") == jobs[d]
+        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="error") == 0
+        assert sample(fleet, "devicefleet_worker_online", device=d, kind="cpu") == 1
+        assert sample(fleet, "devicefleet_jobs_per_second", device=d, kind="cpu") > 0
+
+    # Flower's web UI, in a real browser: each device worker and its processed count.
+    page = flower_page(browser, monitored)
+    page.goto(monitored.flower_url + "/workers")
+
+    def table() -> dict[str, int]:
+        rows = page.locator("#workers-table tbody tr").all()
+        shown = {}
+        for row in rows:
+            cells = [c.inner_text().strip() for c in row.locator("td").all()]
+            if len(cells) >= 4 and "@" in cells[0]:
+                shown[cells[0]] = int(cells[3].replace(",", "") or 0)
+        return shown if set(shown) >= {monitored.worker(d) for d in DEVICES} else {}
+
+    expected = {monitored.worker(d): tasks[monitored.worker(d)] for d in DEVICES}
+    wait_for(lambda: table() == expected or (page.reload() and False), 60,
+             f"Flower's workers table showing processed {expected}")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "flower-workers.png"), full_page=True)
+    page.context.close()
+
+    # devicefleet status --json: the same counts, Flower's URL, the queues.
+    status = monitored.status_json()
+    assert status["flower_url"] == monitored.flower_url
+    assert status["metrics_url"] == monitored.metrics_url
+    for d in DEVICES:
+        assert status["devices"][d]["jobs_ok"] == jobs[d]
+        assert status["devices"][d]["live"] is True
+        assert status["devices"][d]["jobs_per_s"] > 0
+    assert {"cpu", "fleet", "device.cpu0", "device.cpu1"} <= set(status["queues"])
+
+
+def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: Monitored) -> None:
+    app = monitored.fleet.app()
+    worker = monitored.worker("cpu0")
+    replies = app.control.cancel_consumer("device.cpu0", destination=[worker], reply=True, timeout=10)
+    assert replies, "cpu0 did not answer cancel_consumer"
+    handles = []
+    try:
+        for _ in range(2):
+            handles.append(fan_out({"cpu0": "echo"}, app=app))
+        monitored.handles.extend(handles)
+
+        def queued() -> Samples | None:
+            got = scrape(monitored.metrics_url)
+            return got if sample(got, "devicefleet_queue_length", queue="device.cpu0") == 2 else None
+
+        got = wait_for(queued, 30, "device.cpu0 holding 2 messages")
+        time.sleep(0.2)  # the oldest message is now older than this
+        got = scrape(monitored.metrics_url)
+        assert sample(got, "devicefleet_queue_oldest_age_seconds", queue="device.cpu0") >= 0.2
+        assert sample(got, "devicefleet_queue_length", queue="device.cpu1") == 0
+        status = monitored.status_json()
+        assert status["queues"]["device.cpu0"]["depth"] == 2
+        assert status["queues"]["device.cpu0"]["oldest_age_s"] >= 0.2
+        text = subprocess.run(
+            [sys.executable, "-m", "tasks", "status"], capture_output=True, text=True, timeout=60,
+            env={**os.environ, **child_env(), "COLUMNS": "200",
+                 "DEVICEFLEET_STATE_DIR": str(monitored.fleet.settings.state_dir)}, check=True,
+        ).stdout
+        assert re.search(r"device\.cpu0\s*│\s*2\s*│", text), text
+        assert "jobs/s" in text and "samples/s" in text and monitored.flower_url in text
+    finally:
+        app.control.add_consumer("device.cpu0", destination=[worker], reply=True, timeout=10)
+    for handle in handles:
+        assert handle.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert sample(scrape(monitored.metrics_url), "devicefleet_queue_length", queue="device.cpu0") == 0
+
+
+def test_progress_reaches_producers_status_and_flower(
+    monitored: Monitored, browser: Any, tmp_path: Path
+) -> None:
+    release = tmp_path / "release"
+    handle = fan_out({"cpu1": ("hold", {"steps": 4, "release_file": str(release)})},
+                     app=monitored.fleet.app())
+    monitored.handles.append(handle)
+    try:
+        # The producer: PROGRESS meta from the result backend.
+        progress = wait_for(lambda: handle.progress()["cpu1"].get("step") == 4 and handle.progress(),
+                            60, "step 4 in the fan-out's progress")
+        assert progress["cpu1"] == {"device": "cpu1", "step": 4, "total": 4, "loss": 0.25}
+        assert handle.states()["cpu1"] == "PROGRESS"
+        # devicefleet status: busy with the job, at step 4/4.
+        dev = wait_for(lambda: monitored.status_json()["devices"]["cpu1"].get("progress"), 30,
+                       "progress in the registry")
+        assert dev["step"] == 4
+        # Flower: task state PROGRESS, from the task-progress event.
+        task_id = handle._headers["cpu1"].id
+        info_url = f"{monitored.flower_url}/api/task/info/{task_id}"
+
+        def flower_state() -> str:
+            req = urllib.request.Request(info_url, headers={"Authorization": auth_header(monitored.auth)})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as reply:
+                    return str(json.loads(reply.read())["state"])
+            except urllib.error.HTTPError:
+                return ""
+
+        wait_for(lambda: flower_state() == "PROGRESS", 30, "Flower showing the task as PROGRESS")
+        page = flower_page(browser, monitored)
+        page.goto(f"{monitored.flower_url}/task/{task_id}")
+        page.wait_for_selector("text=PROGRESS", timeout=30_000)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "flower-task-progress.png"), full_page=True)
+        page.context.close()
+        # The CLI's live bars (what `devicefleet run` draws), built on the same handle.
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=True, width=120, color_system=None)
+        watcher = threading.Thread(target=watch, args=(handle, console), kwargs={"interval_s": 0.05})
+        watcher.start()
+        wait_for(lambda: re.search(r"cpu1 .*4/4 PROGRESS loss=0\.25", out.getvalue()), 30,
+                 "a bar at 4/4 with the loss")
+    finally:
+        release.touch()
+    watcher.join(timeout=60)
+    assert not watcher.is_alive()
+    assert "SUCCESS" in out.getvalue()
+    assert handle.get(timeout=60)["cpu1"]["status"] == "ok"
+    wait_for(lambda: flower_state() == "SUCCESS", 30, "Flower showing the task as SUCCESS")
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics(monitored: Monitored) -> None:
+    monitored.run("echo")  # so that every per-task series exists
+    exported = exported_names(monitored.metrics_url)
+    exported |= exported_names(monitored.flower_url + "/metrics", monitored.auth)
+    deploy = ROOT / "deploy"
+    dashboard = json.loads((deploy / "grafana" / "devicefleet-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 4
+    rules = yaml.safe_load((deploy / "prometheus" / "alerts.yml").read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\b(?:flower|devicefleet)_[a-z_]+\b", e)}
+    assert used, exprs
+    assert used <= exported, f"not exported: {sorted(used - exported)}"
+    for wanted in ("devicefleet_jobs_total", "devicefleet_queue_length", "flower_worker_online",
+                   "flower_task_runtime_seconds_bucket", "devicefleet_samples_per_second"):
+        assert wanted in used, f"the dashboard or alerts miss {wanted}"
+    scrape_config = yaml.safe_load((deploy / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in scrape_config["scrape_configs"]}
+    assert {"flower", "devicefleet"} <= set(jobs)
+
+
+def test_status_watch_refreshes_in_place_until_ctrl_c(monitored: Monitored) -> None:
+    import pty
+    import select
+    import signal
+
+    master, slave = pty.openpty()
+    env = {**os.environ, **child_env(), "COLUMNS": "160", "LINES": "60", "TERM": "xterm",
+           "DEVICEFLEET_STATE_DIR": str(monitored.fleet.settings.state_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "tasks", "status", "--watch", "--interval", "0.2"],
+                            stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        # Two full drawings: the first and at least one refresh.
+        while seen.count(b"device.cpu0") < 2 and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if ready:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+        assert seen.count(b"device.cpu0") >= 2, seen.decode(errors="replace")[-2000:]
+        assert b"jobs/s" in seen and b"\x1b[" in seen  # redrawn with cursor moves, in place
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def test_progress_fields_to_bar() -> None:
+    assert fraction({"epoch": 3, "epochs": 15, "loss": 0.2}) == (3.0, 15.0)
+    assert fraction({"step": 5, "total": 10}) == (5.0, 10.0)
+    assert fraction({"loss": 0.2}) is None
+    assert fraction({"step": 1, "total": 0}) is None
+    assert describe({"device": "cpu0", "epoch": 3, "epochs": 15, "loss": 0.21345}) == "loss=0.2135"
