@@ -34,6 +34,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.exceptions import Ignore
+from celery.states import READY_STATES
 
 from . import registry
 from .devices import host_name
@@ -125,12 +126,18 @@ class LeaseKeeper:
         """Hold ``task``'s lease while the block runs.
 
         Raises:
-            celery.exceptions.Ignore: another live worker runs this job now; this copy is
-                acknowledged and dropped, with no result stored.
+            celery.exceptions.Ignore: another live worker runs this job now, or it has already
+                finished (its result is stored); this copy is acknowledged and dropped, with
+                no result stored.
         """
         task_id = str(task.request.id)
         properties = getattr(task.request, "properties", None) or {}
         if not self.acquire(task_id, properties.get("delivery_tag")):
+            raise Ignore()
+        if task.AsyncResult(task_id).state in READY_STATES:
+            # A copy of a job that already finished (redelivered after its ack was lost).
+            logger.warning("job %s has already finished; not running this copy", task_id)
+            self.release(task_id)
             raise Ignore()
         try:
             yield
