@@ -49,6 +49,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Redis may restart under a running fleet (tasks/lease.py, README "Reliability"): workers
         # reconnect, result writes and reads retry instead of failing, and a waiting producer's
         # pub/sub connection is checked and re-made.
+        # kombu's Redis transport, hardened: a malformed message is dropped, not fatal.
+        "broker_transport": "tasks.transport:Transport",
         "broker_connection_retry": True,
         "broker_connection_max_retries": None,
         "result_backend_always_retry": True,
