@@ -35,11 +35,17 @@ def sleepy(ctx: JobContext, params: SleepParams) -> dict[str, Any]:
 
 class OomParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    #: Really allocate this much on the device (a GPU's real OOM); None: raise torch's error.
+    allocate_gib: float | None = Field(default=None, gt=0)
 
 
 @job("oom", params=OomParams)
 def oom(ctx: JobContext, params: OomParams) -> dict[str, Any]:
-    """Raise torch's OutOfMemoryError, unless this run is already a CPU fallback."""
+    """Run out of memory (really, or by raising torch's error), unless this run is a CPU fallback."""
     if ctx.fallback_from is None:
+        if params.allocate_gib is not None:
+            block = torch.empty(int(params.allocate_gib * 2**30), dtype=torch.uint8,
+                                device=ctx.torch_device)
+            return {"allocated": block.numel()}
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
     return {"torch_device": ctx.torch_device, "fallback_from": ctx.fallback_from, "pid": os.getpid()}

@@ -232,20 +232,21 @@ def test_out_of_memory_gives_an_entry_with_memory_figures_and_worker_stays(rflee
 
 
 @pytest.mark.gpu
-def test_real_cuda_out_of_memory_on_a_gpu_worker(fleet, app):
-    """On a GPU host: a batch far beyond the card's memory gives an OutOfMemory entry, and the
-    same job with fallback='cpu' trains on the CPU instead."""
-    gpu = sorted(d for d, r in tasks.live_devices(app).items() if r["kind"] == "gpu")[0]
-    huge = {"model": "mlp", "epochs": 1, "hidden": 65_536, "batch_size": 1_000_000,
-            "num_workers": 0}
-    entry = fan_out("train", [gpu], kwargs=huge, app=app).get(timeout=300)[gpu]
+@pytest.mark.timeout(300)
+def test_real_cuda_out_of_memory_on_a_gpu_worker(rfleet, rapp):
+    """On a GPU host: allocating far beyond the card gives an OutOfMemory entry with the CUDA
+    figures, the worker stays in the fleet (recycled if memory stayed held), and the same job
+    with fallback='cpu' runs on the CPU instead."""
+    gpu = sorted(d for d, r in tasks.live_devices(rapp).items() if r["kind"] == "gpu")[0]
+    entry = fan_out("oom", [gpu], kwargs={"allocate_gib": 4096}, app=rapp).get(timeout=120)[gpu]
     assert entry["error"]["type"] == "OutOfMemory", entry
     assert entry["error"]["memory"]["total_mib"] > 0
-    tasks_live = wait_for(lambda: gpu in tasks.live_devices(app), 120, "the GPU worker back")
-    assert tasks_live
-    entry = fan_out("train", [gpu], kwargs={**huge, "hidden": 64, "fallback": "cpu"},
-                    app=app).get(timeout=300)[gpu]
+    assert "reserved_mib" in entry["error"]["memory"]
+    rfleet.wait_ready(120)
+    entry = fan_out("oom", [gpu], kwargs={"allocate_gib": 4096, "fallback": "cpu"},
+                    app=rapp).get(timeout=120)[gpu]
     assert entry["status"] == "ok", entry
+    assert entry["output"]["fallback"]["from"] == "cuda:0"
 
 
 # -- 4. bad input ----------------------------------------------------------------------------------
