@@ -46,6 +46,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_queues": [Queue(name.value) for name in QueueName],
         "task_default_queue": QueueName.FLEET.value,
         "broker_connection_retry_on_startup": True,
+        # Redis may restart under a running fleet (tasks/lease.py, README "Reliability"): workers
+        # reconnect, result writes and reads retry instead of failing, and a waiting producer's
+        # pub/sub connection is checked and re-made.
+        # kombu's Redis transport, hardened: a malformed message is dropped, not fatal.
+        "broker_transport": "tasks.transport:Transport",
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 60,
+        "redis_retry_on_timeout": True,
+        "redis_socket_keepalive": True,
+        "redis_backend_health_check_interval": 5,
         "worker_redirect_stdouts": False,
         "enable_utc": True,
     }

@@ -15,7 +15,8 @@ The tree, by area::
         ├── UnknownJob            not a job of the worker's allowlist
         ├── InvalidJobArguments   kwargs that the job's schema refuses
         ├── DatasetError          a dataset file is missing or unreadable
-        └── TrainingDiverged      the loss became NaN or infinite
+        ├── TrainingDiverged      the loss became NaN or infinite
+        └── OutOfMemory           the device ran out of memory
 
 Every message says what was wrong, with the offending value, and what to do.
 """
@@ -101,3 +102,13 @@ class DatasetError(JobError):
 
 class TrainingDiverged(JobError, ArithmeticError):
     """Training produced a NaN or infinite loss."""
+
+
+class OutOfMemory(JobError, MemoryError):
+    """The job ran out of device memory; ``memory`` holds the figures at the time."""
+
+    def __init__(self, message: str, *, memory: dict[str, object], recycle: bool = False) -> None:
+        super().__init__(message)
+        self.memory = memory
+        #: Device memory was still held after the release: the worker should be recycled.
+        self.recycle = recycle

@@ -40,6 +40,8 @@ class JobContext:
     cores: list[int] = field(default_factory=list)
     #: Called with progress fields (``step``, ``total``, ``loss``...); a no-op by default.
     reporter: Callable[[dict[str, Any]], None] | None = None
+    #: The torch device this run fell back from after running out of memory (else None).
+    fallback_from: str | None = None
 
     def progress(self, **fields: Any) -> None:
         """Report progress; cheap enough to call once per epoch or every few seconds."""

@@ -100,10 +100,12 @@ class Heartbeat:
             logger.warning("could not remove %s from the registry: %s", self.device, exc)
 
     def _write(self) -> None:
+        # The SET happens under the lock too: otherwise a beat that serialised the record just
+        # before an update() could land after it and bring back stale fields.
         with self._lock:
             self._record["heartbeat_at"] = time.time()
             payload = json.dumps(self._record)
-        self._client.set(worker_key(self.device), payload, px=self._ttl_ms)
+            self._client.set(worker_key(self.device), payload, px=self._ttl_ms)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

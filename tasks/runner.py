@@ -17,7 +17,7 @@ RUN_JOB = "devicefleet.run_job"
 COLLECT = "devicefleet.collect"
 
 
-@shared_task(name=RUN_JOB, bind=True)
+@shared_task(name=RUN_JOB, bind=True, Strategy="tasks.transport:guarded_strategy")
 def run_job(self: Any, device: str, job: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Run ``job`` with ``kwargs`` on this worker's device; returns the device's entry."""
     from .worker import current_worker

@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     #: How often a worker refreshes its registry entry, and how long the entry lives.
     heartbeat_interval_s: float = Field(default=2.0, gt=0, le=60)
     heartbeat_ttl_s: float = Field(default=10.0, gt=0, le=600)
+    #: Lease of a running job (renewed every third of it) and how often a worker looks for the
+    #: expired leases of dead workers: a killed worker's job runs again after about
+    #: max(lease_ttl_s, heartbeat_ttl_s) + reaper_interval_s.
+    lease_ttl_s: float = Field(default=10.0, gt=0, le=600)
+    reaper_interval_s: float = Field(default=1.0, gt=0, le=60)
     #: How long results stay in Redis.
     result_expires_s: int = Field(default=86_400, ge=60)
     #: Port of the embedded redis-server; 0 picks a free one.

@@ -21,7 +21,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import celeryd_after_setup, celeryd_init, worker_ready, worker_shutdown
 
-from . import metrics, progress, registry
+from . import faults, lease, metrics, progress, registry
 from . import shutdown as _shutdown  # noqa: F401  (second SIGTERM / SIGQUIT: stop at once)
 from .devices import (
     Device,
@@ -36,7 +36,7 @@ from .devices import (
     usable_cores,
 )
 from .entry import error_info, make_entry
-from .errors import ConfigError, DeviceFleetError, FleetError, JobError
+from .errors import ConfigError, DeviceFleetError, FleetError, JobError, OutOfMemory
 from .job import JobContext, JobRegistry
 from .queues import worker_queues
 from .settings import Settings, redact_url
@@ -108,6 +108,8 @@ class DeviceWorker:
         self.visibility: dict[str, Any] = {}
         self.jobs: JobRegistry | None = None
         self.heartbeat: registry.Heartbeat | None = None
+        self.leases: lease.LeaseKeeper | None = None
+        self.reaper: lease.Reaper | None = None
         self.jobs_done = 0
 
     # -- start-up ------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ class DeviceWorker:
             "give this worker another name"
         )
 
-    def join(self) -> None:
+    def join(self, app: Celery | None = None) -> None:
         url = self.settings.resolve_redis_url()
         client = registry.connect(url)
         self.check_unique(client)
@@ -185,9 +187,18 @@ class DeviceWorker:
             client, self.record(), self.settings.heartbeat_interval_s, self.settings.heartbeat_ttl_s
         )
         self.heartbeat.start()
+        self.leases = lease.LeaseKeeper(client, self.device.name, self.nodename,
+                                        self.settings.lease_ttl_s)
+        self.leases.start()
+        if app is not None:
+            self.reaper = lease.Reaper(client, app, self.settings.reaper_interval_s)
+            self.reaper.start()
         logger.info("%s joined the fleet at %s", self.device, redact_url(url))
 
     def leave(self) -> None:
+        for thread in (self.reaper, self.leases):
+            if thread is not None:
+                thread.stop()
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
@@ -198,17 +209,30 @@ class DeviceWorker:
         return "cuda:0" if self.device.kind is DeviceKind.GPU else "cpu"
 
     def execute(self, task: Any, device: str, job: str, kwargs: Any) -> dict[str, Any]:
-        """Run one job and return its entry; a failure becomes an error entry, never a raise."""
+        """Run one job and return its entry; a failure becomes an error entry, never a raise.
+
+        Raises:
+            celery.exceptions.Ignore: this job already runs on another live worker (see
+                :mod:`tasks.lease`); this copy is dropped.
+        """
+        if self.leases is None or task.request.id is None:
+            return self._execute(task, device, job, kwargs)
+        with self.leases.hold(task):
+            return self._execute(task, device, job, kwargs)
+
+    def _execute(self, task: Any, device: str, job: str, kwargs: Any) -> dict[str, Any]:
         started = time.time()
         job_id = str(task.request.id or f"local-{started}")
         output: dict[str, Any] | None = None
-        error: dict[str, str] | None = None
+        error: dict[str, Any] | None = None
+        recycle = False
         if self.heartbeat is not None:
             self.heartbeat.update(busy={"job": str(job), "job_id": job_id, "since": started})
         try:
             if device != self.device.name:
                 raise JobError(f"a job for {device!r} reached the worker of {self.device}")
             assert self.jobs is not None
+            kwargs, fallback = faults.pop_fallback(kwargs)
             definition, params = self.jobs.parse(job, kwargs)
             ctx = JobContext(
                 device=self.device.name,
@@ -218,7 +242,7 @@ class DeviceWorker:
                 cores=self.cores,
                 reporter=lambda fields: progress.publish(task, self.device.name, fields, self.heartbeat),
             )
-            result = definition.func(ctx, params)
+            result, recycle = faults.run_guarded(definition.func, ctx, params, fallback)
             if not isinstance(result, dict):
                 raise JobError(f"job {job!r} returned {type(result).__name__}, not a dict")
             json.dumps(result)  # results travel as JSON: fail here, in the entry, not in Celery
@@ -226,6 +250,9 @@ class DeviceWorker:
         except DeviceFleetError as exc:
             logger.warning("%s: job %s failed: %s", self.device, job, exc)
             error = error_info(exc)
+            if isinstance(exc, OutOfMemory):
+                error["memory"] = exc.memory
+                recycle = exc.recycle
         except Exception as exc:  # a job's own failure: reported, never fatal to the worker
             logger.exception("%s: job %s raised", self.device, job)
             error = error_info(exc)
@@ -235,6 +262,7 @@ class DeviceWorker:
                 self.heartbeat.update(busy=None, progress=None, jobs_done=self.jobs_done)
         finished = time.time()
         self._record_metrics(job_id, "ok" if error is None else "error", started, finished, output)
+        faults.recycle_if_needed(recycle, self.device.name)
         return make_entry(
             device=self.device.name,
             worker=self.nodename,
@@ -283,7 +311,7 @@ def _on_after_setup(sender: str, instance: Any, conf: Any, **_: Any) -> None:
     app: Celery = instance.app
     app.amqp.queues.select(_current.queues)
     try:
-        _current.join()
+        _current.join(app)
     except DeviceFleetError as exc:
         logger.critical("%s", exc)
         raise SystemExit(f"devicefleet worker {sender}: {exc}") from None

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..errors import TrainingDiverged
 from ..job import JobContext, job
-from . import data
+from . import data, resume
 from .models import ModelName, build
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ class TrainParams(BaseModel):
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     seed: int = 0
     test_fraction: float = Field(default=0.2, gt=0, lt=1)
+    #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
+    #: A job that runs again after its worker died resumes from it.
+    checkpoint_every_s: float = Field(default=10.0, ge=0)
 
 
 def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
@@ -76,10 +79,13 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
 
+    resumed_from = resume.load(ctx.artifacts_dir, model, optimizer, device)
+    last_save = time.monotonic()
+
     wait_s = 0.0
     epoch_loss = math.nan
     started = time.perf_counter()
-    for epoch in range(1, params.epochs + 1):
+    for epoch in range(resumed_from + 1, params.epochs + 1):
         model.train()
         loss_sum = torch.zeros((), device=device)
         batches = iter(loader)
@@ -104,6 +110,9 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
                 "learning rate or check the dataset"
             )
         ctx.progress(epoch=epoch, epochs=params.epochs, loss=round(epoch_loss, 6))
+        if epoch < params.epochs and time.monotonic() - last_save >= params.checkpoint_every_s:
+            resume.save(ctx.artifacts_dir, model, optimizer, epoch, {"loss": epoch_loss})
+            last_save = time.monotonic()
     train_s = time.perf_counter() - started
 
     model.eval()
@@ -133,7 +142,8 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "epochs": params.epochs,
         "train_samples": n_train,
         "test_samples": len(split.y_test),
-        "samples_per_s": n_train * params.epochs / train_s if train_s > 0 else None,
+        "resumed_from_epoch": resumed_from,
+        "samples_per_s": n_train * (params.epochs - resumed_from) / train_s if train_s > 0 else None,
         "data_wait_fraction": wait_s / train_s if train_s > 0 else None,
         "train_s": train_s,
         "num_workers": workers,

@@ -1,0 +1,123 @@
+"""Device faults: a job that runs out of memory gives an entry that says so, and the worker stays.
+
+:func:`run_guarded` runs a job; on ``torch.OutOfMemoryError`` it records the memory figures,
+releases what it can (``torch.cuda.empty_cache``) and, where the job asked for it with the kwarg
+``fallback="cpu"``, runs the job again on the CPU in the same worker. Otherwise it raises
+:class:`~tasks.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory is
+still held after the release, :func:`recycle_if_needed` asks the worker for a warm shutdown
+(SIGTERM: the job's entry is stored and acknowledged first); the launcher or systemd restarts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from .errors import InvalidJobArguments, OutOfMemory
+from .job import JobContext
+
+logger = logging.getLogger(__name__)
+
+#: The reserved kwarg a job spec uses to ask for a CPU fallback on out-of-memory.
+FALLBACK_KWARG = "fallback"
+FALLBACKS = ("cpu",)
+
+MiB = 1024 * 1024
+
+
+def pop_fallback(kwargs: Any) -> tuple[Any, str | None]:
+    """Split the reserved ``fallback`` kwarg off a job's kwargs.
+
+    Raises:
+        InvalidJobArguments: ``fallback`` is not one of :data:`FALLBACKS`.
+    """
+    if not isinstance(kwargs, dict) or FALLBACK_KWARG not in kwargs:
+        return kwargs, None
+    rest = dict(kwargs)
+    fallback = rest.pop(FALLBACK_KWARG)
+    if fallback is None:
+        return rest, None
+    if fallback not in FALLBACKS:
+        raise InvalidJobArguments(
+            f"fallback={fallback!r}: the only fallback on out-of-memory is 'cpu' (or leave it out)"
+        )
+    return rest, str(fallback)
+
+
+def memory_figures(torch_device: str) -> dict[str, Any]:
+    """Memory figures of ``torch_device`` (CUDA: allocated/reserved/total MiB) and of the process."""
+    figures: dict[str, Any] = {"device": torch_device,
+                               "process_rss_mib": round(psutil.Process().memory_info().rss / MiB, 1)}
+    if torch_device.startswith("cuda"):
+        import torch
+
+        figures.update(
+            allocated_mib=round(torch.cuda.memory_allocated() / MiB, 1),
+            reserved_mib=round(torch.cuda.memory_reserved() / MiB, 1),
+            total_mib=round(torch.cuda.get_device_properties(0).total_memory / MiB, 1),
+        )
+    return figures
+
+
+def release_memory(torch_device: str) -> bool:
+    """Free cached device memory; returns True when memory is still held afterwards."""
+    import gc
+
+    gc.collect()
+    if not torch_device.startswith("cuda"):
+        return False
+    import torch
+
+    torch.cuda.empty_cache()
+    return bool(torch.cuda.memory_allocated() > 0)
+
+
+def run_guarded(
+    func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext, params: Any,
+    fallback: str | None,
+) -> tuple[dict[str, Any], bool]:
+    """Run ``func(ctx, params)``, handling out-of-memory; returns (output, recycle_worker).
+
+    Raises:
+        OutOfMemory: the job ran out of memory and asked for no fallback (or the fallback did too).
+    """
+    import torch
+
+    try:
+        return func(ctx, params), False
+    except torch.OutOfMemoryError as exc:
+        before = memory_figures(ctx.torch_device)
+        del exc  # drop the traceback's frames, which hold the job's tensors
+        still_held = release_memory(ctx.torch_device)
+        logger.warning("%s: out of memory in job %s (%s)", ctx.device, ctx.job_id, before)
+        if fallback != "cpu":
+            raise OutOfMemory(
+                f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}; "
+                "use a smaller batch or model, or pass fallback='cpu' to run it on the CPU instead",
+                memory=before, recycle=still_held,
+            ) from None
+    cpu_ctx = dataclasses.replace(ctx, torch_device="cpu", fallback_from=ctx.torch_device)
+    try:
+        output = func(cpu_ctx, params)
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(
+            f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}, and again on "
+            f"the CPU fallback: {memory_figures('cpu')}",
+            memory=before, recycle=still_held,
+        ) from None
+    output = {**output, "fallback": {"from": ctx.torch_device, "to": "cpu", "memory": before}}
+    return output, still_held
+
+
+def recycle_if_needed(recycle: bool, device: str) -> None:
+    """Ask this worker for a warm shutdown when device memory could not be released."""
+    if recycle:
+        logger.warning("%s: device memory still held after out-of-memory; recycling the worker "
+                       "(warm shutdown, the launcher restarts it)", device)
+        os.kill(os.getpid(), signal.SIGTERM)

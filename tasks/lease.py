@@ -1,0 +1,219 @@
+"""Leases: a running job is owned by one live worker, and a dead worker's job runs again fast.
+
+Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
+(an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
+long timeout and adds a lease per running job:
+
+- when a worker starts a job it takes the lease ``devicefleet:lease:<task id>`` with ``SET NX``
+  and a TTL (``lease_ttl_s``), and records ``{task id: owner, delivery tag}`` in the hash
+  ``devicefleet:leases``. The key doubles as a mutex: a second copy of the same message (a
+  visibility-timeout restore while the first still runs) finds it held by a live owner and is
+  dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
+- a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
+- a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
+  recorded lease whose key has expired and whose owner is not alive in the fleet registry, and
+  gives the message back to the front of its queue with the transport's own
+  ``QoS.restore_by_tag``, which also removes it from kombu's ``unacked`` hash so the transport
+  does not restore it a second time an hour later.
+
+Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
+reaper_interval_s``, whatever the job's length.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import Ignore
+from celery.states import READY_STATES
+
+from . import registry
+from .devices import host_name
+
+logger = logging.getLogger(__name__)
+
+LEASE_PREFIX = "devicefleet:lease:"
+LEASES_KEY = "devicefleet:leases"
+REAPER_LOCK = "devicefleet:reaper:lock"
+#: Counts of what the reaper did, for status and the tests: ``{"restored": n}``.
+REAPER_STATS = "devicefleet:reaper:stats"
+
+
+def lease_key(task_id: str) -> str:
+    return f"{LEASE_PREFIX}{task_id}"
+
+
+def owner_alive(client: redis.Redis, owner: dict[str, Any]) -> bool:
+    """Whether ``owner`` (``{"device", "pid", "host"}``) is still the live worker of its device."""
+    raw = client.get(registry.worker_key(str(owner.get("device"))))
+    if raw is None:
+        return False
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return False
+    return bool(record.get("pid") == owner.get("pid") and record.get("host") == owner.get("host"))
+
+
+class LeaseKeeper:
+    """Takes, renews and releases the leases of the jobs this worker process runs."""
+
+    def __init__(self, client: redis.Redis, device: str, worker: str, ttl_s: float) -> None:
+        self._client = client
+        self.owner = {"device": device, "worker": worker, "pid": os.getpid(), "host": host_name()}
+        self._ttl_ms = int(ttl_s * 1000)
+        self._interval = ttl_s / 3
+        self._held: dict[str, str] = {}  # task id -> lease value
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="devicefleet-leases", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def acquire(self, task_id: str, delivery_tag: str | None) -> bool:
+        """Take the lease of ``task_id``; False if another live worker holds it.
+
+        A lease left by a dead owner (its key not yet expired) is taken over.
+        """
+        record = {**self.owner, "task_id": task_id, "delivery_tag": delivery_tag,
+                  "since": time.time()}
+        value = json.dumps(record)
+        key = lease_key(task_id)
+        if not self._client.set(key, value, nx=True, px=self._ttl_ms):
+            raw = self._client.get(key)
+            holder = json.loads(raw) if raw else {}
+            if holder and holder.get("pid") == os.getpid() and holder.get("host") == host_name():
+                pass  # ours already
+            elif holder and owner_alive(self._client, holder):
+                logger.warning("job %s already runs on %s (pid %s); not running this copy",
+                               task_id, holder.get("worker"), holder.get("pid"))
+                return False
+            else:
+                logger.warning("taking over the lease of job %s from dead %s", task_id,
+                               holder.get("worker"))
+            self._client.set(key, value, px=self._ttl_ms)
+        self._client.hset(LEASES_KEY, task_id, value)
+        with self._lock:
+            self._held[task_id] = value
+        return True
+
+    def release(self, task_id: str) -> None:
+        with self._lock:
+            self._held.pop(task_id, None)
+        try:
+            pipe = self._client.pipeline()
+            pipe.delete(lease_key(task_id))
+            pipe.hdel(LEASES_KEY, task_id)
+            pipe.execute()
+        except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
+            logger.warning("could not release the lease of job %s: %s", task_id, exc)
+
+    @contextmanager
+    def hold(self, task: Any) -> Iterator[None]:
+        """Hold ``task``'s lease while the block runs.
+
+        Raises:
+            celery.exceptions.Ignore: another live worker runs this job now, or it has already
+                finished (its result is stored); this copy is acknowledged and dropped, with
+                no result stored.
+        """
+        task_id = str(task.request.id)
+        properties = getattr(task.request, "properties", None) or {}
+        if not self.acquire(task_id, properties.get("delivery_tag")):
+            raise Ignore()
+        if task.AsyncResult(task_id).state in READY_STATES:
+            # A copy of a job that already finished (redelivered after its ack was lost).
+            logger.warning("job %s has already finished; not running this copy", task_id)
+            self.release(task_id)
+            raise Ignore()
+        try:
+            yield
+        finally:
+            self.release(task_id)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                held = dict(self._held)
+            for task_id, value in held.items():
+                try:
+                    self._client.set(lease_key(task_id), value, px=self._ttl_ms)
+                    self._client.hset(LEASES_KEY, task_id, value)
+                except redis.RedisError as exc:  # Redis restarting: renew on the next beat
+                    logger.warning("could not renew the lease of job %s: %s", task_id, exc)
+
+
+def reap_once(client: redis.Redis, app: Celery) -> list[str]:
+    """Give back to their queues the jobs whose lease expired with their owner dead.
+
+    Returns the task ids given back.
+    """
+    restored: list[str] = []
+    leases = client.hgetall(LEASES_KEY)
+    if not leases:
+        return restored
+    with app.connection_for_write() as conn:
+        qos = conn.default_channel.qos
+        for task_id, raw in leases.items():
+            if client.exists(lease_key(task_id)):
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                client.hdel(LEASES_KEY, task_id)
+                continue
+            if owner_alive(client, record):
+                continue  # alive but late to renew (Redis was away): it renews on its next beat
+            tag = record.get("delivery_tag")
+            if tag:
+                # Back to the front of its queue, and out of kombu's unacked hash and index.
+                qos.restore_by_tag(tag, leftmost=False)
+            client.hdel(LEASES_KEY, task_id)
+            client.hincrby(REAPER_STATS, "restored", 1)
+            logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
+                           task_id, record.get("worker"), record.get("pid"))
+            restored.append(str(task_id))
+    return restored
+
+
+class Reaper:
+    """Runs :func:`reap_once` every ``interval_s``; a Redis lock keeps it to one reaper at a time."""
+
+    def __init__(self, client: redis.Redis, app: Celery, interval_s: float) -> None:
+        self._client = client
+        self._app = app
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="devicefleet-reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        lock_ms = max(1000, int(self._interval * 5000))
+        while not self._stop.wait(self._interval):
+            try:
+                if not self._client.set(REAPER_LOCK, os.getpid(), nx=True, px=lock_ms):
+                    continue
+                try:
+                    reap_once(self._client, self._app)
+                finally:
+                    self._client.delete(REAPER_LOCK)
+            except Exception as exc:  # Redis away, or a bad record: try again next round
+                logger.warning("reaper round failed: %s", exc)
