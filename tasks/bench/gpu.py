@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
 from celery import Celery
@@ -23,12 +24,14 @@ from ..fanout import fan_out
 logger = logging.getLogger(__name__)
 
 
-def _sample_utilization(stop: threading.Event, samples: list[float], interval_s: float = 0.05) -> None:
+def _sample_utilization(
+    stop: threading.Event, samples: list[tuple[float, float]], interval_s: float = 0.05
+) -> None:
     import torch
 
     while not stop.wait(interval_s):
         try:
-            samples.append(float(torch.cuda.utilization(0)))
+            samples.append((time.time(), float(torch.cuda.utilization(0))))
         except Exception as exc:  # NVML missing: no samples, the job's own figure stands
             logger.warning("cannot read GPU utilization: %s", exc)
             return
@@ -51,12 +54,12 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
     if not torch.cuda.is_available() or "gpu0" not in devices:
         return None
     cpu = next((d for d in devices if d.startswith("cpu")), None)
-    epochs = 3 if quick else 30
+    epochs = 3 if quick else 50
     cnn = ("train", {"model": "cnn", "epochs": epochs, "batch_size": 256})
     mlp = ("train", {"model": "mlp", "epochs": epochs, "batch_size": 256})
 
     stop = threading.Event()
-    samples: list[float] = []
+    samples: list[tuple[float, float]] = []
     sampler = threading.Thread(target=_sample_utilization, args=(stop, samples), daemon=True)
     sampler.start()
     try:
@@ -64,13 +67,18 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
     finally:
         stop.set()
         sampler.join()
-    output = results["gpu0"]["output"]
+    entry = results["gpu0"]
+    output = entry["output"]
+    # Only the training loop's window: not the loader workers' start-up nor the checkpoint.
+    train_end = datetime.fromisoformat(entry["finished_at"]).timestamp()
+    train_start = train_end - float(output["train_s"])
+    window = [u for t, u in samples if train_start <= t <= train_end]
     out: dict[str, Any] = {
         "device_name": torch.cuda.get_device_name(0),
         "loader_busy_fraction": 1.0 - float(output["data_wait_fraction"]),
-        "utilization_samples": len(samples),
+        "utilization_samples": len(window),
     }
-    out["busy_fraction"] = (sum(samples) / len(samples) / 100.0) if samples else out["loader_busy_fraction"]
+    out["busy_fraction"] = (sum(window) / len(window) / 100.0) if window else out["loader_busy_fraction"]
     if cpu is not None:
         gpu_mlp_s, _ = _train(app, {"gpu0": mlp})
         gpu_cnn_s, _ = _train(app, {"gpu0": cnn})
