@@ -303,6 +303,31 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
         click.echo(f"  {line}")
 
 
+# -- bench -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option("--quick", is_flag=True, help="Smoke mode (CI): few runs, small batches, short jobs.")
+@click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
+def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
+    """Measure a throwaway fleet against what users would do instead; print a table."""
+    from .bench import report
+    from .bench.run import run_bench
+
+    say = err_console.print if as_json else console.print
+    say("benchmarking an embedded fleet" + (" (quick)" if quick else "") + "...")
+    try:
+        figures = run_bench(_settings(), quick=quick, cpu_workers=cpu_workers)
+    except DeviceFleetError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(figures, indent=2, default=str))
+    else:
+        console.print(report.table(figures))
+        say(f"bench done in {figures['elapsed_s']:.0f} s")
+
+
 # -- output ------------------------------------------------------------------------------------
 
 

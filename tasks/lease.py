@@ -167,8 +167,8 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
         return restored
     with app.connection_for_write() as conn:
         qos = conn.default_channel.qos
-        for task_id, raw in leases.items():
-            if client.exists(lease_key(task_id)):
+        for task_id, raw in leases.items():  # str: the registry's client decodes responses
+            if client.exists(lease_key(str(task_id))):
                 continue
             try:
                 record = json.loads(raw)

@@ -249,7 +249,7 @@ class DeviceWorker:
             output = result
         except DeviceFleetError as exc:
             logger.warning("%s: job %s failed: %s", self.device, job, exc)
-            error = error_info(exc)
+            error = dict(error_info(exc))
             if isinstance(exc, OutOfMemory):
                 error["memory"] = exc.memory
                 recycle = exc.recycle

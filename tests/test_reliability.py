@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 import redis
 from click.testing import CliRunner
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from kombu import Exchange
 from kombu.exceptions import ContentDisallowed
 from kombu.serialization import loads as kombu_loads

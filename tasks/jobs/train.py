@@ -18,10 +18,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from ..errors import TrainingDiverged
 from ..job import JobContext, job
+from ..loader import build_loader
 from . import data, resume
 from .models import ModelName, build
 
@@ -62,17 +63,13 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     cuda = device.type == "cuda"
     split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
     workers = _loader_workers(params, ctx, cuda)
-    loader = DataLoader(
+    loader = build_loader(
         TensorDataset(split.x_train, split.y_train),
         batch_size=params.batch_size,
-        shuffle=True,
         num_workers=workers,
-        pin_memory=cuda,
-        persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
-        # A GPU worker never forks after CUDA is initialised: its loaders are spawned.
-        multiprocessing_context="spawn" if cuda and workers > 0 else None,
-        generator=torch.Generator().manual_seed(params.seed),
+        cuda=cuda,
+        shuffle=True,
+        seed=params.seed,
     )
     model = build(params.model, split.features, split.classes, params.hidden).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=params.lr)

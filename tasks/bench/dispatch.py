@@ -1,0 +1,79 @@
+"""Dispatch overhead: the fleet's own cost, measured with ``noop`` jobs.
+
+- fan-out round trip: ``fan_out("noop", [cpu0, cpu1]).get()``, repeated; p50 and p99 in ms;
+- throughput: one producer sends ``n`` no-op jobs over the device queues and waits for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+from celery import Celery
+
+from ..fanout import fan_out
+from ..queues import device_queue
+from ..runner import RUN_JOB
+
+logger = logging.getLogger(__name__)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, by linear interpolation."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    pos = (len(ordered) - 1) * q
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def fanout_round_trips(app: Celery, devices: list[str], runs: int, warmup: int = 5) -> list[float]:
+    """Seconds per ``fan_out("noop", devices).get()``, ``runs`` times after ``warmup``."""
+    times: list[float] = []
+    for i in range(warmup + runs):
+        t0 = time.perf_counter()
+        results = fan_out("noop", devices, app=app).get(timeout=60)
+        elapsed = time.perf_counter() - t0
+        bad = [d for d, e in results.items() if e["status"] != "ok"]
+        if bad:
+            raise RuntimeError(f"noop fan-out failed on {bad}: {results}")
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def throughput(app: Celery, devices: list[str], jobs: int) -> float:
+    """No-op jobs per second that one producer gets through the device workers."""
+    sigs = [
+        app.signature(RUN_JOB, kwargs={"device": d, "job": "noop", "kwargs": {}}, queue=device_queue(d))
+        for d in devices
+    ]
+    t0 = time.perf_counter()
+    results = [sigs[i % len(sigs)].apply_async() for i in range(jobs)]
+    for res in results:
+        entry = res.get(timeout=120)
+        if entry["status"] != "ok":
+            raise RuntimeError(f"noop job failed: {entry}")
+    return jobs / (time.perf_counter() - t0)
+
+
+def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
+    """``{"fanout_ms_p50", "fanout_ms_p99", "jobs_per_s", "runs", "jobs"}`` for ``devices``."""
+    runs = 30 if quick else 300
+    jobs = 100 if quick else 2000
+    times = fanout_round_trips(app, devices, runs)
+    rate = throughput(app, devices, jobs)
+    out = {
+        "fanout_ms_p50": 1000 * statistics.median(times),
+        "fanout_ms_p99": 1000 * percentile(times, 0.99),
+        "jobs_per_s": rate,
+        "runs": runs,
+        "jobs": jobs,
+        "devices": devices,
+    }
+    logger.info("dispatch: %s", out)
+    return out

@@ -1,0 +1,119 @@
+"""Fan-out efficiency: K equal CPU-bound ``train`` jobs on K devices.
+
+Compared with what users do instead (SEEDS §1):
+
+- the same K jobs one after another in one process;
+- the plain pattern: one ``multiprocessing.Process`` per job, outputs in a ``Manager().dict()``.
+
+Every variant runs the ``train`` job's own function with one torch thread per job (each CPU
+worker of a 2-core host owns one core), so only the way the jobs are spread differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from ..fanout import fan_out
+from ..job import JobContext
+
+logger = logging.getLogger(__name__)
+
+
+def _train_kwargs(epochs: int) -> dict[str, Any]:
+    return {"model": "mlp", "epochs": epochs, "num_workers": 0, "batch_size": 64}
+
+
+def run_train_inline(device: str, kwargs: dict[str, Any], artifacts: Path) -> dict[str, Any]:
+    """Run the ``train`` job's function in this process with one torch thread; returns its output."""
+    import torch
+
+    from ..jobs.train import TrainParams, train
+
+    torch.set_num_threads(1)
+    ctx = JobContext(device=device, torch_device="cpu", job_id=f"bench-{device}",
+                     artifacts_dir=artifacts / device, cores=[0])
+    return train(ctx, TrainParams(**kwargs))
+
+
+def _mp_child(device: str, kwargs: dict[str, Any], artifacts: str, out: Any) -> None:
+    out[f"{device}_output"] = run_train_inline(device, kwargs, Path(artifacts))
+
+
+def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: Path) -> float:
+    """Wall seconds of the SEEDS §1 pattern: a Process per job, a Manager dict, join()."""
+    ctx = mp.get_context("fork")
+    t0 = time.perf_counter()
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        procs = [ctx.Process(target=_mp_child, args=(d, kwargs, str(artifacts), out)) for d in devices]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join()
+        if len(out) != len(devices) or any(p.exitcode for p in procs):
+            raise RuntimeError(f"multiprocessing baseline failed: exit codes {[p.exitcode for p in procs]}")
+    return time.perf_counter() - t0
+
+
+def calibrate_epochs(target_s: float, artifacts: Path) -> int:
+    """Epochs for a ``train`` job of about ``target_s`` seconds on one thread.
+
+    Two short runs separate the per-epoch time from the fixed cost (dataset, checkpoint).
+    """
+    run_train_inline("calib", _train_kwargs(1), artifacts)  # imports, dataset cache
+    times = []
+    for epochs in (2, 6):
+        t0 = time.perf_counter()
+        run_train_inline("calib", _train_kwargs(epochs), artifacts)
+        times.append(time.perf_counter() - t0)
+    per_epoch = max((times[1] - times[0]) / 4, 1e-3)
+    fixed = max(times[0] - 2 * per_epoch, 0.0)
+    return max(1, round((target_s - fixed) / per_epoch))
+
+
+def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
+    """``{"efficiency", "vs_multiprocessing", ...}`` for K = ``len(devices)`` equal jobs."""
+    with tempfile.TemporaryDirectory(prefix="devicefleet-bench-") as tmp:
+        artifacts = Path(tmp)
+        epochs = calibrate_epochs(0.5 if quick else 3.0, artifacts)
+        kwargs = _train_kwargs(epochs)
+        # Warm the workers (imports, dataset) as the in-process runs are warm.
+        fan_out(("train", _train_kwargs(1)), devices, app=app).get(timeout=600)
+
+        t0 = time.perf_counter()
+        run_train_inline("single", kwargs, artifacts)
+        single_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for device in devices:
+            run_train_inline(device, kwargs, artifacts)
+        sequential_s = time.perf_counter() - t0
+
+        mp_s = run_multiprocessing(devices, kwargs, artifacts)
+
+        t0 = time.perf_counter()
+        results = fan_out(("train", kwargs), devices, app=app).get(timeout=600)
+        fanout_s = time.perf_counter() - t0
+    bad = {d: e["error"] for d, e in results.items() if e["status"] != "ok"}
+    if bad:
+        raise RuntimeError(f"train fan-out failed: {bad}")
+    out = {
+        "jobs": len(devices),
+        "epochs": epochs,
+        "single_s": single_s,
+        "sequential_s": sequential_s,
+        "multiprocessing_s": mp_s,
+        "fanout_s": fanout_s,
+        "efficiency": single_s / fanout_s,
+        "vs_multiprocessing": fanout_s / mp_s,
+        "speedup_vs_sequential": sequential_s / fanout_s,
+    }
+    logger.info("fan-out efficiency: %s", out)
+    return out

@@ -1,0 +1,110 @@
+"""The benchmark figures as a table (rich) and as flat JSON keys (``dispatch.fanout_ms_p50``...)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.table import Table
+
+#: Every key ``devicefleet bench --json`` prints on any host; GPU_KEYS only where a GPU is.
+KEYS = (
+    "dispatch.fanout_ms_p50",
+    "dispatch.fanout_ms_p99",
+    "dispatch.jobs_per_s",
+    "fanout.efficiency",
+    "fanout.vs_multiprocessing",
+    "pipeline.wait_s_sequential",
+    "pipeline.wait_s_mp_queue",
+    "pipeline.wait_s_fleet",
+)
+GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
+
+#: Published figures of what users would do instead (SEEDS §2, Celery and Ray's own numbers).
+PUBLISHED = {
+    "dispatch.fanout_ms_p50": "plain Celery+Redis chord: ~23 ms; Ray: ~1 ms per sync task",
+    "dispatch.jobs_per_s": "plain Celery+Redis: ~220/s",
+    "pipeline.wait_s_sequential": "article: 0.57 s",
+    "pipeline.wait_s_mp_queue": "article: 0.08 s",
+    "pipeline.wait_s_fleet": "article, Ray: 0.02 s",
+}
+GOALS = {
+    "dispatch.fanout_ms_p50": ("<=", 5.0),
+    "dispatch.jobs_per_s": (">=", 1000.0),
+    "fanout.efficiency": (">=", 0.95),
+    "fanout.vs_multiprocessing": ("<=", 1.05),
+    "pipeline.wait_s_fleet": ("<=", 0.01),
+    "gpu.busy_fraction": (">=", 0.9),
+}
+
+
+def flatten(figures: dict[str, Any]) -> dict[str, Any]:
+    """``{"dispatch": {"jobs_per_s": 1.0}}`` -> ``{"dispatch.jobs_per_s": 1.0}`` (one level)."""
+    flat: dict[str, Any] = {}
+    for section, values in figures.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                flat[f"{section}.{key}"] = value
+        else:
+            flat[section] = values
+    return flat
+
+
+def missing_keys(figures: dict[str, Any], *, gpu: bool) -> list[str]:
+    """The required keys absent from ``figures`` or not finite numbers."""
+    flat = flatten(figures)
+    wanted = KEYS + (GPU_KEYS if gpu else ())
+    return [
+        key for key in wanted
+        if not isinstance(flat.get(key), (int, float)) or not math.isfinite(flat[key])
+    ]
+
+
+def goal_met(key: str, value: float) -> bool | None:
+    """Whether ``value`` meets ``key``'s goal; ``None`` when the key has none."""
+    if key not in GOALS:
+        return None
+    op, target = GOALS[key]
+    return value <= target if op == "<=" else value >= target
+
+
+def _fmt(key: str, value: float) -> str:
+    if key.endswith("_ms_p50") or key.endswith("_ms_p99"):
+        return f"{value:.1f} ms"
+    if key.endswith("jobs_per_s"):
+        return f"{value:.0f}/s"
+    if ".wait_s" in key:
+        return f"{value:.3f} s"
+    return f"{value:.3f}"
+
+
+def table(figures: dict[str, Any]) -> Table:
+    """The figures next to the published baselines and the goals."""
+    flat = flatten(figures)
+    extra = {
+        "fanout.efficiency": f"sequential {flat.get('fanout.sequential_s', math.nan):.2f} s, "
+                             f"one job {flat.get('fanout.single_s', math.nan):.2f} s",
+        "fanout.vs_multiprocessing": f"fan-out {flat.get('fanout.fanout_s', math.nan):.2f} s, "
+                                     f"multiprocessing {flat.get('fanout.multiprocessing_s', math.nan):.2f} s",
+    }
+    if "pipeline.wait_s_ray" in flat:
+        extra["pipeline.wait_s_fleet"] = f"Ray, this run: {flat['pipeline.wait_s_ray']:.3f} s; " + \
+            PUBLISHED["pipeline.wait_s_fleet"]
+    host = figures.get("host", {})
+    out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "
+                      f"{host.get('cores')} cores, {host.get('cpu')}, load {host.get('load_avg_1m', 0):.2f}")
+    out.add_column("figure")
+    out.add_column("devicefleet", justify="right")
+    out.add_column("baseline / reference")
+    out.add_column("goal")
+    for key in KEYS + GPU_KEYS + ("gpu.loader_busy_fraction",):
+        if key not in flat:
+            continue
+        value = flat[key]
+        met = goal_met(key, value)
+        goal = ""
+        if key in GOALS:
+            op, target = GOALS[key]
+            goal = f"{op} {target:g} " + ("[green]met[/]" if met else "[red]not met[/]")
+        out.add_row(key, _fmt(key, value), extra.get(key, PUBLISHED.get(key, "")), goal)
+    return out

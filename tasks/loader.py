@@ -1,0 +1,55 @@
+"""The data loader that keeps a device fed: a torch DataLoader with background workers.
+
+The built-in ``train`` job and ``devicefleet bench`` (the fed-device benchmark) build their
+loaders here, so the benchmark measures the pipeline the job really uses (SEEDS §2-3): worker
+processes produce batches in parallel and hand them over through shared memory, each worker keeps
+``prefetch_factor`` batches ready, and on CUDA batches are pinned so the host-to-device copy can
+be ``non_blocking``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFETCH = 4
+
+
+def build_loader(
+    dataset: Dataset[Any],
+    *,
+    batch_size: int | None,
+    num_workers: int,
+    cuda: bool,
+    shuffle: bool = False,
+    seed: int = 0,
+    prefetch_factor: int = DEFAULT_PREFETCH,
+) -> DataLoader[Any]:
+    """A DataLoader over ``dataset`` with ``num_workers`` persistent producer processes.
+
+    Args:
+        dataset: a map-style dataset; with ``batch_size=None`` each item is already a batch.
+        batch_size: samples per batch, or ``None`` when the dataset yields whole batches.
+        num_workers: producer processes (0: load in the calling process).
+        cuda: the consumer trains on a GPU: pin batches, and spawn (never fork) the workers,
+            since a process that initialised CUDA must not fork.
+        shuffle: reshuffle each epoch (reproducibly, from ``seed``).
+        prefetch_factor: batches each worker keeps ready ahead of the consumer.
+    """
+    workers = max(0, num_workers)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=workers,
+        pin_memory=cuda,
+        persistent_workers=workers > 0,
+        prefetch_factor=prefetch_factor if workers > 0 else None,
+        multiprocessing_context="spawn" if cuda and workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
