@@ -55,7 +55,7 @@ class WorkerProcess:
 def settings_env(settings: Settings) -> dict[str, str]:
     """``settings`` as ``DEVICEFLEET_*`` variables, so child processes see the same values."""
     env: dict[str, str] = {}
-    for name, value in settings.model_dump().items():
+    for name, value in settings.model_dump(mode="json").items():
         if value is None:
             continue
         if isinstance(value, list):
