@@ -295,9 +295,9 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
     except DeviceFleetError as exc:
         _fail(exc, 2)
     for path in done.files:
-        console.print(f"wrote {root / path.relative_to(path.anchor)}", highlight=False)
+        console.print(f"wrote {root / path.relative_to(path.anchor)}", highlight=False, soft_wrap=True)
     for path in done.kept:
-        console.print(f"kept  {root / path.relative_to(path.anchor)} (already there)", highlight=False)
+        console.print(f"kept  {root / path.relative_to(path.anchor)} (already there)", highlight=False, soft_wrap=True)
     console.print(f"workers: {', '.join(plan.devices)}; then, as root:", highlight=False)
     for line in done.commands:
         click.echo(f"  {line}")

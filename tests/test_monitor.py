@@ -106,12 +106,19 @@ class Monitored:
     auth: str
     metrics_url: str
     handles: list[FanOut] = field(default_factory=list)
+    _app: Any = None
+
+    def app(self) -> Any:
+        """One producer app for the module (a new app per call would leave its sockets to GC)."""
+        if self._app is None:
+            self._app = self.fleet.app()
+        return self._app
 
     def worker(self, device: str) -> str:
         return f"{device}@{host_name()}"
 
     def run(self, jobs: Any, devices: Any = "all", timeout: float = 120) -> dict[str, Any]:
-        handle = fan_out(jobs, devices, app=self.fleet.app())
+        handle = fan_out(jobs, devices, app=self.app())
         self.handles.append(handle)
         return handle.get(timeout=timeout)
 
@@ -122,6 +129,8 @@ class Monitored:
         """Tasks each worker received: its device's jobs plus the collect steps it ran."""
         counts = Counter({self.worker(d): n for d, n in self.jobs_per_device().items()})
         for h in self.handles:
+            # get() returns once every device has; the chord's collect step may still be running.
+            h._result.get(timeout=60, propagate=False)
             collector = h._result.worker  # result_extended records the worker of each task
             assert collector, f"no worker recorded for collect step {h.id}"
             counts[str(collector)] += 1
@@ -144,6 +153,8 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
         yield monitored
         # Results unsubscribe from Redis when collected: let them go while Redis still runs.
         monitored.handles.clear()
+        if monitored._app is not None:
+            monitored._app.close()
         gc.collect()
 
 
@@ -259,7 +270,7 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
 
 
 def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: Monitored) -> None:
-    app = monitored.fleet.app()
+    app = monitored.app()
     worker = monitored.worker("cpu0")
     replies = app.control.cancel_consumer("device.cpu0", destination=[worker], reply=True, timeout=10)
     assert replies, "cpu0 did not answer cancel_consumer"
@@ -300,7 +311,7 @@ def test_progress_reaches_producers_status_and_flower(
 ) -> None:
     release = tmp_path / "release"
     handle = fan_out({"cpu1": ("hold", {"steps": 4, "release_file": str(release)})},
-                     app=monitored.fleet.app())
+                     app=monitored.app())
     monitored.handles.append(handle)
     try:
         # The producer: PROGRESS meta from the result backend.

@@ -156,7 +156,7 @@ def test_job_registry_only_knows_allowlisted_modules():
     import tests.forbidden_jobs  # noqa: F401  (defined, but not allowed)
 
     registry = JobRegistry(["tasks.jobs"])
-    assert registry.names == ["probe", "train"]
+    assert registry.names == ["noop", "probe", "train"]
     with pytest.raises(Exception, match="unknown job 'forbidden'"):
         registry.get("forbidden")
     with pytest.raises(ConfigError, match="no_such_module"):
