@@ -142,7 +142,8 @@ class FanOut:
         return list(self.plan)
 
     def ready(self) -> bool:
-        return bool(self._result.ready())
+        """Whether every device's job has finished (what :meth:`get` waits for)."""
+        return all(res.ready() for res in self._headers.values())
 
     def states(self) -> dict[str, str]:
         """Celery state of each device's job (``PENDING``, ``STARTED``, ``PROGRESS``, ``SUCCESS``...)."""
