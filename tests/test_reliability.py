@@ -387,19 +387,21 @@ PRODUCERS = 4
 
 
 @pytest.mark.timeout(max(300, LOAD_JOBS // 5))
-def test_load_burst_every_job_has_exactly_one_result(rfleet, rapp):
+def test_load_burst_every_job_has_exactly_one_result(rfleet, rapp, tmp_path):
     devices = sorted(_pids(rapp))
     fanouts = LOAD_JOBS // (PRODUCERS * len(devices))
     total = fanouts * PRODUCERS * len(devices)
     done_before = {d: r["jobs_done"] for d, r in tasks.live_devices(rapp).items()}
     started = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.load_burst", rfleet.redis_url, str(p), str(fanouts)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **child_env()},
-        )
-        for p in range(PRODUCERS)
-    ]
+    # Output to files, not pipes: a full pipe would block a producer until the loop below ends.
+    logs = [(tmp_path / f"producer{p}.out", tmp_path / f"producer{p}.err") for p in range(PRODUCERS)]
+    procs = []
+    for p, (out_path, err_path) in enumerate(logs):
+        with open(out_path, "wb") as out_file, open(err_path, "wb") as err_file:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.load_burst", rfleet.redis_url, str(p), str(fanouts)],
+                stdout=out_file, stderr=err_file, env={**os.environ, **child_env()},
+            ))
     status_times = []
     runner = CliRunner()
     while any(p.poll() is None for p in procs):
@@ -411,10 +413,9 @@ def test_load_burst_every_job_has_exactly_one_result(rfleet, rapp):
         time.sleep(0.2)
     elapsed = time.monotonic() - started
     outputs = []
-    for p in procs:
-        out, err = p.communicate()
-        assert p.returncode == 0, err.decode()[-2000:]
-        outputs.append(json.loads(out.decode().strip().splitlines()[-1]))
+    for p, (out_path, err_path) in zip(procs, logs, strict=True):
+        assert p.wait() == 0, err_path.read_text(errors="replace")[-2000:]
+        outputs.append(json.loads(out_path.read_text().strip().splitlines()[-1]))
     entries = [tuple(e) for o in outputs for e in o["entries"]]
     seen = {(value, device) for value, device, _, _ in entries}
     expected = {(f"p{p}-{i}", d) for p in range(PRODUCERS) for i in range(fanouts) for d in devices}
