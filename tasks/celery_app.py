@@ -66,6 +66,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> Celery:
     """A Celery app for ``settings``; ``None`` reads them from the environment when first needed."""
     celery = Celery(main, include=["tasks.runner"], set_as_current=settings is None)
+    # Marks the app as devicefleet's: the worker signal handlers (tasks.worker) leave any other
+    # Celery app in the same process alone.
+    celery.devicefleet = True  # type: ignore[attr-defined]
     if settings is None:
         # A promise: evaluated when the configuration is first read, not at import.
         celery.add_defaults(lambda: celery_config(Settings.load()))

@@ -291,9 +291,17 @@ class DeviceWorker:
 # -- Celery signal handlers ----------------------------------------------------------------------
 
 
+def _is_devicefleet(instance: Any) -> bool:
+    """Whether the starting worker runs a devicefleet app (see :func:`tasks.celery_app.create_app`)."""
+    return bool(getattr(getattr(instance, "app", None), "devicefleet", False))
+
+
 @celeryd_init.connect
 def _on_init(sender: str, instance: Any, conf: Any, options: dict[str, Any], **_: Any) -> None:
     global _current
+    if not _is_devicefleet(instance):
+        logger.debug("worker %s runs another Celery app: not a devicefleet device worker", sender)
+        return
     try:
         worker = DeviceWorker(str(sender), Settings.load())
         worker.prepare_process()

@@ -1,14 +1,17 @@
 """Dispatch overhead: the fleet's own cost, measured with ``noop`` jobs.
 
 - fan-out round trip: ``fan_out("noop", [cpu0, cpu1]).get()``, repeated; p50 and p99 in ms;
-- throughput: one producer sends ``n`` no-op jobs over the device queues and waits for all.
+- throughput: one producer sends ``n`` no-op jobs over the device queues and waits for all;
+- the same two figures for a plain Celery + Redis setup (:mod:`tasks.bench.plain`), side by side.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -16,6 +19,7 @@ from celery import Celery
 from ..fanout import fan_out
 from ..queues import device_queue
 from ..runner import RUN_JOB
+from . import plain
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,11 @@ def throughput(app: Celery, devices: list[str], jobs: int) -> float:
 
 
 def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
-    """``{"fanout_ms_p50", "fanout_ms_p99", "jobs_per_s", "runs", "jobs"}`` for ``devices``."""
+    """``{"fanout_ms_p50", "fanout_ms_p99", "jobs_per_s", "plain_*", ...}`` for ``devices``.
+
+    The ``plain_*`` figures are the baseline of :mod:`tasks.bench.plain`, measured in the same
+    run on the same Redis: a two-job chord and one producer's throughput.
+    """
     runs = 30 if quick else 300
     jobs = 100 if quick else 2000
     times = fanout_round_trips(app, devices, runs)
@@ -75,5 +83,11 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         "jobs": jobs,
         "devices": devices,
     }
+    with tempfile.TemporaryDirectory(prefix="devicefleet-bench-plain-") as logs, \
+            plain.plain_workers(plain.plain_url(str(app.conf.broker_url)), len(devices), Path(logs)) as (producer, queues):
+        plain_times = plain.chord_round_trips(producer, queues, runs)
+        out["plain_chord_ms_p50"] = 1000 * statistics.median(plain_times)
+        out["plain_chord_ms_p99"] = 1000 * percentile(plain_times, 0.99)
+        out["plain_jobs_per_s"] = plain.throughput(producer, queues, jobs)
     logger.info("dispatch: %s", out)
     return out

@@ -87,6 +87,11 @@ def table(figures: dict[str, Any]) -> Table:
         "fanout.vs_multiprocessing": f"fan-out {flat.get('fanout.fanout_s', math.nan):.2f} s, "
                                      f"multiprocessing {flat.get('fanout.multiprocessing_s', math.nan):.2f} s",
     }
+    if "dispatch.plain_chord_ms_p50" in flat:
+        extra["dispatch.fanout_ms_p50"] = (f"plain Celery+Redis chord, this run: {flat['dispatch.plain_chord_ms_p50']:.1f} ms; "
+                                           "Ray: ~1 ms per sync task")
+        extra["dispatch.fanout_ms_p99"] = f"plain Celery+Redis chord, this run: {flat['dispatch.plain_chord_ms_p99']:.1f} ms"
+        extra["dispatch.jobs_per_s"] = f"plain Celery+Redis, this run: {flat['dispatch.plain_jobs_per_s']:.0f}/s"
     if "pipeline.wait_s_ray" in flat:
         extra["pipeline.wait_s_fleet"] = f"Ray, this run: {flat['pipeline.wait_s_ray']:.3f} s; " + \
             PUBLISHED["pipeline.wait_s_fleet"]
