@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -71,4 +73,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
-__all__ = ["ROOT", "make_settings", "test_env", "sys"]
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.05) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last value {last!r}")
+        time.sleep(poll)
+
+
+__all__ = ["ROOT", "make_settings", "test_env", "sys", "wait_for"]

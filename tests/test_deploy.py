@@ -30,6 +30,7 @@ from tasks.redis_server import find_redis_server, free_port
 from tasks.settings import Settings
 
 from .conftest import ROOT, test_env
+from .conftest import wait_for as _wait
 from .systemd_units import load_unit, parse_env_file, service_exec, unit_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,17 +57,6 @@ def _plan(tmp: Path, **overrides: object) -> HostPlan:
 def _instances(unit_dir: Path) -> set[str]:
     return {p.name.removeprefix("devicefleet-worker@").removesuffix(".service.d")
             for p in unit_dir.glob("devicefleet-worker@*.service.d")}
-
-
-def _wait(condition, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
 
 
 # -- rendering -------------------------------------------------------------------------------------

@@ -21,10 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
@@ -36,7 +36,7 @@ from tasks.devices import host_name
 from tasks.flower import auth_header, credentials
 from tasks.progress import describe, fraction, watch
 
-from .conftest import ROOT, make_settings
+from .conftest import ROOT, make_settings, wait_for
 from .conftest import test_env as child_env
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -47,20 +47,6 @@ CHROMIUM_ARGS = [
 ARTIFACTS = ROOT / "test-artifacts"
 DEVICES = ["cpu0", "cpu1"]
 N = 3
-
-T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    pytest.fail(f"{what} not true after {timeout:g} s; last value {last!r}")
 
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -37,22 +37,11 @@ from tasks.fanout import JobSpec
 from tasks.lease import LEASES_KEY, REAPER_STATS
 from tasks.runner import RUN_JOB
 
-from .conftest import TEST_JOB_MODULES, make_settings
+from .conftest import TEST_JOB_MODULES, make_settings, wait_for
 from .conftest import test_env as child_env
 
 LEASE_TTL_S = 4.0
 RECOVERY_LIMIT_S = 30.0
-
-
-def wait_for(condition, timeout: float, what: str, poll: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(poll)
 
 
 @pytest.fixture(scope="module")
@@ -266,9 +255,13 @@ def test_malformed_job_specs_fail_at_the_producer(rfleet, rapp, spec):
     assert str(info.value)
 
 
+def _nest(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    _nest,
     max_leaves=12,
 )
 
