@@ -239,6 +239,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
     from .fanout import fan_out
     from .fleet import Fleet
 
+    _interrupt_on_sigterm()
     started = time.perf_counter()
     base = _settings()
     with tempfile.TemporaryDirectory(prefix="devicefleet-demo-") as tmp:
@@ -315,6 +316,7 @@ def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
     from .bench import report
     from .bench.run import run_bench
 
+    _interrupt_on_sigterm()
     say = err_console.print if as_json else console.print
     say("benchmarking an embedded fleet" + (" (quick)" if quick else "") + "...")
     try:
@@ -326,6 +328,11 @@ def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
     else:
         console.print(report.table(figures))
         say(f"bench done in {figures['elapsed_s']:.0f} s")
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM acts as Ctrl-C, so a throwaway fleet (demo, bench) is stopped, not orphaned."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 # -- output ------------------------------------------------------------------------------------

@@ -297,8 +297,11 @@ class Fleet:
             self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self.kill()  # interrupted (Ctrl-C, or SIGTERM to demo/bench): no waiting on jobs
+        else:
+            self.stop()
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -158,6 +158,31 @@ def test_demo_json_prints_two_ok_devices_that_learned(tmp_path):
     assert len({e["output"]["checkpoint"] for e in results.values()}) == len(results)
 
 
+@pytest.mark.timeout(180)
+def test_sigterm_to_demo_stops_its_fleet(tmp_path):
+    """SIGTERM (a CI runner or a service manager stopping it) acts as Ctrl-C: the demo's
+    redis-server and workers stop with it instead of being orphaned."""
+    import psutil
+
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        demo = subprocess.Popen([*CLI, "demo", "--epochs", "1000"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: "fleet ready" in log.read_text(errors="replace"), 120, "the demo's fleet", demo)
+        children = psutil.Process(demo.pid).children(recursive=True)
+        assert len(children) >= 3, children  # redis-server and two workers at least
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(60)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running: {alive}"
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_gpu_fan_out_cpu_and_gpu0(fleet, app):
