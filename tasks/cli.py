@@ -304,6 +304,34 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
         click.echo(f"  {line}")
 
 
+# -- exporter ----------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--redis-url", help="Broker and backend (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def exporter(port: int, redis_url: str | None) -> None:
+    """Serve the fleet's Prometheus metrics on 127.0.0.1:PORT until stopped.
+
+    `devicefleet up` runs this exporter itself; systemd hosts run devicefleet-metrics.service.
+    """
+    from .metrics import MetricsExporter
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    settings = _settings(redis_url=redis_url)
+    try:
+        served = MetricsExporter(settings.resolve_redis_url(), port=port).start()
+    except DeviceFleetError as exc:
+        _fail(exc)
+    except OSError as exc:
+        _fail(DeviceFleetError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}"))
+    console.print(f"serving {served.url}; Ctrl-C or SIGTERM stops", highlight=False)
+    stop.wait()
+    served.stop()
+
+
 # -- bench -------------------------------------------------------------------------------------
 
 

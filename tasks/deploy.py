@@ -6,7 +6,8 @@ only thing filled in. A host gets:
 
 - ``devicefleet-worker@.service`` (the worker of one device per instance) and, per instance,
   drop-ins with its stop timeout (and, for a GPU, access to the NVIDIA devices);
-- ``devicefleet-flower.service`` and ``devicefleet.target`` (wants every unit of this host);
+- ``devicefleet-flower.service``, ``devicefleet-metrics.service`` (the Prometheus exporter) and
+  ``devicefleet.target`` (wants every unit of this host);
 - ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640);
 - a copy of ``worker_configs/`` (the units read this copy; edits there are kept);
 - for the host that runs Redis: a snippet for Debian's ``redis-server`` (bind, password,
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_UNIT = "devicefleet-worker@.service"
 FLOWER_UNIT = "devicefleet-flower.service"
+METRICS_UNIT = "devicefleet-metrics.service"
 TARGET_UNIT = "devicefleet.target"
 REDIS_UNIT = "redis-server.service"
 #: Seconds a stop may take beyond the longest job: Celery's shutdown and storing the result.
@@ -114,6 +116,7 @@ class HostPlan:
     stop_margin_s: int = DEFAULT_STOP_MARGIN_S
     flower_address: str = "127.0.0.1"
     flower_port: int = 5555
+    metrics_port: int = 9808
     flower_auth: str = field(default_factory=lambda: f"admin:{secrets.token_urlsafe(18)}")
 
     @property
@@ -271,7 +274,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
 
     after = REDIS_UNIT if plan.runs_redis else ""
     workers = [f"devicefleet-worker@{d}.service" for d in plan.devices]
-    wanted = ([REDIS_UNIT] if plan.runs_redis else []) + workers + [FLOWER_UNIT]
+    wanted = ([REDIS_UNIT] if plan.runs_redis else []) + workers + [FLOWER_UNIT, METRICS_UNIT]
     margin = plan.stop_margin_s
     timeouts = {d: stop_timeout(configs_here, Device.parse(d), margin) for d in plan.devices}
     values: dict[str, object] = {
@@ -285,6 +288,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "timeout_stop_s": max([t for t, _, _ in timeouts.values()], default=3600 + margin),
         "flower_address": plan.flower_address,
         "flower_port": plan.flower_port,
+        "metrics_port": plan.metrics_port,
         "flower_auth": _check_safe("Flower login", plan.flower_auth),
         "worker_list": ", ".join(plan.devices) or "none",
         "wanted_units": " ".join(wanted),
@@ -313,6 +317,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
                 "device": device, "gpu_index": parsed.index,
             }))
     write(units / FLOWER_UNIT, template(FLOWER_UNIT))
+    write(units / METRICS_UNIT, template(METRICS_UNIT))
     write(units / TARGET_UNIT, template(TARGET_UNIT))
     write(plan.config_dir / "devicefleet.env", template("devicefleet.env"), 0o640)
     write(plan.config_dir / "flower.env", template("flower.env"), 0o640)
@@ -328,7 +333,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         if plan.serve_address is not None:
             text += template("redis-devicefleet-tls.conf", redis_values)
         write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
-    return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT])
+    return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT, METRICS_UNIT])
 
 
 def _bind_addresses(serve_address: str | None) -> str:

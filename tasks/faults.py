@@ -5,15 +5,14 @@ releases what it can (``torch.cuda.empty_cache``) and, where the job asked for i
 ``fallback="cpu"``, runs the job again on the CPU in the same worker. Otherwise it raises
 :class:`~tasks.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory is
 still held after the release, :func:`recycle_if_needed` asks the worker for a warm shutdown
-(SIGTERM: the job's entry is stored and acknowledged first); the launcher or systemd restarts it.
+(Celery's stop flag, exit status 1: the job's entry is stored and acknowledged first); the
+launcher or systemd (``Restart=on-failure``) restarts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +64,23 @@ def memory_figures(torch_device: str) -> dict[str, Any]:
     return figures
 
 
-def release_memory(torch_device: str) -> bool:
-    """Free cached device memory; returns True when memory is still held afterwards."""
+def _oom_error() -> type[BaseException]:
+    """torch's out-of-memory error (``torch.OutOfMemoryError`` since 2.5, a CUDA one before)."""
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def _allocated(torch_device: str) -> int:
+    if not torch_device.startswith("cuda"):
+        return 0
+    import torch
+
+    return int(torch.cuda.memory_allocated())
+
+
+def release_memory(torch_device: str, baseline: int = 0) -> bool:
+    """Free cached device memory; True when more than ``baseline`` bytes are still allocated."""
     import gc
 
     gc.collect()
@@ -75,7 +89,7 @@ def release_memory(torch_device: str) -> bool:
     import torch
 
     torch.cuda.empty_cache()
-    return bool(torch.cuda.memory_allocated() > 0)
+    return bool(torch.cuda.memory_allocated() > baseline)
 
 
 def run_guarded(
@@ -87,25 +101,26 @@ def run_guarded(
     Raises:
         OutOfMemory: the job ran out of memory and asked for no fallback (or the fallback did too).
     """
-    import torch
-
+    oom_error = _oom_error()
+    baseline = _allocated(ctx.torch_device)
     try:
         return func(ctx, params), False
-    except torch.OutOfMemoryError as exc:
+    except oom_error:
         before = memory_figures(ctx.torch_device)
-        del exc  # drop the traceback's frames, which hold the job's tensors
-        still_held = release_memory(ctx.torch_device)
-        logger.warning("%s: out of memory in job %s (%s)", ctx.device, ctx.job_id, before)
-        if fallback != "cpu":
-            raise OutOfMemory(
-                f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}; "
-                "use a smaller batch or model, or pass fallback='cpu' to run it on the CPU instead",
-                memory=before, recycle=still_held,
-            ) from None
+    # Out of the except block: the exception and its traceback, which hold the job's tensors,
+    # are gone, so the release below can free them.
+    still_held = release_memory(ctx.torch_device, baseline)
+    logger.warning("%s: out of memory in job %s (%s)", ctx.device, ctx.job_id, before)
+    if fallback != "cpu":
+        raise OutOfMemory(
+            f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}; "
+            "use a smaller batch or model, or pass fallback='cpu' to run it on the CPU instead",
+            memory=before, recycle=still_held,
+        )
     cpu_ctx = dataclasses.replace(ctx, torch_device="cpu", fallback_from=ctx.torch_device)
     try:
         output = func(cpu_ctx, params)
-    except torch.OutOfMemoryError:
+    except oom_error:
         raise OutOfMemory(
             f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}, and again on "
             f"the CPU fallback: {memory_figures('cpu')}",
@@ -116,8 +131,16 @@ def run_guarded(
 
 
 def recycle_if_needed(recycle: bool, device: str) -> None:
-    """Ask this worker for a warm shutdown when device memory could not be released."""
+    """Ask this worker for a warm shutdown when device memory could not be released.
+
+    Through Celery's own stop flag, with exit status 1: the running job's entry is stored and
+    acknowledged first, and the launcher or systemd (``Restart=on-failure``) starts a fresh
+    process. No signal is used, so a later ``systemctl stop`` is still a warm stop.
+    """
     if recycle:
+        from celery.platforms import EX_FAILURE
+        from celery.worker import state
+
         logger.warning("%s: device memory still held after out-of-memory; recycling the worker "
-                       "(warm shutdown, the launcher restarts it)", device)
-        os.kill(os.getpid(), signal.SIGTERM)
+                       "(warm shutdown, exit %d, restarted by the launcher or systemd)", device, EX_FAILURE)
+        state.should_stop = EX_FAILURE

@@ -96,7 +96,12 @@ class LeaseKeeper:
             raw = self._client.get(key)
             holder = json.loads(raw) if raw else {}
             if holder and holder.get("pid") == os.getpid() and holder.get("host") == host_name():
-                pass  # ours already
+                with self._lock:
+                    running_here = task_id in self._held
+                if running_here:  # a copy reached another thread of this process: not twice at once
+                    logger.warning("job %s already runs in this worker; not running this copy", task_id)
+                    return False
+                # else a lease this process left behind (its release failed): take it again
             elif holder and owner_alive(self._client, holder):
                 logger.warning("job %s already runs on %s (pid %s); not running this copy",
                                task_id, holder.get("worker"), holder.get("pid"))

@@ -5,7 +5,7 @@
 - A second ``SIGTERM``, or ``SIGQUIT``: stop now. Celery alone cannot do that with the
   ``threads`` pool (a running thread cannot be cancelled, and its cold shutdown waits for it),
   and by default ignores a second SIGTERM. So this module puts every job the worker holds
-  back at the head of its queue (they are acknowledged late, so Redis still has them), then
+  back on its queue (they are acknowledged late, so Redis still has them), then
   exits the process with status 1. The device's next worker, such as the one systemd's
   ``Restart=on-failure`` starts, runs those jobs again from the start.
 

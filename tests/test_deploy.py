@@ -74,7 +74,7 @@ def test_render_gives_one_instance_per_device(tmp_path: Path, gpus: int) -> None
     assert gpu_dropins == {f"devicefleet-worker@gpu{i}.service.d" for i in range(gpus)}
     target = load_unit(unit_dir, "devicefleet.target")
     wanted = set(" ".join(target["Unit.Wants"]).split())
-    assert wanted == {"redis-server.service", "devicefleet-flower.service"} | {
+    assert wanted == {"redis-server.service", "devicefleet-flower.service", "devicefleet-metrics.service"} | {
         f"devicefleet-worker@{d}.service" for d in expected
     }
     assert done.units[0] == "devicefleet.target"
@@ -128,7 +128,7 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
         extra["join_url"] = "rediss://:pw@10.0.0.1:6380/0?ssl_cert_reqs=required"
     plan = _plan(tmp_path, **extra)
     render(plan)
-    units = ["devicefleet.target", "devicefleet-flower.service"] + [
+    units = ["devicefleet.target", "devicefleet-flower.service", "devicefleet-metrics.service"] + [
         f"devicefleet-worker@{d}.service" for d in plan.devices
     ]
     for unit in units:
@@ -162,7 +162,8 @@ def test_cli_root_renders_for_review_and_prints_commands(tmp_path: Path) -> None
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert first.returncode == 0, first.stderr
     system = root / "etc" / "systemd" / "system"
-    for name in ("devicefleet-worker@.service", "devicefleet-flower.service", "devicefleet.target",
+    for name in ("devicefleet-worker@.service", "devicefleet-flower.service", "devicefleet-metrics.service",
+                 "devicefleet.target",
                  "devicefleet-worker@gpu0.service.d/20-gpu.conf"):
         assert (system / name).is_file(), name
     assert sorted(p.name for p in (root / "etc/devicefleet/worker_configs").iterdir()) == ["cpu.toml", "gpu.toml"]
@@ -200,7 +201,7 @@ def test_deploy_refuses_to_join_a_remote_redis_without_password(tmp_path: Path) 
 @pytest.fixture
 def rendered_host(tmp_path: Path) -> Iterator[HostPlan]:
     """A host rendered with one CPU and one GPU worker, and Redis run from the rendered snippet."""
-    plan = _plan(tmp_path, gpus=1, redis_port=free_port())
+    plan = _plan(tmp_path, gpus=1, redis_port=free_port(), metrics_port=free_port())
     render(plan)
     data = tmp_path / "redis-data"
     data.mkdir()
@@ -361,6 +362,34 @@ def test_flower_unit_command_and_env(rendered_host: HostPlan) -> None:
     assert user == "admin" and len(password) >= 16
     assert env["DEVICEFLEET_REDIS_URL"] == rendered_host.redis_url
     assert DeviceNames(env["DEVICEFLEET_DEVICE_NAMES"]) is DeviceNames.SHORT
+
+
+def test_metrics_unit_serves_the_fleet_exporter(rendered_host: HostPlan, tmp_path: Path) -> None:
+    """The exporter unit's command, run as systemd would, serves the fleet's metrics from the
+    rendered Redis on loopback, and stops at once on SIGTERM."""
+    import urllib.request
+
+    plan = rendered_host
+    port = plan.metrics_port
+    argv, env = service_exec(plan.unit_dir, "devicefleet-metrics.service")
+    assert argv == [str(plan.devicefleet_bin), "exporter", "--port", str(port)]
+    assert env["DEVICEFLEET_REDIS_URL"] == plan.redis_url
+    exporter = UnitProcess(plan, "devicefleet-metrics.service", tmp_path / "metrics.log")
+    try:
+        def scrape() -> str:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                    return reply.read().decode()
+            except OSError:
+                assert exporter.process.poll() is None, exporter.output()[-3000:]
+                return ""
+
+        text = _wait(scrape, 60, "the exporter to answer")
+        assert "devicefleet_up 1.0" in text  # it reads the fleet's Redis with the unit's URL
+        exporter.process.send_signal(signal.SIGTERM)
+        assert exporter.wait(30) == 0
+    finally:
+        exporter.stop()
 
 
 # -- more hosts: one Redis over TLS, host-qualified device names -----------------------------------
