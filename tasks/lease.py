@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -83,13 +84,14 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stop.set()
 
-    def acquire(self, task_id: str, delivery_tag: str | None) -> bool:
+    def acquire(self, task_id: str, delivery_tag: str | None, resend: dict[str, Any] | None = None) -> bool:
         """Take the lease of ``task_id``; False if another live worker holds it.
 
-        A lease left by a dead owner (its key not yet expired) is taken over.
+        A lease left by a dead owner (its key not yet expired) is taken over. ``resend`` is what
+        the reaper needs to send the job again when its message is no longer in Redis.
         """
         record = {**self.owner, "task_id": task_id, "delivery_tag": delivery_tag,
-                  "since": time.time()}
+                  "since": time.time(), "resend": resend}
         value = json.dumps(record)
         key = lease_key(task_id)
         if not self._client.set(key, value, nx=True, px=self._ttl_ms):
@@ -135,9 +137,16 @@ class LeaseKeeper:
                 finished (its result is stored); this copy is acknowledged and dropped, with
                 no result stored.
         """
-        task_id = str(task.request.id)
-        properties = getattr(task.request, "properties", None) or {}
-        if not self.acquire(task_id, properties.get("delivery_tag")):
+        request = task.request
+        task_id = str(request.id)
+        properties = getattr(request, "properties", None) or {}
+        delivery_info = getattr(request, "delivery_info", None) or {}
+        resend = {
+            "name": task.name, "kwargs": request.kwargs, "queue": delivery_info.get("routing_key"),
+            "chord": request.chord, "group_id": request.group, "group_index": request.group_index,
+            "root_id": request.root_id, "parent_id": request.parent_id,
+        }
+        if not self.acquire(task_id, properties.get("delivery_tag"), resend):
             raise Ignore()
         if task.AsyncResult(task_id).state in READY_STATES:
             # A copy of a job that already finished (redelivered after its ack was lost).
@@ -183,15 +192,42 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
             if owner_alive(client, record):
                 continue  # alive but late to renew (Redis was away): it renews on its next beat
             tag = record.get("delivery_tag")
-            if tag:
+            if tag and client.hexists(qos.unacked_key, tag):
                 # Back to the front of its queue, and out of kombu's unacked hash and index.
                 qos.restore_by_tag(tag, leftmost=False)
+            elif record.get("resend"):
+                # The message is gone from Redis (a dropped duplicate copy acknowledged its
+                # delivery tag): send the job again, same id, chord and group, from the lease.
+                resend_job(app, str(task_id), record["resend"])
+            else:
+                logger.error("job %s of dead worker %s cannot be given back: its message is gone",
+                             task_id, record.get("worker"))
             client.hdel(LEASES_KEY, task_id)
             client.hincrby(REAPER_STATS, "restored", 1)
             logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
                            task_id, record.get("worker"), record.get("pid"))
             restored.append(str(task_id))
     return restored
+
+
+_COMPARE_AND_DELETE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+def _release_lock(client: redis.Redis, key: str, token: str) -> None:
+    """Delete ``key`` only if it still holds ``token`` (an overrun lock may be another's now)."""
+    client.eval(_COMPARE_AND_DELETE, 1, key, token)
+
+
+def resend_job(app: Celery, task_id: str, resend: dict[str, Any]) -> None:
+    """Send a job again from its lease record: same task id, kwargs, queue, chord and group."""
+    app.send_task(
+        resend["name"], kwargs=resend.get("kwargs") or {}, task_id=task_id, queue=resend.get("queue"),
+        chord=resend.get("chord"), group_id=resend.get("group_id"), group_index=resend.get("group_index"),
+        root_id=resend.get("root_id"), parent_id=resend.get("parent_id"),
+    )
 
 
 class Reaper:
@@ -212,13 +248,14 @@ class Reaper:
 
     def _run(self) -> None:
         lock_ms = max(1000, int(self._interval * 5000))
+        token = f"{host_name()}:{os.getpid()}:{uuid.uuid4().hex}"
         while not self._stop.wait(self._interval):
             try:
-                if not self._client.set(REAPER_LOCK, os.getpid(), nx=True, px=lock_ms):
+                if not self._client.set(REAPER_LOCK, token, nx=True, px=lock_ms):
                     continue
                 try:
                     reap_once(self._client, self._app)
                 finally:
-                    self._client.delete(REAPER_LOCK)
+                    _release_lock(self._client, REAPER_LOCK, token)
             except Exception as exc:  # Redis away, or a bad record: try again next round
                 logger.warning("reaper round failed: %s", exc)

@@ -135,6 +135,28 @@ def test_killed_worker_job_runs_again_resumes_and_fan_out_completes(rfleet, rapp
     rfleet.wait_ready(60)
 
 
+@pytest.mark.timeout(180)
+def test_a_dead_workers_job_whose_message_is_gone_is_sent_again(rfleet, rapp, client, tmp_path):
+    """A dropped copy of a running job acknowledged its delivery tag, so the job's message is no
+    longer in Redis; then the owner dies. The reaper sends the job again from its lease record
+    (same id, same fan-out), and the fan-out still completes."""
+    handle = fan_out({"cpu1": ("sleepy", {"seconds": 4, "marker": str(tmp_path)})}, app=rapp)
+    job_id = handle._headers["cpu1"].id
+    marker = tmp_path / job_id
+    wait_for(marker.is_file, 60, "the job to start")
+    record = json.loads(client.hget(LEASES_KEY, job_id))
+    assert record["resend"]["queue"] == "device.cpu1"
+    assert client.hdel("unacked", record["delivery_tag"]) == 1  # what the dropped copy's ack did
+    victim = rfleet.workers["cpu1"]
+    victim.process.kill()
+    entry = handle.get(timeout=120)["cpu1"]
+    assert entry["status"] == "ok", entry
+    assert entry["output"]["pid"] != record["pid"]  # it ran again, on the restarted worker
+    events = [json.loads(line)["event"] for line in marker.read_text().splitlines()]
+    assert events == ["start", "start", "end"], events
+    rfleet.wait_ready(60)
+
+
 @pytest.mark.timeout(120)
 def test_a_redelivered_copy_of_a_job_runs_only_once(rfleet, rapp, client, tmp_path):
     """The transport gives a running job's message back (as a visibility timeout would): the
