@@ -49,6 +49,35 @@ REAPER_LOCK = "devicefleet:reaper:lock"
 REAPER_STATS = "devicefleet:reaper:stats"
 
 
+#: KEYS[1] lease key; ARGV: value read, new value, TTL ms. Set only if unchanged since read.
+_COMPARE_AND_SET = """
+local v = redis.call('get', KEYS[1])
+if (v == false and ARGV[1] == '') or v == ARGV[1] then
+  return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1
+end
+return 0
+"""
+#: KEYS: lease key, leases hash; ARGV: our value, TTL ms, task id. Renew (or restore after a Redis
+#: restart lost it) our lease; leave a lease another worker took alone.
+_RENEW = """
+local v = redis.call('get', KEYS[1])
+if v ~= false and v ~= ARGV[1] then return 0 end
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
+return 1
+"""
+#: KEYS: lease key, leases hash; ARGV: our value, task id. Delete only what is ours.
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
+if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[1] then redis.call('hdel', KEYS[2], ARGV[2]) end
+return 1
+"""
+_COMPARE_AND_DELETE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
 def lease_key(task_id: str) -> str:
     return f"{LEASE_PREFIX}{task_id}"
 
@@ -111,7 +140,10 @@ class LeaseKeeper:
             else:
                 logger.warning("taking over the lease of job %s from dead %s", task_id,
                                holder.get("worker"))
-            self._client.set(key, value, px=self._ttl_ms)
+            # Only if it still holds what we read: two workers cannot both take it over.
+            if not self._client.eval(_COMPARE_AND_SET, 1, key, raw or "", value, self._ttl_ms):
+                logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
+                return False
         self._client.hset(LEASES_KEY, task_id, value)
         with self._lock:
             self._held[task_id] = value
@@ -119,12 +151,10 @@ class LeaseKeeper:
 
     def release(self, task_id: str) -> None:
         with self._lock:
-            self._held.pop(task_id, None)
+            value = self._held.pop(task_id, None)
         try:
-            pipe = self._client.pipeline()
-            pipe.delete(lease_key(task_id))
-            pipe.hdel(LEASES_KEY, task_id)
-            pipe.execute()
+            # Only our own lease: a worker that was cut off must not delete its successor's.
+            self._client.eval(_RELEASE, 2, lease_key(task_id), LEASES_KEY, value or "", task_id)
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
@@ -164,8 +194,9 @@ class LeaseKeeper:
                 held = dict(self._held)
             for task_id, value in held.items():
                 try:
-                    self._client.set(lease_key(task_id), value, px=self._ttl_ms)
-                    self._client.hset(LEASES_KEY, task_id, value)
+                    if not self._client.eval(_RENEW, 2, lease_key(task_id), LEASES_KEY, value,
+                                             self._ttl_ms, task_id):
+                        logger.error("the lease of job %s was taken over by another worker", task_id)
                 except redis.RedisError as exc:  # Redis restarting: renew on the next beat
                     logger.warning("could not renew the lease of job %s: %s", task_id, exc)
 
@@ -208,12 +239,6 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
                            task_id, record.get("worker"), record.get("pid"))
             restored.append(str(task_id))
     return restored
-
-
-_COMPARE_AND_DELETE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
 def _release_lock(client: redis.Redis, key: str, token: str) -> None:
