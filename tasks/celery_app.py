@@ -37,6 +37,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        # A plain `celery -A tasks worker -n cpu0@%h` runs like `devicefleet worker cpu0` with the
+        # default cpu.toml: one job at a time on a thread (Celery's CLI maps its default prefork
+        # to this setting). prefork is not supported: see tasks/worker_config.py.
+        "worker_pool": "threads",
+        "worker_concurrency": 1,
         # Events feed Flower; extended results keep the task name, args and worker.
         "worker_send_task_events": True,
         "task_send_sent_event": True,

@@ -19,7 +19,7 @@ from .errors import ConfigError
 
 
 class Pool(str, Enum):
-    """Celery execution pools a device worker may use."""
+    """Celery pools; a device worker runs ``threads`` or ``solo`` (``prefork`` is refused, by name)."""
 
     THREADS = "threads"
     SOLO = "solo"
@@ -49,11 +49,10 @@ class WorkerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
-        if self.kind is DeviceKind.GPU and self.pool is Pool.PREFORK:
-            raise ValueError(
-                "pool='prefork' forks after CUDA is initialised; GPU workers use 'threads' or "
-                "'solo'"
-            )
+        if self.pool is Pool.PREFORK:
+            why = ("it forks after CUDA is initialised" if self.kind is DeviceKind.GPU else
+                   "its child processes would run jobs without the worker's lease and heartbeat threads")
+            raise ValueError(f"pool='prefork' is not supported: {why}; use 'threads' or 'solo'")
         if self.cores != "auto":
             parse_core_list(self.cores)
         return self

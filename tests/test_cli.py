@@ -122,8 +122,8 @@ def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
     env = _env(DEVICEFLEET_REDIS_URL=fleet.redis_url, DEVICEFLEET_CORES="0",
                DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
     log = (tmp_path / "cpu7.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h",
-                             "-P", "threads", "-c", "1", "--without-mingle", "--without-gossip"],
+    # The README's command, with no pool options: the app's settings choose the threads pool.
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         client = registry.connect(fleet.redis_url)
@@ -132,7 +132,7 @@ def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
         assert record["queues"] == ["device.cpu7", "cpu", "fleet"]
         assert record["cuda_visible_devices"] == "-1"
         entry = tasks.fan_out("probe", ["cpu7"], app=app).get(timeout=60)["cpu7"]
-        assert entry["status"] == "ok" and entry["output"]["pid"] == proc.pid
+        assert entry["status"] == "ok" and entry["output"]["pid"] == proc.pid  # no forked child
         assert entry["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

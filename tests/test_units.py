@@ -108,6 +108,13 @@ def test_repository_worker_configs_are_valid():
     assert load_worker_config(configs, Device.parse("gpu3")).kind is DeviceKind.GPU
 
 
+def test_cpu_worker_config_refuses_prefork_too(tmp_path):
+    (tmp_path / "cpu.toml").write_text('kind = "cpu"\npool = "prefork"\n')
+    with pytest.raises(ConfigError) as info:
+        load_worker_config(tmp_path, Device.parse("cpu0"))
+    assert "cpu.toml" in str(info.value) and "lease" in str(info.value)
+
+
 def test_gpu_worker_config_refuses_prefork(tmp_path):
     (tmp_path / "gpu.toml").write_text('kind = "gpu"\npool = "prefork"\n')
     with pytest.raises(ConfigError) as info:
