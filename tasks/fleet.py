@@ -217,7 +217,7 @@ class Fleet:
                     if not worker.alive:
                         raise FleetError(
                             f"worker {name} exited with code {worker.process.returncode if worker.process else None} "  # noqa: E501
-                            f"before joining the fleet; log {worker.log}: {_tail(worker.log)}"
+                            f"before joining the fleet; log {worker.log}: {log_tail(worker.log)}"
                         )
                 if time.monotonic() > deadline:
                     raise FleetError(
@@ -302,7 +302,3 @@ class Fleet:
             self.kill()  # interrupted (Ctrl-C, or SIGTERM to demo/bench): no waiting on jobs
         else:
             self.stop()
-
-
-def _tail(path: Path, lines: int = 8) -> str:
-    return log_tail(path, lines)

@@ -12,7 +12,6 @@ import base64
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from .errors import FlowerError
-from .proc import log_tail, stop_process
+from .proc import free_port, log_tail, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +53,6 @@ def credentials(state_dir: Path) -> tuple[str, Path | None]:
     with os.fdopen(fd, "w") as handle:
         handle.write(text + "\n")
     return text, path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def auth_header(basic_auth: str) -> str:

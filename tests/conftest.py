@@ -8,11 +8,12 @@ to the built-in jobs, so tests can make a job fail on purpose.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -76,13 +77,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
+def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.05,
+             proc: subprocess.Popen[Any] | None = None) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value,
+    or at once if ``proc`` (the process that should make it true) exits first."""
     deadline = time.monotonic() + timeout
     while True:
         last = check()
         if last:
             return last
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last value {last!r}")
         time.sleep(poll)

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import tasks
 from tasks import registry
 from tasks.devices import count_gpus
 
-from .conftest import test_env
+from .conftest import test_env, wait_for
 
 CLI = [sys.executable, "-m", "tasks"]
 
@@ -26,18 +25,6 @@ def _env(**extra: str) -> dict[str, str]:
     env.update(test_env())
     env.update(extra)
     return env
-
-
-def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -61,7 +48,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
             workers = json.loads(out.stdout)["workers"]
             return workers if len(workers) == 2 and all(w.get("ready") for w in workers.values()) else None
 
-        workers = _wait_for(ready, 120, "`devicefleet status` to show two ready workers", up)
+        workers = wait_for(ready, 120, "`devicefleet status` to show two ready workers", proc=up)
         assert set(workers) == {"cpu0", "cpu1"}
         assert all(w["cuda_visible_devices"] == "-1" for w in workers.values())
         fleet_file = tmp_path / "fleet.json"
@@ -127,8 +114,8 @@ def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         client = registry.connect(fleet.redis_url)
-        record = _wait_for(lambda: registry.live_workers(client).get("cpu7", {}).get("ready") and
-                           registry.live_workers(client)["cpu7"], 90, "cpu7 to join", proc)
+        record = wait_for(lambda: registry.live_workers(client).get("cpu7", {}).get("ready") and
+                          registry.live_workers(client)["cpu7"], 90, "cpu7 to join", proc=proc)
         assert record["queues"] == ["device.cpu7", "cpu", "fleet"]
         assert record["cuda_visible_devices"] == "-1"
         entry = tasks.fan_out("probe", ["cpu7"], app=app).get(timeout=60)["cpu7"]
@@ -170,7 +157,7 @@ def test_sigterm_to_demo_stops_its_fleet(tmp_path):
         demo = subprocess.Popen([*CLI, "demo", "--epochs", "1000"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: "fleet ready" in log.read_text(errors="replace"), 120, "the demo's fleet", demo)
+        wait_for(lambda: "fleet ready" in log.read_text(errors="replace"), 120, "the demo's fleet", proc=demo)
         children = psutil.Process(demo.pid).children(recursive=True)
         assert len(children) >= 3, children  # redis-server and two workers at least
         demo.send_signal(signal.SIGTERM)

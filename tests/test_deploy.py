@@ -26,7 +26,8 @@ from tasks.celery_app import create_app
 from tasks.deploy import HostPlan, plan_host, read_env_value, render
 from tasks.devices import DeviceNames, count_gpus
 from tasks.fanout import fan_out
-from tasks.redis_server import find_redis_server, free_port
+from tasks.proc import free_port
+from tasks.redis_server import find_redis_server
 from tasks.settings import Settings
 
 from .conftest import ROOT, test_env

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery, chord
 
+from ..proc import stop_process
+
 logger = logging.getLogger(__name__)
 
 PLAIN_URL_ENV = "DEVICEFLEET_BENCH_PLAIN_URL"
@@ -81,13 +83,7 @@ def plain_workers(url: str, count: int, log_dir: Path) -> Iterator[tuple[Celery,
         yield producer, queues
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout=30)
         producer.close()
 
 
