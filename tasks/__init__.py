@@ -6,15 +6,23 @@ The public API::
     results = tasks.fan_out("train", devices="all", kwargs={"epochs": 10}).get(timeout=600)
 
 ``celery -A tasks worker -n cpu0@%h`` finds the Celery app here as ``tasks.app``.
-Importing this package does not import torch, so a worker can set ``CUDA_VISIBLE_DEVICES``
-first.
+
+The package is grouped by who runs the code: ``tasks.core`` (settings, errors, devices, the
+Celery app, records and Redis keys: everyone), ``tasks.producer`` (fan-outs), ``tasks.worker``
+(the device worker's bootstep and everything it runs), ``tasks.ops`` (the local launcher,
+embedded Redis, Flower, the exporter, status views, deploy), ``tasks.jobs`` (built-in jobs),
+``tasks.bench`` and ``tasks.cli``. Importing this package loads the core and the producer side
+only: not torch (a worker sets ``CUDA_VISIBLE_DEVICES`` first), nor the launcher, rich,
+prometheus_client or Flower; :class:`Fleet` is loaded on first use.
 """
 
-from . import worker as _worker  # noqa: F401  (connects the worker's Celery signal handlers)
-from .celery_app import app, create_app
-from .devices import Device, DeviceKind
-from .entry import ENTRY_KEYS, EntryStatus
-from .errors import (
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .core.app import FleetCelery, app, create_app
+from .core.devices import Device, DeviceKind
+from .core.errors import (
     ConfigError,
     DeviceFleetError,
     DeviceUnavailable,
@@ -24,13 +32,17 @@ from .errors import (
     InvalidJobArguments,
     JobError,
     NoFleetError,
+    OutOfMemory,
     UnknownJob,
 )
-from .fanout import FanOut, JobSpec, fan_out, live_devices
-from .fleet import Fleet
-from .job import JobContext, job
-from .queues import QueueName
-from .settings import Settings
+from .core.job import JobContext, JobMetric, job
+from .core.queues import QueueName
+from .core.records import ENTRY_KEYS, Entry, EntryStatus, JobOptions, WorkerRecord
+from .core.settings import Settings
+from .producer import FanOut, JobSpec, fan_out, live_devices
+
+if TYPE_CHECKING:
+    from .ops.fleet import Fleet
 
 __all__ = [
     "ENTRY_KEYS",
@@ -39,23 +51,38 @@ __all__ = [
     "DeviceFleetError",
     "DeviceKind",
     "DeviceUnavailable",
+    "Entry",
     "EntryStatus",
     "FanOut",
     "FanOutError",
     "FanOutTimeout",
     "Fleet",
+    "FleetCelery",
     "FleetError",
     "InvalidJobArguments",
     "JobContext",
     "JobError",
+    "JobMetric",
+    "JobOptions",
     "JobSpec",
     "NoFleetError",
+    "OutOfMemory",
     "QueueName",
     "Settings",
     "UnknownJob",
+    "WorkerRecord",
     "app",
     "create_app",
     "fan_out",
     "job",
     "live_devices",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The launcher is for operators, not producers: loaded when first asked for.
+    if name == "Fleet":
+        from .ops.fleet import Fleet
+
+        return Fleet
+    raise AttributeError(f"module 'tasks' has no attribute {name!r}")

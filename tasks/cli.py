@@ -20,8 +20,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .errors import DeviceFleetError
-from .settings import Settings, redact_url
+from .core.errors import DeviceFleetError
+from .core.records import WorkerRecord
+from .core.settings import Settings, redact_url
 
 logger = logging.getLogger(__name__)
 console = Console()
@@ -71,7 +72,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
 
     Runs in the foreground; Ctrl-C or SIGTERM stops everything (a second one kills at once).
     """
-    from .fleet import Fleet
+    from .ops.fleet import Fleet
 
     settings = _settings(state_dir=state_dir)
     fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout, flower=flower)
@@ -116,39 +117,33 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
 @click.option("--loglevel", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="Override the config's log level.")
 def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | None) -> None:
     """Run the worker that owns device NAME (cpu0, gpu1...) in the foreground."""
-    from .devices import apply_visibility
-    from .worker_config import load_worker_config
+    from .core.app import create_app
+    from .core.devices import host_name
+    from .core.worker_config import load_worker_config
 
-    # Options become environment so Celery's signal handlers read the same settings.
-    for key, value in (("DEVICEFLEET_CORES", cores), ("DEVICEFLEET_REDIS_URL", redis_url)):
-        if value:
-            os.environ[key] = value
-    settings = _settings()
+    # Validated here, at the edge, and handed to the worker's app: the worker's bootstep reads
+    # these settings, never the environment again.
+    settings = _settings(cores=cores, redis_url=redis_url)
     try:
         device = settings.device(name)
         config = load_worker_config(settings.worker_configs_path, device)
-        settings.resolve_redis_url()
-        apply_visibility(device)  # before anything imports torch
+        settings = settings.model_copy(update={"redis_url": settings.resolve_redis_url()})
     except DeviceFleetError as exc:
         _fail(exc, 2)
-    from .celery_app import app
-    from .devices import host_name
-    from .queues import worker_queues
-
     argv = [
         "worker",
         # Multi-host names (cpu0@hosta) are already the node name.
         "--hostname", device.name if device.host else f"{device.name}@{host_name()}",
         "--pool", config.pool.value,
         "--concurrency", str(config.concurrency),
-        "--queues", ",".join(worker_queues(device, config.extra_queues)),
         "--task-events",
         "--loglevel", loglevel or config.loglevel,
         # No start-up round trips to other workers: a device worker needs nothing from them.
         "--without-mingle",
         "--without-gossip",
     ]
-    app.worker_main(argv)
+    # The device's own queues, visibility, cores and jobs are the bootstep's (tasks.worker).
+    create_app(settings).worker_main(argv)
 
 
 # -- run / status / demo -----------------------------------------------------------------------
@@ -173,17 +168,19 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for every device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result dict as JSON.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar per device (on stderr).")
+@click.option("--fallback", type=click.Choice(["cpu"]), help="On out-of-memory, run the job again on the CPU.")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool, redis_url: str | None) -> None:
+def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool,
+        fallback: str | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed."""
-    from .celery_app import create_app
-    from .fanout import fan_out
+    from .core.app import create_app
+    from .producer.fanout import fan_out
 
     kwargs = _parse_kwargs(kwargs_text)
     settings = _settings(redis_url=redis_url)
     try:
         app = create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
-        handle = fan_out(job, devices, kwargs=kwargs, app=app)
+        handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, app=app)
         if progress:
             _watch_progress(handle, timeout)
         results = handle.get(timeout=timeout)
@@ -200,8 +197,8 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
 @click.option("--redis-url", help="Fleet to show (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -> None:
     """Show the live fleet: each device's worker, busy or idle, throughput, queue depths."""
-    from .fleet_status import render, report
-    from .settings import read_fleet_file
+    from .core.settings import read_fleet_file
+    from .ops.status import render, report
 
     settings = _settings(redis_url=redis_url)
     try:
@@ -236,8 +233,8 @@ def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -
 @click.option("--cpu-workers", type=click.IntRange(1, 256), help="CPU devices (default: 2 on a host with no GPU, else 1).")
 def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> None:
     """Start a throwaway fleet, train a model on every device at once, print the dict, stop."""
-    from .fanout import fan_out
-    from .fleet import Fleet
+    from .ops.fleet import Fleet
+    from .producer.fanout import fan_out
 
     _interrupt_on_sigterm()
     started = time.perf_counter()
@@ -283,8 +280,8 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
 def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None, serve_address: str | None,
            device_names: str | None, state_dir: Path, stop_margin: int, devicefleet_bin: Path | None) -> None:
     """Render systemd units and configs for this host's devices; print the commands to enable them."""
-    from .deploy import plan_host, render
-    from .devices import DeviceNames
+    from .core.devices import DeviceNames
+    from .ops.deploy import plan_host, render
 
     try:
         plan = plan_host(
@@ -315,7 +312,7 @@ def exporter(port: int, redis_url: str | None) -> None:
 
     `devicefleet up` runs this exporter itself; systemd hosts run devicefleet-metrics.service.
     """
-    from .metrics import MetricsExporter
+    from .ops.exporter import MetricsExporter
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -368,62 +365,64 @@ def _interrupt_on_sigterm() -> None:
 
 def _watch_progress(handle: Any, timeout: float) -> None:
     """Live progress bars on stderr while ``handle`` runs (only on a terminal)."""
-    from .progress import watch
+    from .ops.progress_view import watch
 
     if err_console.is_terminal:
         watch(handle, err_console, timeout=timeout)
 
 
-def _live(url: str) -> dict[str, dict[str, Any]]:
-    from . import registry
+def _live(url: str) -> dict[str, WorkerRecord]:
+    from .core.registry import connect, live_workers
 
-    client = registry.connect(url)
+    client = connect(url)
     try:
-        return registry.live_workers(client)
+        return live_workers(client)
     except Exception as exc:  # redis-py's errors, said plainly
-        from .errors import FleetError
+        from .core.errors import FleetError
 
         raise FleetError(f"cannot read the fleet registry at {redact_url(url)}: {exc}") from exc
     finally:
         client.close()
 
 
-def _print_status(live: dict[str, dict[str, Any]]) -> None:
+def _print_status(live: dict[str, WorkerRecord]) -> None:
     table = Table(title=f"{len(live)} live device(s)")
     for column in ("device", "worker", "pid", "state", "jobs", "CUDA_VISIBLE_DEVICES", "sees", "cores"):
         table.add_column(column)
     now = time.time()
     for device, rec in live.items():
-        busy = rec.get("busy")
-        state = f"busy: {busy['job']} {now - busy['since']:.0f}s" if busy else ("idle" if rec.get("ready") else "starting")
+        busy = rec.busy
+        state = f"busy: {busy.job} {now - busy.since:.0f}s" if busy else ("idle" if rec.ready else "starting")
         table.add_row(
-            device, str(rec.get("worker")), str(rec.get("pid")), state, str(rec.get("jobs_done", 0)),
-            str(rec.get("cuda_visible_devices")),
-            f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else ""),
-            ",".join(str(c) for c in rec.get("cores", [])),
+            device, rec.worker, str(rec.pid), state, str(rec.jobs_done), str(rec.cuda_visible_devices),
+            f"{rec.device_name}" + (" (CUDA)" if rec.cuda_available else ""),
+            ",".join(str(c) for c in rec.cores),
         )
     console.print(table)
 
 
-_SUMMARY_KEYS = {"accuracy": "accuracy", "loss": "loss", "samples_per_s": "samples/s",
-                 "data_wait_fraction": "data wait"}
+#: The result table shows this many numeric output fields, the first ones in the job's output
+#: (a job puts first what matters most); the other scalar fields follow as text.
+SUMMARY_FIELDS = 4
 
 
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return
-    outputs = [entry.get("output") or {} for entry in results.values()]
-    metrics = [key for key in _SUMMARY_KEYS if any(key in out for out in outputs)]
-    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
+    outputs = [entry.get("output") or {} for entry in results.values() if entry["status"] == "ok"]
+    numeric: list[str] = []
+    for out in outputs:
+        for key, value in out.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in numeric:
+                numeric.append(key)
+    metrics = numeric[:SUMMARY_FIELDS]
     table = Table(title="fan-out result")
     for column in ("device", "status", "seconds", "CUDA_VISIBLE_DEVICES"):
         table.add_column(column)
     for key in metrics:
-        table.add_column(_SUMMARY_KEYS[key], justify="right")
-    if other:
-        table.add_column("output / error", overflow="fold")
-    files: list[str] = []
+        table.add_column(key.replace("_", " "), justify="right")
+    table.add_column("output / error", overflow="fold")
     for device, entry in results.items():
         output = entry.get("output") or {}
         vis = entry.get("visibility") or {}
@@ -431,18 +430,13 @@ def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
         row = [device, "[green]ok[/]" if ok else "[red]error[/]", _fmt(entry.get("duration_s")),
                str(vis.get("cuda_visible_devices"))]
         row += [_fmt(output.get(key, "")) for key in metrics]
-        if other:
-            if ok:
-                row.append(", ".join(f"{k}={_fmt(v)}" for k, v in list(output.items())[:4]
-                                     if not isinstance(v, (dict, list)) and k not in metrics))
-            else:
-                row.append(f"{entry['error']['type']}: {entry['error']['message']}")
+        if ok:
+            row.append(", ".join(f"{k}={_fmt(v)}" for k, v in output.items()
+                                 if not isinstance(v, (dict, list)) and k not in metrics))
+        else:
+            row.append(f"{entry['error']['type']}: {entry['error']['message']}")
         table.add_row(*row)
-        if output.get("checkpoint"):
-            files.append(f"{device}: {output['checkpoint']}")
     console.print(table)
-    for line in files:
-        console.print(f"checkpoint {line}", highlight=False, soft_wrap=True)
 
 
 def _fmt(value: Any) -> str:

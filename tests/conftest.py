@@ -22,7 +22,7 @@ for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_")]:
     del os.environ[_key]
 
 from tasks import Fleet, Settings  # noqa: E402
-from tasks.devices import count_gpus  # noqa: E402
+from tasks.core.devices import count_gpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_JOB_MODULES = ["tasks.jobs", "tests.fleet_jobs"]

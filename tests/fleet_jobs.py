@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from tasks.job import JobContext, job
+from tasks.core.job import JobContext, job
 
 
 class FailParams(BaseModel):

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks.job import JobContext, job
+from tasks.core.job import JobContext, job
 
 _marker = os.environ.get("DFTEST_IMPORT_MARKER")
 if _marker:

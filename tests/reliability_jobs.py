@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.job import JobContext, job
+from tasks.core.job import JobContext, job
 
 
 class SleepParams(BaseModel):

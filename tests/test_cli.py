@@ -13,7 +13,7 @@ import pytest
 
 import tasks
 from tasks import registry
-from tasks.devices import count_gpus
+from tasks.core.devices import count_gpus
 
 from .conftest import test_env, wait_for
 

@@ -22,13 +22,13 @@ import pytest
 import redis
 
 from tasks import registry
-from tasks.celery_app import create_app
-from tasks.deploy import HostPlan, plan_host, read_env_value, render
-from tasks.devices import DeviceNames, count_gpus
-from tasks.fanout import fan_out
-from tasks.proc import free_port
-from tasks.redis_server import find_redis_server
-from tasks.settings import Settings
+from tasks.core.app import create_app
+from tasks.ops.deploy import HostPlan, plan_host, read_env_value, render
+from tasks.core.devices import DeviceNames, count_gpus
+from tasks.producer.fanout import fan_out
+from tasks.ops.proc import free_port
+from tasks.ops.redis_server import find_redis_server
+from tasks.core.settings import Settings
 
 from .conftest import ROOT, test_env
 from .conftest import wait_for as _wait

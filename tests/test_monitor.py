@@ -32,9 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from tasks import FanOut, Fleet, fan_out
-from tasks.devices import host_name
-from tasks.flower import auth_header, credentials
-from tasks.progress import describe, fraction, watch
+from tasks.core.devices import host_name
+from tasks.ops.flower import auth_header, credentials
+from tasks.ops.progress_view import describe, fraction, watch
 
 from .conftest import ROOT, make_settings, wait_for
 from .conftest import test_env as child_env

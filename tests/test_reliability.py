@@ -32,8 +32,8 @@ from kombu.serialization import loads as kombu_loads
 import tasks
 from tasks import Fleet, fan_out
 from tasks.cli import cli
-from tasks.errors import ConfigError, DeviceUnavailable
-from tasks.fanout import JobSpec
+from tasks.core.errors import ConfigError, DeviceUnavailable
+from tasks.producer.fanout import JobSpec
 from tasks.lease import LEASES_KEY, REAPER_STATS
 from tasks.runner import RUN_JOB
 

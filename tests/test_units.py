@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from tasks import ConfigError, JobSpec, Settings
-from tasks.devices import Device, DeviceKind, format_core_list, parse_core_list, plan_cores
-from tasks.errors import DeviceUnavailable, NoFleetError
-from tasks.fanout import select_devices
-from tasks.job import JobRegistry
+from tasks.core.devices import Device, DeviceKind, format_core_list, parse_core_list, plan_cores
+from tasks.core.errors import DeviceUnavailable, NoFleetError
+from tasks.producer.fanout import select_devices
+from tasks.core.job import JobRegistry
 from tasks.queues import worker_queues
 from tasks.worker import device_from_nodename
 from tasks.worker_config import WorkerConfig, load_worker_config

@@ -16,9 +16,8 @@ from typing import Any
 
 from celery import Celery
 
-from ..fanout import fan_out
-from ..queues import device_queue
-from ..runner import RUN_JOB
+from ..core.queues import device_queue
+from ..producer.fanout import JobSpec, fan_out
 from . import plain
 
 logger = logging.getLogger(__name__)
@@ -52,10 +51,8 @@ def fanout_round_trips(app: Celery, devices: list[str], runs: int, warmup: int =
 
 def throughput(app: Celery, devices: list[str], jobs: int) -> float:
     """No-op jobs per second that one producer gets through the device workers."""
-    sigs = [
-        app.signature(RUN_JOB, kwargs={"device": d, "job": "noop", "kwargs": {}}, queue=device_queue(d))
-        for d in devices
-    ]
+    noop = JobSpec.of("noop")
+    sigs = [noop.signature(app, device_queue(d)) for d in devices]
     t0 = time.perf_counter()
     results = [sigs[i % len(sigs)].apply_async() for i in range(jobs)]
     for res in results:

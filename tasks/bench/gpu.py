@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-from ..fanout import fan_out
+from ..producer.fanout import fan_out
 
 logger = logging.getLogger(__name__)
 

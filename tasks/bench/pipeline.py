@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ..loader import DEFAULT_PREFETCH, build_loader
+from ..jobs.loader import DEFAULT_PREFETCH, build_loader
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from celery import Celery, chord
 
-from ..proc import stop_process
+from ..ops.proc import stop_process
 
 logger = logging.getLogger(__name__)
 

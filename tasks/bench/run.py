@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..devices import cpu_model_name, usable_cores
-from ..fleet import Fleet
-from ..settings import Settings
+from ..core.devices import cpu_model_name, usable_cores
+from ..ops.fleet import Fleet
+from ..core.settings import Settings
 from . import dispatch, efficiency, gpu, pipeline
 
 logger = logging.getLogger(__name__)

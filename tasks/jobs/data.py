@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DatasetError
+from ..core.errors import DatasetError
 
 BUILTIN = ("digits",)
 

@@ -7,7 +7,7 @@ from enum import Enum
 
 from torch import nn
 
-from ..errors import DatasetError
+from ..core.errors import DatasetError
 
 
 class ModelName(str, Enum):

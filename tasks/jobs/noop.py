@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..job import JobContext, job
+from ..core.job import JobContext, job
 
 
 class NoopParams(BaseModel):

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..devices import usable_cores, visibility
-from ..job import JobContext, job
+from ..core.devices import usable_cores, visibility
+from ..core.job import JobContext, job
 
 
 class ProbeParams(BaseModel):

@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..errors import TrainingDiverged
-from ..job import JobContext, job
-from ..loader import build_loader
+from ..core.errors import TrainingDiverged
+from ..core.job import JobContext, job
+from .loader import build_loader
 from . import data, resume
 from .models import ModelName, build
 

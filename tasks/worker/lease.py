@@ -4,9 +4,9 @@ Celery's Redis transport returns an unacknowledged message only after ``visibili
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
 long timeout and adds a lease per running job:
 
-- when a worker starts a job it takes the lease ``devicefleet:lease:<task id>`` with ``SET NX``
+- when a worker starts a job it takes the lease ``keys.lease(task_id)`` with ``SET NX``
   and a TTL (``lease_ttl_s``), and records ``{task id: owner, delivery tag}`` in the hash
-  ``devicefleet:leases``. The key doubles as a mutex: a second copy of the same message (a
+  ``keys.LEASES``. The key doubles as a mutex: a second copy of the same message (a
   visibility-timeout restore while the first still runs) finds it held by a live owner and is
   dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
@@ -22,12 +22,10 @@ reaper_interval_s``, whatever the job's length.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,18 +34,16 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore
 from celery.states import READY_STATES
+from pydantic import ValidationError
+from redis.exceptions import LockError
 
-from . import registry
-from .devices import host_name
+from ..core import keys
+from ..core.devices import host_name
+from ..core.records import LeaseRecord, ResendRecord
+from ..core.registry import read_worker
+from .periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
-
-LEASE_PREFIX = "devicefleet:lease:"
-LEASES_KEY = "devicefleet:leases"
-REAPER_LOCK = "devicefleet:reaper:lock"
-#: Counts of what the reaper did, for status and the tests: ``{"restored": n}``.
-REAPER_STATS = "devicefleet:reaper:stats"
-
 
 #: KEYS[1] lease key; ARGV: value read, new value, TTL ms. Set only if unchanged since read.
 _COMPARE_AND_SET = """
@@ -72,79 +68,78 @@ if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
 if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[1] then redis.call('hdel', KEYS[2], ARGV[2]) end
 return 1
 """
-_COMPARE_AND_DELETE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
-return 0
-"""
 
 
-def lease_key(task_id: str) -> str:
-    return f"{LEASE_PREFIX}{task_id}"
-
-
-def owner_alive(client: redis.Redis, owner: dict[str, Any]) -> bool:
-    """Whether ``owner`` (``{"device", "pid", "host"}``) is still the live worker of its device."""
-    raw = client.get(registry.worker_key(str(owner.get("device"))))
-    if raw is None:
-        return False
+def _parse(raw: str | None) -> LeaseRecord | None:
+    if not raw:
+        return None
     try:
-        record = json.loads(raw)
-    except ValueError:
-        return False
-    return bool(record.get("pid") == owner.get("pid") and record.get("host") == owner.get("host"))
+        return LeaseRecord.model_validate_json(raw)
+    except ValidationError:
+        return None
 
 
-class LeaseKeeper:
+def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
+    """Whether the lease's owner is still the live worker of its device."""
+    record = read_worker(client, lease.device)
+    return record is not None and record.same_process(lease.host, lease.pid)
+
+
+class LeaseKeeper(PeriodicThread):
     """Takes, renews and releases the leases of the jobs this worker process runs."""
 
+    name = "devicefleet-leases"
+
     def __init__(self, client: redis.Redis, device: str, worker: str, ttl_s: float) -> None:
+        super().__init__(ttl_s / 3)
         self._client = client
-        self.owner = {"device": device, "worker": worker, "pid": os.getpid(), "host": host_name()}
+        self.device = device
+        self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
-        self._interval = ttl_s / 3
         self._held: dict[str, str] = {}  # task id -> lease value
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="devicefleet-leases", daemon=True)
+        # Called by hash (EVALSHA): the script text is sent once.
+        self._compare_and_set = client.register_script(_COMPARE_AND_SET)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
 
-    def start(self) -> None:
-        self._thread.start()
+    def held(self) -> list[str]:
+        """The task ids whose leases this process holds now."""
+        with self._lock:
+            return list(self._held)
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def acquire(self, task_id: str, delivery_tag: str | None, resend: dict[str, Any] | None = None) -> bool:
+    def acquire(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None) -> bool:
         """Take the lease of ``task_id``; False if another live worker holds it.
 
         A lease left by a dead owner (its key not yet expired) is taken over. ``resend`` is what
         the reaper needs to send the job again when its message is no longer in Redis.
         """
-        record = {**self.owner, "task_id": task_id, "delivery_tag": delivery_tag,
-                  "since": time.time(), "resend": resend}
-        value = json.dumps(record)
-        key = lease_key(task_id)
+        record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
+                             task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
+        value = record.to_json()
+        key = keys.lease(task_id)
         if not self._client.set(key, value, nx=True, px=self._ttl_ms):
             raw = self._client.get(key)
-            holder = json.loads(raw) if raw else {}
-            if holder and holder.get("pid") == os.getpid() and holder.get("host") == host_name():
+            holder = _parse(raw)  # type: ignore[arg-type]
+            if holder is not None and holder.pid == os.getpid() and holder.host == host_name():
                 with self._lock:
                     running_here = task_id in self._held
                 if running_here:  # a copy reached another thread of this process: not twice at once
                     logger.warning("job %s already runs in this worker; not running this copy", task_id)
                     return False
                 # else a lease this process left behind (its release failed): take it again
-            elif holder and owner_alive(self._client, holder):
+            elif holder is not None and owner_alive(self._client, holder):
                 logger.warning("job %s already runs on %s (pid %s); not running this copy",
-                               task_id, holder.get("worker"), holder.get("pid"))
+                               task_id, holder.worker, holder.pid)
                 return False
             else:
                 logger.warning("taking over the lease of job %s from dead %s", task_id,
-                               holder.get("worker"))
+                               holder.worker if holder else "owner")
             # Only if it still holds what we read: two workers cannot both take it over.
-            if not self._client.eval(_COMPARE_AND_SET, 1, key, raw or "", value, self._ttl_ms):
+            if not self._compare_and_set(keys=[key], args=[raw or "", value, self._ttl_ms]):
                 logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
                 return False
-        self._client.hset(LEASES_KEY, task_id, value)
+        self._client.hset(keys.LEASES, task_id, value)
         with self._lock:
             self._held[task_id] = value
         return True
@@ -154,7 +149,7 @@ class LeaseKeeper:
             value = self._held.pop(task_id, None)
         try:
             # Only our own lease: a worker that was cut off must not delete its successor's.
-            self._client.eval(_RELEASE, 2, lease_key(task_id), LEASES_KEY, value or "", task_id)
+            self._release(keys=[keys.lease(task_id), keys.LEASES], args=[value or "", task_id])
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
@@ -171,11 +166,11 @@ class LeaseKeeper:
         task_id = str(request.id)
         properties = getattr(request, "properties", None) or {}
         delivery_info = getattr(request, "delivery_info", None) or {}
-        resend = {
-            "name": task.name, "kwargs": request.kwargs, "queue": delivery_info.get("routing_key"),
-            "chord": request.chord, "group_id": request.group, "group_index": request.group_index,
-            "root_id": request.root_id, "parent_id": request.parent_id,
-        }
+        resend = ResendRecord(
+            name=task.name, kwargs=request.kwargs or {}, queue=delivery_info.get("routing_key"),
+            headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
+            group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
+        )
         if not self.acquire(task_id, properties.get("delivery_tag"), resend):
             raise Ignore()
         if task.AsyncResult(task_id).state in READY_STATES:
@@ -188,17 +183,15 @@ class LeaseKeeper:
         finally:
             self.release(task_id)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            with self._lock:
-                held = dict(self._held)
-            for task_id, value in held.items():
-                try:
-                    if not self._client.eval(_RENEW, 2, lease_key(task_id), LEASES_KEY, value,
-                                             self._ttl_ms, task_id):
-                        logger.error("the lease of job %s was taken over by another worker", task_id)
-                except redis.RedisError as exc:  # Redis restarting: renew on the next beat
-                    logger.warning("could not renew the lease of job %s: %s", task_id, exc)
+    def tick(self) -> None:
+        with self._lock:
+            held = dict(self._held)
+        for task_id, value in held.items():
+            try:
+                if not self._renew(keys=[keys.lease(task_id), keys.LEASES], args=[value, self._ttl_ms, task_id]):
+                    logger.error("the lease of job %s was taken over by another worker", task_id)
+            except redis.RedisError as exc:  # Redis restarting: renew on the next beat
+                logger.warning("could not renew the lease of job %s: %s", task_id, exc)
 
 
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:
@@ -207,80 +200,69 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
     Returns the task ids given back.
     """
     restored: list[str] = []
-    leases = client.hgetall(LEASES_KEY)
+    leases = client.hgetall(keys.LEASES)
     if not leases:
         return restored
     with app.connection_for_write() as conn:
         qos = conn.default_channel.qos
-        for task_id, raw in leases.items():  # str: the registry's client decodes responses
-            if client.exists(lease_key(str(task_id))):
+        for task_id, raw in leases.items():  # type: ignore[union-attr]
+            task_id = str(task_id)
+            if client.exists(keys.lease(task_id)):
                 continue
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                client.hdel(LEASES_KEY, task_id)
+            record = _parse(raw)
+            if record is None:
+                client.hdel(keys.LEASES, task_id)
                 continue
             if owner_alive(client, record):
                 continue  # alive but late to renew (Redis was away): it renews on its next beat
-            tag = record.get("delivery_tag")
+            tag = record.delivery_tag
             if tag and client.hexists(qos.unacked_key, tag):
                 # Back to the front of its queue, and out of kombu's unacked hash and index.
                 qos.restore_by_tag(tag, leftmost=False)
-            elif record.get("resend"):
+            elif record.resend is not None:
                 # The message is gone from Redis (a dropped duplicate copy acknowledged its
                 # delivery tag): send the job again, same id, chord and group, from the lease.
-                resend_job(app, str(task_id), record["resend"])
+                resend_job(app, task_id, record.resend)
             else:
                 logger.error("job %s of dead worker %s cannot be given back: its message is gone",
-                             task_id, record.get("worker"))
-            client.hdel(LEASES_KEY, task_id)
-            client.hincrby(REAPER_STATS, "restored", 1)
+                             task_id, record.worker)
+            client.hdel(keys.LEASES, task_id)
+            client.hincrby(keys.REAPER_STATS, "restored", 1)
             logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
-                           task_id, record.get("worker"), record.get("pid"))
-            restored.append(str(task_id))
+                           task_id, record.worker, record.pid)
+            restored.append(task_id)
     return restored
 
 
-def _release_lock(client: redis.Redis, key: str, token: str) -> None:
-    """Delete ``key`` only if it still holds ``token`` (an overrun lock may be another's now)."""
-    client.eval(_COMPARE_AND_DELETE, 1, key, token)
-
-
-def resend_job(app: Celery, task_id: str, resend: dict[str, Any]) -> None:
-    """Send a job again from its lease record: same task id, kwargs, queue, chord and group."""
+def resend_job(app: Celery, task_id: str, resend: ResendRecord) -> None:
+    """Send a job again from its lease record: same task id, kwargs, queue, headers, chord, group."""
     app.send_task(
-        resend["name"], kwargs=resend.get("kwargs") or {}, task_id=task_id, queue=resend.get("queue"),
-        chord=resend.get("chord"), group_id=resend.get("group_id"), group_index=resend.get("group_index"),
-        root_id=resend.get("root_id"), parent_id=resend.get("parent_id"),
+        resend.name, kwargs=resend.kwargs, task_id=task_id, queue=resend.queue, headers=resend.headers,
+        chord=resend.chord, group_id=resend.group_id, group_index=resend.group_index,
+        root_id=resend.root_id, parent_id=resend.parent_id,
     )
 
 
-class Reaper:
-    """Runs :func:`reap_once` every ``interval_s``; a Redis lock keeps it to one reaper at a time."""
+class Reaper(PeriodicThread):
+    """Runs :func:`reap_once` every ``interval_s``; redis-py's ``Lock`` keeps it to one reaper at a time."""
+
+    name = "devicefleet-reaper"
 
     def __init__(self, client: redis.Redis, app: Celery, interval_s: float) -> None:
+        super().__init__(interval_s)
         self._client = client
         self._app = app
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="devicefleet-reaper", daemon=True)
+        # Held for one round at most; a reaper that dies holding it frees it by expiry.
+        self._lock_timeout_s = max(1.0, interval_s * 5)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        lock_ms = max(1000, int(self._interval * 5000))
-        token = f"{host_name()}:{os.getpid()}:{uuid.uuid4().hex}"
-        while not self._stop.wait(self._interval):
+    def tick(self) -> None:
+        lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)
+        if not lock.acquire():
+            return
+        try:
+            reap_once(self._client, self._app)
+        finally:
             try:
-                if not self._client.set(REAPER_LOCK, token, nx=True, px=lock_ms):
-                    continue
-                try:
-                    reap_once(self._client, self._app)
-                finally:
-                    _release_lock(self._client, REAPER_LOCK, token)
-            except Exception as exc:  # Redis away, or a bad record: try again next round
-                logger.warning("reaper round failed: %s", exc)
+                lock.release()
+            except LockError:  # the round outlasted the lock: another reaper may hold it now
+                pass

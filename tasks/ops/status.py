@@ -13,39 +13,40 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from . import metrics, registry
-from .errors import FleetError
-from .progress import describe, fraction
-from .settings import redact_url
+from ..core.errors import FleetError
+from ..core.records import FleetFile
+from ..core.registry import connect, live_workers
+from ..core.settings import redact_url
+from .exporter import fleet_snapshot
+from .progress_view import describe, fraction
 
 logger = logging.getLogger(__name__)
 
 
-def report(url: str, fleet_info: dict[str, Any] | None = None) -> dict[str, Any]:
+def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "at"}``.
 
-    ``workers`` are the registry records (as before); ``devices`` the throughput figures of
-    :func:`tasks.metrics.fleet_snapshot`; ``queues`` each queue's depth and oldest age.
+    ``workers`` are the registry records (as JSON); ``devices`` the throughput figures of
+    :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue's depth and oldest age.
 
     Raises:
         FleetError: Redis cannot be read.
     """
-    client = registry.connect(url)
+    client = connect(url)
     try:
-        live = registry.live_workers(client)
-        snap = metrics.fleet_snapshot(client)
+        live = live_workers(client)
+        snap = fleet_snapshot(client)
     except Exception as exc:  # redis-py's errors, said plainly
         raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
     finally:
         client.close()
-    info = fleet_info or {}
     return {
         "redis_url": redact_url(url),
-        "flower_url": info.get("flower_url"),
-        "flower_auth_file": info.get("flower_auth_file"),
-        "metrics_url": info.get("metrics_url"),
+        "flower_url": fleet_info.flower_url if fleet_info else None,
+        "flower_auth_file": fleet_info.flower_auth_file if fleet_info else None,
+        "metrics_url": fleet_info.metrics_url if fleet_info else None,
         "at": snap["at"],
-        "workers": live,
+        "workers": {device: record.to_dict() for device, record in live.items()},
         "devices": snap["devices"],
         "queues": snap["queues"],
     }

@@ -19,8 +19,10 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .devices import Device, DeviceNames
+from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, NoFleetError
+from .records import FleetFile
+from .validation import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class Settings(BaseSettings):
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"DEVICEFLEET_REDIS_URL={_redact(value)!r} is not a Redis URL: its scheme is "
+                f"DEVICEFLEET_REDIS_URL={redact_url(value)!r} is not a Redis URL: its scheme is "
                 f"{scheme or 'missing'!r}, expected one of {', '.join(REDIS_SCHEMES)} "
                 "(for example redis://:PASSWORD@127.0.0.1:6379/0)"
             )
@@ -151,7 +153,7 @@ class Settings(BaseSettings):
     def worker_configs_path(self) -> Path:
         if self.worker_configs_dir is not None:
             return self.worker_configs_dir
-        package = Path(__file__).resolve().parent
+        package = Path(__file__).resolve().parent.parent  # tasks/
         for candidate in (package.parent / "worker_configs", package / "_worker_configs"):
             if candidate.is_dir():
                 return candidate
@@ -170,7 +172,7 @@ class Settings(BaseSettings):
             return self.redis_url
         info = read_fleet_file(self.fleet_file)
         if info is not None:
-            return str(info["redis_url"])
+            return info.redis_url
         raise NoFleetError(
             f"no Redis to connect to: DEVICEFLEET_REDIS_URL is unset and no fleet is running "
             f"for state dir {self.state_dir} (no live {FLEET_FILE}). Start one with "
@@ -205,48 +207,29 @@ def check_redis_auth(url: str) -> None:
     )
 
 
-def read_fleet_file(path: Path) -> dict[str, Any] | None:
-    """The fleet file's content if the launcher that wrote it is still alive, else None."""
+def read_fleet_file(path: Path) -> FleetFile | None:
+    """The fleet file at ``path`` if the launcher that wrote it is still alive, else None."""
     try:
-        info = json.loads(path.read_text())
+        info = FleetFile.model_validate_json(path.read_bytes())
     except (OSError, ValueError):
         return None
-    pid = info.get("pid")
-    if not isinstance(pid, int) or not _pid_alive(pid) or "redis_url" not in info:
+    if not pid_alive(info.pid):
         logger.debug("ignoring stale fleet file %s", path)
         return None
-    return dict(info)
+    return info
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for logs and messages."""
     parts = urlsplit(url)
     if parts.password:
         return url.replace(parts.password, "***", 1)
     return url
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for logs and messages."""
-    return _redact(url)
-
-
 def _format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        field = ".".join(str(part) for part in err["loc"]) or "settings"
-        env = f"DEVICEFLEET_{field.upper()}"
-        value = err.get("input")
-        shown = redact_url(value) if isinstance(value, str) else value
-        message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{env}={shown!r}: {message}")
-    return "invalid settings: " + "; ".join(lines)
+    def shown(value: object) -> object:
+        return redact_url(value) if isinstance(value, str) else value
+
+    return "invalid settings: " + describe_validation_error(
+        exc, name=lambda field: f"DEVICEFLEET_{field.upper()}", shown=shown)

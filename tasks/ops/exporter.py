@@ -4,13 +4,14 @@ Design: Flower already turns Celery's task events into ``/metrics`` (``flower_ev
 ``flower_task_runtime_seconds``, ``flower_worker_online``...). What it lacks (flower#1173) lives
 in Redis, so the fleet exports it itself, from one exporter thread the launcher starts:
 
-- each worker, when a job ends, adds to its device's counters in Redis (:func:`record_job`):
-  jobs by status, busy seconds, training samples, the last samples/s and data-wait fraction,
-  GPU memory, and the finish time in a sorted set (for jobs/s over the last minute). Counters
-  in Redis survive a worker restart and need no event stream, so they are exact;
+- each worker, when a job ends, adds to its device's counters in Redis
+  (:func:`tasks.worker.accounting.record_job`): jobs by status, busy seconds, the metrics the
+  job declared (samples, the last samples/s and data-wait fraction), GPU memory, and the finish
+  time in a sorted set (for jobs/s over the last minute). Counters in Redis survive a worker
+  restart and need no event stream, so they are exact;
 - queue depth is ``LLEN`` of kombu's Redis lists (one per priority step), and the oldest waiting
-  message's age comes from a ``devicefleet_sent_at`` header every producer stamps
-  (:func:`stamp_sent_at`, a ``before_task_publish`` handler);
+  message's age comes from the send-time header every producer stamps
+  (:mod:`tasks.producer.sent_at`);
 - :class:`FleetCollector` reads all of that on each scrape; :class:`MetricsExporter` serves it
   with prometheus_client on loopback. :func:`fleet_snapshot` gives the same figures as a dict,
   for ``devicefleet status``.
@@ -25,99 +26,25 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
-from celery.signals import before_task_publish
+from kombu.transport.redis import Channel as RedisChannel
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import registry
-from .queues import QueueName, device_queue
+from ..core import keys
+from ..core.job import JobMetric
+from ..core.queues import QueueName, device_queue
+from ..core.records import WorkerRecord
+from ..core.registry import connect, live_workers
 
 logger = logging.getLogger(__name__)
 
-STATS_PREFIX = "devicefleet:stats:"
-FINISHED_PREFIX = "devicefleet:finished:"
-DEVICES_KEY = "devicefleet:stats-devices"
-SENT_AT_HEADER = "devicefleet_sent_at"
-#: Jobs/s is counted over this window; finish times older than ``KEEP_S`` are dropped.
+#: Jobs/s is counted over this window.
 RATE_WINDOW_S = 60.0
-KEEP_S = 600.0
-#: kombu's Redis transport keeps one list per priority step; priority 0 is the bare queue name.
-PRIORITY_STEPS = (0, 3, 6, 9)
-PRIORITY_SEP = "\x06\x16"
-
-
-def stats_key(device: str) -> str:
-    return f"{STATS_PREFIX}{device}"
-
-
-def finished_key(device: str) -> str:
-    return f"{FINISHED_PREFIX}{device}"
-
-
-# -- producer side: stamp the send time ------------------------------------------------------------
-
-
-@before_task_publish.connect
-def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Put the send time in each task message's headers, for the oldest-message age."""
-    if headers is not None:
-        headers.setdefault(SENT_AT_HEADER, time.time())
-
-
-# -- worker side: count each finished job -----------------------------------------------------------
-
-
-def record_job(
-    client: redis.Redis,
-    device: str,
-    worker: str,
-    *,
-    job_id: str,
-    status: str,
-    started: float,
-    finished: float,
-    output: Mapping[str, Any] | None = None,
-    gpu_memory_bytes: int | None = None,
-) -> None:
-    """Add one finished job to ``device``'s counters in Redis (one round trip).
-
-    Args:
-        status: the entry's status (``ok`` or ``error``).
-        output: the job's output; ``samples_per_s``, ``data_wait_fraction`` and
-            ``train_samples`` x ``epochs`` are taken from it when present.
-    """
-    output = output or {}
-    key = stats_key(device)
-    pipe = client.pipeline(transaction=True)
-    pipe.sadd(DEVICES_KEY, device)
-    pipe.hincrby(key, f"jobs_{status}", 1)
-    pipe.hincrbyfloat(key, "busy_seconds", max(0.0, finished - started))
-    latest: dict[str, str | float | int] = {"worker": worker, "last_finished_at": finished}
-    for field in ("samples_per_s", "data_wait_fraction"):
-        value = output.get(field)
-        if isinstance(value, (int, float)):
-            latest[f"last_{field}"] = float(value)
-    samples = output.get("train_samples")
-    epochs = output.get("epochs")
-    if isinstance(samples, int) and isinstance(epochs, int):
-        pipe.hincrby(key, "samples", samples * epochs)
-    if gpu_memory_bytes is not None:
-        latest["gpu_memory_bytes"] = gpu_memory_bytes
-    pipe.hset(key, mapping=latest)  # type: ignore[arg-type]
-    pipe.zadd(finished_key(device), {job_id: finished})
-    pipe.zremrangebyscore(finished_key(device), "-inf", finished - KEEP_S)
-    pipe.execute()
-
-
-def gpu_memory_in_use() -> int | None:
-    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.memory_reserved())
+#: kombu's Redis transport keeps one list per priority step (its channel's ``priority_steps``,
+#: named by ``_q_for_pri``); priority 0 is the bare queue name.
+PRIORITY_STEPS: tuple[int, ...] = tuple(RedisChannel.priority_steps)
+PRIORITY_SEP: str = RedisChannel.sep
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -145,20 +72,20 @@ def _sent_at(raw: Any) -> float | None:
     if raw is None:
         return None
     try:
-        value = json.loads(raw)["headers"].get(SENT_AT_HEADER)
+        value = json.loads(raw)["headers"].get(keys.SENT_AT_HEADER)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def fleet_queues(live: Mapping[str, Mapping[str, Any]], devices: list[str]) -> list[str]:
+def fleet_queues(live: Mapping[str, WorkerRecord], devices: list[str]) -> list[str]:
     """Every queue of the fleet: the shared ones, each device's own, and extra queues."""
     names = [q.value for q in QueueName]
     for device in devices:
         if device_queue(device) not in names:
             names.append(device_queue(device))
     for rec in live.values():
-        for name in rec.get("queues", []):
+        for name in rec.queues:
             if name not in names:
                 names.append(name)
     return names
@@ -175,35 +102,35 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``.
     """
     now = time.time() if now is None else now
-    live = registry.live_workers(client)
-    counted: set[str] = {str(d) for d in client.smembers(DEVICES_KEY)}  # type: ignore[union-attr]
+    live = live_workers(client)
+    counted: set[str] = {str(d) for d in client.smembers(keys.STATS_DEVICES)}  # type: ignore[union-attr]
     devices = sorted(set(live) | counted)
     pipe = client.pipeline(transaction=False)
     for device in devices:
-        pipe.hgetall(stats_key(device))
-        pipe.zcount(finished_key(device), now - RATE_WINDOW_S, "+inf")
+        pipe.hgetall(keys.stats(device))
+        pipe.zcount(keys.finished(device), now - RATE_WINDOW_S, "+inf")
     replies = pipe.execute()
     out: dict[str, dict[str, Any]] = {}
     for i, device in enumerate(devices):
         stats: dict[str, str] = replies[2 * i]
         recent = int(replies[2 * i + 1])
-        rec = live.get(device, {})
+        rec = live.get(device)
         ok, err = int(stats.get("jobs_ok", 0)), int(stats.get("jobs_error", 0))
         out[device] = {
-            "live": device in live,
-            "kind": rec.get("kind") or device.rstrip("0123456789"),
-            "worker": rec.get("worker") or stats.get("worker"),
-            "ready": bool(rec.get("ready")),
-            "busy": rec.get("busy"),
-            "progress": rec.get("progress"),
+            "live": rec is not None,
+            "kind": rec.kind if rec else device.split("@", 1)[0].rstrip("0123456789"),
+            "worker": rec.worker if rec else stats.get("worker"),
+            "ready": bool(rec and rec.ready),
+            "busy": rec.busy.to_dict() if rec and rec.busy else None,
+            "progress": rec.progress if rec else None,
             "jobs_ok": ok,
             "jobs_error": err,
             "jobs_total": ok + err,
             "busy_seconds": float(stats.get("busy_seconds", 0.0)),
-            "samples": int(stats.get("samples", 0)),
+            "samples": int(float(stats.get(JobMetric.SAMPLES.value, 0))),
             "jobs_per_s": recent / RATE_WINDOW_S,
-            "samples_per_s": _float(stats.get("last_samples_per_s")),
-            "data_wait_fraction": _float(stats.get("last_data_wait_fraction")),
+            "samples_per_s": _float(stats.get(f"last_{JobMetric.SAMPLES_PER_S.value}")),
+            "data_wait_fraction": _float(stats.get(f"last_{JobMetric.DATA_WAIT_FRACTION.value}")),
             "gpu_memory_bytes": _float(stats.get("gpu_memory_bytes")),
         }
     queues = {}
@@ -224,7 +151,7 @@ class FleetCollector(Collector):
     """Reads :func:`fleet_snapshot` on each scrape and yields it as ``devicefleet_*`` metrics."""
 
     def __init__(self, url: str) -> None:
-        self._client = registry.connect(url)
+        self._client = connect(url)
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("devicefleet_up", "1 if the exporter could read the fleet's Redis")

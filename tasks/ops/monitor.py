@@ -10,8 +10,8 @@ import logging
 from typing import Any
 
 from .flower import FlowerProcess
-from .metrics import MetricsExporter
-from .settings import Settings
+from ..core.settings import Settings
+from .exporter import MetricsExporter
 
 logger = logging.getLogger(__name__)
 

@@ -107,8 +107,8 @@ class TrainingDiverged(JobError, ArithmeticError):
 class OutOfMemory(JobError, MemoryError):
     """The job ran out of device memory; ``memory`` holds the figures at the time."""
 
-    def __init__(self, message: str, *, memory: dict[str, object], recycle: bool = False) -> None:
+    def __init__(self, message: str, *, memory: dict[str, object] | None = None, recycle: bool = False) -> None:
         super().__init__(message)
-        self.memory = memory
+        self.memory = memory or {}
         #: Device memory was still held after the release: the worker should be recycled.
         self.recycle = recycle

@@ -1,9 +1,10 @@
 """Device faults: a job that runs out of memory gives an entry that says so, and the worker stays.
 
 :func:`run_guarded` runs a job; on ``torch.OutOfMemoryError`` it records the memory figures,
-releases what it can (``torch.cuda.empty_cache``) and, where the job asked for it with the kwarg
-``fallback="cpu"``, runs the job again on the CPU in the same worker. Otherwise it raises
-:class:`~tasks.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory is
+releases what it can (``torch.cuda.empty_cache``) and, where the job's options ask for it
+(``fallback="cpu"``, :class:`~tasks.core.records.JobOptions`, sent beside the kwargs), runs the
+job again on the CPU in the same worker. Otherwise it raises
+:class:`~tasks.core.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory is
 still held after the release, :func:`recycle_if_needed` asks the worker for a warm shutdown
 (Celery's stop flag, exit status 1: the job's entry is stored and acknowledged first); the
 launcher or systemd (``Restart=on-failure``) restarts it.
@@ -18,35 +19,12 @@ from typing import Any
 
 import psutil
 
-from .errors import InvalidJobArguments, OutOfMemory
-from .job import JobContext
+from ..core.errors import OutOfMemory
+from ..core.job import JobContext
 
 logger = logging.getLogger(__name__)
 
-#: The reserved kwarg a job spec uses to ask for a CPU fallback on out-of-memory.
-FALLBACK_KWARG = "fallback"
-FALLBACKS = ("cpu",)
-
 MiB = 1024 * 1024
-
-
-def pop_fallback(kwargs: Any) -> tuple[Any, str | None]:
-    """Split the reserved ``fallback`` kwarg off a job's kwargs.
-
-    Raises:
-        InvalidJobArguments: ``fallback`` is not one of :data:`FALLBACKS`.
-    """
-    if not isinstance(kwargs, dict) or FALLBACK_KWARG not in kwargs:
-        return kwargs, None
-    rest = dict(kwargs)
-    fallback = rest.pop(FALLBACK_KWARG)
-    if fallback is None:
-        return rest, None
-    if fallback not in FALLBACKS:
-        raise InvalidJobArguments(
-            f"fallback={fallback!r}: the only fallback on out-of-memory is 'cpu' (or leave it out)"
-        )
-    return rest, str(fallback)
 
 
 def memory_figures(torch_device: str) -> dict[str, Any]:
@@ -114,7 +92,7 @@ def run_guarded(
     if fallback != "cpu":
         raise OutOfMemory(
             f"job ran out of memory on {ctx.device} ({ctx.torch_device}): {before}; "
-            "use a smaller batch or model, or pass fallback='cpu' to run it on the CPU instead",
+            "use a smaller batch or model, or send it with the option fallback='cpu' to run it on the CPU instead",
             memory=before, recycle=still_held,
         )
     cpu_ctx = dataclasses.replace(ctx, torch_device="cpu", fallback_from=ctx.torch_device)

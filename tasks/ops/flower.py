@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .errors import FlowerError
+from ..core.errors import FlowerError
 from .proc import free_port, log_tail, stop_process
 
 logger = logging.getLogger(__name__)

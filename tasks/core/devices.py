@@ -183,6 +183,17 @@ def host_name() -> str:
     return socket.gethostname()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def usable_cores() -> list[int]:
     """The cores this process may run on."""
     try:

@@ -1,16 +1,8 @@
-"""Job progress: published by the worker three ways, shown live by the CLI.
+"""Progress, as people see it: one live rich bar per device of a running fan-out.
 
-A job calls ``ctx.progress(epoch=3, epochs=15, loss=0.21)``; the worker then
-
-- stores it in the result backend as state ``PROGRESS`` with the fields as meta (producers read
-  it through :meth:`tasks.fanout.FanOut.progress`);
-- sends a ``task-progress`` task event. Flower keeps task state from events
-  (``celery.events.state.Task.event``), and an event type it does not know becomes the state of
-  the same name upper-cased: ``task-progress`` shows the task as ``PROGRESS`` in Flower, with the
-  fields under ``progress``. ``SUCCESS`` ranks above it, so the task still ends ``SUCCESS``;
-- puts it in the worker's registry record (``progress``), for ``devicefleet status``.
-
-:func:`watch` draws one rich progress bar per device while a fan-out runs.
+Jobs report with ``ctx.progress(epoch=3, epochs=15, loss=0.21)`` (published by
+:mod:`tasks.worker.progress`); a bar fills from the first counter pair it finds in the fields
+(:data:`COUNTERS`), and shows the other scalar fields as text.
 """
 
 from __future__ import annotations
@@ -24,33 +16,13 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_STATE = "PROGRESS"
-PROGRESS_EVENT = "task-progress"
 #: Field pairs ``(done, total)`` a job may report, in the order they are looked for.
-_COUNTERS = (("epoch", "epochs"), ("step", "total"), ("step", "steps"), ("done", "total"))
-
-
-def publish(task: Any, device: str, fields: dict[str, Any], heartbeat: Any = None) -> None:
-    """Report ``fields`` of the job ``task`` runs on ``device``; never raises (best effort)."""
-    meta = {"device": device, **fields}
-    try:
-        task.update_state(state=PROGRESS_STATE, meta=meta)
-    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
-        logger.debug("progress to the result backend failed: %s", exc)
-    try:
-        task.send_event(PROGRESS_EVENT, progress=meta)
-    except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
-        logger.debug("progress event failed: %s", exc)
-    if heartbeat is not None:
-        try:
-            heartbeat.update(progress=meta)
-        except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
-            logger.debug("progress to the registry failed: %s", exc)
+COUNTERS = (("epoch", "epochs"), ("step", "total"), ("step", "steps"), ("done", "total"))
 
 
 def fraction(fields: dict[str, Any]) -> tuple[float, float] | None:
     """``(done, total)`` from progress fields, or None when they carry no counter."""
-    for done, total in _COUNTERS:
+    for done, total in COUNTERS:
         a, b = fields.get(done), fields.get(total)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0:
             return float(a), float(b)
@@ -59,7 +31,7 @@ def fraction(fields: dict[str, Any]) -> tuple[float, float] | None:
 
 def describe(fields: dict[str, Any]) -> str:
     """A short text of the fields that are not counters, e.g. ``loss=0.213``."""
-    skip = {"device"} | {name for pair in _COUNTERS for name in pair}
+    skip = {"device"} | {name for pair in COUNTERS for name in pair}
     parts = []
     for key, value in fields.items():
         if key in skip or isinstance(value, (dict, list)):

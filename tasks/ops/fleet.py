@@ -9,7 +9,6 @@ after ``stop_timeout``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -23,15 +22,16 @@ from typing import Any
 
 from celery import Celery
 
-from . import registry
-from .celery_app import create_app
-from .devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
-from .errors import FleetError
+from ..core.app import create_app
+from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
+from ..core.errors import FleetError
+from ..core.records import FleetDevice, FleetFile
+from ..core.registry import connect, live_workers
+from ..core.settings import Settings, read_fleet_file, redact_url
+from ..core.worker_config import load_worker_config
 from .monitor import FleetMonitor
 from .proc import log_tail
 from .redis_server import EmbeddedRedis
-from .settings import Settings, read_fleet_file, redact_url
-from .worker_config import load_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Fleet:
         if existing is not None:
             raise FleetError(
                 f"a fleet is already running for state dir {self.settings.state_dir} "
-                f"(launcher pid {existing.get('pid')}); stop it first, or set "
+                f"(launcher pid {existing.pid}); stop it first, or set "
                 "DEVICEFLEET_STATE_DIR to another folder"
             )
         plan = self.plan()
@@ -177,20 +177,20 @@ class Fleet:
                     format_core_list(worker.cores))
 
     def _write_fleet_file(self) -> None:
-        info = {
-            "pid": os.getpid(),
-            "redis_url": self.redis_url,
-            "embedded_redis": self.redis is not None,
-            "devices": {name: {"cores": w.cores, "log": str(w.log)} for name, w in self.workers.items()},
-            "started_at": time.time(),
+        info = FleetFile(
+            pid=os.getpid(),
+            redis_url=self.redis_url,
+            embedded_redis=self.redis is not None,
+            devices={name: FleetDevice(cores=w.cores, log=str(w.log)) for name, w in self.workers.items()},
+            started_at=time.time(),
             **(self.monitor.describe() if self.monitor else {}),
-        }
+        )
         path = self.settings.fleet_file
         tmp = path.with_suffix(".tmp")
         # The file holds the Redis password: readable by its owner only.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
-            json.dump(info, handle, indent=2)
+            handle.write(info.model_dump_json(indent=2))
         os.replace(tmp, path)
 
     def wait_ready(self, timeout: float = 120.0, names: list[str] | None = None) -> None:
@@ -200,15 +200,15 @@ class Fleet:
             FleetError: a worker exited, or ``timeout`` passed first.
         """
         wanted = set(names or self.workers)
-        client = registry.connect(self.redis_url)
+        client = connect(self.redis_url)
         deadline = time.monotonic() + timeout
         try:
             while True:
-                live = registry.live_workers(client)
+                live = live_workers(client)
                 ready = {
                     name for name in wanted
-                    if live.get(name, {}).get("ready")
-                    and live[name].get("pid") == self.workers[name].process.pid  # type: ignore[union-attr]
+                    if name in live and live[name].ready
+                    and live[name].pid == self.workers[name].process.pid  # type: ignore[union-attr]
                 }
                 if ready == wanted:
                     return
@@ -282,7 +282,7 @@ class Fleet:
         if self.redis is not None:
             self.redis.stop()
         info = read_fleet_file(self.settings.fleet_file)
-        if info is not None and info.get("pid") == os.getpid():
+        if info is not None and info.pid == os.getpid():
             self.settings.fleet_file.unlink(missing_ok=True)
 
     def kill(self) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from .errors import RedisServerError
+from ..core.errors import RedisServerError
 from .proc import free_port, log_tail, stop_process
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
+from .validation import describe_validation_error
 
 
 class Pool(str, Enum):
@@ -83,12 +84,7 @@ def load_worker_config(directory: Path, device: Device) -> WorkerConfig:
     try:
         config = WorkerConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'file'}={err.get('input')!r}: "
-            f"{err['msg'].removeprefix('Value error, ')}"
-            for err in exc.errors()
-        )
-        raise ConfigError(f"{path}: {problems}") from None
+        raise ConfigError(f"{path}: {describe_validation_error(exc)}") from None
     if config.kind is not device.kind:
         raise ConfigError(f"{path}: kind={config.kind.value!r} but it configures {device}")
     return config

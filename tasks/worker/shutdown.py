@@ -23,7 +23,6 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from celery.signals import worker_ready
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +74,14 @@ def force_stop(signum: int) -> None:
     os._exit(FORCED_EXIT_STATUS)
 
 
-def install() -> None:
-    """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler."""
+def install_stop_handlers() -> None:
+    """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler.
+
+    Call it after Celery installed its own handlers (the bootstep's ``start``); outside the main
+    thread (an in-process test worker) signals cannot be handled, and nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
     celery_term = signal.getsignal(signal.SIGTERM)
     seen = threading.Event()
 
@@ -93,12 +98,3 @@ def install() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGQUIT, on_quit)
-
-
-@worker_ready.connect
-def _on_ready(sender: Any = None, **_: Any) -> None:
-    # After Celery installed its own handlers, in the worker's main thread.
-    from .worker import _current
-
-    if _current is not None and threading.current_thread() is threading.main_thread():
-        install()

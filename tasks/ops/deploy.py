@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from .devices import Device, DeviceKind, DeviceNames
-from .errors import ConfigError
-from .settings import check_redis_auth
-from .worker_config import config_file, load_worker_config
+from ..core.devices import Device, DeviceKind, DeviceNames
+from ..core.errors import ConfigError
+from ..core.settings import check_redis_auth
+from ..core.worker_config import config_file, load_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def templates_dir() -> Path:
     Raises:
         ConfigError: neither is there.
     """
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # tasks/
     for candidate in (package.parent / "deploy", package / "_deploy"):
         if (candidate / WORKER_UNIT).is_file():
             return candidate
@@ -183,7 +183,7 @@ def plan_host(
         except ValueError as exc:
             raise ConfigError(f"--join {join_url!r}: {exc}") from None
     if gpus is None:
-        from .devices import count_gpus
+        from ..core.devices import count_gpus
 
         gpus = count_gpus()
     binary = devicefleet_bin or _find_bin("devicefleet")
@@ -214,7 +214,7 @@ def _find_bin(name: str) -> Path:
 
 
 def _default_worker_configs() -> Path:
-    from .settings import Settings
+    from ..core.settings import Settings
 
     return Settings.load().worker_configs_path
 

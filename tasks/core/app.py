@@ -1,0 +1,118 @@
+"""The Celery app: Redis as broker and result backend, JSON only, late acks.
+
+``create_app(settings)`` builds an app for explicit settings (tests, the launcher, several
+fleets in one process). The module-level ``tasks.app`` reads :class:`Settings` lazily, the first
+time Celery needs its configuration, so ``celery -A tasks worker`` and producers that set
+``DEVICEFLEET_REDIS_URL`` late both work; either way the settings are read once, at that edge.
+
+A worker of a devicefleet app is a device worker: the app names its bootstep
+(:class:`tasks.worker.bootstep.DeviceWorkerStep`) by import path, as Celery names its own
+components, so that producers that import this module never load the worker side.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from .queues import QueueName
+from .settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: The worker's bootsteps: one owner of a device worker's life, and its readiness mark.
+WORKER_STEP = "tasks.worker.bootstep:DeviceWorkerStep"
+CONSUMER_STEP = "tasks.worker.bootstep:ConsumerReadyStep"
+#: Celery's ``<backend class>+<url>`` form picks the backend class for the URL.
+BACKEND = "tasks.core.backend:FleetBackend"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings derived from ``settings``.
+
+    Raises:
+        NoFleetError: no Redis URL is set and no local fleet runs.
+    """
+    url = settings.resolve_redis_url()
+    return {
+        "broker_url": url,
+        "result_backend": f"{BACKEND}+{url}",
+        # JSON only: a pickle payload is refused by workers and producers alike.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "event_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # A job is acknowledged once it has finished, and a worker process holds one message
+        # at a time, so a crash never swallows queued work.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # A plain `celery -A tasks worker -n cpu0@%h` runs like `devicefleet worker cpu0` with the
+        # default cpu.toml: one job at a time on a thread (Celery's CLI maps its default prefork
+        # to this setting). prefork is not supported: see tasks/core/worker_config.py.
+        "worker_pool": "threads",
+        "worker_concurrency": 1,
+        # Events feed Flower; extended results keep the task name, args and worker.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "result_extended": True,
+        "task_track_started": True,
+        "result_expires": settings.result_expires_s,
+        "task_queues": [Queue(name.value) for name in QueueName],
+        "task_default_queue": QueueName.FLEET.value,
+        "broker_connection_retry_on_startup": True,
+        # Redis may restart under a running fleet (README "Reliability"): workers reconnect,
+        # result writes and reads retry instead of failing, and a waiting producer's pub/sub
+        # connection is checked and re-made.
+        # kombu's Redis transport, hardened: a malformed message is dropped, not fatal.
+        "broker_transport": "tasks.core.transport:Transport",
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 60,
+        "redis_retry_on_timeout": True,
+        "redis_socket_keepalive": True,
+        "redis_backend_health_check_interval": 5,
+        "worker_redirect_stdouts": False,
+        "enable_utc": True,
+    }
+
+
+class FleetCelery(Celery):
+    """A Celery app configured from devicefleet :class:`Settings`, read once."""
+
+    def __init__(self, settings: Settings | None = None, *, main: str = "devicefleet") -> None:
+        super().__init__(main, set_as_current=settings is None)
+        self._fleet_settings = settings
+        if settings is None:
+            # A promise: evaluated when the configuration is first read, not at import.
+            self.add_defaults(lambda: celery_config(self.fleet_settings))
+        else:
+            self.conf.update(celery_config(settings))
+        self.steps["worker"].add(WORKER_STEP)
+        self.steps["consumer"].add(CONSUMER_STEP)
+
+    @property
+    def fleet_settings(self) -> Settings:
+        """The settings this app was made from (loaded from the environment on first use).
+
+        Raises:
+            ConfigError: a setting in the environment is invalid.
+        """
+        if self._fleet_settings is None:
+            self._fleet_settings = Settings.load()
+        return self._fleet_settings
+
+
+def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> FleetCelery:
+    """A Celery app for ``settings``; ``None`` reads them from the environment when first needed."""
+    return FleetCelery(settings, main=main)
+
+
+#: The app of ``celery -A tasks ...`` and of producers that name none (``tasks.app``); its
+#: settings are read from the environment the first time Celery needs its configuration.
+app = create_app()

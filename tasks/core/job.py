@@ -1,0 +1,128 @@
+"""Jobs: named functions a worker runs, with JSON kwargs checked against a schema.
+
+A module defines jobs with :func:`job`; a worker runs only the jobs of the modules on its
+allowlist (:class:`tasks.worker.jobs.JobRegistry`), each as the Celery task ``devicefleet.<name>``.
+A message only names a job, so it can never make a worker import other code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+logger = logging.getLogger(__name__)
+
+P = TypeVar("P", bound=BaseModel)
+JobFunc = Callable[["JobContext", Any], dict[str, Any]]
+
+#: The Celery state of a running job that reported progress (its fields are the state's meta),
+#: and the task event that carries the same fields to Flower.
+PROGRESS_STATE = "PROGRESS"
+PROGRESS_EVENT = "task-progress"
+
+#: Celery task names of jobs: ``devicefleet.train`` for the job ``train``.
+TASK_PREFIX = "devicefleet."
+
+
+#: The chord body of a fan-out: folds the entries into ``{device: entry}`` (no job may be
+#: called ``collect``).
+COLLECT_TASK = f"{TASK_PREFIX}collect"
+
+
+def task_name(job: str) -> str:
+    """The Celery task that runs ``job``: ``train`` -> ``devicefleet.train``."""
+    return f"{TASK_PREFIX}{job}"
+
+
+class JobMetric(str, Enum):
+    """Fleet metrics a job's output can feed (``devicefleet status``, the Prometheus exporter).
+
+    A job says which of its output fields are which with ``@job(..., metrics={field: metric})``.
+    """
+
+    #: Counter: samples processed (``devicefleet_train_samples_total``).
+    SAMPLES = "samples"
+    #: Gauge, the last job's value: training samples per second.
+    SAMPLES_PER_S = "samples_per_s"
+    #: Gauge, the last job's value: fraction of the job spent waiting for data.
+    DATA_WAIT_FRACTION = "data_wait_fraction"
+
+    @property
+    def is_counter(self) -> bool:
+        return self is JobMetric.SAMPLES
+
+
+@dataclass
+class JobContext:
+    """What a running job knows about where it runs."""
+
+    #: Device name, e.g. ``cpu0``.
+    device: str
+    #: ``cpu`` or ``cuda:0``: what to pass to ``torch.device``.
+    torch_device: str
+    #: This run's id (the Celery task id).
+    job_id: str
+    #: A folder only this run writes to, for checkpoints and other files.
+    artifacts_dir: Path
+    #: Cores this worker owns.
+    cores: list[int] = field(default_factory=list)
+    #: Called with progress fields (``step``, ``total``, ``loss``...); a no-op by default.
+    reporter: Callable[[dict[str, Any]], None] | None = None
+    #: The torch device this run fell back from after running out of memory (else None).
+    fallback_from: str | None = None
+
+    def progress(self, **fields: Any) -> None:
+        """Report progress; cheap enough to call once per epoch or every few seconds."""
+        if self.reporter is not None:
+            self.reporter(fields)
+
+
+@dataclass(frozen=True)
+class JobDefinition:
+    """A job as :func:`job` declared it."""
+
+    name: str
+    func: JobFunc
+    params: type[BaseModel]
+    module: str
+    #: ``{output field: metric}``: the output fields the fleet counts (see :class:`JobMetric`).
+    metrics: Mapping[str, JobMetric] = field(default_factory=dict)
+
+    @property
+    def task_name(self) -> str:
+        return task_name(self.name)
+
+    def metric_values(self, output: Mapping[str, Any] | None) -> dict[JobMetric, float]:
+        """The declared metrics found in ``output`` (numbers only)."""
+        values: dict[JobMetric, float] = {}
+        for key, metric in self.metrics.items():
+            value = (output or {}).get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[metric] = float(value)
+        return values
+
+
+#: Every job defined by an imported module, by name; a worker keeps those of its allowlist.
+DEFINED: dict[str, JobDefinition] = {}
+
+
+def job(name: str, *, params: type[P], metrics: Mapping[str, JobMetric] | None = None,
+        ) -> Callable[[Callable[[JobContext, P], dict[str, Any]]], Callable[[JobContext, P], dict[str, Any]]]:
+    """Declare a job called ``name`` whose kwargs validate against ``params``.
+
+    The function takes ``(ctx: JobContext, params: P)`` and returns a JSON-able dict.
+    ``metrics`` maps output fields to the fleet metrics they feed.
+    """
+
+    def register(func: Callable[[JobContext, P], dict[str, Any]]) -> Callable[[JobContext, P], dict[str, Any]]:
+        DEFINED[name] = JobDefinition(name=name, func=func, params=params, module=func.__module__,
+                                      metrics=dict(metrics or {}))
+        return func
+
+    return register

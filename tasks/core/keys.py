@@ -1,0 +1,62 @@
+"""Every Redis key and message header devicefleet writes, in one place.
+
+Celery's and kombu's own keys (``celery-task-meta-<id>``, ``unacked``, the queue lists) are
+theirs; these are devicefleet's. A key that takes an argument is a function.
+"""
+
+from __future__ import annotations
+
+#: Every devicefleet key starts with this, so ``redis-cli --scan --pattern 'devicefleet:*'``
+#: lists them all.
+PREFIX = "devicefleet:"
+
+# -- the registry (tasks.worker.heartbeat writes, tasks.producer.registry reads) ----------------
+
+#: Set of the device names that have registered; a member whose record expired is not live.
+WORKERS = f"{PREFIX}workers"
+
+
+def worker(device: str) -> str:
+    """A device worker's record (:class:`tasks.core.records.WorkerRecord`, JSON, with a TTL)."""
+    return f"{PREFIX}worker:{device}"
+
+
+# -- leases (tasks.worker.lease) ------------------------------------------------------------------
+
+#: Hash ``{task id: lease record}`` of every job running now, for the reaper.
+LEASES = f"{PREFIX}leases"
+#: Lock that keeps reaping to one worker at a time (redis-py's ``Lock``).
+REAPER_LOCK = f"{PREFIX}reaper:lock"
+#: Hash of counts of what the reaper did: ``{"restored": n}``.
+REAPER_STATS = f"{PREFIX}reaper:stats"
+
+
+def lease(task_id: str) -> str:
+    """The lease of a running job: a :class:`tasks.core.records.LeaseRecord`, with a TTL."""
+    return f"{PREFIX}lease:{task_id}"
+
+
+# -- throughput counters (tasks.worker.accounting writes, tasks.ops.exporter reads) --------------
+
+#: Set of the devices that have counters.
+STATS_DEVICES = f"{PREFIX}stats-devices"
+
+
+def stats(device: str) -> str:
+    """Hash of a device's counters: ``jobs_ok``, ``jobs_error``, ``busy_seconds``, metrics."""
+    return f"{PREFIX}stats:{device}"
+
+
+def finished(device: str) -> str:
+    """Sorted set ``{task id: finish time}`` of a device's recent jobs, for jobs/s."""
+    return f"{PREFIX}finished:{device}"
+
+
+# -- message headers ------------------------------------------------------------------------------
+
+#: Header every producer stamps with the send time, for the oldest waiting message's age.
+SENT_AT_HEADER = "devicefleet_sent_at"
+#: Header carrying a job's :class:`tasks.core.records.JobOptions` (beside its kwargs).
+OPTIONS_HEADER = "devicefleet_options"
+#: Key of the error entry inside a failed job's stored exception (tasks.core.backend).
+ENTRY_FIELD = "devicefleet_entry"

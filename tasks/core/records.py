@@ -1,0 +1,228 @@
+"""Typed records that cross a process boundary: JSON at the edge, these models inside.
+
+- :class:`Entry`: one device's result in a fan-out (the value of ``{device: entry}``);
+- :class:`JobOptions`: per-job options that are not the job's own kwargs (a message header);
+- :class:`WorkerRecord`: a device worker's entry in the fleet registry;
+- :class:`LeaseRecord`: the lease of a running job, with what the reaper needs to send it again;
+- :class:`FleetFile`: what ``devicefleet up`` writes for producers on the same host.
+
+Where each lives in Redis is in :mod:`tasks.core.keys`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+
+class EntryStatus(str, Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class _Record(BaseModel):
+    """A record: unknown fields are refused, values are JSON-able."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# -- the result entry -------------------------------------------------------------------------------
+
+
+class ErrorInfo(_Record):
+    """Why a job failed: the exception's type name and message (and memory figures on OOM)."""
+
+    type: str
+    message: str
+    #: Memory figures when the device ran out of memory (:class:`tasks.core.errors.OutOfMemory`).
+    memory: dict[str, JsonValue] | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ErrorInfo:
+        memory = getattr(exc, "memory", None)
+        return cls(type=type(exc).__name__, message=str(exc),
+                   memory=memory if isinstance(memory, dict) else None)
+
+
+class Visibility(_Record):
+    """What the worker saw of its device."""
+
+    cuda_visible_devices: str | None = None
+    cuda_available: bool | None = None
+    device_name: str | None = None
+
+
+class Entry(_Record):
+    """One device's entry in a fan-out's result dict. Its keys are fixed (:data:`ENTRY_KEYS`)."""
+
+    device: str
+    worker: str | None
+    status: EntryStatus
+    #: The job's own output; None on error.
+    output: dict[str, JsonValue] | None
+    #: Why it failed; None when ``status`` is ok.
+    error: ErrorInfo | None
+    started_at: str | None
+    finished_at: str | None
+    duration_s: float | None
+    visibility: Visibility
+
+    @classmethod
+    def make(cls, *, device: str, worker: str | None, output: dict[str, Any] | None,
+             error: ErrorInfo | None, started: float | None, finished: float | None,
+             visibility: Visibility | None = None) -> Entry:
+        """An entry; ``status`` is error exactly when ``error`` is given."""
+        return cls(
+            device=device, worker=worker,
+            status=EntryStatus.ERROR if error else EntryStatus.OK,
+            output=None if error else output,
+            error=error,
+            started_at=iso(started), finished_at=iso(finished),
+            duration_s=(finished - started) if started is not None and finished is not None else None,
+            visibility=visibility or Visibility(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump(mode="json")
+        if out["error"] is not None and out["error"]["memory"] is None:
+            del out["error"]["memory"]  # {type, message}, plus memory only on OOM
+        return out
+
+
+#: The keys of every entry, in order.
+ENTRY_KEYS: tuple[str, ...] = tuple(Entry.model_fields)
+
+
+def iso(ts: float | None) -> str | None:
+    """``ts`` (seconds since the epoch) as an ISO 8601 UTC string."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
+
+
+# -- options beside the kwargs ---------------------------------------------------------------------
+
+
+class JobOptions(_Record):
+    """Options of one job run that are not the job's own kwargs.
+
+    They travel in the message header :data:`tasks.core.keys.OPTIONS_HEADER`, so a job may have
+    a parameter of any name.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Where to run the job again if the device runs out of memory: ``"cpu"``, or None.
+    fallback: Literal["cpu"] | None = None
+
+    @property
+    def is_default(self) -> bool:
+        return self == JobOptions()
+
+
+# -- the registry ----------------------------------------------------------------------------------
+
+
+class BusyInfo(_Record):
+    """The job a worker runs now."""
+
+    job: str
+    job_id: str
+    since: float
+
+
+class WorkerRecord(_Record):
+    """A device worker's registry record (``keys.worker(device)``), refreshed by its heartbeat."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str
+    kind: str
+    worker: str
+    host: str
+    pid: int
+    queues: list[str]
+    cores: list[int]
+    pool: str
+    concurrency: int
+    #: The jobs this worker may run (its allowlist's), as ``devicefleet.<job>`` task names' suffixes.
+    jobs: list[str]
+    started_at: float
+    cuda_visible_devices: str | None = None
+    cuda_available: bool | None = None
+    device_name: str | None = None
+    total_memory: int | None = None
+    torch_version: str | None = None
+    torch_threads: int | None = None
+    #: True once the worker consumes its queues.
+    ready: bool = False
+    busy: BusyInfo | None = None
+    #: The running job's latest ``ctx.progress`` fields.
+    progress: dict[str, JsonValue] | None = None
+    jobs_done: int = 0
+    heartbeat_at: float | None = None
+
+    def same_process(self, host: str, pid: int) -> bool:
+        return self.host == host and self.pid == pid
+
+
+# -- leases ----------------------------------------------------------------------------------------
+
+
+class ResendRecord(_Record):
+    """What the reaper needs to send a job again when its message is gone from Redis."""
+
+    name: str
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict)
+    queue: str | None = None
+    headers: dict[str, JsonValue] = Field(default_factory=dict)
+    chord: dict[str, JsonValue] | None = None
+    group_id: str | None = None
+    group_index: int | None = None
+    root_id: str | None = None
+    parent_id: str | None = None
+
+
+class LeaseRecord(_Record):
+    """The lease of a running job (``keys.lease(task_id)``, and in the ``keys.LEASES`` hash)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str
+    worker: str
+    pid: int
+    host: str
+    task_id: str
+    delivery_tag: str | None = None
+    since: float
+    resend: ResendRecord | None = None
+
+
+# -- the fleet file --------------------------------------------------------------------------------
+
+
+class FleetDevice(_Record):
+    cores: list[int]
+    log: str
+
+
+class FleetFile(_Record):
+    """What a running ``devicefleet up`` writes to ``<state dir>/fleet.json`` (mode 0600)."""
+
+    pid: int
+    redis_url: str
+    embedded_redis: bool
+    devices: dict[str, FleetDevice] = Field(default_factory=dict)
+    started_at: float
+    flower_url: str | None = None
+    flower_auth_file: str | None = None
+    metrics_url: str | None = None

@@ -1,0 +1,6 @@
+"""The producer side: sending jobs to the fleet and collecting their entries."""
+
+from . import sent_at  # noqa: F401  (stamps each published message with its send time)
+from .fanout import FanOut, JobSpec, fan_out, live_devices
+
+__all__ = ["FanOut", "JobSpec", "fan_out", "live_devices"]

@@ -1,0 +1,97 @@
+"""The owner of a device worker's life: a Celery worker bootstep.
+
+``devicefleet worker cpu0`` and ``celery -A tasks worker -n cpu0@%h`` both start a Celery worker
+of a devicefleet app (:class:`tasks.core.app.FleetCelery`), whose blueprint includes
+:class:`DeviceWorkerStep`. Following Celery's own components (``celery.worker.components``):
+
+- ``__init__``, while the worker is built: the device from the node name, its config, its
+  visibility (``CUDA_VISIBLE_DEVICES`` before torch loads), cores and torch threads, the jobs of
+  the allowlist registered as ``devicefleet.<job>`` tasks, and the device's queues;
+- ``start``, after Celery installed its signal handlers: join the registry (heartbeat, leases,
+  reaper) and the stop-at-once handlers (:mod:`tasks.worker.shutdown`);
+- ``stop``/``shutdown``: leave the registry.
+
+:class:`ConsumerReadyStep` marks the registry record ready once the consumer takes tasks.
+A configuration error stops the worker with exit status 2 (systemd does not restart it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from celery import bootsteps
+
+from ..core.errors import ConfigError, DeviceFleetError
+from .device import DeviceWorker
+from ..core.job import COLLECT_TASK
+from .runner import JobTask, collect
+from .shutdown import install_stop_handlers
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a configuration error: restarting cannot fix it (``RestartPreventExitStatus=2``).
+EXIT_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def _refuse(nodename: str, exc: DeviceFleetError) -> SystemExit:
+    """Say why the worker cannot start, and the exit status to stop with."""
+    message = f"devicefleet worker {nodename}: {exc}"
+    logger.critical("%s", message)
+    print(message, file=sys.stderr, flush=True)
+    return SystemExit(EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILURE)
+
+
+class DeviceWorkerStep(bootsteps.StartStopStep):
+    """Creates and runs the :class:`~tasks.worker.device.DeviceWorker` of this Celery worker."""
+
+    label = "DeviceWorker"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        app = parent.app
+        try:
+            device_worker = DeviceWorker(str(parent.hostname), app.fleet_settings)
+            device_worker.prepare()
+        except DeviceFleetError as exc:
+            raise _refuse(str(parent.hostname), exc) from None
+        self.device_worker = device_worker
+        # Celery's components hang their state on the worker (w.pool, w.timer): so does this one.
+        parent.device_worker = device_worker
+        for definition in device_worker.jobs.definitions():
+            task_cls = type(f"JobTask[{definition.name}]", (JobTask,), {
+                "name": definition.task_name, "definition": definition, "device_worker": device_worker,
+                "__module__": definition.module, "__doc__": definition.func.__doc__,
+            })
+            app.register_task(task_cls())
+        app.task(name=COLLECT_TASK, shared=False)(collect)
+        # Exactly the device's queues, whatever -Q said.
+        app.amqp.queues.select(device_worker.queues)
+
+    def start(self, parent: Any) -> None:
+        try:
+            self.device_worker.join(parent.app)
+        except DeviceFleetError as exc:
+            raise _refuse(str(parent.hostname), exc) from None
+        install_stop_handlers()
+
+    def stop(self, parent: Any) -> None:
+        self.device_worker.leave()
+
+    def shutdown(self, parent: Any) -> None:
+        self.device_worker.leave()
+
+
+class ConsumerReadyStep(bootsteps.StartStopStep):
+    """Marks the device worker ready in the registry once the consumer takes tasks."""
+
+    label = "DeviceWorkerReady"
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, parent: Any) -> None:
+        device_worker = getattr(parent.controller, "device_worker", None)
+        if device_worker is not None and device_worker.heartbeat is not None:
+            device_worker.heartbeat.update(ready=True)

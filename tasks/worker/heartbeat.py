@@ -1,0 +1,79 @@
+"""A device worker's heartbeat: its registry record, kept alive in Redis from a thread.
+
+The record (:class:`~tasks.core.records.WorkerRecord`) lives at ``keys.worker(device)`` with a
+TTL of ``heartbeat_ttl_s`` and is written every ``heartbeat_interval_s``; :meth:`Heartbeat.update`
+changes fields (the job running now, its progress) and wakes the thread, which writes them at
+once, so producers see the change without the job's own thread waiting on Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+
+from ..core import keys
+from ..core.records import WorkerRecord
+from .periodic import PeriodicThread
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat(PeriodicThread):
+    """Keeps one worker's registry record alive."""
+
+    name = "devicefleet-heartbeat"
+
+    def __init__(self, client: redis.Redis, record: WorkerRecord, interval_s: float, ttl_s: float) -> None:
+        super().__init__(interval_s)
+        self.client = client
+        self._record = record
+        self._ttl_ms = int(ttl_s * 1000)
+        self._lock = threading.Lock()
+
+    @property
+    def record(self) -> WorkerRecord:
+        return self._record
+
+    def start(self) -> None:
+        """Write the record now (the device joins the fleet), then keep it alive."""
+        self.write()
+        super().start()
+
+    def update(self, **fields: Any) -> None:
+        """Change fields of the record; the heartbeat thread writes them within moments."""
+        with self._lock:
+            self._record = self._record.model_copy(update=fields)
+        if self.alive:
+            self.wake()
+        else:
+            self.write()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop beating and remove the record: the device leaves the fleet now."""
+        super().stop(timeout)
+        device = self._record.device
+        try:
+            pipe = self.client.pipeline()
+            pipe.delete(keys.worker(device))
+            pipe.srem(keys.WORKERS, device)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.warning("could not remove %s from the registry: %s", device, exc)
+
+    def write(self) -> None:
+        """Write the record and its index entry (one round trip)."""
+        # The write happens under the lock too: otherwise a beat that serialised the record just
+        # before an update() could land after it and bring back stale fields.
+        with self._lock:
+            self._record = self._record.model_copy(update={"heartbeat_at": time.time()})
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(keys.worker(self._record.device), self._record.to_json(), px=self._ttl_ms)
+            pipe.sadd(keys.WORKERS, self._record.device)
+            pipe.execute()
+
+    def tick(self) -> None:
+        self.write()

@@ -1,0 +1,154 @@
+"""Running a job: the Celery task behind ``devicefleet.<job>``, and the chord's collect step.
+
+Each allowlisted job is a :class:`JobTask` registered by the bootstep. Sent to ``cpu``, ``gpu``
+or ``fleet`` it runs on whichever device of that kind takes it; sent to ``device.<name>`` on
+exactly that device. It returns the device's :class:`~tasks.core.records.Entry` as a dict. When
+the job fails (it raises, its kwargs or options are invalid, it runs out of memory) the task
+ends in FAILURE with the job's own exception, and the error entry rides along with it
+(:func:`tasks.core.backend.attach_entry`) so that a fan-out's chord still collects every device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from celery import Task
+from pydantic import ValidationError
+
+from ..core.backend import attach_entry
+from ..core.errors import DeviceFleetError, InvalidJobArguments, JobError, OutOfMemory
+from ..core.job import JobContext, JobDefinition
+from ..core.keys import OPTIONS_HEADER
+from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
+from ..core.validation import describe_validation_error
+from . import accounting, progress
+from .device import DeviceWorker
+from .jobs import validate_kwargs
+from .oom import recycle_if_needed, run_guarded
+
+logger = logging.getLogger(__name__)
+
+class JobTask(Task):  # type: ignore[misc]
+    """The Celery task of one job on one device worker (made by the bootstep per job)."""
+
+    #: Set per job by the bootstep.
+    definition: JobDefinition
+    device_worker: DeviceWorker
+    #: A job's own failures are expected: logged without Celery's traceback dump.
+    throws = (JobError,)
+    #: Kwargs are checked against the job's schema, not the function's signature.
+    typing = False
+    Strategy = "tasks.worker.strategy:guarded_strategy"
+
+    def run(self, **kwargs: Any) -> dict[str, Any]:
+        return execute(self.device_worker, self, self.definition, kwargs)
+
+
+def job_options(request: Any) -> JobOptions:
+    """The job's options from its message header.
+
+    Raises:
+        InvalidJobArguments: the header is not valid options; the message names the bad field.
+    """
+    raw = (getattr(request, "headers", None) or {}).get(OPTIONS_HEADER)
+    if raw is None:
+        return JobOptions()
+    try:
+        return JobOptions.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidJobArguments(f"job options ({OPTIONS_HEADER} header): {describe_validation_error(exc)}") from None
+
+
+def execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs: Any) -> dict[str, Any]:
+    """Run one job under its lease and return its entry.
+
+    Raises:
+        celery.exceptions.Ignore: this job already runs on another live worker, or has finished
+            (see :mod:`tasks.worker.lease`); this copy is dropped.
+        Exception: the job failed; the exception carries its error entry.
+    """
+    if worker.leases is None or task.request.id is None:
+        return _execute(worker, task, definition, kwargs)
+    with worker.leases.hold(task):
+        return _execute(worker, task, definition, kwargs)
+
+
+def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs: Any) -> dict[str, Any]:
+    started = time.time()
+    job_id = str(task.request.id or f"local-{started}")
+    device = worker.device.name
+    output: dict[str, Any] | None = None
+    failure: BaseException | None = None
+    recycle = False
+    if worker.heartbeat is not None:
+        worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
+    try:
+        options = job_options(task.request)
+        params = validate_kwargs(definition, kwargs)
+        ctx = JobContext(
+            device=device,
+            torch_device=worker.torch_device,
+            job_id=job_id,
+            artifacts_dir=worker.artifacts_path / job_id,
+            cores=worker.cores,
+            reporter=lambda fields: progress.publish(task, device, fields, worker.heartbeat),
+        )
+        result, recycle = run_guarded(definition.func, ctx, params, options.fallback)
+        if not isinstance(result, dict):
+            raise JobError(f"job {definition.name!r} returned {type(result).__name__}, not a dict")
+        json.dumps(result)  # results travel as JSON: fail here, in the entry, not in Celery
+        output = result
+    except OutOfMemory as exc:
+        logger.warning("%s: job %s ran out of memory: %s", device, definition.name, exc)
+        failure, recycle = exc, exc.recycle
+    except DeviceFleetError as exc:
+        logger.warning("%s: job %s failed: %s", device, definition.name, exc)
+        failure = exc
+    except Exception as exc:  # a job's own failure: reported, never fatal to the worker
+        logger.exception("%s: job %s raised", device, definition.name)
+        failure = exc
+    finally:
+        worker.jobs_done += 1
+        if worker.heartbeat is not None:
+            worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done)
+    finished = time.time()
+    _count(worker, definition, job_id, failure is None, started, finished, output)
+    recycle_if_needed(recycle, device)
+    entry = Entry.make(device=device, worker=worker.nodename, output=output,
+                       error=ErrorInfo.of(failure) if failure is not None else None,
+                       started=started, finished=finished, visibility=worker.seen)
+    if failure is not None:
+        raise attach_entry(failure, entry)
+    return entry.to_dict()
+
+
+def _count(worker: DeviceWorker, definition: JobDefinition, job_id: str, ok: bool, started: float,
+           finished: float, output: dict[str, Any] | None) -> None:
+    """Count the finished job for the fleet's metrics (best effort)."""
+    if worker.heartbeat is None:
+        return
+    try:
+        accounting.record_job(
+            worker.heartbeat.client, worker.device.name, worker.nodename, job_id=job_id, ok=ok,
+            started=started, finished=finished, metrics=definition.metric_values(output),
+            gpu_memory_bytes=accounting.gpu_memory_in_use(),
+        )
+    except Exception as exc:
+        logger.warning("%s: could not record job metrics: %s", worker.device, exc)
+
+
+def collect(entries: list[dict[str, Any]], devices: list[str]) -> dict[str, dict[str, Any]]:
+    """The chord's body: ``{device: entry}``, in the order of ``devices`` (the header's order).
+
+    A failed device's entry is its error entry (:class:`tasks.core.backend.FleetBackend`).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for device, entry in zip(devices, entries, strict=False):
+        out[device] = {**entry, "device": device} if isinstance(entry, dict) else Entry.make(
+            device=device, worker=None, output=None, started=None, finished=None,
+            error=ErrorInfo(type="FanOutError", message=f"no entry from {device}: got {entry!r:.200}"),
+        ).to_dict()
+    return out
