@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..core.errors import TrainingDiverged
-from ..core.job import JobContext, job
+from ..core.job import JobContext, JobMetric, job
 from .loader import build_loader
 from . import data, resume
 from .models import ModelName, build
@@ -55,7 +55,11 @@ def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
     return min(4, cores) if cuda else min(4, cores - 1)
 
 
-@job("train", params=TrainParams)
+@job("train", params=TrainParams, metrics={
+    "samples_seen": JobMetric.SAMPLES,
+    "samples_per_s": JobMetric.SAMPLES_PER_S,
+    "data_wait_fraction": JobMetric.DATA_WAIT_FRACTION,
+})
 def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     """Train ``model`` on ``dataset`` for ``epochs``; returns metrics and a checkpoint path."""
     torch.manual_seed(params.seed)
@@ -131,17 +135,20 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     })
     logger.info("%s: %s on %s, accuracy %.4f in %.2f s", ctx.device, params.model.value, split.name,
                 accuracy, train_s)
+    samples_seen = n_train * (params.epochs - resumed_from)
+    # The first numeric fields are what `devicefleet run` shows in its table.
     return {
-        "model": params.model.value,
-        "dataset": split.name,
         "accuracy": accuracy,
         "loss": epoch_loss,
+        "samples_per_s": samples_seen / train_s if train_s > 0 else None,
+        "data_wait_fraction": wait_s / train_s if train_s > 0 else None,
+        "model": params.model.value,
+        "dataset": split.name,
         "epochs": params.epochs,
         "train_samples": n_train,
+        "samples_seen": samples_seen,
         "test_samples": len(split.y_test),
         "resumed_from_epoch": resumed_from,
-        "samples_per_s": n_train * (params.epochs - resumed_from) / train_s if train_s > 0 else None,
-        "data_wait_fraction": wait_s / train_s if train_s > 0 else None,
         "train_s": train_s,
         "num_workers": workers,
         "torch_device": str(device),
