@@ -6,7 +6,7 @@ Three ways to feed the step:
 
 - ``sequential``: produce the next batch, then train on it;
 - ``mp_queue``: producer processes put batches on a ``multiprocessing.Queue`` (pickled);
-- ``fleet``: the ``train`` job's loader, :func:`tasks.loader.build_loader` (DataLoader workers,
+- ``fleet``: the ``train`` job's loader, :func:`tasks.jobs.loader.build_loader` (DataLoader workers,
   prefetch, shared memory, pinned memory on CUDA).
 """
 

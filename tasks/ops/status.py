@@ -1,6 +1,6 @@
 """``devicefleet status``: the live fleet at a glance, as a dict (``--json``) or rich tables.
 
-:func:`report` reads the registry and the throughput counters (:func:`tasks.metrics.fleet_snapshot`)
+:func:`report` reads the registry and the throughput counters (:func:`tasks.ops.exporter.fleet_snapshot`)
 and adds the Flower and metrics URLs from the fleet file; :func:`render` draws it.
 """
 

@@ -14,7 +14,7 @@ returns. A failed job's task ends in FAILURE and its error entry is still collec
 (:mod:`tasks.core.backend`).
 
 Before anything is sent, the fleet registry is read: a device with no live worker fails the call
-at once (:class:`~tasks.errors.DeviceUnavailable`), naming the live devices.
+at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices.
 """
 
 from __future__ import annotations
