@@ -20,8 +20,8 @@ from typing import Any
 
 from celery import Celery
 
-from ..producer.fanout import fan_out
 from ..core.job import JobContext
+from ..producer.fanout import fan_out
 
 logger = logging.getLogger(__name__)
 

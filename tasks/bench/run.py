@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.devices import cpu_model_name, usable_cores
-from ..ops.fleet import Fleet
 from ..core.settings import Settings
+from ..ops.fleet import Fleet
 from . import dispatch, efficiency, gpu, pipeline
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ def connect(url: str) -> redis.Redis:
     )
 
 
-def _parse(device: str, raw: str | None) -> WorkerRecord | None:
+def _parse(device: str, raw: str | bytes | None) -> WorkerRecord | None:
     if raw is None:
         return None
     try:

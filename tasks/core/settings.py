@@ -8,7 +8,6 @@ edge, with a message that names the setting and the bad value.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import os
 import socket

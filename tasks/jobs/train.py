@@ -22,8 +22,8 @@ from torch.utils.data import TensorDataset
 
 from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
-from .loader import build_loader
 from . import data, resume
+from .loader import build_loader
 from .models import ModelName, build
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .flower import FlowerProcess
 from ..core.settings import Settings
 from .exporter import MetricsExporter
+from .flower import FlowerProcess
 
 logger = logging.getLogger(__name__)
 

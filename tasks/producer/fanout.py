@@ -20,7 +20,6 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 

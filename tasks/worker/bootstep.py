@@ -24,8 +24,8 @@ from typing import Any
 from celery import bootsteps
 
 from ..core.errors import ConfigError, DeviceFleetError
-from .device import DeviceWorker
 from ..core.job import COLLECT_TASK
+from .device import DeviceWorker
 from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
 

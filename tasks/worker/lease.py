@@ -70,7 +70,7 @@ return 1
 """
 
 
-def _parse(raw: str | None) -> LeaseRecord | None:
+def _parse(raw: str | bytes | None) -> LeaseRecord | None:
     if not raw:
         return None
     try:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-
 logger = logging.getLogger(__name__)
 
 #: Seconds the forced stop waits for Redis while it puts the running jobs back.
