@@ -405,6 +405,10 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
 SUMMARY_FIELDS = 4
 
 
+#: Text fields longer than this (paths, ids) are listed under the table, not in it.
+LONG_TEXT = 32
+
+
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(results, indent=2))
@@ -421,7 +425,11 @@ def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
         table.add_column(column)
     for key in metrics:
         table.add_column(key.replace("_", " "), justify="right")
-    table.add_column("output / error", overflow="fold")
+    # The text column only when a device failed or the output has no numeric field to show.
+    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
+    if other:
+        table.add_column("output / error", overflow="fold")
+    below: list[str] = []
     for device, entry in results.items():
         output = entry.get("output") or {}
         vis = entry.get("visibility") or {}
@@ -430,12 +438,22 @@ def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
                str(vis.get("cuda_visible_devices"))]
         row += [_fmt(output.get(key, "")) for key in metrics]
         if ok:
-            row.append(", ".join(f"{k}={_fmt(v)}" for k, v in output.items()
-                                 if not isinstance(v, (dict, list)) and k not in metrics))
+            short = []
+            for key, value in output.items():
+                if key in metrics or isinstance(value, (dict, list)):
+                    continue
+                if isinstance(value, str) and len(value) > LONG_TEXT:
+                    below.append(f"{device} {key}: {value}")
+                else:
+                    short.append(f"{key}={_fmt(value)}")
+            if other:
+                row.append(", ".join(short[:SUMMARY_FIELDS]))
         else:
             row.append(f"{entry['error']['type']}: {entry['error']['message']}")
         table.add_row(*row)
     console.print(table)
+    for line in below:
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def _fmt(value: Any) -> str:
