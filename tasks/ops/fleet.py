@@ -30,7 +30,7 @@ from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
 from ..core.worker_config import load_worker_config
 from .monitor import FleetMonitor
-from .proc import log_tail
+from .proc import log_tail, wait_until
 from .redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
@@ -200,31 +200,30 @@ class Fleet:
             FleetError: a worker exited, or ``timeout`` passed first.
         """
         wanted = set(names or self.workers)
+        pending = set(wanted)
         client = connect(self.redis_url)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                live = live_workers(client)
-                ready = {
-                    name for name in wanted
-                    if name in live and live[name].ready
-                    and live[name].pid == self.workers[name].process.pid  # type: ignore[union-attr]
-                }
-                if ready == wanted:
-                    return
-                for name in wanted - ready:
-                    worker = self.workers[name]
-                    if not worker.alive:
-                        raise FleetError(
-                            f"worker {name} exited with code {worker.process.returncode if worker.process else None} "  # noqa: E501
-                            f"before joining the fleet; log {worker.log}: {log_tail(worker.log)}"
-                        )
-                if time.monotonic() > deadline:
+
+        def all_ready() -> bool:
+            live = live_workers(client)
+            pending.clear()
+            pending.update(
+                name for name in wanted
+                if not (name in live and live[name].ready
+                        and live[name].pid == self.workers[name].process.pid)  # type: ignore[union-attr]
+            )
+            for name in sorted(pending):
+                worker = self.workers[name]
+                if not worker.alive:
                     raise FleetError(
-                        f"workers {', '.join(sorted(wanted - ready))} not ready after {timeout:g} s; "
-                        f"see their logs in {self.settings.state_dir / 'logs'}"
+                        f"worker {name} exited with code {worker.process.returncode if worker.process else None} "  # noqa: E501
+                        f"before joining the fleet; log {worker.log}: {log_tail(worker.log)}"
                     )
-                time.sleep(0.05)
+            return not pending
+
+        try:
+            wait_until(all_ready, timeout, f"workers {', '.join(sorted(wanted))} to join the registry",
+                       detail=lambda: f"not ready: {', '.join(sorted(pending))}; see their logs in "
+                                      f"{self.settings.state_dir / 'logs'}")
         finally:
             client.close()
 

@@ -14,13 +14,12 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from ..core.errors import FlowerError
-from .proc import free_port, log_tail, stop_process
+from .proc import free_port, log_tail, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -97,19 +96,15 @@ class FlowerProcess:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise FlowerError(f"flower exited with code {self.process.returncode}; log "
-                                  f"{self.log}: {log_tail(self.log)}")
-            if self._answers():
-                logger.info("flower at %s (pid %d)", self.url, self.process.pid)
-                return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise FlowerError(f"flower did not answer at {self.url} within {timeout:g} s; "
-                                  f"log {self.log}: {log_tail(self.log)}")
-            time.sleep(0.2)
+        try:
+            wait_until(self._answers, timeout, f"flower to answer at {self.url}/healthcheck", poll=0.2,
+                       proc=self.process, error=FlowerError,
+                       detail=lambda: f"log {self.log}: {log_tail(self.log)}")
+        except FlowerError:
+            self.stop()
+            raise
+        logger.info("flower at %s (pid %d)", self.url, self.process.pid)
+        return self
 
     def _answers(self) -> bool:
         request = urllib.request.Request(f"{self.url}/healthcheck",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from ..core.errors import FleetError
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,3 +39,38 @@ def log_tail(path: Path, lines: int = 8, sep: str = "\n") -> str:
         return sep.join(path.read_text(errors="replace").strip().splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def wait_until(
+    check: Callable[[], T],
+    timeout: float,
+    what: str,
+    *,
+    poll: float = 0.05,
+    proc: subprocess.Popen[bytes] | None = None,
+    error: type[FleetError] = FleetError,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """Call ``check`` every ``poll`` seconds until it returns something truthy, and return that.
+
+    ``what`` names what is waited for ("redis-server to answer PING on ..."); ``check`` may
+    raise itself (say, when one of several processes exited). ``detail``, called only on failure,
+    adds to the message (typically the tail of a log).
+
+    Raises:
+        error: ``proc`` exited first, or ``timeout`` seconds passed; the message names ``what``.
+    """
+
+    def fail(message: str) -> FleetError:
+        return error(f"{message}; {detail()}" if detail is not None else message)
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise fail(f"process {proc.pid} exited with code {proc.returncode} while waiting for {what}")
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(poll)

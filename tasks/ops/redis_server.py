@@ -11,13 +11,12 @@ import logging
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import redis
 
 from ..core.errors import RedisServerError
-from .proc import free_port, log_tail, stop_process
+from .proc import free_port, log_tail, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -104,28 +103,24 @@ class EmbeddedRedis:
         )
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_connect_timeout=1)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RedisServerError(
-                    f"{self.binary} exited with code {self.process.returncode}: {_tail(log)}"
-                )
+
+        def answers() -> bool:
             try:
-                if client.ping():
-                    break
+                return bool(client.ping())
             except (redis.ConnectionError, redis.BusyLoadingError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RedisServerError(f"{self.binary} did not answer within {timeout:g} s: {_tail(log)}")
-            time.sleep(0.02)
-        client.close()
+                return False
+
+        try:
+            wait_until(answers, timeout, f"{self.binary} to answer PING on 127.0.0.1:{self.port}",
+                       poll=0.02, proc=self.process, error=RedisServerError,
+                       detail=lambda: f"log {log}: {log_tail(log, 5, sep=' | ')}")
+        except RedisServerError:
+            self.stop()
+            raise
+        finally:
+            client.close()
         logger.info("redis-server %s on 127.0.0.1:%d (pid %d)", self.binary, self.port, self.process.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM: Redis flushes its append-only file and exits."""
         stop_process(self.process, timeout)
-
-
-def _tail(path: Path, lines: int = 5) -> str:
-    return log_tail(path, lines, sep=" | ")
