@@ -21,7 +21,7 @@ from rich.table import Table
 
 from .core.errors import DeviceFleetError
 from .core.records import WorkerRecord
-from .core.settings import Settings, redact_url
+from .core.settings import DEFAULT_METRICS_PORT, Settings, redact_url
 
 logger = logging.getLogger(__name__)
 console = Console()
@@ -304,7 +304,7 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
 
 
 @cli.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=9808, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=DEFAULT_METRICS_PORT, show_default=True)
 @click.option("--redis-url", help="Broker and backend (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def exporter(port: int, redis_url: str | None) -> None:
     """Serve the fleet's Prometheus metrics on 127.0.0.1:PORT until stopped.

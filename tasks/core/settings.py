@@ -31,6 +31,11 @@ FLEET_FILE = "fleet.json"
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
+#: Port of the Prometheus exporter a deployed host runs (``devicefleet exporter``,
+#: devicefleet-metrics.service) and that deploy/prometheus/prometheus.yml scrapes. The local
+#: launcher picks a free port instead unless ``metrics_port`` is set.
+DEFAULT_METRICS_PORT = 9808
+
 
 def _default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

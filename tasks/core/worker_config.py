@@ -18,6 +18,11 @@ from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
 from .validation import describe_validation_error
 
+#: Cores a GPU worker keeps for its data loading when its config does not say (``loader_cores``).
+DEFAULT_LOADER_CORES = 4
+#: Longest job a worker is expected to run when its config does not say (``max_job_seconds``).
+DEFAULT_MAX_JOB_SECONDS = 3600
+
 
 class Pool(str, Enum):
     """Celery pools; a device worker runs ``threads`` or ``solo`` (``prefork`` is refused, by name)."""
@@ -38,7 +43,7 @@ class WorkerConfig(BaseModel):
     #: ``"auto"`` (a share of the host's cores, see ``devices.plan_cores``) or a CPU list.
     cores: str = "auto"
     #: Cores a GPU worker keeps for its data loading when cores are ``auto``.
-    loader_cores: int = Field(default=4, ge=1, le=256)
+    loader_cores: int = Field(default=DEFAULT_LOADER_CORES, ge=1, le=256)
     #: ``torch.set_num_threads``; ``"auto"`` is the number of cores the worker owns.
     torch_threads: int | Literal["auto"] = "auto"
     #: Extra queues to consume besides ``<kind>``, ``device.<name>`` and ``fleet``.
@@ -46,7 +51,7 @@ class WorkerConfig(BaseModel):
     #: Celery log level of the worker.
     loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Longest job this worker is expected to run; systemd's stop timeout is derived from it.
-    max_job_seconds: int = Field(default=3600, ge=1)
+    max_job_seconds: int = Field(default=DEFAULT_MAX_JOB_SECONDS, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:

@@ -31,8 +31,8 @@ from urllib.parse import quote
 
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
-from ..core.settings import check_redis_auth
-from ..core.worker_config import config_file, load_worker_config
+from ..core.settings import DEFAULT_METRICS_PORT, check_redis_auth
+from ..core.worker_config import DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class HostPlan:
     stop_margin_s: int = DEFAULT_STOP_MARGIN_S
     flower_address: str = "127.0.0.1"
     flower_port: int = 5555
-    metrics_port: int = 9808
+    metrics_port: int = DEFAULT_METRICS_PORT
     flower_auth: str = field(default_factory=lambda: f"admin:{secrets.token_urlsafe(18)}")
 
     @property
@@ -285,7 +285,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "artifacts_dir": _check_safe("artifacts dir", str(plan.artifacts)),
         "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
         "celery_bin": _check_safe("celery binary", str(plan.celery_bin)),
-        "timeout_stop_s": max([t for t, _, _ in timeouts.values()], default=3600 + margin),
+        "timeout_stop_s": max([t for t, _, _ in timeouts.values()], default=DEFAULT_MAX_JOB_SECONDS + margin),
         "flower_address": plan.flower_address,
         "flower_port": plan.flower_port,
         "metrics_port": plan.metrics_port,

@@ -28,7 +28,7 @@ from ..core.errors import FleetError
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
-from ..core.worker_config import load_worker_config
+from ..core.worker_config import DEFAULT_LOADER_CORES, load_worker_config
 from .monitor import FleetMonitor
 from .proc import log_tail, wait_until
 from .redis_server import EmbeddedRedis
@@ -99,7 +99,7 @@ class Fleet:
         if gpus is None:
             gpus = count_gpus()
         cpus = self.cpu_workers or self.settings.cpu_workers or default_cpu_workers(gpus, len(cores))
-        loader = 4
+        loader = DEFAULT_LOADER_CORES
         if gpus:
             loader = load_worker_config(self.settings.worker_configs_path, Device(DeviceKind.GPU, 0)).loader_cores
         plan = plan_cores(cores, cpus, gpus, loader)
