@@ -16,8 +16,6 @@ import torch
 
 from ..core.errors import DatasetError
 
-BUILTIN = ("digits",)
-
 
 @dataclass
 class Split:

@@ -19,9 +19,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +27,6 @@ logger = logging.getLogger(__name__)
 REQUEUE_TIMEOUT_S = 5.0
 #: Exit status of a forced stop: a failure, so ``Restart=on-failure`` starts the worker again.
 FORCED_EXIT_STATUS = 1
-
-Handler = Callable[[int, FrameType | None], Any]
 
 
 def requeue_active() -> list[str]:
