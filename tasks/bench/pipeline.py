@@ -137,7 +137,7 @@ def measure(*, quick: bool) -> dict[str, Any]:
     }
     from . import ray_pipeline
 
-    ray_wait = ray_pipeline.wait_ray(work) if not quick else None
+    ray_wait = ray_pipeline.wait_ray(work, make_batch, _consume) if not quick else None
     if ray_wait is not None:
         out["wait_s_ray"] = ray_wait
     logger.info("pipeline: %s", out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -23,13 +23,16 @@ def available() -> bool:
     return True
 
 
-def wait_ray(work: Any) -> float | None:
-    """Mean wait for the next batch with Ray producers; ``None`` when Ray is not installed."""
+def wait_ray(work: Any, make_batch: Callable[[int, Any], tuple[Any, Any]],
+             consume: Callable[..., float]) -> float | None:
+    """Mean wait for the next batch with Ray producers; ``None`` when Ray is not installed.
+
+    ``make_batch`` and ``consume`` are :mod:`tasks.bench.pipeline`'s, passed in so that this
+    module does not import that one back (no import cycle).
+    """
     if not available():
         return None
     import ray
-
-    from .pipeline import _consume, make_batch
 
     def produce(index: int) -> tuple[Any, Any]:
         import torch
@@ -54,6 +57,6 @@ def wait_ray(work: Any) -> float | None:
                     sent += 1
                 yield ray.get(ref)
 
-        return _consume(batches(), total, work.warmup, work.step_s)
+        return consume(batches(), total, work.warmup, work.step_s)
     finally:
         ray.shutdown()

@@ -81,6 +81,11 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
     def stop(self, parent: Any) -> None:
         self.device_worker.leave()
 
+    def terminate(self, parent: Any) -> None:
+        # A cold shutdown sends the steps 'terminate', not 'stop' (StartStopStep's default
+        # does nothing without an obj): leave the registry then too.
+        self.device_worker.leave()
+
     def shutdown(self, parent: Any) -> None:
         self.device_worker.leave()
 

@@ -1,0 +1,655 @@
+"""Single worker components, in-process, against a real redis-server (no fleet, no mocked Redis).
+
+One embedded redis-server serves the whole module; each test starts from an empty database.
+The components: the lease keeper and the reaper (tasks.worker.lease), the registry heartbeat
+(tasks.worker.heartbeat), the guarded task strategy and hardened transport (run inside a real
+in-process Celery worker with the device-worker bootstep), the out-of-memory guard
+(tasks.worker.oom) and the result backend (tasks.core.backend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery.exceptions import Ignore
+from kombu import Exchange
+
+from tasks.core import keys
+from tasks.core.app import FleetCelery, create_app
+from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
+from tasks.core.devices import format_core_list, host_name
+from tasks.core.errors import JobError, OutOfMemory
+from tasks.core.job import JobContext
+from tasks.core.records import BusyInfo, Entry, ErrorInfo, LeaseRecord, ResendRecord, WorkerRecord
+from tasks.core.registry import connect, live_workers, read_worker
+from tasks.core.settings import Settings
+from tasks.ops.redis_server import EmbeddedRedis
+from tasks.worker import lease as lease_module
+from tasks.worker.heartbeat import Heartbeat
+from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
+from tasks.worker.oom import run_guarded
+from tests.conftest import wait_for
+
+OTHER_HOST = "host-of-another-worker"
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("components-redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
+    """A client of the embedded Redis, whose database is empty at the start of each test."""
+    redis_client = connect(redis_server.url)
+    redis_client.flushdb()
+    yield redis_client
+    redis_client.close()
+
+
+@pytest.fixture(scope="module")
+def settings(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings.load(
+        redis_url=redis_server.url, state_dir=tmp_path_factory.mktemp("components-state"),
+        job_modules=["tasks.jobs"], heartbeat_interval_s=0.5, heartbeat_ttl_s=5.0,
+        lease_ttl_s=5.0, reaper_interval_s=0.5,
+        # The in-process worker pins the thread that builds it to its cores: give it the ones
+        # this process already has, so later tests keep them.
+        cores=format_core_list(sorted(os.sched_getaffinity(0))),
+    )
+
+
+@pytest.fixture(scope="module")
+def app(settings: Settings) -> Iterator[FleetCelery]:
+    celery_app = create_app(settings, main="devicefleet-components")
+    yield celery_app
+    celery_app.close()
+
+
+def worker_record(device: str, *, host: str | None = None, pid: int | None = None, **fields: Any) -> WorkerRecord:
+    return WorkerRecord(
+        device=device, kind="cpu", worker=f"{device}@{host or host_name()}", host=host or host_name(),
+        pid=os.getpid() if pid is None else pid, queues=[f"device.{device}", "cpu", "fleet"], cores=[0],
+        pool="threads", concurrency=1, jobs=["noop"], started_at=time.time(), **fields,
+    )
+
+
+def register(client, record: WorkerRecord) -> None:  # type: ignore[no-untyped-def]
+    """Make ``record``'s worker alive in the registry, as its heartbeat would."""
+    client.set(keys.worker(record.device), record.to_json(), px=60_000)
+    client.sadd(keys.WORKERS, record.device)
+
+
+@contextmanager
+def on_other_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run the block as a worker process on another host (the lease code's view of "this process")."""
+    with monkeypatch.context() as patch:
+        patch.setattr(lease_module, "host_name", lambda: OTHER_HOST)
+        yield
+
+
+def lease_of(client, task_id: str) -> LeaseRecord | None:  # type: ignore[no-untyped-def]
+    raw = client.get(keys.lease(task_id))
+    return LeaseRecord.model_validate_json(raw) if raw else None
+
+
+# -- LeaseKeeper ------------------------------------------------------------------------------------
+
+
+def test_acquire_writes_the_lease_with_a_ttl_and_release_removes_it(client):
+    keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
+    assert keeper.acquire("job-1", "tag-1")
+    record = lease_of(client, "job-1")
+    assert record is not None
+    assert (record.device, record.worker, record.pid, record.host, record.task_id, record.delivery_tag) == (
+        "cpu0", "cpu0@here", os.getpid(), host_name(), "job-1", "tag-1")
+    assert 0 < client.pttl(keys.lease("job-1")) <= 5000
+    assert client.hget(keys.LEASES, "job-1") == client.get(keys.lease("job-1"))
+    assert keeper.held() == ["job-1"]
+
+    keeper.release("job-1")
+    assert client.exists(keys.lease("job-1")) == 0
+    assert client.hexists(keys.LEASES, "job-1") == 0
+    assert keeper.held() == []
+
+
+def test_a_live_owners_lease_is_not_taken(client, monkeypatch):
+    owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    with on_other_host(monkeypatch):
+        assert owner.acquire("job-2", "tag-a")
+    register(client, worker_record("cpu1", host=OTHER_HOST))
+    before = client.get(keys.lease("job-2"))
+
+    other = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert not other.acquire("job-2", "tag-b")
+    assert client.get(keys.lease("job-2")) == before
+    assert client.hget(keys.LEASES, "job-2") == before
+    assert other.held() == []
+
+
+@pytest.mark.parametrize("registry", ["no record", "another process"])
+def test_a_dead_owners_lease_is_taken_over(client, monkeypatch, registry):
+    owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    with on_other_host(monkeypatch):
+        assert owner.acquire("job-3", "tag-a")
+    if registry == "another process":  # the device's worker was restarted: a new pid owns cpu1
+        register(client, worker_record("cpu1", host=OTHER_HOST, pid=os.getpid() + 1))
+
+    successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert successor.acquire("job-3", "tag-b")
+    record = lease_of(client, "job-3")
+    assert record is not None and (record.device, record.delivery_tag) == ("cpu2", "tag-b")
+    assert client.hget(keys.LEASES, "job-3") == record.to_json()
+
+
+def test_release_and_renewal_leave_a_successors_lease_alone(client, monkeypatch):
+    cut_off = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    with on_other_host(monkeypatch):
+        assert cut_off.acquire("job-4", "tag-a")
+    successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert successor.acquire("job-4", "tag-b")  # cpu1 is not in the registry: dead
+    theirs = client.get(keys.lease("job-4"))
+
+    cut_off.tick()  # renewing: must not bring its own lease back over the successor's
+    cut_off.release("job-4")  # releasing: must not delete the successor's
+    assert client.get(keys.lease("job-4")) == theirs
+    assert client.hget(keys.LEASES, "job-4") == theirs
+
+    successor.release("job-4")
+    assert client.exists(keys.lease("job-4")) == 0
+    assert client.hexists(keys.LEASES, "job-4") == 0
+
+
+def test_takeover_is_compare_and_set(client, monkeypatch):
+    """Two workers taking over the same dead lease: the one whose read is stale gets nothing."""
+    dead = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    with on_other_host(monkeypatch):
+        assert dead.acquire("job-5", "tag-a")
+    winner = LeaseRecord(device="cpu3", worker="cpu3@elsewhere", pid=1, host="elsewhere", task_id="job-5",
+                         since=time.time()).to_json()
+    real_owner_alive = lease_module.owner_alive
+
+    def another_worker_wins_meanwhile(redis_client, holder):  # type: ignore[no-untyped-def]
+        alive = real_owner_alive(redis_client, holder)
+        redis_client.set(keys.lease("job-5"), winner, px=5000)  # between our read and our write
+        return alive
+
+    monkeypatch.setattr(lease_module, "owner_alive", another_worker_wins_meanwhile)
+    loser = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert not loser.acquire("job-5", "tag-b")
+    assert client.get(keys.lease("job-5")) == winner
+    assert loser.held() == []
+
+
+def test_tick_renews_the_ttl_and_restores_a_lost_lease(client):
+    keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=6.0)
+    assert keeper.acquire("job-6", None)
+    client.pexpire(keys.lease("job-6"), 500)
+    assert client.pttl(keys.lease("job-6")) <= 500
+    keeper.tick()
+    assert 500 < client.pttl(keys.lease("job-6")) <= 6000
+
+    value = client.get(keys.lease("job-6"))
+    client.delete(keys.lease("job-6"), keys.LEASES)  # as after a Redis restart that lost them
+    keeper.tick()
+    assert client.get(keys.lease("job-6")) == value
+    assert client.hget(keys.LEASES, "job-6") == value
+
+
+def test_the_keeper_thread_renews_held_leases(client):
+    keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=1.5)  # renews every 0.5 s
+    assert keeper.acquire("job-7", None)
+    keeper.start()
+    try:
+        client.pexpire(keys.lease("job-7"), 300)
+        wait_for(lambda: client.pttl(keys.lease("job-7")) > 300, 5, "the keeper thread to renew the lease")
+    finally:
+        keeper.stop()
+    assert not keeper.alive
+
+
+def _job_task(app: FleetCelery, task_id: str):  # type: ignore[no-untyped-def]
+    """A task of ``app`` with a request as a worker would see it for ``task_id``."""
+    if "devicefleet.components.job" not in app.tasks:
+        def components_job() -> None:
+            return None
+
+        app.task(name="devicefleet.components.job", shared=False)(components_job)
+    task = app.tasks["devicefleet.components.job"]
+    task.push_request(id=task_id, delivery_info={"routing_key": "device.cpu9"},
+                      properties={"delivery_tag": f"tag-{task_id}"}, kwargs={"epochs": 1}, headers={})
+    return task
+
+
+def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, app):
+    keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    try:
+        with keeper.hold(task):
+            record = lease_of(client, task_id)
+            assert record is not None and record.delivery_tag == f"tag-{task_id}"
+            assert record.resend is not None
+            assert (record.resend.name, record.resend.queue, record.resend.kwargs) == (
+                "devicefleet.components.job", "device.cpu9", {"epochs": 1})
+        assert client.exists(keys.lease(task_id)) == 0
+        assert keeper.held() == []
+    finally:
+        task.pop_request()
+
+
+def test_hold_drops_a_copy_of_a_job_that_already_finished(client, app):
+    keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
+    task_id = str(uuid.uuid4())
+    app.backend.store_result(task_id, {"done": True}, "SUCCESS")
+    task = _job_task(app, task_id)
+    ran = False
+    try:
+        with pytest.raises(Ignore):
+            with keeper.hold(task):
+                ran = True
+    finally:
+        task.pop_request()
+    assert not ran
+    assert client.exists(keys.lease(task_id)) == 0, "the dropped copy left its lease behind"
+    assert keeper.held() == []
+
+
+def test_hold_drops_a_second_copy_running_in_the_same_process(client, app):
+    keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    try:
+        with keeper.hold(task):
+            value = client.get(keys.lease(task_id))
+            with pytest.raises(Ignore):
+                with keeper.hold(task):
+                    pytest.fail("a second copy ran while the first runs")
+            # The dropped copy must not have released the running copy's lease.
+            assert client.get(keys.lease(task_id)) == value
+            assert keeper.held() == [task_id]
+        assert client.exists(keys.lease(task_id)) == 0
+    finally:
+        task.pop_request()
+
+
+# -- Reaper -----------------------------------------------------------------------------------------
+
+
+def _dead_lease(client, task_id: str, *, tag: str | None = None, resend: ResendRecord | None = None,  # type: ignore[no-untyped-def]
+                device: str = "cpu5", pid: int = 4_000_000) -> LeaseRecord:
+    """A lease recorded in the leases hash whose key has expired (it is not written)."""
+    record = LeaseRecord(device=device, worker=f"{device}@{OTHER_HOST}", pid=pid, host=OTHER_HOST,
+                         task_id=task_id, delivery_tag=tag, since=time.time(), resend=resend)
+    client.hset(keys.LEASES, task_id, record.to_json())
+    return record
+
+
+NOOP_RESEND = ResendRecord(name="devicefleet.noop", queue="device.cpu9", kwargs={})
+
+
+def _queued(client, queue: str) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    return [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+
+
+def test_reaper_resends_a_dead_owners_job_whose_message_is_gone(client, app):
+    task_id = str(uuid.uuid4())
+    _dead_lease(client, task_id, resend=NOOP_RESEND)
+    assert reap_once(client, app) == [task_id]
+    messages = _queued(client, "device.cpu9")
+    assert [(m["headers"]["id"], m["headers"]["task"]) for m in messages] == [(task_id, "devicefleet.noop")]
+    assert client.hexists(keys.LEASES, task_id) == 0
+    assert client.hget(keys.REAPER_STATS, "restored") == "1"
+    assert reap_once(client, app) == []  # given back once only
+    assert client.llen("device.cpu9") == 1
+
+
+def test_reaper_restores_an_unacked_message_to_its_queue_once(client, app):
+    sent = app.send_task("devicefleet.noop", queue="device.cpu9")
+    with app.connection_for_read() as consumer_conn:
+        channel = consumer_conn.channel()
+        message = channel.basic_get("device.cpu9", no_ack=False)  # delivered, never acknowledged
+        assert message is not None and message.headers["id"] == sent.id
+        tag = message.delivery_tag
+        assert client.hexists("unacked", tag)
+        assert client.llen("device.cpu9") == 0
+        _dead_lease(client, sent.id, tag=tag)
+
+        assert reap_once(client, app) == [sent.id]
+        assert [m["headers"]["id"] for m in _queued(client, "device.cpu9")] == [sent.id]
+        assert not client.hexists("unacked", tag), "still in unacked: the transport would restore it again"
+        channel.close()  # the consumer's own restore of its unacked messages finds nothing to do
+    assert client.llen("device.cpu9") == 1
+    assert client.hget(keys.REAPER_STATS, "restored") == "1"
+
+
+def test_reaper_leaves_live_owners_and_unexpired_leases_alone(client, app):
+    live = str(uuid.uuid4())
+    record = _dead_lease(client, live, resend=NOOP_RESEND, device="cpu5", pid=os.getpid())
+    register(client, worker_record("cpu5", host=OTHER_HOST, pid=record.pid))  # alive, late to renew
+    unexpired = str(uuid.uuid4())
+    _dead_lease(client, unexpired, resend=NOOP_RESEND, device="cpu6")
+    client.set(keys.lease(unexpired), "held", px=60_000)
+
+    assert reap_once(client, app) == []
+    assert client.hexists(keys.LEASES, live) and client.hexists(keys.LEASES, unexpired)
+    assert client.llen("device.cpu9") == 0
+    assert client.hget(keys.REAPER_STATS, "restored") is None
+
+
+def test_one_reaper_at_a_time(client, app):
+    task_id = str(uuid.uuid4())
+    _dead_lease(client, task_id, resend=NOOP_RESEND)
+    reaper = Reaper(client, app, interval_s=0.5)
+    other_reaper = client.lock(keys.REAPER_LOCK, timeout=30)
+    assert other_reaper.acquire(blocking=False)
+    try:
+        reaper.tick()
+        assert client.hexists(keys.LEASES, task_id), "reaped while another reaper held the lock"
+        assert client.llen("device.cpu9") == 0
+    finally:
+        other_reaper.release()
+    reaper.tick()
+    assert not client.hexists(keys.LEASES, task_id)
+    assert client.llen("device.cpu9") == 1
+    assert client.exists(keys.REAPER_LOCK) == 0, "the reaper kept the lock after its round"
+
+
+def test_the_reaper_thread_gives_back_jobs(client, app):
+    reaper = Reaper(client, app, interval_s=0.1)
+    reaper.start()
+    try:
+        ids = [str(uuid.uuid4()) for _ in range(3)]
+        for task_id in ids:
+            _dead_lease(client, task_id, resend=NOOP_RESEND)
+        wait_for(lambda: client.llen("device.cpu9") == 3, 10, "the reaper thread to give back 3 jobs")
+    finally:
+        reaper.stop()
+    assert sorted(m["headers"]["id"] for m in _queued(client, "device.cpu9")) == sorted(ids)
+    assert client.hget(keys.REAPER_STATS, "restored") == "3"
+
+
+# -- Heartbeat --------------------------------------------------------------------------------------
+
+
+def test_heartbeat_registers_updates_and_leaves(client):
+    beat = Heartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0)
+    beat.start()  # written before start returns
+    try:
+        assert 0 < client.pttl(keys.worker("cpu7")) <= 60_000
+        assert client.smembers(keys.WORKERS) == {"cpu7"}
+        live = live_workers(client)
+        assert list(live) == ["cpu7"]
+        assert isinstance(live["cpu7"], WorkerRecord)
+        assert live["cpu7"].pid == os.getpid() and live["cpu7"].busy is None
+        assert live["cpu7"].heartbeat_at is not None
+
+        # The interval is 30 s: the change is visible at once only because update wakes the thread.
+        busy = BusyInfo(job="noop", job_id="j-1", since=time.time())
+        beat.update(busy=busy, progress={"step": 3})
+        record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is not None and r,
+                          5, "the busy record in Redis")
+        assert record.busy == busy and record.progress == {"step": 3}
+        beat.update(busy=None, jobs_done=1)
+        record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is None and r,
+                          5, "the idle record in Redis")
+        assert record.jobs_done == 1
+    finally:
+        beat.stop(timeout=5)
+    assert not beat.alive
+    assert client.exists(keys.worker("cpu7")) == 0
+    assert client.smembers(keys.WORKERS) == set()
+    assert live_workers(client) == {}
+
+
+def test_heartbeat_thread_refreshes_the_ttl(client):
+    beat = Heartbeat(client, worker_record("cpu7"), interval_s=0.2, ttl_s=5.0)
+    beat.start()
+    try:
+        client.pexpire(keys.worker("cpu7"), 1000)
+        wait_for(lambda: client.pttl(keys.worker("cpu7")) > 1000, 5, "a beat to refresh the TTL")
+    finally:
+        beat.stop(timeout=5)
+
+
+def test_update_before_start_writes_at_once(client):
+    beat = Heartbeat(client, worker_record("cpu8"), interval_s=30.0, ttl_s=60.0)
+    beat.update(ready=True)
+    record = read_worker(client, "cpu8")
+    assert record is not None and record.ready
+
+
+def test_live_workers_skips_expired_and_malformed_records(client):
+    register(client, worker_record("cpu1"))
+    client.sadd(keys.WORKERS, "cpu2")  # registered once, its record expired
+    client.set(keys.worker("cpu3"), '{"device": "cpu3"}')
+    client.sadd(keys.WORKERS, "cpu3")
+    assert list(live_workers(client)) == ["cpu1"]
+
+
+# -- the guarded strategy, in a real in-process Celery worker -------------------------------------
+
+
+def _raw_publish(app: FleetCelery, queue: str, body: bytes, headers: dict[str, Any]) -> None:
+    """Publish ``body`` as is, in a kombu envelope, to ``queue``."""
+    with app.producer_or_acquire() as producer:
+        producer.publish(body, exchange=Exchange(""), routing_key=queue, content_type="application/json",
+                         content_encoding="binary", headers=headers, serializer=None)
+
+
+@contextmanager
+def in_process_worker(client, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A real Celery worker of a devicefleet app (its device-worker bootstep included), in a thread.
+
+    Yields (app, worker, device); on leaving, the worker stops as the test harness stops it
+    (Celery's cold shutdown).
+    """
+    import torch
+    from celery import _state
+    from celery.contrib.testing.worker import start_worker
+
+    # torch may already be loaded in this process (other tests): pin what it sees first, and name
+    # the worker after a device it can own here (a CPU worker refuses to start if it sees a GPU).
+    device = "gpu0" if torch.cuda.is_available() else "cpu9"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0" if device == "gpu0" else "-1")
+    threads = torch.get_num_threads()
+    previous_default, previous_current = _state.default_app, getattr(_state._tls, "current_app", None)
+    app = create_app(settings.model_copy(update={"state_dir": tmp_path}), main="devicefleet-worker-test")
+    app.conf.worker_hijack_root_logger = False
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30,
+                          hostname=f"{device}@{socket.gethostname()}", loglevel="WARNING") as worker:
+            wait_for(lambda: (r := read_worker(client, device)) is not None and r.ready, 30,
+                     f"the in-process {device} worker to be ready")
+            yield app, worker, device
+    finally:
+        torch.set_num_threads(threads)
+        _state.set_default_app(previous_default)
+        _state._tls.current_app = previous_current
+        app.close()
+
+
+def test_malformed_messages_never_stop_a_worker(client, settings, tmp_path, monkeypatch):
+    with in_process_worker(client, settings, tmp_path, monkeypatch) as (app, worker, device):
+        queue = f"device.{device}"
+        headers = {"lang": "py", "task": "devicefleet.noop", "argsrepr": "", "kwargsrepr": "", "origin": "test"}
+        shapeless = str(uuid.uuid4())
+        bad_args = str(uuid.uuid4())
+        # 1. bytes pushed straight into the list: not a kombu envelope at all.
+        client.lpush(queue, "garbage\x00not json")
+        # 2. a kombu envelope whose task body is not [args, kwargs, embed].
+        _raw_publish(app, queue, b'"just a string"', {**headers, "id": shapeless, "root_id": shapeless})
+        # 3. the right length, the wrong kinds.
+        _raw_publish(app, queue, b'[1, 2, 3]', {**headers, "id": bad_args, "root_id": bad_args})
+        # 4. a malformed body naming no task id.
+        _raw_publish(app, queue, b'{"a": 1}', headers)
+
+        # Sent last: it runs only if the worker consumed past every bad message and is still up.
+        good = app.send_task("devicefleet.noop", queue=queue)
+        entry = good.get(timeout=30)
+        assert entry["status"] == "ok" and entry["device"] == device and entry["output"] == {"device": device}
+
+        for task_id, what in ((shapeless, "the body must be [args, kwargs, embed]"),
+                              (bad_args, "args must be a list")):
+            result = app.AsyncResult(task_id)
+            assert result.state == "FAILURE", f"no stored failure for the malformed message {task_id}"
+            assert "malformed devicefleet.noop message" in str(result.result)
+            assert what in str(result.result)
+        assert client.llen(queue) == 0
+        # The good job is acknowledged just after its result is stored (late acks).
+        wait_for(lambda: client.hlen("unacked") == 0, 10,
+                 "every message acknowledged or rejected (none left for a redelivery)")
+        assert worker.blueprint.state == 1  # celery.bootsteps.RUN
+        device_worker = worker.device_worker
+        background = [device_worker.heartbeat, device_worker.leases, device_worker.reaper]
+        assert all(thread is not None and thread.alive for thread in background)
+
+    # Stopped (a cold shutdown, as the test harness stops it): the device left the registry.
+    assert read_worker(client, device) is None
+    assert device not in client.smembers(keys.WORKERS)
+    assert not any(thread.alive for thread in background), "a background thread outlived its worker"
+
+
+# -- the out-of-memory guard ------------------------------------------------------------------------
+
+
+def _accelerator() -> str:
+    """The device a job would run on: CUDA where there is one; else a device string that is not
+    the CPU either (the guard treats any non-CUDA device alike), so the fallback is visible."""
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "meta"
+
+
+def _context(tmp_path: Path, torch_device: str) -> JobContext:
+    return JobContext(device="gpu0", torch_device=torch_device, job_id="oom-job", artifacts_dir=tmp_path)
+
+
+def _oom() -> BaseException:
+    import torch
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_out_of_memory_becomes_an_error_with_memory_figures(tmp_path):
+    torch_device = _accelerator()
+    calls: list[JobContext] = []
+
+    def job(ctx: JobContext, params: Any) -> dict[str, Any]:
+        calls.append(ctx)
+        raise _oom()
+
+    with pytest.raises(OutOfMemory) as caught:
+        run_guarded(job, _context(tmp_path, torch_device), None, None)
+    error = caught.value
+    assert isinstance(error, JobError) and isinstance(error, MemoryError)
+    assert error.memory["device"] == torch_device
+    assert error.memory["process_rss_mib"] > 0
+    assert "fallback='cpu'" in str(error)
+    assert not error.recycle
+    assert len(calls) == 1
+    assert ErrorInfo.of(error).memory == error.memory
+
+
+def test_out_of_memory_with_the_cpu_fallback_runs_again_on_the_cpu(tmp_path):
+    torch_device = _accelerator()
+    ctx = _context(tmp_path, torch_device)
+    calls: list[JobContext] = []
+
+    def job(ctx: JobContext, params: Any) -> dict[str, Any]:
+        calls.append(ctx)
+        if ctx.torch_device != "cpu":
+            raise _oom()
+        return {"loss": 0.5, "params": params}
+
+    output, recycle = run_guarded(job, ctx, "p", "cpu")
+    assert [(c.torch_device, c.fallback_from) for c in calls] == [(torch_device, None), ("cpu", torch_device)]
+    assert ctx.torch_device == torch_device, "the caller's context was changed"
+    assert output["loss"] == 0.5 and output["params"] == "p"
+    assert output["fallback"]["from"] == torch_device and output["fallback"]["to"] == "cpu"
+    assert output["fallback"]["memory"]["device"] == torch_device
+    assert recycle is False
+
+
+def test_out_of_memory_again_on_the_fallback_is_an_error(tmp_path):
+    calls: list[str] = []
+
+    def job(ctx: JobContext, params: Any) -> dict[str, Any]:
+        calls.append(ctx.torch_device)
+        raise _oom()
+
+    with pytest.raises(OutOfMemory, match="again on the CPU fallback") as caught:
+        run_guarded(job, _context(tmp_path, _accelerator()), None, "cpu")
+    assert calls == [_accelerator(), "cpu"]
+    assert caught.value.memory["device"] == _accelerator()
+
+
+def test_other_errors_pass_through_the_guard_untouched(tmp_path):
+    calls: list[str] = []
+
+    def job(ctx: JobContext, params: Any) -> dict[str, Any]:
+        calls.append(ctx.torch_device)
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        run_guarded(job, _context(tmp_path, _accelerator()), None, "cpu")
+    assert calls == [_accelerator()], "a job that did not run out of memory ran again"
+
+
+# -- the result backend -----------------------------------------------------------------------------
+
+
+def _error_entry() -> Entry:
+    return Entry.make(device="cpu4", worker="cpu4@here", output=None,
+                      error=ErrorInfo(type="ValueError", message="boom"), started=1.0, finished=2.5)
+
+
+def test_entry_of_failure():
+    entry = _error_entry().to_dict()
+    assert entry_of_failure({"exc_type": "ValueError", "exc_message": ["boom"], keys.ENTRY_FIELD: entry}) == entry
+
+    made = entry_of_failure({"exc_type": "InvalidTaskError", "exc_message": ["malformed", "message"]})
+    assert made["status"] == "error" and made["device"] == "" and made["output"] is None
+    assert made["error"] == {"type": "InvalidTaskError", "message": "malformed message"}
+
+    from_exception = entry_of_failure(KeyError("k"))
+    assert from_exception["error"]["type"] == "KeyError"
+
+    odd = entry_of_failure(42)
+    assert odd["error"]["type"] == "FanOutError" and "42" in odd["error"]["message"]
+
+
+def test_a_stored_failure_keeps_its_entry(client, app):
+    backend = app.backend
+    assert isinstance(backend, FleetBackend)
+    entry = _error_entry()
+
+    prepared = backend.prepare_exception(attach_entry(ValueError("boom"), entry))
+    assert prepared[keys.ENTRY_FIELD] == entry.to_dict()
+    assert keys.ENTRY_FIELD not in backend.prepare_exception(ValueError("plain"))
+
+    task_id = str(uuid.uuid4())
+    backend.mark_as_failure(task_id, attach_entry(ValueError("boom"), entry))
+    stored = json.loads(client.get(f"celery-task-meta-{task_id}"))
+    assert stored["status"] == "FAILURE"
+    assert entry_of_failure(stored["result"]) == entry.to_dict()
+    result = app.AsyncResult(task_id)
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, ValueError) and str(result.result) == "boom"
