@@ -1,8 +1,8 @@
-"""A fed device: the mean wait for the next batch, with the SEEDS §2 workload.
+"""A fed device: the mean wait for the next batch, with :mod:`.workload`'s workload.
 
 Each batch takes ``latency_s`` of waiting (disk, network) and then some computation, and is a
 ``(4, elements, 3)`` float32 array with ``(4, 1)`` labels; each train step takes ``step_s``.
-Three ways to feed the step:
+Three ways to feed the step (and Ray's, :mod:`.ray_pipeline`, when it is installed):
 
 - ``sequential``: produce the next batch, then train on it;
 - ``mp_queue``: producer processes put batches on a ``multiprocessing.Queue`` (pickled);
@@ -14,38 +14,17 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import time
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from ..jobs.loader import DEFAULT_PREFETCH, build_loader
+from . import ray_pipeline
+from .workload import Workload, consume, make_batch
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The SEEDS §2 benchmark: ``latency_s`` wait per batch, a ``step_s`` train step."""
-
-    latency_s: float = 0.5
-    step_s: float = 0.1
-    elements: int = 1_000_000
-    batches: int = 60
-    warmup: int = 10
-    producers: int = 8
-
-
-def make_batch(index: int, work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
-    """One batch: wait ``latency_s``, then compute a ``(4, elements, 3)`` float32 array."""
-    time.sleep(work.latency_s)
-    generator = torch.Generator().manual_seed(index)
-    x = torch.rand((4, work.elements, 3), generator=generator)
-    y = torch.randint(0, 2, (4, 1), generator=generator)
-    return x, y
 
 
 class SlowBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -62,24 +41,9 @@ class SlowBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return make_batch(index, self.work)
 
 
-def _consume(batches: Any, total: int, warmup: int, step_s: float, to_device: Any = None) -> float:
-    """Mean seconds waited for the next batch, over the batches after ``warmup``."""
-    waits: list[float] = []
-    iterator = iter(batches)
-    for i in range(total):
-        t0 = time.perf_counter()
-        batch = next(iterator)
-        if to_device is not None:
-            batch = to_device(batch)
-        if i >= warmup:
-            waits.append(time.perf_counter() - t0)
-        time.sleep(step_s)  # the fake train step
-    return sum(waits) / len(waits)
-
-
 def wait_sequential(work: Workload, batches: int) -> float:
     """Produce, then train, one batch at a time."""
-    return _consume((make_batch(i, work) for i in range(batches)), batches, 1, work.step_s)
+    return consume((make_batch(i, work) for i in range(batches)), batches, 1, work.step_s)
 
 
 def _producer(indices: list[int], work: Workload, queue: Any) -> None:
@@ -101,7 +65,7 @@ def wait_mp_queue(work: Workload) -> float:
     for proc in procs:
         proc.start()
     try:
-        return _consume(iter(queue.get, None), total, work.warmup, work.step_s)
+        return consume(iter(queue.get, None), total, work.warmup, work.step_s)
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -122,7 +86,7 @@ def wait_fleet(work: Workload) -> float:
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         loader = build_loader(SlowBatches(work, total), batch_size=None, num_workers=work.producers,
                               cuda=cuda, prefetch_factor=DEFAULT_PREFETCH)
-        return _consume(loader, total, work.warmup, work.step_s, to_device)
+        return consume(loader, total, work.warmup, work.step_s, to_device)
 
 
 def measure(*, quick: bool) -> dict[str, Any]:
@@ -135,9 +99,7 @@ def measure(*, quick: bool) -> dict[str, Any]:
         "wait_s_mp_queue": wait_mp_queue(work),
         "wait_s_fleet": wait_fleet(work),
     }
-    from . import ray_pipeline
-
-    ray_wait = ray_pipeline.wait_ray(work, make_batch, _consume) if not quick else None
+    ray_wait = ray_pipeline.wait_ray(work) if not quick else None
     if ray_wait is not None:
         out["wait_s_ray"] = ray_wait
     logger.info("pipeline: %s", out)

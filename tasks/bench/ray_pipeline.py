@@ -1,4 +1,4 @@
-"""The SEEDS §2 workload fed by Ray (optional extra ``bench``): the article's fourth column.
+"""The fed-device workload (:mod:`.workload`) fed by Ray (optional extra ``bench``).
 
 Ray tasks produce the batches into Ray's shared-memory object store, ``producers`` in flight at
 a time; the consumer takes them in order (``ray.get`` of a numpy array is zero-copy).
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
+
+from .workload import Workload, consume, make_batch
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +25,10 @@ def available() -> bool:
     return True
 
 
-def wait_ray(work: Any, make_batch: Callable[[int, Any], tuple[Any, Any]],
-             consume: Callable[..., float]) -> float | None:
+def wait_ray(work: Workload) -> float | None:
     """Mean wait for the next batch with Ray producers; ``None`` when Ray is not installed.
 
-    ``make_batch`` and ``consume`` are :mod:`tasks.bench.pipeline`'s, passed in so that this
-    module does not import that one back (no import cycle).
+    Ray tasks run :func:`.workload.make_batch`; :func:`.workload.consume` takes their results.
     """
     if not available():
         return None
