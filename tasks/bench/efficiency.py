@@ -1,6 +1,6 @@
 """Fan-out efficiency: K equal CPU-bound ``train`` jobs on K devices.
 
-Compared with what users do instead (SEEDS §1):
+Compared with what users do instead:
 
 - the same K jobs one after another in one process;
 - the plain pattern: one ``multiprocessing.Process`` per job, outputs in a ``Manager().dict()``.
@@ -47,7 +47,7 @@ def _mp_child(device: str, kwargs: dict[str, Any], artifacts: str, out: Any) -> 
 
 
 def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: Path) -> float:
-    """Wall seconds of the SEEDS §1 pattern: a Process per job, a Manager dict, join()."""
+    """Wall seconds of the plain multiprocessing pattern: a Process per job, a Manager dict, join()."""
     ctx = mp.get_context("fork")
     t0 = time.perf_counter()
     with ctx.Manager() as manager:

@@ -1,4 +1,4 @@
-"""On a CUDA host: the ``train`` job's GPU busy fraction, and a cpu+gpu fan-out (SEEDS §1).
+"""On a CUDA host: the ``train`` job's GPU busy fraction, and a cpu+gpu fan-out (one model per device).
 
 Skipped (``None``) when torch sees no CUDA device or the fleet has no GPU worker.
 

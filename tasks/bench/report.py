@@ -20,7 +20,9 @@ KEYS = (
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 
-#: Published figures of what users would do instead (SEEDS §2, Celery and Ray's own numbers).
+#: Reference figures for what users would do instead: plain Celery + Redis and Ray dispatch, and
+#: ("article") figures published for the fed-device workload fed sequentially, through a
+#: ``multiprocessing.Queue`` and by Ray. The same run measures its own baselines beside them.
 PUBLISHED = {
     "dispatch.fanout_ms_p50": "plain Celery+Redis chord: ~23 ms; Ray: ~1 ms per sync task",
     "dispatch.jobs_per_s": "plain Celery+Redis: ~220/s",

@@ -1,10 +1,11 @@
 """The data loader that keeps a device fed: a torch DataLoader with background workers.
 
 The built-in ``train`` job and ``devicefleet bench`` (the fed-device benchmark) build their
-loaders here, so the benchmark measures the pipeline the job really uses (SEEDS §2-3): worker
-processes produce batches in parallel and hand them over through shared memory, each worker keeps
-``prefetch_factor`` batches ready, and on CUDA batches are pinned so the host-to-device copy can
-be ``non_blocking``.
+loaders here, so the benchmark measures the pipeline the job really uses, a producer/consumer
+prefetch pipeline (PyTorch's "Multi-process data loading" and "Memory Pinning",
+https://pytorch.org/docs/stable/data.html): worker processes produce batches in parallel and hand
+them over through shared memory, each worker keeps ``prefetch_factor`` batches ready, and on CUDA
+batches are pinned so the host-to-device copy can be ``non_blocking``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``train``: train a real model on a real dataset and save a safetensors checkpoint.
 
-The loop follows the habits that keep a device fed (SEEDS §2-3): DataLoader workers prefetch
+The loop follows the habits that keep a device fed (PyTorch's Performance Tuning Guide,
+https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html): DataLoader workers prefetch
 batches in the background; on CUDA, batches are pinned and copied with ``non_blocking=True``;
 accumulators live on the device and are read once per epoch (no per-step ``.item()``);
 evaluation runs under ``torch.inference_mode()``. Results travel by reference: the checkpoint
