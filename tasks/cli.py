@@ -21,7 +21,7 @@ from rich.table import Table
 
 from .core.errors import DeviceFleetError
 from .core.records import WorkerRecord
-from .core.settings import DEFAULT_METRICS_PORT, Settings, redact_url
+from .core.settings import DEFAULT_METRICS_PORT, Settings
 
 logger = logging.getLogger(__name__)
 console = Console()
@@ -371,17 +371,10 @@ def _watch_progress(handle: Any, timeout: float) -> None:
 
 
 def _live(url: str) -> dict[str, WorkerRecord]:
-    from .core.registry import connect, live_workers
+    from .core.registry import live_workers, reading
 
-    client = connect(url)
-    try:
+    with reading(url) as client:
         return live_workers(client)
-    except Exception as exc:  # redis-py's errors, said plainly
-        from .core.errors import FleetError
-
-        raise FleetError(f"cannot read the fleet registry at {redact_url(url)}: {exc}") from exc
-    finally:
-        client.close()
 
 
 def _print_status(live: dict[str, WorkerRecord]) -> None:

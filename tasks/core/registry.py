@@ -9,12 +9,16 @@ broadcast.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 from pydantic import ValidationError
 
 from . import keys
+from .errors import FleetError
 from .records import WorkerRecord
+from .settings import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +28,23 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(
         url, decode_responses=True, socket_connect_timeout=5, health_check_interval=30
     )
+
+
+@contextmanager
+def reading(url: str) -> Iterator[redis.Redis]:
+    """A client of ``url`` for a few reads (``devicefleet status``), closed at the end.
+
+    Raises:
+        FleetError: a read failed (Redis down, wrong password); the message has the URL without
+            its password and redis-py's reason.
+    """
+    client = connect(url)
+    try:
+        yield client
+    except Exception as exc:  # redis-py's errors, said plainly
+        raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
+    finally:
+        client.close()
 
 
 def _parse(device: str, raw: str | bytes | None) -> WorkerRecord | None:

@@ -13,9 +13,8 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from ..core.errors import FleetError
 from ..core.records import FleetFile
-from ..core.registry import connect, live_workers
+from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
 from .exporter import fleet_snapshot
 from .progress_view import describe, fraction
@@ -32,14 +31,9 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     Raises:
         FleetError: Redis cannot be read.
     """
-    client = connect(url)
-    try:
+    with reading(url) as client:
         live = live_workers(client)
         snap = fleet_snapshot(client)
-    except Exception as exc:  # redis-py's errors, said plainly
-        raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
-    finally:
-        client.close()
     return {
         "redis_url": redact_url(url),
         "flower_url": fleet_info.flower_url if fleet_info else None,
