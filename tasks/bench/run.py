@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.devices import cpu_model_name, usable_cores
-from ..core.settings import Settings
+from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..ops.fleet import Fleet
 from . import dispatch, efficiency, gpu, pipeline
 
@@ -43,7 +43,7 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> d
     figures: dict[str, Any] = {"host": host_info(), "quick": quick}
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-") as tmp:
         settings = base.model_copy(update={
-            "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / "artifacts",
+            "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
         })
         with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
             app = fleet.app()

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 #: The file a running ``devicefleet up`` writes under the state dir so that ``run``,
 #: ``status`` and producers on the same host find it with no flags.
 FLEET_FILE = "fleet.json"
+#: The folder under the state dir where jobs write their files unless ``artifacts_dir`` is set
+#: (the launcher's and a deployed host's alike).
+ARTIFACTS_SUBDIR = "artifacts"
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -151,7 +154,7 @@ class Settings(BaseSettings):
 
     @property
     def artifacts_path(self) -> Path:
-        return self.artifacts_dir or self.state_dir / "artifacts"
+        return self.artifacts_dir or self.state_dir / ARTIFACTS_SUBDIR
 
     @property
     def worker_configs_path(self) -> Path:

@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
-from ..core.settings import DEFAULT_METRICS_PORT, check_redis_auth
+from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
 from ..core.worker_config import DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class HostPlan:
 
     @property
     def artifacts(self) -> Path:
-        return self.artifacts_dir or self.state_dir / "artifacts"
+        return self.artifacts_dir or self.state_dir / ARTIFACTS_SUBDIR
 
     @property
     def redis_url(self) -> str:
