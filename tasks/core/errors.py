@@ -7,6 +7,7 @@ The tree, by area::
     ├── FleetError                starting or finding a fleet
     │   ├── RedisServerError      the embedded redis-server
     │   ├── NoFleetError          nothing to connect to
+    │   ├── FlowerError           Flower, started with the fleet
     │   └── DeviceVisibilityError a worker cannot see the device it owns
     ├── FanOutError               dispatching and collecting jobs
     │   ├── DeviceUnavailable     a requested device has no live worker
