@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 #: The worker's bootsteps: one owner of a device worker's life, and its readiness mark.
 WORKER_STEP = "tasks.worker.bootstep:DeviceWorkerStep"
 CONSUMER_STEP = "tasks.worker.bootstep:ConsumerReadyStep"
+#: The worker's consumer: Celery's, answering a task outside the allowlist as UnknownJob.
+CONSUMER = "tasks.worker.consumer:FleetConsumer"
 #: Celery's ``<backend class>+<url>`` form picks the backend class for the URL.
 BACKEND = "tasks.core.backend:FleetBackend"
 
@@ -55,6 +57,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # default cpu.toml: one job at a time on a thread (Celery's CLI maps its default prefork
         # to this setting). prefork is not supported: see tasks/core/worker_config.py.
         "worker_pool": "threads",
+        "worker_consumer": CONSUMER,
         "worker_concurrency": 1,
         # Events feed Flower; extended results keep the task name, args and worker.
         "worker_send_task_events": True,

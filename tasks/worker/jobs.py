@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..core.errors import ConfigError, InvalidJobArguments
+from ..core.errors import ConfigError, InvalidJobArguments, UnknownJob
 from ..core.job import DEFINED, JobDefinition
 from ..core.validation import describe_validation_error
 
@@ -58,6 +58,14 @@ class JobRegistry:
 
     def definitions(self) -> list[JobDefinition]:
         return [self._jobs[name] for name in self.names]
+
+    def unknown(self, name: str) -> UnknownJob:
+        """The error for a job ``name`` that is not one of these (a message naming another task)."""
+        return UnknownJob(
+            f"unknown job {name!r}: this worker runs only {', '.join(self.names) or 'no jobs'} "
+            f"(from the allowlisted modules {', '.join(self.modules) or 'none'}); add the module "
+            "that defines it to DEVICEFLEET_JOB_MODULES on the workers"
+        )
 
 
 def validate_kwargs(definition: JobDefinition, kwargs: Any) -> BaseModel:

@@ -1,0 +1,75 @@
+"""The device worker's consumer: Celery's, with a task it does not know answered as UnknownJob.
+
+Celery stores ``NotRegistered`` for a task no worker registered, but without the message's chord:
+a fan-out that names a job outside the allowlist would then wait for its collect step forever.
+:class:`FleetConsumer` stores :class:`~tasks.core.errors.UnknownJob` instead, with the device's
+error entry and the message's chord and group, so the chord collects it like any failed job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import signals
+from celery.app.task import Context
+from celery.worker.consumer import Consumer
+
+from ..core.backend import attach_entry
+from ..core.job import TASK_PREFIX
+from ..core.records import Entry, ErrorInfo
+from . import accounting
+
+logger = logging.getLogger(__name__)
+
+
+def _embed(message: Any) -> dict[str, Any]:
+    """The callbacks, errbacks, chain and chord of a protocol 2 message body (``{}`` if none)."""
+    try:
+        body = message.decode()
+    except Exception:
+        return {}
+    if isinstance(body, (list, tuple)) and len(body) == 3 and isinstance(body[2], dict):
+        return body[2]
+    return {}
+
+
+class FleetConsumer(Consumer):  # type: ignore[misc]
+    """Celery's consumer; a message for a task this worker does not run ends in UnknownJob."""
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        device_worker = getattr(self.controller, "device_worker", None)
+        headers = message.headers or {}
+        task_id, name = headers.get("id"), headers.get("task")
+        if device_worker is None or not isinstance(task_id, str) or not isinstance(name, str):
+            super().on_unknown_task(body, message, exc)
+            return
+        job = name.removeprefix(TASK_PREFIX)
+        failure = device_worker.jobs.unknown(job)
+        logger.warning("%s: refused task %s (%s): %s", device_worker.device, name, task_id, failure)
+        message.reject_log_error(logger, self.connection_errors)
+        now = time.time()
+        entry = Entry.make(device=device_worker.device.name, worker=device_worker.nodename, output=None,
+                           error=ErrorInfo.of(failure), started=now, finished=now,
+                           visibility=device_worker.seen)
+        embed = _embed(message)
+        request = Context(
+            id=task_id, task=name, hostname=self.hostname, headers=headers,
+            chord=embed.get("chord"), chain=embed.get("chain"), errbacks=embed.get("errbacks"),
+            group=headers.get("group"), group_index=headers.get("group_index"),
+            root_id=headers.get("root_id"), parent_id=headers.get("parent_id"),
+            correlation_id=message.properties.get("correlation_id"),
+            reply_to=message.properties.get("reply_to"), delivery_info=message.delivery_info,
+        )
+        self.app.backend.mark_as_failure(task_id, attach_entry(failure, entry), request=request)
+        if device_worker.heartbeat is not None:  # counted as a failed job, best effort
+            try:
+                accounting.record_job(device_worker.heartbeat.client, device_worker.device.name,
+                                      device_worker.nodename, job_id=task_id, ok=False,
+                                      started=now, finished=now)
+            except Exception as count_exc:
+                logger.warning("%s: could not record job metrics: %s", device_worker.device, count_exc)
+        if self.event_dispatcher:
+            self.event_dispatcher.send("task-failed", uuid=task_id, exception=repr(failure))
+        signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)
