@@ -53,4 +53,4 @@ def hold(ctx: JobContext, params: HoldParams) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
         time.sleep(0.05)
-    return {"steps": params.steps, "device": ctx.device}
+    return {"steps": params.steps, "device": ctx.device, "pid": os.getpid()}

@@ -19,7 +19,7 @@ from . import conftest
 def test_percentile_interpolates() -> None:
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([0.0, 10.0], 0.99) == pytest.approx(9.9)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="percentile of no values"):
         percentile([], 0.5)
 
 

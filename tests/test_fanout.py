@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-import time
 from datetime import datetime
 from pathlib import Path
 
+import celery
 import pytest
+from celery.signals import before_task_publish
 from safetensors.torch import load_file
 
 import tasks
 from tasks import ENTRY_KEYS, DeviceUnavailable, fan_out
+
+from .conftest import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,47 +54,77 @@ def test_cpu_workers_see_no_gpu(fleet, app):
         assert out["torch"]["cuda_device_count"] == 0
 
 
-def test_cpu_workers_own_disjoint_cores_and_threads(fleet, app):
-    results = fan_out("probe", ["cpu0", "cpu1"], app=app).get(timeout=60)
-    a, b = (set(results[d]["output"]["affinity"]) for d in ("cpu0", "cpu1"))
-    if len(os.sched_getaffinity(0)) >= 2:
-        assert a and b and not (a & b)
+def test_torch_threads_match_each_workers_cores(fleet, app):
+    results = fan_out("probe", ["cpu0", "cpu1"], kwargs={"busy_s": 0.2}, app=app).get(timeout=60)
     for device in ("cpu0", "cpu1"):
         out = results[device]["output"]
+        assert out["affinity"], device
         assert out["torch"]["torch_threads"] == len(out["affinity"])
+        assert out["iterations"] > 0  # the busy loop ran on the device
 
 
-def test_jobs_run_at_the_same_time_on_distinct_processes(fleet, app):
-    results = fan_out("probe", ["cpu0", "cpu1"], kwargs={"busy_s": 1.5}, app=app).get(timeout=60)
+def test_cpu_workers_own_disjoint_cores(fleet, app):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs at least 2 cores: on one core the two CPU workers share it by design")
+    results = fan_out("probe", ["cpu0", "cpu1"], app=app).get(timeout=60)
+    a, b = (set(results[d]["output"]["affinity"]) for d in ("cpu0", "cpu1"))
+    assert a and b and not (a & b), (a, b)
+
+
+def test_jobs_run_at_the_same_time_on_distinct_processes(fleet, app, tmp_path):
+    release = tmp_path / "release"
+    handle = fan_out("hold", ["cpu0", "cpu1"], kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    try:
+        # Each job reports its step, then waits for the release: both running at once is the event.
+        wait_for(lambda: all(p.get("step") == 1 for p in handle.progress().values()), 60,
+                 "both device jobs running at the same time")
+    finally:
+        release.touch()
+    results = handle.get(timeout=60)
     (s0, e0), (s1, e1) = _window(results["cpu0"]), _window(results["cpu1"])
     assert max(s0, s1) < min(e0, e1), "the two device jobs did not overlap in time"
+    live = tasks.live_devices(app)
+    for device in ("cpu0", "cpu1"):
+        assert results[device]["output"]["device"] == device
+        assert results[device]["output"]["pid"] == live[device].pid  # the device's own worker ran it
     assert results["cpu0"]["output"]["pid"] != results["cpu1"]["output"]["pid"]
-    assert results["cpu0"]["output"]["iterations"] > 0
 
 
 def test_one_device_failing_leaves_the_other_intact(fleet, app):
     before = tasks.live_devices(app)
-    results = fan_out(
-        {"cpu0": ("fail", {"message": "deliberate"}), "cpu1": ("echo", {"value": 42})}, app=app
-    ).get(timeout=60)
+    handle = fan_out({"cpu0": ("fail", {"message": "deliberate"}), "cpu1": ("echo", {"value": 42})}, app=app)
+    results = handle.get(timeout=60)
+    # The failed job's Celery task ends in FAILURE; the fan-out still has its error entry.
+    assert handle.states() == {"cpu0": "FAILURE", "cpu1": "SUCCESS"}
     assert results["cpu0"]["status"] == "error"
     assert results["cpu0"]["error"] == {"type": "ValueError", "message": "deliberate"}
     assert results["cpu0"]["output"] is None
     assert results["cpu1"]["status"] == "ok"
     assert results["cpu1"]["output"]["value"] == 42
+    assert results["cpu1"]["output"]["pid"] == before["cpu1"].pid
     _assert_workers_still_up(app, before)
 
 
 def test_missing_device_fails_fast_naming_it_and_the_live_ones(fleet, app):
-    started = time.monotonic()
-    with pytest.raises(DeviceUnavailable) as info:
-        fan_out("probe", ["cpu0", "gpu7"], app=app)
-    assert time.monotonic() - started < 2.0
+    published: list[str] = []
+
+    def count(sender=None, **_):  # type: ignore[no-untyped-def]
+        published.append(str(sender))
+
+    before_task_publish.connect(count, weak=False)
+    try:
+        with pytest.raises(DeviceUnavailable) as info:
+            fan_out("probe", ["cpu0", "gpu7"], app=app)
+        with pytest.raises(DeviceUnavailable):
+            fan_out({"cpu9": "probe"}, app=app)
+    finally:
+        before_task_publish.disconnect(count)
+    # Refused from the registry, before anything was sent: nothing waits on a worker.
+    assert published == []
     message = str(info.value)
     assert "gpu7" in message and "cpu0" in message and "cpu1" in message
     assert info.value.missing == ["gpu7"]
-    with pytest.raises(DeviceUnavailable):
-        fan_out({"cpu9": "probe"}, app=app)
+    assert {"cpu0", "cpu1"} <= set(info.value.live)
 
 
 def test_job_outside_the_allowlist_is_refused(fleet, app, tmp_path):
@@ -102,6 +136,7 @@ def test_job_outside_the_allowlist_is_refused(fleet, app, tmp_path):
         assert entry["error"]["type"] == "UnknownJob"
         assert repr(name) in entry["error"]["message"]
         assert "probe" in entry["error"]["message"] and "train" in entry["error"]["message"]
+        assert entry["output"] is None and entry["worker"].startswith("cpu0@")
     _assert_workers_still_up(app, before)
 
 
@@ -151,16 +186,88 @@ def test_train_on_every_device_learns_digits_and_saves_a_checkpoint(fleet, app):
     assert results["cpu1"]["output"]["model"] == "cnn"
 
 
-def test_get_times_out_with_the_pending_devices(fleet, app):
-    handle = fan_out("probe", ["cpu1"], kwargs={"busy_s": 2, "mode": "sleep"}, app=app)
-    with pytest.raises(tasks.FanOutTimeout) as info:
-        handle.get(timeout=0.2)
-    assert info.value.pending == ["cpu1"]
+def test_get_times_out_with_the_pending_devices(fleet, app, tmp_path):
+    release = tmp_path / "release"
+    handle = fan_out("hold", ["cpu1"], kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    try:
+        # The job holds until released, so the short wait below cannot see it finish.
+        wait_for(lambda: handle.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+        with pytest.raises(tasks.FanOutTimeout) as info:
+            handle.get(timeout=0.2)
+        assert info.value.pending == ["cpu1"]
+        assert not handle.ready()
+    finally:
+        release.touch()
     assert handle.get(timeout=30)["cpu1"]["status"] == "ok"
+
+
+# -- plain Celery: the fleet is usable by a producer that knows only Celery and the broker URL ----
+
+
+@pytest.fixture
+def plain(fleet):
+    """A bare Celery app on the fleet's Redis: no devicefleet settings, backend or signals."""
+    app = celery.Celery("plain-producer", broker=fleet.redis_url, backend=fleet.redis_url, set_as_current=False)
+    yield app
+    # Results unsubscribe from Redis when collected: let them go while Redis still runs.
+    gc.collect()
+    app.close()
+
+
+def test_plain_celery_send_task_runs_jobs_and_reports_failures(fleet, app, plain):
+    sent = [plain.send_task("devicefleet.probe", kwargs={}, queue="cpu") for _ in range(10)]
+    entries = [result.get(timeout=60) for result in sent]
+    assert len(entries) == 10
+    for result, entry in zip(sent, entries, strict=True):
+        assert result.state == "SUCCESS"
+        assert tuple(entry) == ENTRY_KEYS
+        assert entry["status"] == "ok" and entry["error"] is None
+        assert entry["device"] in {"cpu0", "cpu1"}
+        assert entry["output"]["device"] == entry["device"]
+    del sent
+
+    # Bad kwargs: the task ends in FAILURE with the job's own error type.
+    bad = plain.send_task("devicefleet.train", kwargs={"epochs": "many"}, queue="cpu")
+    error = bad.get(timeout=60, propagate=False)
+    assert bad.state == "FAILURE"
+    assert type(error).__name__ == "InvalidJobArguments"
+    assert "epochs='many'" in str(error)
+    del bad
+
+    # The same bad job in a fan-out next to a good one: an error entry for it, ok for the other.
+    results = fan_out({"cpu0": ("train", {"epochs": "many"}), "cpu1": "probe"}, app=app).get(timeout=60)
+    assert results["cpu0"]["status"] == "error" and results["cpu0"]["output"] is None
+    assert results["cpu0"]["error"]["type"] == "InvalidJobArguments"
+    assert "epochs='many'" in results["cpu0"]["error"]["message"]
+    assert results["cpu1"]["status"] == "ok" and results["cpu1"]["error"] is None
+
+
+def test_plain_celery_hand_built_chord_collects_every_device(fleet, plain):
+    def canvas(*jobs: tuple[str, str, dict], follow_parents: bool = True) -> dict:
+        header = [plain.signature(f"devicefleet.{job}", kwargs=kwargs, queue=f"device.{device}")
+                  for device, job, kwargs in jobs]
+        body = plain.signature("devicefleet.collect", kwargs={"devices": [d for d, _, _ in jobs]}, queue="fleet")
+        return dict(celery.chord(header, app=plain)(body).get(timeout=60, follow_parents=follow_parents))
+
+    results = canvas(("cpu0", "probe", {}), ("cpu1", "probe", {}))
+    assert list(results) == ["cpu0", "cpu1"]
+    for device, entry in results.items():
+        assert tuple(entry) == ENTRY_KEYS
+        assert entry["device"] == device and entry["status"] == "ok"
+        assert entry["worker"].startswith(f"{device}@")
+        assert entry["output"]["device"] == device
+
+    # A failed part is collected as its error entry: the collect step still returns every device.
+    # (Celery's get() re-raises a failed header task unless told not to follow the parents.)
+    results = canvas(("cpu0", "fail", {"message": "by hand"}), ("cpu1", "echo", {"value": 7}),
+                     follow_parents=False)
+    assert results["cpu0"]["status"] == "error"
+    assert results["cpu0"]["error"] == {"type": "ValueError", "message": "by hand"}
+    assert results["cpu1"]["status"] == "ok" and results["cpu1"]["output"]["value"] == 7
 
 
 def _assert_workers_still_up(app, before):
     after = tasks.live_devices(app)
     for device, record in before.items():
         assert device in after, f"{device} left the fleet"
-        assert after[device]["pid"] == record["pid"], f"{device} was restarted"
+        assert after[device].pid == record.pid, f"{device} was restarted"

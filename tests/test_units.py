@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from tasks import ConfigError, JobSpec, Settings
+from tasks import ConfigError, JobSpec, Settings, WorkerRecord
 from tasks.core.devices import Device, DeviceKind, format_core_list, parse_core_list, plan_cores
-from tasks.core.errors import DeviceUnavailable, NoFleetError
+from tasks.core.errors import DeviceUnavailable, InvalidJobArguments, NoFleetError, UnknownJob
+from tasks.core.queues import worker_queues
+from tasks.core.worker_config import WorkerConfig, load_worker_config
 from tasks.producer.fanout import select_devices
-from tasks.core.job import JobRegistry
-from tasks.queues import worker_queues
-from tasks.worker import device_from_nodename
-from tasks.worker_config import WorkerConfig, load_worker_config
+from tasks.worker.device import device_from_nodename
+from tasks.worker.jobs import JobRegistry, validate_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,10 +67,13 @@ def test_bad_device_names_are_refused_by_name(bad):
     assert repr(bad) in str(info.value)
 
 
-def test_worker_name_must_start_with_a_device():
-    assert device_from_nodename("gpu1@host").name == "gpu1"
+def test_worker_name_must_start_with_a_device(tmp_path):
+    settings = Settings.load(state_dir=tmp_path)
+    assert device_from_nodename("gpu1@host", settings).name == "gpu1"
     with pytest.raises(ConfigError, match="celery@host"):
-        device_from_nodename("celery@host")
+        device_from_nodename("celery@host", settings)
+    hosts = Settings.load(state_dir=tmp_path, device_names="host")
+    assert device_from_nodename("cpu0@hosta", hosts).name == "cpu0@hosta"
 
 
 def test_queues_of_a_worker():
@@ -80,7 +84,7 @@ def test_core_lists_round_trip():
     assert parse_core_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
     assert format_core_list([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
     for bad in ("", "a", "3-1", "-1"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=re.escape(f"cores={bad!r} is not a CPU list")):
             parse_core_list(bad)
 
 
@@ -143,18 +147,25 @@ def test_job_specs():
     assert JobSpec.of(("probe", {"busy_s": 1})).kwargs == {"busy_s": 1}
     assert JobSpec.of({"name": "probe"}).name == "probe"
     for bad in ("", "rm -rf /", ("probe", "notadict"), 42, {"name": "x", "extra": 1}):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=re.escape(repr(bad))):
             JobSpec.of(bad)  # type: ignore[arg-type]
 
 
+def _record(device: str) -> WorkerRecord:
+    kind = device.rstrip("0123456789")
+    return WorkerRecord(device=device, kind=kind, worker=f"{device}@host", host="host", pid=1,
+                        queues=[f"device.{device}", kind, "fleet"], cores=[0], pool="threads",
+                        concurrency=1, jobs=["probe"], started_at=0.0)
+
+
 def test_select_devices():
-    live = {"cpu0": {"kind": "cpu"}, "cpu1": {"kind": "cpu"}, "gpu0": {"kind": "gpu"}}
+    live = {d: _record(d) for d in ("cpu0", "cpu1", "gpu0")}
     assert select_devices("all", live) == ["cpu0", "cpu1", "gpu0"]
     assert select_devices("gpu", live) == ["gpu0"]
     assert select_devices("cpu1,gpu0", live) == ["cpu1", "gpu0"]
     assert select_devices(["cpu", "cpu0"], live) == ["cpu0", "cpu1"]
     with pytest.raises(DeviceUnavailable, match="gpu"):
-        select_devices("gpu", {"cpu0": {"kind": "cpu"}})
+        select_devices("gpu", {"cpu0": _record("cpu0")})
     with pytest.raises(ConfigError):
         select_devices("", live)
 
@@ -164,10 +175,26 @@ def test_job_registry_only_knows_allowlisted_modules():
 
     registry = JobRegistry(["tasks.jobs"])
     assert registry.names == ["noop", "probe", "train"]
-    with pytest.raises(Exception, match="unknown job 'forbidden'"):
-        registry.get("forbidden")
+    assert [d.task_name for d in registry.definitions()] == ["devicefleet.noop", "devicefleet.probe",
+                                                             "devicefleet.train"]
+    # What a worker answers for a task outside its allowlist (tasks.worker.consumer).
+    refused = registry.unknown("forbidden")
+    assert type(refused) is UnknownJob
+    assert "unknown job 'forbidden'" in str(refused) and "probe, train" in str(refused)
+    assert "tasks.jobs" in str(refused)
     with pytest.raises(ConfigError, match="no_such_module"):
         JobRegistry(["no_such_module"])
+
+
+def test_kwargs_are_checked_against_the_jobs_schema():
+    (probe,) = [d for d in JobRegistry(["tasks.jobs"]).definitions() if d.name == "probe"]
+    assert validate_kwargs(probe, {"busy_s": 1}).busy_s == 1  # type: ignore[attr-defined]
+    with pytest.raises(InvalidJobArguments, match="busy_s"):
+        validate_kwargs(probe, {"busy_s": -1})
+    with pytest.raises(InvalidJobArguments, match="'bogus'"):
+        validate_kwargs(probe, {"bogus": 1})
+    with pytest.raises(InvalidJobArguments, match="must be a JSON object"):
+        validate_kwargs(probe, ["not", "a", "dict"])
 
 
 def test_importing_the_package_does_not_import_torch():
