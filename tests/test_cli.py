@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import tasks
-from tasks import registry
 from tasks.core.devices import count_gpus
+from tasks.core.registry import connect, live_workers
 
 from .conftest import test_env, wait_for
 
@@ -112,23 +112,29 @@ def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
     # The README's command, with no pool options: the app's settings choose the threads pool.
     proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
+    client = connect(fleet.redis_url)
+
+    def joined():  # type: ignore[no-untyped-def]
+        record = live_workers(client).get("cpu7")
+        return record if record is not None and record.ready else None
+
     try:
-        client = registry.connect(fleet.redis_url)
-        record = wait_for(lambda: registry.live_workers(client).get("cpu7", {}).get("ready") and
-                          registry.live_workers(client)["cpu7"], 90, "cpu7 to join", proc=proc)
-        assert record["queues"] == ["device.cpu7", "cpu", "fleet"]
-        assert record["cuda_visible_devices"] == "-1"
+        record = wait_for(joined, 90, "cpu7 to join", proc=proc)
+        assert record.queues == ["device.cpu7", "cpu", "fleet"]
+        assert record.cuda_visible_devices == "-1"
+        assert record.pid == proc.pid and record.pool == "threads"
         entry = tasks.fan_out("probe", ["cpu7"], app=app).get(timeout=60)["cpu7"]
         assert entry["status"] == "ok" and entry["output"]["pid"] == proc.pid  # no forked child
         assert entry["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        assert "cpu7" not in registry.live_workers(client)  # left the registry on shutdown
+        assert proc.wait(timeout=60) == 0  # a warm shutdown
+        assert "cpu7" not in live_workers(client)  # left the registry on shutdown
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
+        client.close()
 
 
 @pytest.mark.timeout(240)
