@@ -13,7 +13,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -21,14 +20,15 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from tasks import registry
+from tasks import WorkerRecord
 from tasks.core.app import create_app
-from tasks.ops.deploy import HostPlan, plan_host, read_env_value, render
 from tasks.core.devices import DeviceNames, count_gpus
-from tasks.producer.fanout import fan_out
+from tasks.core.registry import connect, live_workers
+from tasks.core.settings import Settings
+from tasks.ops.deploy import HostPlan, plan_host, read_env_value, render
 from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
-from tasks.core.settings import Settings
+from tasks.producer.fanout import fan_out
 
 from .conftest import ROOT, test_env
 from .conftest import wait_for as _wait
@@ -261,9 +261,9 @@ class UnitProcess:
             self.process.wait()
 
 
-def _record(client: redis.Redis, device: str, pid: int) -> dict | None:
-    rec = registry.live_workers(client).get(device)
-    return rec if rec and rec.get("pid") == pid and rec.get("ready") else None
+def _record(client: redis.Redis, device: str, pid: int) -> WorkerRecord | None:
+    rec = live_workers(client).get(device)
+    return rec if rec is not None and rec.pid == pid and rec.ready else None
 
 
 def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostPlan, tmp_path: Path) -> None:
@@ -276,11 +276,12 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
     assert env["PYTHONUNBUFFERED"] == "1"
     settings = Settings.load(redis_url=plan.redis_url, state_dir=tmp_path / "producer")
     app = create_app(settings)
-    client = registry.connect(plan.redis_url)
+    client = connect(plan.redis_url)
     workers: list[UnitProcess] = []
 
-    def start() -> tuple[UnitProcess, dict]:
-        worker = UnitProcess(plan, unit, tmp_path / "cpu0.log")
+    def start() -> tuple[UnitProcess, WorkerRecord]:
+        # One log per process, so that what one says is never read as another's.
+        worker = UnitProcess(plan, unit, tmp_path / f"cpu0-{len(workers)}.log")
         workers.append(worker)
         rec = _wait(lambda: _record(client, "cpu0", worker.process.pid) or (
             worker.process.poll() is not None and pytest.fail(f"worker exited:\n{worker.output()[-3000:]}")
@@ -288,12 +289,16 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         return worker, rec
 
     def wait_busy(worker: UnitProcess) -> None:
-        _wait(lambda: (registry.live_workers(client).get("cpu0") or {}).get("busy"), 60, "cpu0 to be busy")
+        def busy() -> bool:
+            rec = _record(client, "cpu0", worker.process.pid)
+            return rec is not None and rec.busy is not None
+
+        _wait(busy, 60, "cpu0 to be busy", proc=worker.process)
 
     try:
         worker, rec = start()
-        assert rec["cuda_visible_devices"] == "-1" and rec["cuda_available"] is False
-        assert rec["queues"] == ["device.cpu0", "cpu", "fleet"]
+        assert rec.cuda_visible_devices == "-1" and rec.cuda_available is False
+        assert rec.queues == ["device.cpu0", "cpu", "fleet"]
         probe = fan_out("probe", ["cpu0"], app=app).get(timeout=60)["cpu0"]
         assert probe["status"] == "ok" and probe["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
 
@@ -311,13 +316,15 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
             worker, _ = start()
             handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
             wait_busy(worker)
-            sent = time.monotonic()
-            for signum in signals:
+            for signum in signals[:-1]:
                 worker.process.send_signal(signum)
-                time.sleep(0.2)
+                # The next signal only once the worker has taken this one (its warm shutdown).
+                _wait(lambda w=worker: "SIGTERM: warm shutdown" in w.output(), 30,
+                      "the worker to start its warm shutdown", proc=worker.process)
+            worker.process.send_signal(signals[-1])
             assert worker.wait(30) == 1, worker.output()[-3000:]
-            assert time.monotonic() - sent < 5, "the forced stop waited for the job"
-            assert not handle.ready()
+            # It exited while the job still ran: no result stored, the job put back.
+            assert not handle.ready(), "the forced stop waited for the job"
             assert "requeued 1 running job" in worker.output()
             again, _ = start()
             if warm is not None:  # the fan-out's collect step ran on this worker
@@ -461,7 +468,7 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
          "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    client = registry.connect(host_a.redis_url)
+    client = connect(host_a.redis_url)
     workers: list[UnitProcess] = []
     try:
         _wait(lambda: _pings(client), 20, "the TLS redis to answer")
@@ -481,8 +488,8 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
             rec = _wait(lambda n=name, w=worker: _record(client, n, w.process.pid) or (
                 w.process.poll() is not None and pytest.fail(f"worker exited:\n{w.output()[-3000:]}")
             ), 120, f"{name} to join the registry")
-            assert rec["cuda_visible_devices"] == "-1"
-            assert f"device.{name}" in rec["queues"]
+            assert rec.cuda_visible_devices == "-1"
+            assert f"device.{name}" in rec.queues
 
         producer = Settings.load(redis_url=host_a.redis_url, state_dir=tmp_path / "producer",
                                  device_names="host")
