@@ -3,8 +3,10 @@ fleet's exporter and ``devicefleet status`` must all agree with the jobs each de
 
 The module runs its own fleet (two CPU devices, Flower, exporter) on its own embedded Redis,
 and keeps a ledger of every fan-out it sends, so the expected counts are exact whatever order
-the tests run in. Flower's "Processed" counts every task a worker received: the device's jobs
-plus the chord ``collect`` steps it happened to run (the ledger knows which worker ran each).
+the tests run in. Each job is the Celery task ``devicefleet.<job>``. Flower's "Processed"
+counts every task a worker received: the device's jobs plus the chord ``collect`` steps it
+happened to run (the ledger knows which worker ran each); its "Failed" counts the jobs that
+failed (their tasks end in FAILURE), and its "Succeeded" the others plus the collect steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -33,6 +36,7 @@ from rich.console import Console
 
 from tasks import FanOut, Fleet, fan_out
 from tasks.core.devices import host_name
+from tasks.core.job import COLLECT_TASK, task_name
 from tasks.ops.flower import auth_header, credentials
 from tasks.ops.progress_view import describe, fraction, watch
 
@@ -76,6 +80,14 @@ def sample(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def flower_api(mon: Monitored, path: str, **query: str) -> Any:
+    """GET one of Flower's API endpoints with the fleet's basic-auth credentials."""
+    url = mon.flower_url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+    req = urllib.request.Request(url, headers={"Authorization": auth_header(mon.auth)})
+    with urllib.request.urlopen(req, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
 def http_status(url: str, auth: str | None = None) -> int:
     headers = {"Authorization": auth_header(auth)} if auth else {}
     try:
@@ -91,35 +103,59 @@ class Monitored:
     flower_url: str
     auth: str
     metrics_url: str
+    #: The ledger: every fan-out the module sent.
     handles: list[FanOut] = field(default_factory=list)
-    _app: Any = None
+    producer: Any = None
 
     def app(self) -> Any:
         """One producer app for the module (a new app per call would leave its sockets to GC)."""
-        if self._app is None:
-            self._app = self.fleet.app()
-        return self._app
+        if self.producer is None:
+            self.producer = self.fleet.app()
+        return self.producer
 
     def worker(self, device: str) -> str:
         return f"{device}@{host_name()}"
 
-    def run(self, jobs: Any, devices: Any = "all", timeout: float = 120) -> dict[str, Any]:
+    def send(self, jobs: Any, devices: Any = "all") -> FanOut:
         handle = fan_out(jobs, devices, app=self.app())
         self.handles.append(handle)
-        return handle.get(timeout=timeout)
+        return handle
 
-    def jobs_per_device(self) -> Counter[str]:
-        return Counter(device for h in self.handles for device in h.devices)
+    def run(self, jobs: Any, devices: Any = "all", timeout: float = 120) -> dict[str, Any]:
+        return self.send(jobs, devices).get(timeout=timeout)
+
+    def outcomes(self) -> Counter[tuple[str, str, str]]:
+        """``(device, Celery task name, entry status)`` of every job sent, counted."""
+        counts: Counter[tuple[str, str, str]] = Counter()
+        for h in self.handles:
+            results = h.get(timeout=60)
+            for device, spec in h.plan.items():
+                counts[(device, task_name(spec.name), results[device]["status"])] += 1
+        return counts
+
+    def jobs_per_device(self, status: str | None = None) -> Counter[str]:
+        """Jobs each device ran (only those whose entry has ``status``, if given)."""
+        counts: Counter[str] = Counter()
+        for (device, _, st), n in self.outcomes().items():
+            if status is None or st == status:
+                counts[device] += n
+        return counts
+
+    def collectors(self) -> Counter[str]:
+        """The worker that ran each fan-out's collect step, counted."""
+        counts: Counter[str] = Counter()
+        for h in self.handles:
+            h.get(timeout=60)  # the collect step's result: it has finished
+            # result_extended records the worker of each task; FanOut.id is the collect task's.
+            collector = self.app().AsyncResult(h.id).worker
+            assert collector, f"no worker recorded for collect step {h.id}"
+            counts[str(collector)] += 1
+        return counts
 
     def tasks_per_worker(self) -> Counter[str]:
         """Tasks each worker received: its device's jobs plus the collect steps it ran."""
         counts = Counter({self.worker(d): n for d, n in self.jobs_per_device().items()})
-        for h in self.handles:
-            # get() returns once every device has; the chord's collect step may still be running.
-            h._result.get(timeout=60, propagate=False)
-            collector = h._result.worker  # result_extended records the worker of each task
-            assert collector, f"no worker recorded for collect step {h.id}"
-            counts[str(collector)] += 1
+        counts.update(self.collectors())
         return counts
 
     def status_json(self) -> dict[str, Any]:
@@ -139,8 +175,8 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
         yield monitored
         # Results unsubscribe from Redis when collected: let them go while Redis still runs.
         monitored.handles.clear()
-        if monitored._app is not None:
-            monitored._app.close()
+        if monitored.producer is not None:
+            monitored.producer.close()
         gc.collect()
 
 
@@ -191,55 +227,98 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
     for _ in range(N):
         results = monitored.run("echo")
         assert set(results) == set(DEVICES) and all(e["status"] == "ok" for e in results.values())
-    assert len(monitored.handles) - handles_before == N
-    jobs = monitored.jobs_per_device()
+    # Two jobs that fail on purpose: one raises, one gets kwargs its schema refuses.
+    failing = monitored.send({"cpu0": ("fail", {"message": "on purpose"}), "cpu1": ("train", {"epochs": "many"})})
+    results = failing.get(timeout=60)
+    assert results["cpu0"]["error"]["type"] == "ValueError"
+    assert results["cpu1"]["error"]["type"] == "InvalidJobArguments"
+    assert failing.states() == {"cpu0": "FAILURE", "cpu1": "FAILURE"}
+    assert len(monitored.handles) - handles_before == N + 1
+    outcomes = monitored.outcomes()
+    ok, failed = monitored.jobs_per_device("ok"), monitored.jobs_per_device("error")
+    assert all(failed[d] >= 1 for d in DEVICES)
+    collected = monitored.collectors()
     tasks = monitored.tasks_per_worker()
+    job_tasks = {t for _, t, _ in outcomes}
 
-    # Flower's own /metrics: every device worker, succeeded run_job events == jobs it ran.
+    # Flower's own /metrics: per worker and task name, succeeded and failed events == the ledger.
     def flower_caught_up() -> bool:
         got = scrape(monitored.flower_url + "/metrics", monitored.auth)
         return all(
-            sample(got, "flower_events_total", worker=monitored.worker(d), type="task-succeeded",
-                   task="devicefleet.run_job") == jobs[d]
-            and sample(got, "flower_worker_online", worker=monitored.worker(d)) == 1
-            for d in DEVICES
-        )
+            sample(got, "flower_events_total", worker=monitored.worker(d), type=event, task=t)
+            == outcomes[(d, t, status)]
+            for d in DEVICES for t in job_tasks
+            for event, status in (("task-succeeded", "ok"), ("task-failed", "error"))
+        ) and all(sample(got, "flower_worker_online", worker=monitored.worker(d)) == 1 for d in DEVICES)
 
     wait_for(flower_caught_up, 60, "Flower's /metrics counting every job")
     flower = scrape(monitored.flower_url + "/metrics", monitored.auth)
     for d in DEVICES:
+        w = monitored.worker(d)
         received = sum(
-            sample(flower, "flower_events_total", worker=monitored.worker(d), type="task-received", task=t)
-            for t in ("devicefleet.run_job", "devicefleet.collect")
+            sample(flower, "flower_events_total", worker=w, type="task-received", task=t)
+            for t in job_tasks | {COLLECT_TASK}
         )
-        assert received == tasks[monitored.worker(d)]
-        assert sample(flower, "flower_task_runtime_seconds_count", worker=monitored.worker(d),
-                      task="devicefleet.run_job") == jobs[d]
+        assert received == tasks[w]
+        assert sample(flower, "flower_events_total", worker=w, type="task-succeeded",
+                      task=COLLECT_TASK) == collected[w]
+        for t in job_tasks:  # a runtime for each job that succeeded
+            assert sample(flower, "flower_task_runtime_seconds_count", worker=w, task=t) == outcomes[(d, t, "ok")]
+
+    # Flower's task API: the job that got bad kwargs, listed as FAILURE under its own task name.
+    bad_id = failing.task_ids["cpu1"]
+    listed = wait_for(lambda: flower_api(monitored, "/api/tasks", state="FAILURE").get(bad_id), 60,
+                      "Flower's /api/tasks listing the job with bad kwargs as FAILURE")
+    assert listed["name"] == "devicefleet.train" and listed["state"] == "FAILURE"
+    assert listed["worker"] == monitored.worker("cpu1")
+    assert "InvalidJobArguments" in listed["exception"]
+    raised = flower_api(monitored, "/api/tasks", state="FAILURE")[failing.task_ids["cpu0"]]
+    assert raised["name"] == "devicefleet.fail" and "on purpose" in raised["exception"]
 
     # The fleet's exporter: exact counts per device, from the workers' own counters.
     fleet = scrape(monitored.metrics_url)
     for d in DEVICES:
-        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="ok") == jobs[d]
-        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="error") == 0
+        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="ok") == ok[d]
+        assert sample(fleet, "devicefleet_jobs_total", device=d, kind="cpu", status="error") == failed[d]
         assert sample(fleet, "devicefleet_worker_online", device=d, kind="cpu") == 1
         assert sample(fleet, "devicefleet_jobs_per_second", device=d, kind="cpu") > 0
 
-    # Flower's web UI, in a real browser: each device worker and its processed count.
+    # Flower's web UI, in a real browser: each device worker's processed, failed and succeeded.
     page = flower_page(browser, monitored)
     page.goto(monitored.flower_url + "/workers")
 
-    def table() -> dict[str, int]:
-        rows = page.locator("#workers-table tbody tr").all()
+    def table() -> dict[str, tuple[int, int, int]]:
+        # DataTables (scrollX) draws a copy of the header; the table's own keeps the column names.
+        headers = [(h.text_content() or "").strip() for h in page.locator("#workers-table thead th").all()]
+        if not {"Worker", "Processed", "Failed", "Succeeded"} <= set(headers):
+            return {}
+        cols = [headers.index(name) for name in ("Processed", "Failed", "Succeeded")]
         shown = {}
-        for row in rows:
+        for row in page.locator("#workers-table tbody tr").all():
             cells = [c.inner_text().strip() for c in row.locator("td").all()]
-            if len(cells) >= 4 and "@" in cells[0]:
-                shown[cells[0]] = int(cells[3].replace(",", "") or 0)
+            if len(cells) > max(cols) and "@" in cells[headers.index("Worker")]:
+                shown[cells[headers.index("Worker")]] = tuple(
+                    int(cells[i].replace(",", "") or 0) for i in cols)
         return shown if set(shown) >= {monitored.worker(d) for d in DEVICES} else {}
 
-    expected = {monitored.worker(d): tasks[monitored.worker(d)] for d in DEVICES}
-    wait_for(lambda: table() == expected or (page.reload() and False), 60,
-             f"Flower's workers table showing processed {expected}")
+    expected = {
+        monitored.worker(d): (tasks[monitored.worker(d)], failed[d], ok[d] + collected[monitored.worker(d)])
+        for d in DEVICES
+    }
+    shown: list[dict[str, tuple[int, int, int]]] = []
+
+    def table_agrees() -> bool:
+        shown.append(table())
+        if shown[-1] == expected:
+            return True
+        page.reload()
+        return False
+
+    try:
+        wait_for(table_agrees, 60, "Flower's workers table showing the ledger's counts")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: want (processed, failed, succeeded) {expected}, "
+                             f"last shown {shown[-1] if shown else None}") from None
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "flower-workers.png"), full_page=True)
     page.context.close()
@@ -249,7 +328,8 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
     assert status["flower_url"] == monitored.flower_url
     assert status["metrics_url"] == monitored.metrics_url
     for d in DEVICES:
-        assert status["devices"][d]["jobs_ok"] == jobs[d]
+        assert status["devices"][d]["jobs_ok"] == ok[d]
+        assert status["devices"][d]["jobs_error"] == failed[d]
         assert status["devices"][d]["live"] is True
         assert status["devices"][d]["jobs_per_s"] > 0
     assert {"cpu", "fleet", "device.cpu0", "device.cpu1"} <= set(status["queues"])
@@ -263,17 +343,20 @@ def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: M
     handles = []
     try:
         for _ in range(2):
-            handles.append(fan_out({"cpu0": "echo"}, app=app))
-        monitored.handles.extend(handles)
+            handles.append(monitored.send({"cpu0": "echo"}))
 
         def queued() -> Samples | None:
             got = scrape(monitored.metrics_url)
             return got if sample(got, "devicefleet_queue_length", queue="device.cpu0") == 2 else None
 
-        got = wait_for(queued, 30, "device.cpu0 holding 2 messages")
-        time.sleep(0.2)  # the oldest message is now older than this
-        got = scrape(monitored.metrics_url)
-        assert sample(got, "devicefleet_queue_oldest_age_seconds", queue="device.cpu0") >= 0.2
+        wait_for(queued, 30, "device.cpu0 holding 2 messages")
+
+        def aged() -> Samples | None:  # the waiting messages' age grows while nothing consumes
+            got = scrape(monitored.metrics_url)
+            return got if sample(got, "devicefleet_queue_oldest_age_seconds", queue="device.cpu0") >= 0.2 else None
+
+        got = wait_for(aged, 30, "the oldest message on device.cpu0 to be 0.2 s old")
+        assert sample(got, "devicefleet_queue_length", queue="device.cpu0") == 2
         assert sample(got, "devicefleet_queue_length", queue="device.cpu1") == 0
         status = monitored.status_json()
         assert status["queues"]["device.cpu0"]["depth"] == 2
@@ -296,9 +379,7 @@ def test_progress_reaches_producers_status_and_flower(
     monitored: Monitored, browser: Any, tmp_path: Path
 ) -> None:
     release = tmp_path / "release"
-    handle = fan_out({"cpu1": ("hold", {"steps": 4, "release_file": str(release)})},
-                     app=monitored.app())
-    monitored.handles.append(handle)
+    handle = monitored.send({"cpu1": ("hold", {"steps": 4, "release_file": str(release)})})
     try:
         # The producer: PROGRESS meta from the result backend.
         progress = wait_for(lambda: handle.progress()["cpu1"].get("step") == 4 and handle.progress(),
@@ -310,7 +391,7 @@ def test_progress_reaches_producers_status_and_flower(
                        "progress in the registry")
         assert dev["step"] == 4
         # Flower: task state PROGRESS, from the task-progress event.
-        task_id = handle._headers["cpu1"].id
+        task_id = handle.task_ids["cpu1"]
         info_url = f"{monitored.flower_url}/api/task/info/{task_id}"
 
         def flower_state() -> str:
