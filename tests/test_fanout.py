@@ -130,8 +130,9 @@ def test_missing_device_fails_fast_naming_it_and_the_live_ones(fleet, app):
 def test_job_outside_the_allowlist_is_refused(fleet, app, tmp_path):
     before = tasks.live_devices(app)
     for name in ("forbidden", "os.system", "tests.forbidden_jobs.forbidden", "celery.backend_cleanup"):
-        results = fan_out(name, ["cpu0"], app=app).get(timeout=60)
-        entry = results["cpu0"]
+        handle = fan_out(name, ["cpu0"], app=app)
+        entry = handle.get(timeout=60)["cpu0"]
+        assert handle.states() == {"cpu0": "FAILURE"}, name
         assert entry["status"] == "error", name
         assert entry["error"]["type"] == "UnknownJob"
         assert repr(name) in entry["error"]["message"]
@@ -233,6 +234,13 @@ def test_plain_celery_send_task_runs_jobs_and_reports_failures(fleet, app, plain
     assert type(error).__name__ == "InvalidJobArguments"
     assert "epochs='many'" in str(error)
     del bad
+
+    # A job outside the allowlist: FAILURE with UnknownJob, not a message left unanswered.
+    unknown = plain.send_task("devicefleet.forbidden", kwargs={}, queue="cpu")
+    error = unknown.get(timeout=60, propagate=False)
+    assert unknown.state == "FAILURE"
+    assert type(error).__name__ == "UnknownJob" and "unknown job 'forbidden'" in str(error)
+    del unknown
 
     # The same bad job in a fan-out next to a good one: an error entry for it, ok for the other.
     results = fan_out({"cpu0": ("train", {"epochs": "many"}), "cpu1": "probe"}, app=app).get(timeout=60)
