@@ -20,7 +20,7 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from tasks import WorkerRecord
+from tasks import FanOut, WorkerRecord
 from tasks.core.app import create_app
 from tasks.core.devices import DeviceNames, count_gpus
 from tasks.core.registry import connect, live_workers
@@ -266,6 +266,17 @@ def _record(client: redis.Redis, device: str, pid: int) -> WorkerRecord | None:
     return rec if rec is not None and rec.pid == pid and rec.ready else None
 
 
+def _joined(client: redis.Redis, device: str, worker: UnitProcess) -> WorkerRecord:
+    """``device``'s ready registry record from ``worker``'s process; fails with its log if it exits."""
+    try:
+        rec = _wait(lambda: _record(client, device, worker.process.pid), 120,
+                    f"{device} to join the registry", proc=worker.process)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{worker.output()[-3000:]}") from None
+    assert rec is not None
+    return rec
+
+
 def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostPlan, tmp_path: Path) -> None:
     plan = rendered_host
     unit = "devicefleet-worker@cpu0.service"
@@ -283,10 +294,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         # One log per process, so that what one says is never read as another's.
         worker = UnitProcess(plan, unit, tmp_path / f"cpu0-{len(workers)}.log")
         workers.append(worker)
-        rec = _wait(lambda: _record(client, "cpu0", worker.process.pid) or (
-            worker.process.poll() is not None and pytest.fail(f"worker exited:\n{worker.output()[-3000:]}")
-        ), 120, "cpu0 to join the registry")
-        return worker, rec
+        return worker, _joined(client, "cpu0", worker)
 
     def wait_busy(worker: UnitProcess) -> None:
         def busy() -> bool:
@@ -309,6 +317,8 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         assert worker.wait(60) == 0, worker.output()[-3000:]
         assert warm.states() == {"cpu0": "SUCCESS"}  # stored before the worker exited
         warm_pid = worker.process.pid
+        # Its collect step waits on the fleet queue for the next worker: checked after one starts.
+        uncollected: FanOut | None = warm
 
         # 2. A second SIGTERM, then 3. a SIGQUIT: the worker stops at once, the job is not lost:
         # the restarted worker (systemd's Restart=on-failure, exit status 1) runs it again.
@@ -318,20 +328,23 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
             wait_busy(worker)
             for signum in signals[:-1]:
                 worker.process.send_signal(signum)
+
+                def warm_shutdown_started(w: UnitProcess = worker) -> bool:
+                    return "SIGTERM: warm shutdown" in w.output()
+
                 # The next signal only once the worker has taken this one (its warm shutdown).
-                _wait(lambda w=worker: "SIGTERM: warm shutdown" in w.output(), 30,
-                      "the worker to start its warm shutdown", proc=worker.process)
+                _wait(warm_shutdown_started, 30, "the worker to start its warm shutdown", proc=worker.process)
             worker.process.send_signal(signals[-1])
             assert worker.wait(30) == 1, worker.output()[-3000:]
             # It exited while the job still ran: no result stored, the job put back.
             assert not handle.ready(), "the forced stop waited for the job"
             assert "requeued 1 running job" in worker.output()
             again, _ = start()
-            if warm is not None:  # the fan-out's collect step ran on this worker
-                entry = warm.get(timeout=60)["cpu0"]
+            if uncollected is not None:  # the fan-out's collect step ran on this worker
+                entry = uncollected.get(timeout=60)["cpu0"]
                 assert entry["status"] == "ok" and entry["output"]["busy_s"] == 3
                 assert entry["output"]["pid"] == warm_pid
-                warm = None
+                uncollected = None
             entry = handle.get(timeout=90)["cpu0"]
             assert entry["status"] == "ok", entry
             assert entry["output"]["pid"] == again.process.pid  # it ran again, on the new worker
@@ -485,9 +498,7 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
         for plan, name, log in ((host_a, "cpu0@hosta", "a.log"), (host_b, "cpu0@hostb", "b.log")):
             worker = UnitProcess(plan, "devicefleet-worker@cpu0.service", tmp_path / log)
             workers.append(worker)
-            rec = _wait(lambda n=name, w=worker: _record(client, n, w.process.pid) or (
-                w.process.poll() is not None and pytest.fail(f"worker exited:\n{w.output()[-3000:]}")
-            ), 120, f"{name} to join the registry")
+            rec = _joined(client, name, worker)
             assert rec.cuda_visible_devices == "-1"
             assert f"device.{name}" in rec.queues
 

@@ -215,8 +215,10 @@ def test_flower_runs_on_loopback_behind_basic_auth(monitored: Monitored) -> None
     # listens on loopback only.
     assert http_status(monitored.flower_url + "/metrics") == 200
     # The password is never in Flower's argv, which every local user can read.
-    flower = monitored.fleet.monitor.flower  # type: ignore[union-attr]
-    cmdline = Path(f"/proc/{flower.process.pid}/cmdline").read_bytes().decode()
+    assert monitored.fleet.monitor is not None and monitored.fleet.monitor.flower is not None
+    flower = monitored.fleet.monitor.flower.process
+    assert flower is not None
+    cmdline = Path(f"/proc/{flower.pid}/cmdline").read_bytes().decode()
     assert monitored.auth.split(":", 1)[1] not in cmdline
 
 
@@ -287,7 +289,7 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
     page = flower_page(browser, monitored)
     page.goto(monitored.flower_url + "/workers")
 
-    def table() -> dict[str, tuple[int, int, int]]:
+    def table() -> dict[str, tuple[int, ...]]:
         # DataTables (scrollX) draws a copy of the header; the table's own keeps the column names.
         headers = [(h.text_content() or "").strip() for h in page.locator("#workers-table thead th").all()]
         if not {"Worker", "Processed", "Failed", "Succeeded"} <= set(headers):
@@ -301,11 +303,11 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
                     int(cells[i].replace(",", "") or 0) for i in cols)
         return shown if set(shown) >= {monitored.worker(d) for d in DEVICES} else {}
 
-    expected = {
+    expected: dict[str, tuple[int, ...]] = {
         monitored.worker(d): (tasks[monitored.worker(d)], failed[d], ok[d] + collected[monitored.worker(d)])
         for d in DEVICES
     }
-    shown: list[dict[str, tuple[int, int, int]]] = []
+    shown: list[dict[str, tuple[int, ...]]] = []
 
     def table_agrees() -> bool:
         shown.append(table())
@@ -351,9 +353,9 @@ def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: M
 
         wait_for(queued, 30, "device.cpu0 holding 2 messages")
 
-        def aged() -> Samples | None:  # the waiting messages' age grows while nothing consumes
+        def aged() -> Samples:  # the waiting messages' age grows while nothing consumes
             got = scrape(monitored.metrics_url)
-            return got if sample(got, "devicefleet_queue_oldest_age_seconds", queue="device.cpu0") >= 0.2 else None
+            return got if sample(got, "devicefleet_queue_oldest_age_seconds", queue="device.cpu0") >= 0.2 else {}
 
         got = wait_for(aged, 30, "the oldest message on device.cpu0 to be 0.2 s old")
         assert sample(got, "devicefleet_queue_length", queue="device.cpu0") == 2
@@ -382,8 +384,11 @@ def test_progress_reaches_producers_status_and_flower(
     handle = monitored.send({"cpu1": ("hold", {"steps": 4, "release_file": str(release)})})
     try:
         # The producer: PROGRESS meta from the result backend.
-        progress = wait_for(lambda: handle.progress()["cpu1"].get("step") == 4 and handle.progress(),
-                            60, "step 4 in the fan-out's progress")
+        def at_step_4() -> dict[str, dict[str, Any]]:
+            progress = handle.progress()
+            return progress if progress["cpu1"].get("step") == 4 else {}
+
+        progress = wait_for(at_step_4, 60, "step 4 in the fan-out's progress")
         assert progress["cpu1"] == {"device": "cpu1", "step": 4, "total": 4, "loss": 0.25}
         assert handle.states()["cpu1"] == "PROGRESS"
         # devicefleet status: busy with the job, at step 4/4.
