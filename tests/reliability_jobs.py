@@ -19,17 +19,22 @@ class SleepParams(BaseModel):
     seconds: float = Field(ge=0, le=600)
     #: A folder where each run appends its start and end, to count runs and check overlaps.
     marker: str
+    #: Fail with ValueError(fail) after the end line (a job whose task ends in FAILURE).
+    fail: str | None = None
 
 
 @job("sleepy", params=SleepParams)
 def sleepy(ctx: JobContext, params: SleepParams) -> dict[str, Any]:
-    """Sleep, writing ``start``/``end`` lines (with the pid) to ``marker/<job id>``."""
+    """Sleep, writing ``start``/``end`` lines (with the pid) to ``marker/<job id>``; then fail if
+    ``fail`` is set."""
     path = Path(params.marker) / ctx.job_id
     with open(path, "a") as handle:
         handle.write(json.dumps({"event": "start", "pid": os.getpid(), "t": time.time()}) + "\n")
     time.sleep(params.seconds)
     with open(path, "a") as handle:
         handle.write(json.dumps({"event": "end", "pid": os.getpid(), "t": time.time()}) + "\n")
+    if params.fail is not None:
+        raise ValueError(params.fail)
     return {"pid": os.getpid()}
 
 

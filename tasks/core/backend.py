@@ -63,6 +63,15 @@ class FleetBackend(RedisBackend):
             prepared[ENTRY_FIELD] = entry
         return prepared
 
+    def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None,
+                      request: Any = None, **kwargs: Any) -> Any:
+        # Celery keeps a stored SUCCESS against later writes; a failed job's FAILURE is as final.
+        # Otherwise a redelivered copy of a failed job would store STARTED over it before
+        # running, the lease's "already finished" check would miss it, and the job run twice.
+        if self._get_task_meta_for(task_id)["status"] in states.READY_STATES:
+            return result
+        return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+
     def _unpack_chord_result(self, tup: Any, decode: Any,
                              EXCEPTION_STATES: frozenset[str] = states.EXCEPTION_STATES,
                              PROPAGATE_STATES: frozenset[str] = states.PROPAGATE_STATES) -> Any:

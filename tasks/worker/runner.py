@@ -15,7 +15,12 @@ import logging
 import time
 from typing import Any
 
+from billiard.einfo import ExceptionWithTraceback
 from celery import Task
+from celery.utils.serialization import get_pickled_exception
+from celery.worker.request import Request
+from celery.worker.state import task_ready
+from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
 from ..core.backend import attach_entry
@@ -31,6 +36,34 @@ from .oom import recycle_if_needed, run_guarded
 
 logger = logging.getLogger(__name__)
 
+class JobRequest(Request):  # type: ignore[misc]
+    """Celery's request of a job task, except that a job's MemoryError is a failure like any other.
+
+    Celery takes a MemoryError out of a task for the worker process's own: it raises it again and
+    leaves the message unacknowledged, so the device would hold its one prefetch slot and take
+    no more work. A job that ran out of memory (:class:`OutOfMemory` is a MemoryError) has had
+    its failure and error entry stored by the trace (``return_ok``): acknowledge it as any failed
+    job is.
+    """
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        if not (return_ok and isinstance(exc, MemoryError)):
+            return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+        task_ready(self)
+        if self.task.acks_late:
+            if self.task.acks_on_failure:
+                self.acknowledge()
+            else:
+                self.reject(requeue=False)
+        if send_failed_event:
+            self.send_event("task-failed", exception=safe_repr(get_pickled_exception(exc)),
+                            traceback=exc_info.traceback)
+        return None
+
+
 class JobTask(Task):  # type: ignore[misc]
     """The Celery task of one job on one device worker (made by the bootstep per job)."""
 
@@ -42,6 +75,7 @@ class JobTask(Task):  # type: ignore[misc]
     #: Kwargs are checked against the job's schema, not the function's signature.
     typing = False
     Strategy = "tasks.worker.strategy:guarded_strategy"
+    Request = "tasks.worker.runner:JobRequest"
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
         return execute(self.device_worker, self, self.definition, kwargs)
