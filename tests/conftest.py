@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-# The tests must not pick up a developer's own fleet or settings.
-for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_")]:
+# The tests must not pick up a developer's own fleet or settings (the switch that makes CI
+# require system tools is the tests' own, not a fleet setting).
+for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_") and k != "DEVICEFLEET_REQUIRE_SYSTEM_TOOLS"]:
     del os.environ[_key]
 
 from tasks import Fleet, Settings  # noqa: E402

@@ -30,13 +30,13 @@ from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
 from tasks.producer.fanout import fan_out
 
+from . import system_tools
 from .conftest import ROOT, test_env
 from .conftest import wait_for as _wait
 from .systemd_units import load_unit, parse_env_file, service_exec, unit_files
 
 pytestmark = pytest.mark.timeout(180)
 
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
 
 def _plan(tmp: Path, **overrides: object) -> HostPlan:
@@ -119,9 +119,9 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     assert stat.S_IMODE((plan.redis_conf_dir / "devicefleet.conf").stat().st_mode) == 0o640
 
 
-@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed (apt-get install systemd)")
 @pytest.mark.parametrize("mode", ["local", "serve", "join"])
 def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) -> None:
+    analyze = system_tools.tool("systemd-analyze", "systemd")
     extra: dict[str, object] = {"gpus": 2}
     if mode == "serve":
         extra["serve_address"] = "10.0.0.1"
@@ -134,7 +134,7 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
     ]
     for unit in units:
         result = subprocess.run(
-            [str(SYSTEMD_ANALYZE), "verify", "--man=no", str(plan.unit_dir / unit)],
+            [analyze, "verify", "--man=no", str(plan.unit_dir / unit)],
             capture_output=True, text=True, timeout=60, cwd=plan.unit_dir,
         )
         output = (result.stdout + result.stderr).strip()
@@ -144,13 +144,12 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
 
 def test_verify_would_catch_a_bad_unit(tmp_path: Path) -> None:
     """The check above can fail: a typo in a rendered drop-in makes systemd-analyze complain."""
-    if SYSTEMD_ANALYZE is None:
-        pytest.skip("systemd-analyze not installed")
+    analyze = system_tools.tool("systemd-analyze", "systemd")
     plan = _plan(tmp_path, gpus=1)
     render(plan)
     dropin = plan.unit_dir / "devicefleet-worker@gpu0.service.d" / "20-gpu.conf"
     dropin.write_text(dropin.read_text() + "DeviceAlow=/dev/nvidia0 rw\n")
-    result = subprocess.run([str(SYSTEMD_ANALYZE), "verify", "--man=no",
+    result = subprocess.run([analyze, "verify", "--man=no",
                              str(plan.unit_dir / "devicefleet-worker@gpu0.service")],
                             capture_output=True, text=True, timeout=60)
     assert "DeviceAlow" in result.stderr
@@ -452,8 +451,9 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
     names, and a fan-out over ``all`` reaches each of them exactly once. A client that does not
     trust the fleet's CA, or that skips TLS, is refused."""
     binary = _tls_redis_server()
-    if binary is None or shutil.which("openssl") is None:
-        pytest.skip("needs a redis-server built with TLS (apt-get install redis-server) and openssl")
+    if binary is None:
+        system_tools.missing("a redis-server built with TLS", "redis-server")
+    system_tools.tool("openssl", "openssl")
     ca, cert, key = _make_ca(tmp_path / "pki", "127.0.0.1")
 
     host_a = _plan(tmp_path / "a", serve_address="127.0.0.1", redis_tls_port=free_port(), device_host="hosta")

@@ -40,6 +40,7 @@ from tasks.core.job import COLLECT_TASK, task_name
 from tasks.ops.flower import auth_header, credentials
 from tasks.ops.progress_view import describe, fraction, watch
 
+from . import system_tools
 from .conftest import ROOT, make_settings, wait_for
 from .conftest import test_env as child_env
 
@@ -184,9 +185,9 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
 def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
-    assert CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install chromium (.ci/run does)"
+    executable = system_tools.tool(str(CHROMIUM), "chromium")
     with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 

@@ -1,0 +1,39 @@
+"""System tools the tests drive for real (Chromium, Debian's redis-server, systemd-analyze).
+
+On a developer's machine a missing tool skips the tests that need it, with a reason that names
+the Debian package to install. CI must not skip them silently: ``.ci/run`` installs the packages
+and sets ``DEVICEFLEET_REQUIRE_SYSTEM_TOOLS=1``, which turns each such skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+#: Set to 1 by ``.ci/run``: a missing system tool fails the test instead of skipping it.
+REQUIRE_ENV = "DEVICEFLEET_REQUIRE_SYSTEM_TOOLS"
+
+
+def required() -> bool:
+    return os.environ.get(REQUIRE_ENV, "") not in ("", "0")
+
+
+def missing(what: str, package: str) -> None:
+    """Skip (locally) or fail (under ``.ci/run``) because ``what`` is not on this machine."""
+    reason = f"{what} is missing: apt-get install {package}"
+    if required():
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1: CI must run this test)", pytrace=False)
+    pytest.skip(reason)
+
+
+def tool(name: str, package: str) -> str:
+    """The path of system tool ``name`` (a command on PATH, or an absolute path); skips or fails
+    when it is absent."""
+    found = name if Path(name).is_absolute() and Path(name).exists() else shutil.which(name)
+    if found is None:
+        missing(name, package)
+    assert found is not None
+    return found

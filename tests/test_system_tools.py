@@ -1,0 +1,26 @@
+"""A missing system tool skips locally with a reason naming its package, and fails under CI."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from . import system_tools
+
+
+def test_missing_tool_skips_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(system_tools.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"no-such-tool-xyz is missing: apt-get install xyz-pkg"):
+        system_tools.tool("no-such-tool-xyz", "xyz-pkg")
+
+
+def test_missing_tool_fails_when_ci_requires_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(system_tools.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=r"/nonexistent/chromium is missing: apt-get install chromium"):
+        system_tools.tool("/nonexistent/chromium", "chromium")
+
+
+def test_present_tool_is_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(system_tools.REQUIRE_ENV, "1")
+    assert system_tools.tool(sys.executable, "python3") == sys.executable
