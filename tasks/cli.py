@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -326,6 +328,32 @@ def exporter(port: int, redis_url: str | None) -> None:
     console.print(f"serving {served.url}; Ctrl-C or SIGTERM stops", highlight=False)
     stop.wait()
     served.stop()
+
+
+# -- tensorboard -------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--logdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Event files to show (default: the local fleet's <artifacts>/tensorboard).")
+@click.option("--port", type=click.IntRange(1, 65535), default=6006, show_default=True)
+def tensorboard(logdir: Path | None, port: int) -> None:
+    """Serve the fleet's loss curves with TensorBoard on 127.0.0.1:PORT until stopped.
+
+    Every `train` run (and every job that calls ctx.log) writes its curves under the artifacts
+    directory, one run per fan-out and device. Needs the tensorboard extra.
+    """
+    from .ops.tensorboard import command
+
+    logdir = logdir or _settings().tensorboard_path
+    try:
+        argv = command(logdir, port)
+    except DeviceFleetError as exc:
+        _fail(exc, 2)
+    logdir.mkdir(parents=True, exist_ok=True)
+    err_console.print(f"TensorBoard on http://127.0.0.1:{port}/ (logs: {logdir}); Ctrl-C stops", highlight=False)
+    sys.stderr.flush()
+    os.execv(argv[0], argv)  # TensorBoard takes over this process: Ctrl-C and SIGTERM reach it
 
 
 # -- bench -------------------------------------------------------------------------------------

@@ -40,16 +40,10 @@ from tasks.core.job import COLLECT_TASK, task_name
 from tasks.ops.flower import auth_header, credentials
 from tasks.ops.progress_view import describe, fraction, watch
 
-from . import system_tools
+from .browser import chromium, screenshot
 from .conftest import ROOT, make_settings, wait_for
 from .conftest import test_env as child_env
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-ARTIFACTS = ROOT / "test-artifacts"
 DEVICES = ["cpu0", "cpu1"]
 N = 3
 
@@ -183,13 +177,8 @@ def monitored(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitored]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    executable = system_tools.tool(str(CHROMIUM), "chromium")
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
+    with chromium() as launched:
+        yield launched
 
 
 def flower_page(browser: Any, mon: Monitored) -> Any:
@@ -322,8 +311,7 @@ def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
     except AssertionError as exc:
         raise AssertionError(f"{exc}: want (processed, failed, succeeded) {expected}, "
                              f"last shown {shown[-1] if shown else None}") from None
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "flower-workers.png"), full_page=True)
+    screenshot(page, "flower-workers.png")
     page.context.close()
 
     # devicefleet status --json: the same counts, Flower's URL, the queues.
@@ -412,8 +400,7 @@ def test_progress_reaches_producers_status_and_flower(
         page = flower_page(browser, monitored)
         page.goto(f"{monitored.flower_url}/task/{task_id}")
         page.wait_for_selector("text=PROGRESS", timeout=30_000)
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "flower-task-progress.png"), full_page=True)
+        screenshot(page, "flower-task-progress.png")
         page.context.close()
         # The CLI's live bars (what `devicefleet run` draws), built on the same handle.
         out = io.StringIO()

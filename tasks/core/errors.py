@@ -35,6 +35,10 @@ class ConfigError(DeviceFleetError, ValueError):
     """A setting, worker config or command-line value is invalid."""
 
 
+class MissingExtra(DeviceFleetError, ImportError):
+    """An optional package a feature needs is not installed; the message says how to add it."""
+
+
 class FleetError(DeviceFleetError):
     """Starting, stopping or finding a fleet failed."""
 

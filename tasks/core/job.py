@@ -76,11 +76,22 @@ class JobContext:
     reporter: Callable[[dict[str, Any]], None] | None = None
     #: The torch device this run fell back from after running out of memory (else None).
     fallback_from: str | None = None
+    #: Called by :meth:`log` with ``(step, scalars)``; the worker buffers them for TensorBoard.
+    scalar_sink: Callable[[int, dict[str, Any]], None] | None = None
 
     def progress(self, **fields: Any) -> None:
         """Report progress; cheap enough to call once per epoch or every few seconds."""
         if self.reporter is not None:
             self.reporter(fields)
+
+    def log(self, step: int, **scalars: float) -> None:
+        """Log numbers at ``step`` for TensorBoard, e.g. ``ctx.log(epoch, loss=0.21)``.
+
+        Buffered in memory and written by a background thread, so it is cheap enough to call
+        every step. The curves land under ``<artifacts>/tensorboard/<job>-<fan-out>/<device>``.
+        """
+        if self.scalar_sink is not None:
+            self.scalar_sink(step, scalars)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ FLEET_FILE = "fleet.json"
 #: The folder under the state dir where jobs write their files unless ``artifacts_dir`` is set
 #: (the launcher's and a deployed host's alike).
 ARTIFACTS_SUBDIR = "artifacts"
+#: The folder under the artifacts directory with every run's TensorBoard event files.
+TENSORBOARD_SUBDIR = "tensorboard"
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -155,6 +157,11 @@ class Settings(BaseSettings):
     @property
     def artifacts_path(self) -> Path:
         return self.artifacts_dir or self.state_dir / ARTIFACTS_SUBDIR
+
+    @property
+    def tensorboard_path(self) -> Path:
+        """Where workers write TensorBoard event files (``tensorboard --logdir`` this)."""
+        return self.artifacts_path / TENSORBOARD_SUBDIR
 
     @property
     def worker_configs_path(self) -> Path:

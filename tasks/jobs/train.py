@@ -86,10 +86,14 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
 
     wait_s = 0.0
     epoch_loss = math.nan
+    history: list[dict[str, float]] = []
     started = time.perf_counter()
     for epoch in range(resumed_from + 1, params.epochs + 1):
         model.train()
+        epoch_started = time.perf_counter()
+        epoch_wait = wait_s
         loss_sum = torch.zeros((), device=device)
+        correct_sum = torch.zeros((), dtype=torch.long, device=device)
         batches = iter(loader)
         while True:
             t0 = time.perf_counter()
@@ -100,17 +104,29 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
             xb = batch[0].to(device, non_blocking=True)
             yb = batch[1].to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(xb), yb)
+            logits = model(xb)
+            loss = loss_fn(logits, yb)
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach() * yb.shape[0]
+            correct_sum += (logits.detach().argmax(dim=1) == yb).sum()
         # One device-to-host read per epoch, for the loss curve and progress.
         epoch_loss = float(loss_sum.item()) / n_train
+        epoch_accuracy = int(correct_sum.item()) / n_train
+        epoch_s = time.perf_counter() - epoch_started
         if not math.isfinite(epoch_loss):
             raise TrainingDiverged(
                 f"loss became {epoch_loss} at epoch {epoch} (lr={params.lr}); lower the "
                 "learning rate or check the dataset"
             )
+        history.append({"epoch": epoch, "loss": epoch_loss, "accuracy": epoch_accuracy})
+        # The loss curve: TensorBoard event files, written off this thread (ctx.log buffers).
+        ctx.log(epoch, **{
+            "loss/train": epoch_loss,
+            "accuracy/train": epoch_accuracy,
+            "samples_per_s": n_train / epoch_s if epoch_s > 0 else 0.0,
+            "data_wait_fraction": (wait_s - epoch_wait) / epoch_s if epoch_s > 0 else 0.0,
+        })
         ctx.progress(epoch=epoch, epochs=params.epochs, loss=round(epoch_loss, 6))
         if epoch < params.epochs and time.monotonic() - last_save >= params.checkpoint_every_s:
             resume.save(ctx.artifacts_dir, model, optimizer, epoch, {"loss": epoch_loss})
@@ -126,6 +142,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
             logits = model(x_test[start : start + 4096])
             correct += (logits.argmax(dim=1) == y_test[start : start + 4096]).sum()
     accuracy = int(correct.item()) / len(split.y_test)
+    ctx.log(params.epochs, **{"accuracy/test": accuracy})
 
     ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = ctx.artifacts_dir / f"{ctx.device}-{params.model.value}.safetensors"
@@ -154,4 +171,6 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "num_workers": workers,
         "torch_device": str(device),
         "checkpoint": str(checkpoint),
+        # Per-epoch training loss and accuracy (on the training batches) of this run's epochs.
+        "history": history,
     }

@@ -165,6 +165,13 @@ class FanOut:
         return str(self._result.id)
 
     @property
+    def group_id(self) -> str:
+        """The id of the group of device jobs (Celery's ``request.group`` in each job); its first
+        8 characters name the fan-out's TensorBoard runs, ``<job>-<group_id[:8]>/<device>``."""
+        header = self._result.parent
+        return str(header.id) if header is not None else self.id
+
+    @property
     def devices(self) -> list[str]:
         return list(self.plan)
 

@@ -33,6 +33,7 @@ from . import accounting, progress
 from .device import DeviceWorker
 from .jobs import validate_kwargs
 from .oom import recycle_if_needed, run_guarded
+from .scalars import ScalarLog, run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     recycle = False
     if worker.heartbeat is not None:
         worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
+    fan_out_id = str(getattr(task.request, "group", None) or job_id)
+    scalar_log = ScalarLog(run_dir(worker.artifacts_path, definition.name, fan_out_id, device))
     try:
         options = job_options(task.request)
         params = validate_kwargs(definition, kwargs)
@@ -129,6 +132,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
             artifacts_dir=worker.artifacts_path / job_id,
             cores=worker.cores,
             reporter=lambda fields: progress.publish(task, device, fields, worker.heartbeat),
+            scalar_sink=scalar_log.log,
         )
         result, recycle = run_guarded(definition.func, ctx, params, options.fallback)
         if not isinstance(result, dict):
@@ -145,6 +149,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
         logger.exception("%s: job %s raised", device, definition.name)
         failure = exc
     finally:
+        scalar_log.close()
         worker.jobs_done += 1
         if worker.heartbeat is not None:
             worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done)
