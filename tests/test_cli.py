@@ -188,3 +188,25 @@ def test_gpu_fan_out_cpu_and_gpu0(fleet, app):
     assert gpu["output"]["torch_device"] == "cuda:0"
     assert gpu["output"]["accuracy"] >= 0.9
     assert results["cpu0"]["visibility"]["cuda_available"] is False
+
+
+# -- Celery's own commands and errors a new user meets -------------------------------------------
+
+CELERY = [sys.executable, "-m", "celery", "-A", "tasks"]
+
+
+@pytest.mark.timeout(120)
+def test_celery_commands_load_the_app_without_a_fleet(tmp_path):
+    """With no fleet and no DEVICEFLEET_REDIS_URL, `celery -A tasks report` works offline and a
+    command that needs the broker fails with the one-line NoFleetError, not a traceback."""
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    report = subprocess.run([*CELERY, "report"], env=env, capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "software -> celery:" in report.stdout and "Traceback" not in report.stderr
+
+    inspect = subprocess.run([*CELERY, "inspect", "active", "--timeout", "2"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    output = (inspect.stdout + inspect.stderr).strip()
+    assert inspect.returncode != 0
+    assert "Traceback" not in output and len(output.splitlines()) == 1, output
+    assert "no Redis to connect to" in output and str(tmp_path) in output and "devicefleet up" in output

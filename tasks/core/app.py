@@ -18,8 +18,10 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
+from .errors import NoFleetError
 from .queues import QueueName
 from .settings import Settings
+from .transport import NO_FLEET_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,12 @@ CONSUMER_STEP = "tasks.worker.bootstep:ConsumerReadyStep"
 CONSUMER = "tasks.worker.consumer:FleetConsumer"
 #: Celery's ``<backend class>+<url>`` form picks the backend class for the URL.
 BACKEND = "tasks.core.backend:FleetBackend"
+#: The broker transport, and the pair an app uses when it finds no fleet (see below).
+TRANSPORT = "tasks.core.transport:Transport"
+NO_FLEET_TRANSPORT = "tasks.core.transport:NoFleetTransport"
+NO_FLEET_BACKEND = "tasks.core.backend:NoFleetBackend"
+#: A URL that names no reachable host: only ever used with the no-fleet transport and backend.
+NO_FLEET_URL = "redis://no-fleet.invalid/0"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # result writes and reads retry instead of failing, and a waiting producer's pub/sub
         # connection is checked and re-made.
         # kombu's Redis transport, hardened: a malformed message is dropped, not fatal.
-        "broker_transport": "tasks.core.transport:Transport",
+        "broker_transport": TRANSPORT,
         "broker_connection_retry": True,
         "broker_connection_max_retries": None,
         "result_backend_always_retry": True,
@@ -85,6 +93,35 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def lazy_celery_config(settings: Settings) -> dict[str, Any]:
+    """:func:`celery_config` for the app ``celery -A tasks`` loads: with no fleet to find, the
+    app still loads (``celery -A tasks report`` works offline) and every connection fails at
+    once with the one-line :class:`NoFleetError` (``celery -A tasks inspect active``)."""
+    try:
+        return celery_config(settings)
+    except NoFleetError as exc:
+        config = celery_config(settings.model_copy(update={"redis_url": NO_FLEET_URL}))
+        config.update({
+            "broker_transport": NO_FLEET_TRANSPORT,
+            "broker_transport_options": {NO_FLEET_OPTION: str(exc)},
+            "result_backend": f"{NO_FLEET_BACKEND}+{NO_FLEET_URL}",
+            NO_FLEET_OPTION: str(exc),
+        })
+        return config
+
+
+def redis_url_of(app: Celery) -> str:
+    """The Redis URL ``app`` talks to, for the fleet's own reads (the registry).
+
+    Raises:
+        NoFleetError: the app found no fleet (see :func:`lazy_celery_config`).
+    """
+    no_fleet = app.conf.get(NO_FLEET_OPTION)
+    if no_fleet:
+        raise NoFleetError(str(no_fleet))
+    return str(app.conf.broker_url)
+
+
 class FleetCelery(Celery):
     """A Celery app configured from devicefleet :class:`Settings`, read once."""
 
@@ -93,7 +130,7 @@ class FleetCelery(Celery):
         self._fleet_settings = settings
         if settings is None:
             # A promise: evaluated when the configuration is first read, not at import.
-            self.add_defaults(lambda: celery_config(self.fleet_settings))
+            self.add_defaults(lambda: lazy_celery_config(self.fleet_settings))
         else:
             self.conf.update(celery_config(settings))
         self.steps["worker"].add(WORKER_STEP)

@@ -19,8 +19,10 @@ from typing import Any
 from celery import states
 from celery.backends.redis import RedisBackend
 
+from .errors import NoFleetError
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
+from .transport import NO_FLEET_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +81,11 @@ class FleetBackend(RedisBackend):
         if state in EXCEPTION_STATES:
             return entry_of_failure(retval)
         return retval
+
+
+class NoFleetBackend(FleetBackend):
+    """The result backend of an app that found no fleet (see
+    :class:`tasks.core.transport.NoFleetTransport`): using it raises the :class:`NoFleetError`."""
+
+    def __init__(self, app: Any = None, **kwargs: Any) -> None:
+        raise NoFleetError(str(app.conf.get(NO_FLEET_OPTION) if app is not None else "no fleet to connect to"))

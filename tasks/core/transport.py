@@ -14,6 +14,8 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 
+from .errors import NoFleetError
+
 logger = logging.getLogger(__name__)
 
 #: What a malformed message raises while being decoded or unpacked.
@@ -38,6 +40,20 @@ class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel
+
+
+#: The transport option that carries why there is no fleet (see :class:`NoFleetTransport`).
+NO_FLEET_OPTION = "devicefleet_no_fleet"
+
+
+class NoFleetTransport(Transport):
+    """The transport of an app that found no fleet to talk to (``celery -A tasks report`` with
+    no ``DEVICEFLEET_REDIS_URL`` and no local fleet): the app loads, and any connection fails at
+    once with the :class:`NoFleetError` that says how to start or name a fleet."""
+
+    def establish_connection(self) -> Any:
+        options = getattr(self.client, "transport_options", None) or {}
+        raise NoFleetError(str(options.get(NO_FLEET_OPTION, "no fleet to connect to")))
 
 
 def body_problem(body: Any) -> str | None:

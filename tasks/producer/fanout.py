@@ -29,6 +29,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from ..core.app import redis_url_of
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout
 from ..core.job import COLLECT_TASK, PROGRESS_STATE, task_name
@@ -103,7 +104,7 @@ _clients: dict[str, redis.Redis] = {}
 
 
 def _registry_client(app: Celery) -> redis.Redis:
-    url = str(app.conf.broker_url)
+    url = redis_url_of(app)
     if url not in _clients:
         _clients[url] = connect(url)
     return _clients[url]
