@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .core.errors import DeviceFleetError
+from .core.errors import ConfigError, DeviceFleetError
 from .core.records import WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
 
@@ -104,7 +104,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
         fleet.kill()
     except DeviceFleetError as exc:
         fleet.stop()
-        _fail(exc)
+        _fail(exc, 2 if isinstance(exc, ConfigError) else 1)
     console.print("fleet stopped")
 
 

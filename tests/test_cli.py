@@ -210,3 +210,24 @@ def test_celery_commands_load_the_app_without_a_fleet(tmp_path):
     assert inspect.returncode != 0
     assert "Traceback" not in output and len(output.splitlines()) == 1, output
     assert "no Redis to connect to" in output and str(tmp_path) in output and "devicefleet up" in output
+
+
+@pytest.mark.timeout(120)
+def test_up_with_an_unimportable_job_module_exits_2_showing_this_starts_log(tmp_path):
+    """A job module that cannot be imported is a configuration error: the worker exits 2 (which
+    the systemd unit does not restart) and so does `up`, quoting this start's log lines only."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "cpu0.log").write_text("A LINE FROM THE PREVIOUS RUN\n")
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,nonexistent_mod")
+    up = subprocess.run([*CLI, "up", "--cpu-workers", "1", "--gpus", "0", "--no-flower"], env=env,
+                        capture_output=True, text=True, timeout=100)
+    assert up.returncode == 2, up.stdout + up.stderr
+    assert "worker cpu0 exited with code 2" in up.stderr
+    assert "nonexistent_mod" in up.stderr and "cannot be" in up.stderr
+    assert "PREVIOUS RUN" not in up.stderr
+
+    # The worker checks its allowlist before it first reaches Redis (nothing listens on port 1).
+    env["DEVICEFLEET_REDIS_URL"] = "redis://127.0.0.1:1/0"
+    worker = subprocess.run([*CLI, "worker", "cpu5"], env=env, capture_output=True, text=True, timeout=60)
+    assert worker.returncode == 2 and "'nonexistent_mod'" in worker.stderr

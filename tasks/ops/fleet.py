@@ -24,7 +24,7 @@ from celery import Celery
 
 from ..core.app import create_app
 from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
-from ..core.errors import FleetError
+from ..core.errors import ConfigError, FleetError
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
@@ -46,6 +46,8 @@ class WorkerProcess:
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
+    #: Where this start's lines begin in the log, which every start of the device appends to.
+    log_offset: int = 0
 
     @property
     def alive(self) -> bool:
@@ -164,6 +166,7 @@ class Fleet:
 
     def _spawn(self, worker: WorkerProcess) -> None:
         with open(worker.log, "ab") as log:
+            worker.log_offset = log.seek(0, os.SEEK_END)
             worker.process = subprocess.Popen(
                 [sys.executable, "-m", "tasks", "worker", worker.name],
                 env=self._env(worker),
@@ -214,9 +217,13 @@ class Fleet:
             for name in sorted(pending):
                 worker = self.workers[name]
                 if not worker.alive:
-                    raise FleetError(
-                        f"worker {name} exited with code {worker.process.returncode if worker.process else None} "  # noqa: E501
-                        f"before joining the fleet; log {worker.log}: {log_tail(worker.log)}"
+                    code = worker.process.returncode if worker.process else None
+                    # Exit code 2 is a configuration error (a bad setting, an allowlisted job
+                    # module that cannot be imported): the fleet cannot start as configured.
+                    error = ConfigError if code == 2 else FleetError
+                    raise error(
+                        f"worker {name} exited with code {code} before joining the fleet; this start's "
+                        f"log ({worker.log}):\n{log_tail(worker.log, since=worker.log_offset)}"
                     )
             return not pending
 

@@ -33,12 +33,16 @@ def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0)
         process.wait()
 
 
-def log_tail(path: Path, lines: int = 8, sep: str = "\n") -> str:
-    """The last ``lines`` lines of the log at ``path``, joined by ``sep`` (for error messages)."""
+def log_tail(path: Path, lines: int = 8, sep: str = "\n", since: int = 0) -> str:
+    """The last ``lines`` lines of the log at ``path`` written after byte offset ``since`` (one
+    run's part of a log that several runs append to), joined by ``sep`` (for error messages)."""
     try:
-        return sep.join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        with path.open("rb") as log:
+            log.seek(since)
+            text = log.read().decode(errors="replace")
     except OSError:
         return "(no log)"
+    return sep.join(text.strip().splitlines()[-lines:]) or "(nothing logged)"
 
 
 def wait_until(

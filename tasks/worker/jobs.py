@@ -50,7 +50,8 @@ class JobRegistry:
         clash = RESERVED & set(self._jobs)
         if clash:
             raise ConfigError(f"job name(s) {', '.join(sorted(clash))} are reserved by the fleet; rename the job")
-        logger.info("jobs allowed: %s (from %s)", ", ".join(sorted(self._jobs)), ", ".join(self.modules))
+        if self.modules:  # the empty registry a worker holds before it loads its allowlist says nothing
+            logger.info("jobs allowed: %s (from %s)", ", ".join(sorted(self._jobs)), ", ".join(self.modules))
 
     @property
     def names(self) -> list[str]:
