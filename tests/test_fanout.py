@@ -10,11 +10,14 @@ from pathlib import Path
 
 import celery
 import pytest
+import redis
 from celery.signals import before_task_publish
 from safetensors.torch import load_file
 
 import tasks
 from tasks import ENTRY_KEYS, DeviceUnavailable, fan_out
+from tasks.core.errors import UnknownJob
+from tasks.core.job import task_name
 
 from .conftest import wait_for
 
@@ -128,17 +131,30 @@ def test_missing_device_fails_fast_naming_it_and_the_live_ones(fleet, app):
 
 
 def test_job_outside_the_allowlist_is_refused(fleet, app, tmp_path):
+    """The producer checks the job against the jobs the live workers advertise and sends
+    nothing; a task sent past that check (plain Celery) is refused by the worker itself."""
     before = tasks.live_devices(app)
+    client = redis.Redis.from_url(fleet.redis_url)
+    queued = client.llen("device.cpu0")
     for name in ("forbidden", "os.system", "tests.forbidden_jobs.forbidden", "celery.backend_cleanup"):
-        handle = fan_out(name, ["cpu0"], app=app)
-        entry = handle.get(timeout=60)["cpu0"]
-        assert handle.states() == {"cpu0": "FAILURE"}, name
-        assert entry["status"] == "error", name
-        assert entry["error"]["type"] == "UnknownJob"
-        assert repr(name) in entry["error"]["message"]
-        assert "probe" in entry["error"]["message"] and "train" in entry["error"]["message"]
-        assert entry["output"] is None and entry["worker"].startswith("cpu0@")
+        with pytest.raises(UnknownJob) as info:
+            fan_out(name, ["cpu0"], app=app)
+        message = str(info.value)
+        assert repr(name) in message and "cpu0" in message, message
+        assert "probe" in message and "train" in message and "nothing was sent" in message
+        assert client.llen("device.cpu0") == queued, name
+        refused = app.send_task(task_name(name), queue="device.cpu0")
+        error = refused.get(timeout=60, propagate=False)
+        assert refused.state == "FAILURE" and type(error).__name__ == "UnknownJob", name
+    client.close()
     _assert_workers_still_up(app, before)
+
+
+def test_a_misspelt_job_gets_a_did_you_mean_at_the_producer(fleet, app):
+    with pytest.raises(UnknownJob, match=r"unknown job 'trian' on cpu0, cpu1: did you mean 'train'\?"):
+        fan_out("trian", ["cpu0", "cpu1"], app=app)
+    with pytest.raises(UnknownJob, match=r"did you mean 'probe'\?"):
+        fan_out({"cpu0": "probe", "cpu1": ("prbe", {"seconds": 0})}, app=app)
 
 
 def test_bad_kwargs_give_a_clear_error_entry(fleet, app):

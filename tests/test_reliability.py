@@ -448,7 +448,6 @@ def test_bad_job_inputs_give_error_entries_and_the_worker_stays(rfleet, rapp, tm
     huge = _dataset(tmp_path / "huge.npz", np.full((200, 8), 3e38, dtype=np.float32),
                     rng.integers(0, 3, 200))
     cases = [
-        ("nope", {}, "UnknownJob"),
         ("train", {"epochs": -1}, "InvalidJobArguments"),
         ("train", {"epochs": "many"}, "InvalidJobArguments"),
         ("train", {"lr": 1e9}, "InvalidJobArguments"),
@@ -458,6 +457,8 @@ def test_bad_job_inputs_give_error_entries_and_the_worker_stays(rfleet, rapp, tm
         ("train", {"dataset": str(corrupt)}, "DatasetError"),
         ("train", {"dataset": huge, "epochs": 3, "num_workers": 0}, "TrainingDiverged"),
     ]
+    with pytest.raises(UnknownJob, match="unknown job 'nope'"):  # refused at the producer
+        fan_out("nope", ["cpu0"], app=rapp)
     for name, kwargs, expected in cases:
         entry = fan_out(name, ["cpu0"], kwargs=kwargs, app=rapp).get(timeout=120)["cpu0"]
         assert entry["status"] == "error", (name, kwargs, entry)
@@ -652,9 +653,8 @@ def test_security_doors(rfleet, rapp, client, tmp_path):
     assert not trap.exists(), "a producer unpickled a result"
 
     # Jobs only from the allowlist: a module that defines a job but is not allowlisted.
-    entry = fan_out("forbidden", ["cpu0"], app=rapp).get(timeout=60)["cpu0"]
-    assert entry["status"] == "error"
-    assert entry["error"]["type"] == "UnknownJob", entry["error"]
+    with pytest.raises(UnknownJob, match="unknown job 'forbidden'"):
+        fan_out("forbidden", ["cpu0"], app=rapp)
 
     # What `devicefleet deploy` renders, loopback-only and serving other hosts: every Redis URL
     # carries the password, every Redis server config requires it and listens on loopback.

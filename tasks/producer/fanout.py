@@ -19,6 +19,7 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core.app import redis_url_of
 from ..core.devices import DeviceKind
-from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout
+from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, PROGRESS_STATE, task_name
 from ..core.keys import OPTIONS_HEADER
 from ..core.queues import QueueName, device_queue
@@ -150,6 +151,29 @@ def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord
     return chosen
 
 
+def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) -> None:
+    """Check each device's job against the jobs its worker advertises, before anything is sent.
+
+    Raises:
+        UnknownJob: a device's worker does not run that job; the message suggests a close name.
+    """
+    missing: dict[str, list[str]] = {}
+    for device, spec in plan.items():
+        if spec.name not in live[device].jobs:
+            missing.setdefault(spec.name, []).append(device)
+    if not missing:
+        return
+    name, where = next(iter(missing.items()))
+    offered = sorted({job for device in where for job in live[device].jobs})
+    close = difflib.get_close_matches(name, offered, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UnknownJob(
+        f"unknown job {name!r} on {', '.join(where)}: {hint}the workers there run "
+        f"{', '.join(offered) or 'no jobs'}; to add a job, add the module that defines it to "
+        "DEVICEFLEET_JOB_MODULES on the workers (nothing was sent)"
+    )
+
+
 class FanOut:
     """A running fan-out. :meth:`get` returns ``{device: entry}``, the dict the chord collected."""
 
@@ -243,6 +267,7 @@ def fan_out(
     Raises:
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
         ConfigError: a job spec is malformed.
+        UnknownJob: a device's worker does not run the job (nothing is sent).
     """
     app = app or _default_app()
     if isinstance(jobs, Mapping) and not _looks_like_spec(jobs):
@@ -255,10 +280,13 @@ def fan_out(
                 "fan_out(job, devices=...) to run one job on every device of a kind"
             )
         plan = {device: JobSpec.of(job) for device, job in jobs.items()}
-        select_devices(list(jobs), live_devices(app))  # raises DeviceUnavailable before anything is sent
+        live = live_devices(app)
+        select_devices(list(jobs), live)  # raises DeviceUnavailable before anything is sent
     else:
         spec = JobSpec.of(jobs, kwargs, options)  # type: ignore[arg-type]
-        plan = {device: spec for device in select_devices(devices, live_devices(app))}
+        live = live_devices(app)
+        plan = {device: spec for device in select_devices(devices, live)}
+    check_jobs(plan, live)
     header = [spec.signature(app, device_queue(device)) for device, spec in plan.items()]
     body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=QueueName.FLEET.value)
     result = chord(header, app=app)(body)
