@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from tasks import ENTRY_KEYS, DeviceUnavailable, fan_out
 from tasks.core.errors import UnknownJob
 from tasks.core.job import task_name
 
-from .conftest import wait_for
+from .conftest import test_env, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -295,3 +297,26 @@ def _assert_workers_still_up(app, before):
     for device, record in before.items():
         assert device in after, f"{device} left the fleet"
         assert after[device].pid == record.pid, f"{device} was restarted"
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_exits_with_results_pending_exits_cleanly(fleet, tmp_path):
+    """states()/progress() before get(), or a caught FanOutTimeout, leave AsyncResults pending
+    at exit: the script still exits 0 with nothing on stderr (no AsyncResult.__del__ noise)."""
+    script = tmp_path / "pending.py"
+    script.write_text(
+        "import tasks\n"
+        "handle = tasks.fan_out('probe', ['cpu0', 'cpu1'], kwargs={'busy_s': 1, 'mode': 'sleep'})\n"
+        "print(handle.states(), handle.progress())\n"
+        "try:\n"
+        "    handle.get(timeout=0.05)\n"
+        "except tasks.FanOutTimeout as exc:\n"
+        "    print('timed out:', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}
+    env.update(test_env(), DEVICEFLEET_REDIS_URL=fleet.redis_url)
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "timed out: fan-out not finished" in done.stdout
+        assert done.stderr == "", done.stderr

@@ -14,6 +14,7 @@ collects ``{device: entry}`` for every device, failed ones included.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from celery import states
@@ -57,6 +58,20 @@ def entry_of_failure(stored: Any) -> dict[str, Any]:
 
 class FleetBackend(RedisBackend):
     """Celery's Redis result backend; see the module's docstring for what it adds."""
+
+    def remove_pending_result(self, result: Any, _finalizing: Any = sys.is_finalizing) -> Any:
+        """Stop listening for ``result`` (Celery calls this from ``AsyncResult.__del__``).
+
+        A producer script that exits with a result still pending (it read ``states()`` or
+        ``progress()`` and never ``get()``, or caught :class:`FanOutTimeout`) would otherwise
+        open a Redis connection to unsubscribe while the interpreter shuts down, and print
+        ``Exception ignored in ... AsyncResult.__del__ ... sys.meta_path is None``. Redis drops
+        the subscription with the connection anyway, so at shutdown there is nothing to do.
+        (``sys.is_finalizing`` is bound as a default: module globals may be gone by then.)
+        """
+        if _finalizing():
+            return result
+        return super().remove_pending_result(result)
 
     def prepare_exception(self, exc: BaseException, serializer: str | None = None) -> Any:
         prepared = super().prepare_exception(exc, serializer)
