@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 
 import click
 from rich.console import Console
-from rich.table import Table
 
 from .core.errors import ConfigError, DeviceFleetError
 from .core.records import WorkerRecord
@@ -406,9 +405,10 @@ def _live(url: str) -> dict[str, WorkerRecord]:
 
 
 def _print_status(live: dict[str, WorkerRecord]) -> None:
-    table = Table(title=f"{len(live)} live device(s)")
-    for column in ("device", "worker", "pid", "state", "jobs", "CUDA_VISIBLE_DEVICES", "sees", "cores"):
-        table.add_column(column)
+    from .ops.status import table as fit_table
+
+    table = fit_table(f"{len(live)} live device(s)",
+                      ["device", "worker", "pid", "state", "jobs", "CUDA visible", "sees", "cores"])
     now = time.time()
     for device, rec in live.items():
         busy = rec.busy
@@ -440,16 +440,16 @@ def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
         for key, value in out.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in numeric:
                 numeric.append(key)
+    from .ops.status import table as fit_table
+
     metrics = numeric[:SUMMARY_FIELDS]
-    table = Table(title="fan-out result")
-    for column in ("device", "status", "seconds", "CUDA_VISIBLE_DEVICES"):
-        table.add_column(column)
-    for key in metrics:
-        table.add_column(key.replace("_", " "), justify="right")
     # The text column only when a device failed or the output has no numeric field to show.
     other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
-    if other:
-        table.add_column("output / error", overflow="fold")
+    headers = [key.replace("_", " ") for key in metrics]
+    table = fit_table("fan-out result",
+                      ["device", "status", "seconds", "CUDA visible", *headers]
+                      + (["output / error"] if other else []),
+                      right=("seconds", *headers))
     below: list[str] = []
     for device, entry in results.items():
         output = entry.get("output") or {}

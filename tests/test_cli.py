@@ -231,3 +231,23 @@ def test_up_with_an_unimportable_job_module_exits_2_showing_this_starts_log(tmp_
     env["DEVICEFLEET_REDIS_URL"] = "redis://127.0.0.1:1/0"
     worker = subprocess.run([*CLI, "worker", "cpu5"], env=env, capture_output=True, text=True, timeout=60)
     assert worker.returncode == 2 and "'nonexistent_mod'" in worker.stderr
+
+
+@pytest.mark.timeout(120)
+def test_status_and_run_tables_fit_80_columns_and_never_truncate(fleet):
+    """Piped (not a terminal) at 80 columns: every line fits, nothing ends in an ellipsis, and
+    the long values wrap instead of being cut."""
+    env = _env(DEVICEFLEET_REDIS_URL=fleet.redis_url, COLUMNS="80")
+    status = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    run = subprocess.run([*CLI, "run", "probe", "--devices", "cpu0,cpu1", "--no-progress"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    for out in (status.stdout, run.stdout):
+        table_lines = [line for line in out.splitlines() if "checkpoint:" not in line]
+        assert max(len(line) for line in table_lines) <= 80, out
+        assert "…" not in out, out
+    for header in ("device", "state", "errors", "jobs/s", "samples/s", "cores"):
+        assert header in status.stdout
+    assert "cpu0: cpu0@" in status.stdout and "CUDA_VISIBLE_DEVICES=-1" in status.stdout
+    assert "CUDA" in run.stdout and "visible" in run.stdout and run.stdout.count(" ok ") == 2

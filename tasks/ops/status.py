@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 
@@ -65,32 +66,44 @@ def _num(value: float | None, fmt: str = "{:.3g}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
+    """A table that fits an 80-column terminal and never truncates: light borders, and a cell
+    too long for its column wraps (folds) instead of ending in an ellipsis. Headers wrap at
+    spaces and never get narrower than their longest word."""
+    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    for column in columns:
+        out.add_column(column, overflow="fold", justify="right" if column in right else "left",
+                       min_width=max(len(word) for word in column.split()))
+    return out
+
+
 def render(rep: dict[str, Any]) -> Group:
-    """Rich tables: devices (state, jobs, jobs/s, samples/s...), then queues."""
+    """Rich tables: devices (state, jobs, jobs/s, samples/s...), then queues, then each
+    worker's process and what it sees (as lines, which wrap, rather than two wide columns)."""
     now = float(rep.get("at") or time.time())
-    devices = Table(title=f"{sum(1 for d in rep['devices'].values() if d['live'])} live device(s)")
-    for column in ("device", "worker", "state", "jobs ok", "errors", "jobs/s (1 min)", "samples/s",
-                   "data wait", "GPU mem", "cores", "sees"):
-        devices.add_column(column)
+    live = sum(1 for d in rep["devices"].values() if d["live"])
+    devices = table(f"{live} live device(s)",
+                    ["device", "state", "ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB", "cores"],
+                    right=("ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB"))
+    seen: list[str] = []
     for name, dev in rep["devices"].items():
         rec = rep["workers"].get(name, {})
-        sees = f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else "") if rec else "-"
         gpu = dev.get("gpu_memory_bytes")
         devices.add_row(
-            name, str(dev.get("worker") or "-"), _state(dev, now), str(dev["jobs_ok"]),
-            str(dev["jobs_error"]), f"{dev['jobs_per_s']:.3f}", _num(dev.get("samples_per_s"), "{:,.0f}"),
-            _num(dev.get("data_wait_fraction"), "{:.0%}"),
-            "-" if gpu is None else f"{gpu / 2**20:,.0f} MiB",
-            ",".join(str(c) for c in rec.get("cores", [])) or "-", sees,
+            name, _state(dev, now), str(dev["jobs_ok"]), str(dev["jobs_error"]), f"{dev['jobs_per_s']:.2f}",
+            _num(dev.get("samples_per_s"), "{:,.0f}"), _num(dev.get("data_wait_fraction"), "{:.0%}"),
+            "-" if gpu is None else f"{gpu / 2**20:,.0f}",
+            ",".join(str(c) for c in rec.get("cores", [])) or "-",
         )
-    queues = Table(title="queues")
-    queues.add_column("queue")
-    queues.add_column("waiting", justify="right")
-    queues.add_column("oldest", justify="right")
+        if rec:
+            sees = f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else "")
+            seen.append(f"{name}: {dev.get('worker') or rec.get('worker')} pid {rec.get('pid')}, "
+                        f"CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}")
+    queues = table("queues", ["queue", "waiting", "oldest"], right=("waiting", "oldest"))
     for name, q in rep["queues"].items():
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
-    parts: list[Any] = [devices, queues]
+    parts: list[Any] = [devices, *seen, "", queues]
     links = []
     if rep.get("flower_url"):
         where = rep.get("flower_auth_file") or "FLOWER_BASIC_AUTH"
