@@ -37,6 +37,7 @@ from tasks.worker import lease as lease_module
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
 from tasks.worker.oom import run_guarded
+from tasks.worker.progress import ProgressPublisher
 from tests.conftest import wait_for
 
 OTHER_HOST = "host-of-another-worker"
@@ -653,3 +654,36 @@ def test_a_stored_failure_keeps_its_entry(client, app):
     result = app.AsyncResult(task_id)
     assert result.state == "FAILURE"
     assert isinstance(result.result, ValueError) and str(result.result) == "boom"
+
+
+# -- progress: throttled, and the latest report always published -------------------------------
+
+
+def test_progress_is_throttled_and_the_latest_report_always_goes_out(client, app):
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    key = keys.progress(task_id)
+    try:
+        publisher = ProgressPublisher(task, "cpu9", client=client, expires_s=60, min_interval_s=0.2)
+        started = time.monotonic()
+        for step in range(1, 1001):
+            publisher.report({"step": step, "total": 1000})
+        elapsed = time.monotonic() - started
+        # 1,000 reports cost a publish per interval (the first at once), not one each.
+        assert publisher.published <= 1 + elapsed / 0.2 + 1
+        # The latest goes out when the interval has passed, with no further report.
+        wait_for(lambda: json.loads(client.get(key) or "{}").get("step") == 1000, 10, "the trailing report")
+        assert json.loads(client.get(key)) == {"device": "cpu9", "step": 1000, "total": 1000}
+        result = app.AsyncResult(task_id)
+        assert result.state == "PROGRESS" and result.info["step"] == 1000
+        # At the job's end, flush publishes a report that came too soon, at once.
+        publisher.report({"step": 1001, "total": 1000})
+        publisher.flush()
+        assert json.loads(client.get(key))["step"] == 1001
+        assert 0 < client.ttl(key) <= 60  # it outlives the job, then expires with the result
+        done = publisher.published
+        publisher.flush()  # nothing new: nothing published
+        assert publisher.published == done
+    finally:
+        task.pop_request()
+        client.delete(key)

@@ -357,7 +357,7 @@ def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: M
             env={**os.environ, **child_env(), "COLUMNS": "200",
                  "DEVICEFLEET_STATE_DIR": str(monitored.fleet.settings.state_dir)}, check=True,
         ).stdout
-        assert re.search(r"device\.cpu0\s*│\s*2\s*│", text), text
+        assert re.search(r"^\s*device\.cpu0\s+2\s+\d+\.\ds\s*$", text, re.MULTILINE), text
         assert "jobs/s" in text and "samples/s" in text and monitored.flower_url in text
     finally:
         app.control.add_consumer("device.cpu0", destination=[worker], reply=True, timeout=10)
@@ -400,6 +400,8 @@ def test_progress_reaches_producers_status_and_flower(
         page = flower_page(browser, monitored)
         page.goto(f"{monitored.flower_url}/task/{task_id}")
         page.wait_for_selector("text=PROGRESS", timeout=30_000)
+        # The report's fields, where Flower's task page shows them (its Result row).
+        page.wait_for_selector("text=progress: step=4 total=4 loss=0.25", timeout=30_000)
         screenshot(page, "flower-task-progress.png")
         page.context.close()
         # The CLI's live bars (what `devicefleet run` draws), built on the same handle.
@@ -415,6 +417,8 @@ def test_progress_reaches_producers_status_and_flower(
     assert not watcher.is_alive()
     assert "SUCCESS" in out.getvalue()
     assert handle.get(timeout=60)["cpu1"]["status"] == "ok"
+    # The latest report stays readable once the job has finished.
+    assert handle.progress()["cpu1"] == {"device": "cpu1", "step": 4, "total": 4, "loss": 0.25}
     wait_for(lambda: flower_state() == "SUCCESS", 30, "Flower showing the task as SUCCESS")
 
 

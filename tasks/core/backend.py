@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .errors import NoFleetError
 from .keys import ENTRY_FIELD
@@ -68,10 +69,17 @@ class FleetBackend(RedisBackend):
         ``Exception ignored in ... AsyncResult.__del__ ... sys.meta_path is None``. Redis drops
         the subscription with the connection anyway, so at shutdown there is nothing to do.
         (``sys.is_finalizing`` is bound as a default: module globals may be gone by then.)
+        Likewise when Redis is unreachable: a result collected after its fleet stopped.
         """
         if _finalizing():
             return result
-        return super().remove_pending_result(result)
+        try:
+            return super().remove_pending_result(result)
+        except (RedisConnectionError, OSError, RuntimeError) as exc:
+            # Redis is gone (stopped, restarting): its subscriptions went with the connection.
+            # (Celery's result consumer turns a connection that stays down into RuntimeError.)
+            logger.debug("result %s: could not unsubscribe (%s); nothing left to do", result.id, exc)
+            return result
 
     def prepare_exception(self, exc: BaseException, serializer: str | None = None) -> Any:
         prepared = super().prepare_exception(exc, serializer)

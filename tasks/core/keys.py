@@ -36,6 +36,11 @@ def lease(task_id: str) -> str:
     return f"{PREFIX}lease:{task_id}"
 
 
+def progress(task_id: str) -> str:
+    """A job's latest progress report (JSON), kept after the job ends (expires with its result)."""
+    return f"{PREFIX}progress:{task_id}"
+
+
 # -- throughput counters (tasks.worker.accounting writes, tasks.ops.exporter reads) --------------
 
 #: Set of the devices that have counters.

@@ -20,6 +20,7 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 from __future__ import annotations
 
 import difflib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,10 +31,11 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from ..core import keys
 from ..core.app import redis_url_of
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, UnknownJob
-from ..core.job import COLLECT_TASK, PROGRESS_STATE, task_name
+from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
 from ..core.queues import QueueName, device_queue
 from ..core.records import JobOptions, WorkerRecord
@@ -219,11 +221,17 @@ class FanOut:
         return {device: str(res.state) for device, res in self._jobs.items()}
 
     def progress(self) -> dict[str, dict[str, Any]]:
-        """The latest progress each device's job reported (empty until it reports)."""
+        """The latest progress each device's job reported: ``{}`` until it reports, and its
+        last report once it has finished (one Redis round trip for every device)."""
+        ids = [str(res.id) for res in self._jobs.values()]
+        raw = _registry_client(self.app).mget([keys.progress(task_id) for task_id in ids]) if ids else []
         out: dict[str, dict[str, Any]] = {}
-        for device, res in self._jobs.items():
-            info = res.info if res.state == PROGRESS_STATE else None
-            out[device] = dict(info) if isinstance(info, dict) else {}
+        for device, value in zip(self._jobs, raw, strict=True):
+            try:
+                report = json.loads(value) if value else {}
+            except ValueError:
+                report = {}
+            out[device] = report if isinstance(report, dict) else {}
         return out
 
     def get(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

@@ -122,6 +122,10 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
         worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
     fan_out_id = str(getattr(task.request, "group", None) or job_id)
     scalar_log = ScalarLog(run_dir(worker.artifacts_path, definition.name, fan_out_id, device))
+    reports = progress.ProgressPublisher(
+        task, device, worker.heartbeat, worker.heartbeat.client if worker.heartbeat is not None else None,
+        expires_s=worker.settings.result_expires_s,
+    )
     try:
         options = job_options(task.request)
         params = validate_kwargs(definition, kwargs)
@@ -131,7 +135,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
             job_id=job_id,
             artifacts_dir=worker.artifacts_path / job_id,
             cores=worker.cores,
-            reporter=lambda fields: progress.publish(task, device, fields, worker.heartbeat),
+            reporter=reports.report,
             scalar_sink=scalar_log.log,
         )
         result, recycle = run_guarded(definition.func, ctx, params, options.fallback)
@@ -149,6 +153,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
         logger.exception("%s: job %s raised", device, definition.name)
         failure = exc
     finally:
+        reports.flush()  # the last report always goes out: the finished bar shows 10/10
         scalar_log.close()
         worker.jobs_done += 1
         if worker.heartbeat is not None:
