@@ -248,6 +248,6 @@ def test_status_and_run_tables_fit_80_columns_and_never_truncate(fleet):
         assert max(len(line) for line in table_lines) <= 80, out
         assert "…" not in out, out
     for header in ("device", "state", "errors", "jobs/s", "samples/s", "cores"):
-        assert header in status.stdout
+        assert header in status.stdout, status.stdout
     assert "cpu0: cpu0@" in status.stdout and "CUDA_VISIBLE_DEVICES=-1" in status.stdout
     assert "CUDA" in run.stdout and "visible" in run.stdout and run.stdout.count(" ok ") == 2

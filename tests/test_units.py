@@ -205,3 +205,11 @@ def test_importing_the_package_does_not_import_torch():
     code = "import sys, tasks, tasks.cli; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_kwargs_that_are_not_a_mapping_are_named_in_the_error():
+    """fan_out("probe", kwargs="epochs=3") names the argument, not dict()'s ValueError."""
+    with pytest.raises(ConfigError, match=r"kwargs='epochs=3' is not a mapping.*kwargs=\{'epochs': 3\}"):
+        JobSpec.of("probe", "epochs=3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"kwargs='epochs=3': Input should be a valid dictionary"):
+        JobSpec.of(("probe", "epochs=3"))  # type: ignore[arg-type]

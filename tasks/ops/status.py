@@ -70,7 +70,7 @@ def table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
     """A table that fits an 80-column terminal and never truncates: light borders, and a cell
     too long for its column wraps (folds) instead of ending in an ellipsis. Headers wrap at
     spaces and never get narrower than their longest word."""
-    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, title_justify="left")
     for column in columns:
         out.add_column(column, overflow="fold", justify="right" if column in right else "left",
                        min_width=max(len(word) for word in column.split()))
@@ -82,8 +82,11 @@ def render(rep: dict[str, Any]) -> Group:
     worker's process and what it sees (as lines, which wrap, rather than two wide columns)."""
     now = float(rep.get("at") or time.time())
     live = sum(1 for d in rep["devices"].values() if d["live"])
+    # GPU memory only on a fleet with a GPU: the column would be all dashes on a CPU host.
+    gpus = any(dev.get("gpu_memory_bytes") is not None for dev in rep["devices"].values())
     devices = table(f"{live} live device(s)",
-                    ["device", "state", "ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB", "cores"],
+                    ["device", "state", "ok", "errors", "jobs/s", "samples/s", "data wait"]
+                    + (["GPU MiB"] if gpus else []) + ["cores"],
                     right=("ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB"))
     seen: list[str] = []
     for name, dev in rep["devices"].items():
@@ -92,7 +95,7 @@ def render(rep: dict[str, Any]) -> Group:
         devices.add_row(
             name, _state(dev, now), str(dev["jobs_ok"]), str(dev["jobs_error"]), f"{dev['jobs_per_s']:.2f}",
             _num(dev.get("samples_per_s"), "{:,.0f}"), _num(dev.get("data_wait_fraction"), "{:.0%}"),
-            "-" if gpu is None else f"{gpu / 2**20:,.0f}",
+            *(["-" if gpu is None else f"{gpu / 2**20:,.0f}"] if gpus else []),
             ",".join(str(c) for c in rec.get("cores", [])) or "-",
         )
         if rec:
