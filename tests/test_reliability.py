@@ -632,10 +632,15 @@ def test_security_doors(rfleet, rapp, client, tmp_path):
     offset = log.stat().st_size
     pickled = rapp.send_task(task_name("echo"), kwargs={"value": _Trap(str(trap))},
                              queue="device.cpu0", serializer="pickle")
-    wait_for(lambda: _consumed(client, "device.cpu0"), 60, "the worker to refuse the pickled message")
-    refusals = [line for line in log.read_bytes()[offset:].decode(errors="replace").splitlines()
+
+    def refusals() -> list[str]:
+        return [line for line in log.read_bytes()[offset:].decode(errors="replace").splitlines()
                 if "Refusing to deserialize untrusted content of type pickle" in line]
-    assert any(pickled.id in line for line in refusals), refusals
+
+    # The refusal is logged a moment after the message leaves the queue: wait for the line.
+    wait_for(lambda: any(pickled.id in line for line in refusals()), 60,
+             "the worker to log its refusal of the pickled message")
+    wait_for(lambda: _consumed(client, "device.cpu0"), 60, "the worker to drop the pickled message")
     _assert_fleet_healthy(rapp, pids)
     assert not trap.exists(), "a worker unpickled a message"
     # A pickled result in the backend is refused by the producer, never unpickled (protocol 0:
