@@ -23,6 +23,7 @@ from rich.console import Console
 from .core.errors import ConfigError, DeviceFleetError
 from .core.records import WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
+from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
 
 logger = logging.getLogger(__name__)
 console = Console()
@@ -335,7 +336,7 @@ def exporter(port: int, redis_url: str | None) -> None:
 @cli.command()
 @click.option("--logdir", type=click.Path(file_okay=False, path_type=Path),
               help="Event files to show (default: the local fleet's <artifacts>/tensorboard).")
-@click.option("--port", type=click.IntRange(1, 65535), default=6006, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=TENSORBOARD_PORT, show_default=True)
 def tensorboard(logdir: Path | None, port: int) -> None:
     """Serve the fleet's loss curves with TensorBoard on 127.0.0.1:PORT until stopped.
 

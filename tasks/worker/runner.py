@@ -121,7 +121,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     if worker.heartbeat is not None:
         worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
     fan_out_id = str(getattr(task.request, "group", None) or job_id)
-    scalar_log = ScalarLog(run_dir(worker.artifacts_path, definition.name, fan_out_id, device))
+    scalar_log = ScalarLog(run_dir(worker.settings.tensorboard_path, definition.name, fan_out_id, device))
     reports = progress.ProgressPublisher(
         task, device, worker.heartbeat, worker.heartbeat.client if worker.heartbeat is not None else None,
         expires_s=worker.settings.result_expires_s,
