@@ -4,6 +4,8 @@ The public API::
 
     import tasks
     results = tasks.fan_out("train", devices="all", kwargs={"epochs": 10}).get(timeout=600)
+    entries = tasks.sweep("train", tasks.grid({"lr": [0.1, 0.01], "seed": [0, 1]})).get()
+    study = tasks.optimize("train", {"lr": {"low": 1e-3, "high": 0.3, "log": True}}, 20, "accuracy")
 
 ``celery -A tasks worker -n cpu0@%h`` finds the Celery app here as ``tasks.app``.
 
@@ -30,19 +32,22 @@ from .core.errors import (
     FanOutTimeout,
     FleetError,
     InvalidJobArguments,
+    JobCancelled,
     JobError,
     NoFleetError,
     OutOfMemory,
+    SweepConflict,
     UnknownJob,
 )
 from .core.job import JobContext, JobMetric, job
 from .core.queues import QueueName
 from .core.records import ENTRY_KEYS, Entry, EntryStatus, JobOptions, WorkerRecord
 from .core.settings import Settings
-from .producer import FanOut, JobSpec, fan_out, live_devices
+from .producer import FanOut, JobSpec, Sweep, SweepSummary, fan_out, grid, live_devices, sweep
 
 if TYPE_CHECKING:
     from .ops.fleet import Fleet
+    from .producer.optimize import optimize
 
 __all__ = [
     "ENTRY_KEYS",
@@ -60,6 +65,7 @@ __all__ = [
     "FleetCelery",
     "FleetError",
     "InvalidJobArguments",
+    "JobCancelled",
     "JobContext",
     "JobError",
     "JobMetric",
@@ -69,13 +75,19 @@ __all__ = [
     "OutOfMemory",
     "QueueName",
     "Settings",
+    "Sweep",
+    "SweepConflict",
+    "SweepSummary",
     "UnknownJob",
     "WorkerRecord",
     "app",
     "create_app",
     "fan_out",
+    "grid",
     "job",
     "live_devices",
+    "optimize",
+    "sweep",
 ]
 
 
@@ -85,4 +97,8 @@ def __getattr__(name: str) -> Any:
         from .ops.fleet import Fleet
 
         return Fleet
+    if name == "optimize":  # needs Optuna, an extra: loaded when first asked for
+        from .producer.optimize import optimize
+
+        return optimize
     raise AttributeError(f"module 'tasks' has no attribute {name!r}")

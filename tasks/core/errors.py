@@ -11,13 +11,15 @@ The tree, by area::
     │   └── DeviceVisibilityError a worker cannot see the device it owns
     ├── FanOutError               dispatching and collecting jobs
     │   ├── DeviceUnavailable     a requested device has no live worker
-    │   └── FanOutTimeout         the result did not arrive in time
+    │   ├── FanOutTimeout         the result did not arrive in time
+    │   └── SweepConflict         a named sweep exists with other trials
     └── JobError                  raised inside a worker, reported in an entry
         ├── UnknownJob            not a job of the worker's allowlist
         ├── InvalidJobArguments   kwargs that the job's schema refuses
         ├── DatasetError          a dataset file is missing or unreadable
         ├── TrainingDiverged      the loss became NaN or infinite
-        └── OutOfMemory           the device ran out of memory
+        ├── OutOfMemory           the device ran out of memory
+        └── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
 
 Every message says what was wrong, with the offending value, and what to do.
 """
@@ -89,6 +91,10 @@ class FanOutTimeout(FanOutError, TimeoutError):
         )
 
 
+class SweepConflict(FanOutError, ValueError):
+    """A sweep or study of that name exists with other jobs or trials; nothing was sent."""
+
+
 class JobError(DeviceFleetError):
     """A job could not run; reported in the device's entry, never raised to the producer."""
 
@@ -117,3 +123,8 @@ class OutOfMemory(JobError, MemoryError):
         self.memory = memory or {}
         #: Device memory was still held after the release: the worker should be recycled.
         self.recycle = recycle
+
+
+class JobCancelled(JobError):
+    """The job was cancelled while it ran: raised by ``ctx.progress()`` (cooperative, at the
+    job's next report), so the job's own ``finally`` blocks and context managers run."""

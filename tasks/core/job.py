@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from .errors import JobCancelled
+
 logger = logging.getLogger(__name__)
 
 P = TypeVar("P", bound=BaseModel)
@@ -78,9 +80,22 @@ class JobContext:
     fallback_from: str | None = None
     #: Called by :meth:`log` with ``(step, scalars)``; the worker buffers them for TensorBoard.
     scalar_sink: Callable[[int, dict[str, Any]], None] | None = None
+    #: True once the producer cancelled this run (``handle.cancel()``, a pruned trial).
+    cancelled: Callable[[], bool] | None = None
 
     def progress(self, **fields: Any) -> None:
-        """Report progress; cheap enough to call once per epoch or every few seconds."""
+        """Report progress, e.g. ``ctx.progress(epoch=3, epochs=15, loss=0.21)``.
+
+        Cheap enough to call every step: the worker publishes a few reports a second and always
+        the last one. ``step`` with ``value`` is an intermediate value of a sweep's trial, which
+        ``tasks.optimize`` hands to Optuna's pruner.
+
+        Raises:
+            JobCancelled: the run was cancelled or its trial pruned; let it propagate (the
+                job's ``finally`` blocks run) and the device takes its next job.
+        """
+        if self.cancelled is not None and self.cancelled():
+            raise JobCancelled(f"job {self.job_id} on {self.device} was cancelled; it stopped at ctx.progress()")
         if self.reporter is not None:
             self.reporter(fields)
 

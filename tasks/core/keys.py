@@ -41,6 +41,24 @@ def progress(task_id: str) -> str:
     return f"{PREFIX}progress:{task_id}"
 
 
+# -- sweeps (tasks.producer.sweep, tasks.producer.optimize) ------------------------------------------
+
+
+def sweep(sweep_id: str) -> str:
+    """A sweep's :class:`tasks.core.records.SweepRecord` (JSON, expires with the results)."""
+    return f"{PREFIX}sweep:{sweep_id}"
+
+
+def sweep_sent(sweep_id: str) -> str:
+    """Set of the trial indexes a sweep's producer has sent (a resumed producer sends the rest)."""
+    return f"{PREFIX}sweep:{sweep_id}:sent"
+
+
+#: Prefix of the keys of Optuna's journal storage (``JournalRedisBackend(url, prefix=...)``):
+#: one log per study name under it.
+OPTUNA_PREFIX = f"{PREFIX}optuna"
+
+
 # -- throughput counters (tasks.worker.accounting writes, tasks.ops.exporter reads) --------------
 
 #: Set of the devices that have counters.

@@ -4,6 +4,10 @@
 - its own queue (``device.<name>``): work for exactly this device, which is how a fan-out
   addresses each device once;
 - ``fleet``: bookkeeping every worker may do, such as a chord's collect step.
+
+A sweep adds a fourth for its lifetime: ``sweep.<id>``, which the sweep's producer asks the
+chosen devices' workers to consume (Celery's ``add_consumer`` control command), so each device
+takes the sweep's next trial the moment it is free.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from enum import Enum
 from .devices import Device
 
 DEVICE_QUEUE_PREFIX = "device."
+SWEEP_QUEUE_PREFIX = "sweep."
 
 
 class QueueName(str, Enum):
@@ -24,6 +29,11 @@ class QueueName(str, Enum):
 def device_queue(device: str) -> str:
     """The queue only ``device``'s worker consumes."""
     return f"{DEVICE_QUEUE_PREFIX}{device}"
+
+
+def sweep_queue(sweep_id: str) -> str:
+    """The queue of one sweep's trials, consumed by the sweep's devices while it runs."""
+    return f"{SWEEP_QUEUE_PREFIX}{sweep_id}"
 
 
 def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:

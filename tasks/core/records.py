@@ -21,6 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 class EntryStatus(str, Enum):
     OK = "ok"
     ERROR = "error"
+    #: Cancelled before it started, or stopped at a ``ctx.progress()`` call (``handle.cancel()``).
+    CANCELLED = "cancelled"
+
+
+#: Error types that mean "cancelled", not "failed": the job's own stop at ``ctx.progress()``, and
+#: Celery's for a revoked message that never started.
+CANCELLED_ERRORS = frozenset({"JobCancelled", "TaskRevokedError"})
 
 
 class _Record(BaseModel):
@@ -80,10 +87,13 @@ class Entry(_Record):
     def make(cls, *, device: str, worker: str | None, output: dict[str, Any] | None,
              error: ErrorInfo | None, started: float | None, finished: float | None,
              visibility: Visibility | None = None) -> Entry:
-        """An entry; ``status`` is error exactly when ``error`` is given."""
+        """An entry; ``status`` is ok without ``error``, else error, or cancelled for the
+        :data:`CANCELLED_ERRORS`."""
+        status = EntryStatus.OK if error is None else (
+            EntryStatus.CANCELLED if error.type in CANCELLED_ERRORS else EntryStatus.ERROR)
         return cls(
             device=device, worker=worker,
-            status=EntryStatus.ERROR if error else EntryStatus.OK,
+            status=status,
             output=None if error else output,
             error=error,
             started_at=iso(started), finished_at=iso(finished),
@@ -205,6 +215,27 @@ class LeaseRecord(_Record):
     delivery_tag: str | None = None
     since: float
     resend: ResendRecord | None = None
+
+
+# -- sweeps ----------------------------------------------------------------------------------------
+
+
+class SweepRecord(_Record):
+    """A sweep's own record (``keys.sweep(sweep_id)``): what a resumed producer checks and reads.
+
+    The trials themselves are not stored (the command that runs the sweep again gives them);
+    their digest is, so that a name reused for other trials is refused instead of mixed up.
+    """
+
+    sweep_id: str
+    job: str
+    #: sha256 of the job spec and the trials' kwargs, in order.
+    digest: str
+    trials: int = Field(ge=0)
+    devices: list[str]
+    queue: str
+    created_at: float
+    cancelled: bool = False
 
 
 # -- the fleet file --------------------------------------------------------------------------------

@@ -24,29 +24,25 @@ class ProbeParams(BaseModel):
     mode: Literal["compute", "sleep"] = "compute"
     #: Side of the square matrices multiplied while busy.
     size: int = Field(default=256, ge=8, le=16_384)
+    #: Reports while busy: ``ctx.progress(step=i, steps=steps, value=score * i / steps)`` after
+    #: each of ``steps`` equal slices of ``busy_s`` (a trial with intermediate values).
+    steps: int = Field(default=0, ge=0, le=100_000)
+    #: Returned as ``score``: a sweep trial's objective, known in advance.
+    score: float = 0.0
 
 
 @job("probe", params=ProbeParams)
 def probe(ctx: JobContext, params: ProbeParams) -> dict[str, Any]:
-    """Report env, torch's view, host and pid; keep the device busy for ``busy_s`` seconds."""
+    """Report env, torch's view, host and pid; keep the device busy for ``busy_s`` seconds
+    (reporting ``steps`` times on the way, if asked); return ``score`` as given."""
     started = time.time()
     iterations = 0
-    if params.busy_s > 0:
-        deadline = time.perf_counter() + params.busy_s
-        if params.mode == "sleep":
-            time.sleep(params.busy_s)
-        else:
-            import torch
-
-            device = torch.device(ctx.torch_device)
-            a = torch.rand(params.size, params.size, device=device)
-            b = torch.rand(params.size, params.size, device=device)
-            while time.perf_counter() < deadline:
-                for _ in range(8):
-                    a = torch.tanh(a @ b)
-                iterations += 8
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+    if params.steps:
+        for step in range(1, params.steps + 1):
+            iterations += _busy(ctx, params.busy_s / params.steps, params)
+            ctx.progress(step=step, steps=params.steps, value=params.score * step / params.steps)
+    elif params.busy_s > 0:
+        iterations = _busy(ctx, params.busy_s, params)
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -60,5 +56,28 @@ def probe(ctx: JobContext, params: ProbeParams) -> dict[str, Any]:
         "busy_s": params.busy_s,
         "mode": params.mode,
         "iterations": iterations,
+        "score": params.score,
         "window": [started, time.time()],
     }
+
+
+def _busy(ctx: JobContext, seconds: float, params: ProbeParams) -> int:
+    """Keep the device busy for ``seconds`` as ``params.mode`` says; returns the iterations."""
+    iterations = 0
+    if seconds > 0:
+        deadline = time.perf_counter() + seconds
+        if params.mode == "sleep":
+            time.sleep(seconds)
+        else:
+            import torch
+
+            device = torch.device(ctx.torch_device)
+            a = torch.rand(params.size, params.size, device=device)
+            b = torch.rand(params.size, params.size, device=device)
+            while time.perf_counter() < deadline:
+                for _ in range(8):
+                    a = torch.tanh(a @ b)
+                iterations += 8
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+    return iterations

@@ -106,7 +106,7 @@ JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
 _clients: dict[str, redis.Redis] = {}
 
 
-def _registry_client(app: Celery) -> redis.Redis:
+def registry_client(app: Celery) -> redis.Redis:
     url = redis_url_of(app)
     if url not in _clients:
         _clients[url] = connect(url)
@@ -115,7 +115,21 @@ def _registry_client(app: Celery) -> redis.Redis:
 
 def live_devices(app: Celery | None = None) -> dict[str, WorkerRecord]:
     """``{device: registry record}`` of the fleet's live workers."""
-    return live_workers(_registry_client(app or _default_app()))
+    return live_workers(registry_client(app or _default_app()))
+
+
+def latest_reports(app: Celery, task_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """``{task id: its latest progress report}`` of the jobs that reported (one ``MGET``)."""
+    raw = registry_client(app).mget([keys.progress(task_id) for task_id in task_ids]) if task_ids else []
+    out: dict[str, dict[str, Any]] = {}
+    for task_id, value in zip(task_ids, raw, strict=True):
+        try:
+            report = json.loads(value) if value else None
+        except ValueError:
+            report = None
+        if isinstance(report, dict):
+            out[task_id] = report
+    return out
 
 
 def _default_app() -> Celery:
@@ -223,16 +237,17 @@ class FanOut:
     def progress(self) -> dict[str, dict[str, Any]]:
         """The latest progress each device's job reported: ``{}`` until it reports, and its
         last report once it has finished (one Redis round trip for every device)."""
-        ids = [str(res.id) for res in self._jobs.values()]
-        raw = _registry_client(self.app).mget([keys.progress(task_id) for task_id in ids]) if ids else []
-        out: dict[str, dict[str, Any]] = {}
-        for device, value in zip(self._jobs, raw, strict=True):
-            try:
-                report = json.loads(value) if value else {}
-            except ValueError:
-                report = {}
-            out[device] = report if isinstance(report, dict) else {}
-        return out
+        reports = latest_reports(self.app, [str(res.id) for res in self._jobs.values()])
+        return {device: reports.get(str(res.id), {}) for device, res in self._jobs.items()}
+
+    def cancel(self) -> None:
+        """Cancel the fan-out: a job not started yet never starts, a running one stops at its
+        next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
+        Their entries say ``cancelled``; :meth:`get` still returns every device."""
+        pending = [str(res.id) for res in self._jobs.values() if not res.ready()]
+        if pending:
+            self.app.control.revoke(pending)
+            logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
 
     def get(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         """Wait for the chord and return ``{device: entry}``, in the order of the plan.

@@ -19,6 +19,12 @@ Publishing a report:
   never overwrites the real result;
 - puts it in the worker's registry record (``progress``), for ``devicefleet status``.
 
+A report with ``step`` and ``value`` (a sweep trial's intermediate value, e.g.
+``ctx.progress(step=epoch, value=accuracy)``) is also kept in a list of the last
+:data:`VALUES_KEPT` pairs that every published report carries as ``values``: a report folded
+into a later one loses its fields, not its value, so ``tasks.optimize`` hands Optuna's pruner
+every step.
+
 :mod:`tasks.ops.progress_view` draws the reports as live bars.
 """
 
@@ -28,7 +34,8 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from collections import deque
+from typing import Any, TypeGuard
 
 from ..core import keys
 from ..core.job import PROGRESS_EVENT, PROGRESS_STATE
@@ -37,11 +44,14 @@ logger = logging.getLogger(__name__)
 
 #: Reports closer together than this are folded into the next one (a few updates per second).
 MIN_INTERVAL_S = 0.25
+#: ``[step, value]`` pairs every published report carries (the latest ones).
+VALUES_KEPT = 256
 
 
 def summary(fields: dict[str, Any]) -> str:
     """``progress: epoch=3 epochs=15 loss=0.21``: the report as Flower shows it."""
-    return "progress: " + " ".join(f"{key}={value}" for key, value in fields.items() if key != "device")
+    return "progress: " + " ".join(
+        f"{key}={value}" for key, value in fields.items() if key not in ("device", "values"))
 
 
 class ProgressPublisher:
@@ -62,6 +72,7 @@ class ProgressPublisher:
         self.min_interval_s = min_interval_s
         self.published = 0
         self._latest: dict[str, Any] | None = None
+        self._values: deque[list[float]] = deque(maxlen=VALUES_KEPT)
         self._last_sent = float("-inf")
         self._timer: threading.Timer | None = None
         # Held while a report is taken and published, so two publishes never cross (the
@@ -73,6 +84,9 @@ class ProgressPublisher:
         else when the interval has passed."""
         with self._lock:
             self._latest = {"device": self.device, **fields}
+            step, value = fields.get("step"), fields.get("value")
+            if _number(step) and _number(value):
+                self._values.append([step, value])
             wait = self.min_interval_s - (time.monotonic() - self._last_sent)
             if wait <= 0:
                 self._publish()
@@ -100,7 +114,13 @@ class ProgressPublisher:
             return
         self._last_sent = time.monotonic()
         self.published += 1
+        if self._values:
+            meta["values"] = list(self._values)
         publish(self.task, self.request, meta, self.heartbeat, self.client, self.expires_s)
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None, client: Any = None,

@@ -16,15 +16,16 @@ import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
-from celery import Task
+from celery import Task, states
+from celery.exceptions import Ignore, TaskRevokedError
 from celery.utils.serialization import get_pickled_exception
+from celery.worker import state as worker_state
 from celery.worker.request import Request
-from celery.worker.state import task_ready
 from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
 from ..core.backend import attach_entry
-from ..core.errors import DeviceFleetError, InvalidJobArguments, JobError, OutOfMemory
+from ..core.errors import DeviceFleetError, InvalidJobArguments, JobCancelled, JobError, OutOfMemory
 from ..core.job import JobContext, JobDefinition
 from ..core.keys import OPTIONS_HEADER
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
@@ -32,7 +33,7 @@ from ..core.validation import describe_validation_error
 from . import accounting, progress
 from .device import DeviceWorker
 from .jobs import validate_kwargs
-from .oom import recycle_if_needed, run_guarded
+from .oom import recycle_if_needed, release_memory, run_guarded
 from .scalars import ScalarLog, run_dir
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class JobRequest(Request):  # type: ignore[misc]
             exc = exc.exc
         if not (return_ok and isinstance(exc, MemoryError)):
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
-        task_ready(self)
+        worker_state.task_ready(self)
         if self.task.acks_late:
             if self.task.acks_on_failure:
                 self.acknowledge()
@@ -137,6 +138,9 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
             cores=worker.cores,
             reporter=reports.report,
             scalar_sink=scalar_log.log,
+            # Celery's revoke command adds the id to this set in the worker (the consumer
+            # runs beside the job's pool thread): a set lookup per ctx.progress() call.
+            cancelled=lambda: job_id in worker_state.revoked,
         )
         result, recycle = run_guarded(definition.func, ctx, params, options.fallback)
         if not isinstance(result, dict):
@@ -146,6 +150,9 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     except OutOfMemory as exc:
         logger.warning("%s: job %s ran out of memory: %s", device, definition.name, exc)
         failure, recycle = exc, exc.recycle
+    except JobCancelled as exc:
+        logger.info("%s: job %s %s: %s", device, definition.name, job_id, exc)
+        failure = exc
     except DeviceFleetError as exc:
         logger.warning("%s: job %s failed: %s", device, definition.name, exc)
         failure = exc
@@ -164,9 +171,31 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     entry = Entry.make(device=device, worker=worker.nodename, output=output,
                        error=ErrorInfo.of(failure) if failure is not None else None,
                        started=started, finished=finished, visibility=worker.seen)
+    if isinstance(failure, JobCancelled):
+        # Out of the except block, so the job's tensors are unreachable: the device's memory
+        # is back at its baseline before the next job (a pruned trial's GPU memory included).
+        release_memory(worker.torch_device)
+        store_cancelled(task, failure, entry)
     if failure is not None:
         raise attach_entry(failure, entry)
     return entry.to_dict()
+
+
+def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:
+    """End a job that stopped at ``ctx.progress()`` as Celery ends a revoked one: state
+    ``REVOKED`` (what Flower and ``AsyncResult.state`` show), its chord part counted, a
+    ``task-revoked`` event, and the device's cancelled entry kept with it.
+
+    Raises:
+        celery.exceptions.Ignore: always; the state is stored, Celery must store nothing more.
+    """
+    request = task.request
+    exc = attach_entry(TaskRevokedError(str(failure)), entry)
+    task.backend.store_result(request.id, exc, states.REVOKED, request=request)
+    if request.chord:
+        task.backend.on_chord_part_return(request, states.REVOKED, exc)
+    task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+    raise Ignore()
 
 
 def _count(worker: DeviceWorker, definition: JobDefinition, job_id: str, ok: bool, started: float,

@@ -1,0 +1,334 @@
+"""Sweeps: many trials of one job over a few devices, every device busy until the last trial.
+
+::
+
+    import tasks
+    handle = tasks.sweep("train", tasks.grid({"lr": [0.1, 0.03, 0.01], "seed": [0, 1]}), name="lr")
+    entries = handle.get(timeout=3600)   # one entry per trial, in trial order
+    entries[0]   # {"device": "cpu1", "status": "ok", "output": {...}, ..., "trial": 0, "kwargs": {...}}
+
+The trials go to one queue that every chosen device consumes (:mod:`tasks.producer.trials`):
+a device takes the next trial the moment it is free, so a fast GPU runs more of them than a CPU
+worker and no device waits for the slowest of a wave. Each trial runs once: trials are Celery
+tasks with fixed ids under the workers' leases, as fan-outs are.
+
+A named sweep can be resumed: when its producer dies, the same call with the same name (and the
+same job and trials; another set is refused with :class:`~tasks.core.errors.SweepConflict`)
+adopts what was sent and still runs, sends what was not, and returns every trial once.
+
+``handle.cancel()``: queued trials never start, running ones stop at their next
+``ctx.progress()``; their entries say ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery, states
+
+from ..core import keys
+from ..core.errors import ConfigError, FanOutTimeout, SweepConflict
+from ..core.queues import sweep_queue
+from ..core.records import SweepRecord
+from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, registry_client, select_devices
+from .trials import RUNNING_STATES, TrialQueue, entry_of, trial_task_id
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between polls while trials finish often; the poll backs off to :data:`MAX_POLL_S`
+#: while nothing changes.
+MIN_POLL_S = 0.002
+MAX_POLL_S = 0.1
+
+
+def grid(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of ``axes``' values, as trials: ``grid({"lr": [1, 2], "seed": [0, 1]})``
+    is four kwargs dicts, the last axis changing fastest.
+
+    Raises:
+        ConfigError: an axis is not a non-empty list.
+    """
+    if not isinstance(axes, Mapping) or not axes:
+        raise ConfigError(f"grid({axes!r}): give a dict of parameter name -> list of values")
+    for name, values in axes.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise ConfigError(f"grid axis {name!r} is {values!r}: give a non-empty list of values")
+    names = list(axes)
+    return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(axes[n] for n in names))]
+
+
+@dataclass
+class SweepSummary:
+    """Counts of a sweep's trials, and per device how many it ran and runs now."""
+
+    total: int
+    done: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    running: int = 0
+    queued: int = 0
+    #: ``{device: {"done": n, "running": n}}`` (done counts every finished trial it ran).
+    devices: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed + self.cancelled
+
+
+class Sweep:
+    """A running sweep; :meth:`get` returns one entry per trial, in trial order."""
+
+    def __init__(self, app: Celery, record: SweepRecord, specs: list[JobSpec], queue: TrialQueue,
+                 sent: set[int], max_concurrent: int | None) -> None:
+        self.app = app
+        self.record = record
+        self.specs = specs
+        self.queue = queue
+        self.max_concurrent = max_concurrent
+        self.task_ids = [trial_task_id(record.sweep_id, i) for i in range(len(specs))]
+        self._sent = sent
+        self._cancelled = record.cancelled
+        self._detached = False
+
+    @property
+    def id(self) -> str:
+        return self.record.sweep_id
+
+    @property
+    def devices(self) -> list[str]:
+        return self.queue.devices
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    # -- feeding -----------------------------------------------------------------------------
+
+    def feed(self, metas: Mapping[str, dict[str, Any] | None] | None = None) -> int:
+        """Send the trials not sent yet, at most ``max_concurrent`` unfinished at a time;
+        returns how many were sent. Called by every poll of the handle."""
+        if self._cancelled or len(self._sent) == len(self.specs):
+            return 0
+        todo = [i for i in range(len(self.specs)) if i not in self._sent]
+        if self.max_concurrent is not None:
+            metas = metas if metas is not None else self.queue.metas(self.task_ids)
+            open_ = sum(1 for i in self._sent if entry_of(metas.get(self.task_ids[i])) is None)
+            todo = todo[:max(0, self.max_concurrent - open_)]
+        if not todo:
+            return 0
+        sent = self.queue.send((i, self.specs[i]) for i in todo)
+        registry_client(self.app).sadd(keys.sweep_sent(self.id), *sent)
+        self._sent.update(sent)
+        return len(sent)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def poll(self) -> list[dict[str, Any] | None]:
+        """Read every trial's stored meta (one MGET for those not finished), send more trials
+        if ``max_concurrent`` allows, and return the metas in trial order."""
+        by_id = self.queue.metas(self.task_ids)
+        if self.feed(by_id):
+            by_id = self.queue.metas(self.task_ids)
+        self.queue.refresh()
+        metas = [by_id[tid] for tid in self.task_ids]
+        if not self._detached and all(entry_of(m) is not None for m in metas):
+            self.queue.detach()
+            self._detached = True
+        return metas
+
+    def states(self) -> list[str]:
+        """The Celery state of each trial, in trial order (``PENDING`` while queued)."""
+        return [str(m.get("status")) if m else states.PENDING for m in self.poll()]
+
+    def ready(self) -> bool:
+        """Whether every trial has finished (ok, failed or cancelled)."""
+        return all(entry_of(m) is not None for m in self.poll())
+
+    def progress(self) -> dict[int, dict[str, Any]]:
+        """``{trial: its latest progress report}`` of the trials that are running now."""
+        metas = self.poll()
+        running = {self.task_ids[i]: i for i, m in enumerate(metas) if m and m.get("status") in RUNNING_STATES}
+        return {running[tid]: report for tid, report in self.queue.reports(list(running)).items()}
+
+    def summary(self, metas: list[dict[str, Any] | None] | None = None) -> SweepSummary:
+        """Done, failed, cancelled, running and queued counts, and per device."""
+        metas = metas if metas is not None else self.poll()
+        out = SweepSummary(total=len(self.specs), devices={d: {"done": 0, "running": 0} for d in self.devices})
+        for meta in metas:
+            entry = entry_of(meta)
+            running = entry is None and meta is not None and meta.get("status") in RUNNING_STATES
+            if entry is None:
+                out.running += running
+                out.queued += not running
+            elif entry["status"] == "ok":
+                out.done += 1
+            elif entry["status"] == "cancelled":
+                out.cancelled += 1
+            else:
+                out.failed += 1
+            device = self.queue.device_of(meta)
+            if device is not None and (entry is not None or running):
+                counts = out.devices.setdefault(device, {"done": 0, "running": 0})
+                counts["running" if running else "done"] += 1
+        return out
+
+    def entries(self, metas: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
+        """Each trial's entry (the fan-out entry's keys plus ``trial`` and ``kwargs``), or None
+        while it has not finished."""
+        metas = metas if metas is not None else self.poll()
+        out: list[dict[str, Any] | None] = []
+        for i, meta in enumerate(metas):
+            entry = entry_of(meta)
+            out.append(None if entry is None else {**entry, "trial": i, "kwargs": dict(self.specs[i].kwargs)})
+        return out
+
+    def get(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Wait for every trial and return their entries, in trial order.
+
+        A trial that failed is an entry with ``status`` error: the sweep itself does not fail.
+
+        Raises:
+            FanOutTimeout: ``timeout`` seconds passed first; the sweep goes on running.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = MIN_POLL_S
+        finished = -1
+        while True:
+            metas = self.poll()
+            entries = self.entries(metas)
+            now_finished = sum(e is not None for e in entries)
+            if now_finished == len(entries):
+                return [e for e in entries if e is not None]
+            if deadline is not None and time.monotonic() > deadline:
+                raise FanOutTimeout(timeout or 0.0, [f"trial {i}" for i, e in enumerate(entries) if e is None])
+            pause = MIN_POLL_S if now_finished != finished else min(MAX_POLL_S, pause * 2)
+            finished = now_finished
+            time.sleep(pause)
+
+    # -- cancelling --------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Queued trials never start; running ones stop at their next ``ctx.progress()``;
+        their entries say ``cancelled``. Finished trials keep their entries."""
+        self._cancelled = True
+        self.record = self.record.model_copy(update={"cancelled": True})
+        _save(self.app, self.record)
+        self.queue.cancel([self.task_ids[i] for i in sorted(self._sent)], reason=f"sweep {self.id} cancelled")
+        for i in range(len(self.specs)):
+            if i not in self._sent:  # never sent: stored as cancelled so get() returns them
+                self.app.backend.mark_as_revoked(self.task_ids[i], reason=f"sweep {self.id} cancelled")
+        self.queue.detach()
+        self._detached = True
+
+    def __repr__(self) -> str:
+        return f"<Sweep {self.id} {self.record.job} x{len(self.specs)} on {', '.join(self.devices)}>"
+
+
+def trial_specs(job: JobLike, trials: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any] | None = None,
+                ) -> list[JobSpec]:
+    """One :class:`JobSpec` per trial: the job's kwargs updated with the trial's.
+
+    Raises:
+        ConfigError: ``trials`` is not a list of dicts; the message names the first bad trial.
+    """
+    if isinstance(trials, (str, bytes, Mapping)) or not isinstance(trials, Sequence):
+        raise ConfigError(f"trials must be a list of kwargs dicts, got {type(trials).__name__}")
+    base = JobSpec.of(job, kwargs)
+    specs = []
+    for i, trial in enumerate(trials):
+        if not isinstance(trial, Mapping):
+            raise ConfigError(f"trial {i} is {trial!r}, not a dict of the job's kwargs (nothing was sent)")
+        try:
+            specs.append(JobSpec.of(base, {**base.kwargs, **trial}))
+        except ConfigError as exc:
+            raise ConfigError(f"trial {i}: {exc} (nothing was sent)") from None
+    return specs
+
+
+def digest(specs: Sequence[JobSpec]) -> str:
+    """sha256 of the specs, in order: what a resumed sweep must match."""
+    h = hashlib.sha256()
+    for spec in specs:
+        h.update(spec.model_dump_json().encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _save(app: Celery, record: SweepRecord) -> None:
+    """Store the record; it expires with the trials' results (the backend's ``expires``)."""
+    expires = max(60, int(app.backend.expires or 86_400))
+    registry_client(app).set(keys.sweep(record.sweep_id), record.to_json(), ex=expires)
+
+
+def sweep(
+    job: JobLike,
+    trials: Sequence[Mapping[str, Any]],
+    devices: str | Sequence[str] = ALL,
+    *,
+    name: str | None = None,
+    max_concurrent: int | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    app: Celery | None = None,
+) -> Sweep:
+    """Run ``job`` once per trial over ``devices``; each device takes the next trial when free.
+
+    Args:
+        job: the job (a name, ``(name, kwargs)`` or :class:`JobSpec`).
+        trials: a list of kwargs dicts, one per trial (see :func:`grid`); each updates the
+            job's own kwargs.
+        devices: ``"all"``, ``"cpu"``, ``"gpu"``, device names, or a comma list of those.
+        name: names the sweep, so that running the same call again resumes it.
+        max_concurrent: at most this many trials sent and unfinished at a time (the handle
+            sends more as it is polled); default: every trial is queued at once.
+        kwargs: kwargs every trial shares.
+        app: the Celery app to send through; default ``tasks.app``.
+
+    Raises:
+        ConfigError: a trial is not a dict, or an argument is out of range.
+        DeviceUnavailable: a requested device has no live worker (nothing is sent).
+        UnknownJob: a device's worker does not run the job (nothing is sent).
+        SweepConflict: a sweep of that name exists with another job or other trials.
+    """
+    from .fanout import _default_app
+
+    app = app or _default_app()
+    specs = trial_specs(job, trials, kwargs)
+    if max_concurrent is not None and max_concurrent < 1:
+        raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1, or None for all at once")
+    if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
+    live = live_devices(app)
+    chosen = select_devices(devices, live)
+    if specs:
+        check_jobs({device: specs[0] for device in chosen}, live)
+    sweep_id = name or uuid.uuid4().hex
+    record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,
+                         digest=digest(specs), trials=len(specs), devices=chosen,
+                         queue=sweep_queue(sweep_id), created_at=time.time())
+    client = registry_client(app)
+    sent: set[int] = set()
+    existing = client.get(keys.sweep(sweep_id)) if name else None
+    if existing:
+        old = SweepRecord.model_validate_json(existing)
+        if old.digest != record.digest:
+            raise SweepConflict(
+                f"sweep {name!r} exists with {old.trials} trials of {old.job!r} and other kwargs; "
+                f"resume it with the same job and trials, or give another name (nothing was sent)"
+            )
+        record = old.model_copy(update={"devices": chosen})
+        sent = {int(i) for i in client.smembers(keys.sweep_sent(sweep_id))}
+        logger.info("sweep %s: resuming, %d of %d trials sent before", sweep_id, len(sent), len(specs))
+    _save(app, record)
+    queue = TrialQueue(app, sweep_id, chosen, live)
+    if not record.cancelled:
+        queue.attach()
+    handle = Sweep(app, record, specs, queue, sent, max_concurrent)
+    handle.feed()
+    logger.debug("sweep %s: %d trials of %s on %s", sweep_id, len(specs), record.job, ", ".join(chosen))
+    return handle
