@@ -6,6 +6,7 @@ This is the only module that configures logging handlers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -173,22 +175,194 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool,
         fallback: str | None, redis_url: str | None) -> None:
-    """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed."""
-    from .core.app import create_app
+    """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
+    Ctrl-C (which cancels the fan-out)."""
     from .producer.fanout import fan_out
 
     kwargs = _parse_kwargs(kwargs_text)
     settings = _settings(redis_url=redis_url)
+    cancelled = False
     try:
-        app = create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
+        app = _producer_app(settings)
         handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, app=app)
-        if progress:
-            _watch_progress(handle, timeout)
-        results = handle.get(timeout=timeout)
+        with _say_on_interrupt("the fan-out"):
+            try:
+                if progress:
+                    _watch_progress(handle, timeout)
+                results = handle.get(timeout=timeout)
+            except KeyboardInterrupt:
+                cancelled = True
+                handle.cancel()
+                results = handle.get(timeout=CANCEL_WAIT_S)
     except DeviceFleetError as exc:
         _fail(exc)
     _print_results(results, as_json)
-    raise SystemExit(0 if all(e["status"] == "ok" for e in results.values()) else 1)
+    raise SystemExit(_exit_code([e["status"] for e in results.values()], cancelled))
+
+
+#: Seconds a cancelled run or sweep waits for its running jobs to stop and report.
+CANCEL_WAIT_S = 120.0
+
+
+def _producer_app(settings: Settings) -> Any:
+    from .core.app import create_app
+
+    return create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
+
+
+def _exit_code(statuses: list[str], cancelled: bool) -> int:
+    """130 after Ctrl-C, 1 if a job failed, else 0."""
+    if cancelled:
+        return 130
+    return 0 if all(status == "ok" for status in statuses) else 1
+
+
+@contextlib.contextmanager
+def _say_on_interrupt(what: str) -> Iterator[None]:
+    """Ctrl-C says that ``what`` is being cancelled, then raises KeyboardInterrupt as usual."""
+    def interrupted(signum: int, frame: Any) -> None:
+        err_console.print(f"[bold yellow]interrupted:[/] cancelling {what}: queued jobs never start, "
+                          "running ones stop at their next ctx.progress()", highlight=False)
+        signal.signal(signal.SIGINT, previous)  # a second Ctrl-C stops at once
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _parse_json_option(text: str, option: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not JSON: {exc}", param_hint=option) from None
+
+
+def _read_trials(path: Path) -> list[Any]:
+    """The trials of a JSON Lines file: one JSON object of kwargs per line (blank lines skipped)."""
+    trials = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                trials.append(json.loads(line))
+            except ValueError as exc:
+                raise click.BadParameter(f"{path}:{number} is not JSON: {exc}", param_hint="--trials") from None
+    return trials
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--trials", "trials_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSON Lines: one object of the job's kwargs per line, one trial each.")
+@click.option("--grid", "grid_text", help='Every combination, e.g. \'{"lr": [0.1, 0.01], "seed": [0, 1, 2]}\'.')
+@click.option("--kwargs", "kwargs_text", help="Kwargs every trial shares, as a JSON object.")
+@click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
+@click.option("--name", help="Name the sweep: the same command with the same name resumes it.")
+@click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials queued or running at once (default: all).")
+@click.option("--objective", help="Output field to rank the trials by (and the best so far).")
+@click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
+@click.option("--timeout", type=float, default=86_400.0, show_default=True, help="Seconds to wait for every trial.")
+@click.option("--json", "as_json", is_flag=True, help="Print every trial's entry as JSON.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text: str | None, devices: str,
+          name: str | None, max_concurrent: int | None, objective: str | None, direction: str, timeout: float,
+          as_json: bool, redis_url: str | None) -> None:
+    """Run JOB once per trial over DEVICES, each device taking the next trial when free.
+
+    Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
+    failed, 130 after Ctrl-C (which cancels the sweep).
+    """
+    from .ops.sweep_view import ranked_table, sweep_rows, watch_sweep
+    from .producer.sweep import grid
+    from .producer.sweep import sweep as start_sweep
+
+    if (trials_file is None) == (grid_text is None):
+        raise click.UsageError("give exactly one of --trials FILE.jsonl and --grid JSON")
+    settings = _settings(redis_url=redis_url)
+    cancelled = False
+    try:
+        trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
+        app = _producer_app(settings)
+        handle = start_sweep(job, trials, devices, name=name, max_concurrent=max_concurrent,
+                             kwargs=_parse_kwargs(kwargs_text), app=app)
+        with _say_on_interrupt(f"sweep {handle.id}"):
+            try:
+                if err_console.is_terminal:
+                    watch_sweep(handle, err_console, objective=objective, direction=direction, timeout=timeout)
+                entries = handle.get(timeout=timeout)
+            except KeyboardInterrupt:
+                cancelled = True
+                handle.cancel()
+                entries = handle.get(timeout=CANCEL_WAIT_S)
+    except DeviceFleetError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps({"sweep": handle.id, "trials": entries}, indent=2))
+    else:
+        console.print(ranked_table(sweep_rows(entries, objective), objective, direction))
+    raise SystemExit(_exit_code([e["status"] for e in entries], cancelled))
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--space", "space_text", required=True,
+              help='Parameters as JSON: {"lr": {"low": 1e-4, "high": 0.1, "log": true}, "model": ["mlp", "cnn"]} '
+                   "(or Optuna's distribution JSON).")
+@click.option("--trials", "n_trials", type=click.IntRange(1, None), required=True, help="Trials in the study.")
+@click.option("--objective", required=True, help="Output field that is the trial's value.")
+@click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
+@click.option("--pruner", type=click.Choice(["median", "asha", "hyperband", "none"]), default="none", show_default=True,
+              help="Stop poor trials early (they report ctx.progress(step=..., value=...)).")
+@click.option("--seed", type=int, help="Seed of Optuna's sampler (TPE), for a repeatable study.")
+@click.option("--kwargs", "kwargs_text", help="Kwargs every trial shares, as a JSON object.")
+@click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
+@click.option("--name", help="The study's name in the fleet's Redis: the same name resumes it.")
+@click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials running at once (default: one per device).")
+@click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
+@click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def optimize(job: str, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
+             kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
+             timeout: float | None, as_json: bool, redis_url: str | None) -> None:
+    """Tune JOB's parameters with Optuna: each trial runs on the next free device.
+
+    The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
+    the objective. Ctrl-C cancels the running trials (exit 130).
+    """
+    from .ops.sweep_view import StudyView, ranked_table, study_rows
+    from .producer.optimize import optimize as run_study
+    from .producer.optimize import require_optuna
+
+    settings = _settings(redis_url=redis_url)
+    view: Any = None
+    try:
+        optuna = require_optuna()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # the live view says what its INFO lines would
+        app = _producer_app(settings)
+        view = StudyView(err_console, objective) if err_console.is_terminal else None
+        with _say_on_interrupt("the study's running trials"), (view or contextlib.nullcontext()):
+            study = run_study(job, _parse_json_option(space_text, "--space"), n_trials, objective,
+                              direction=direction, devices=devices, pruner=pruner, name=name,
+                              sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
+                              kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent,
+                              timeout=timeout, on_update=view, app=app)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except DeviceFleetError as exc:
+        _fail(exc)
+    rows = study_rows(study)
+    if as_json:
+        try:
+            best: dict[str, Any] | None = {"trial": study.best_trial.number, "value": study.best_value,
+                                           "params": study.best_params}
+        except ValueError:  # no trial completed
+            best = None
+        click.echo(json.dumps({"study": study.study_name, "best": best, "trials": rows}, indent=2))
+    else:
+        console.print(ranked_table(rows, objective, direction))
+    raise SystemExit(0 if any(r["status"] == "complete" for r in rows) else 1)
 
 
 @cli.command()
