@@ -54,3 +54,33 @@ def hold(ctx: JobContext, params: HoldParams) -> dict[str, Any]:
             raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
         time.sleep(0.05)
     return {"steps": params.steps, "device": ctx.device, "pid": os.getpid()}
+
+
+class TrialParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A folder where each run appends a line to ``<marker>/<job id>``: the tests count runs.
+    marker: str
+    seconds: float = 0.0
+    #: Report ``ctx.progress(step=i, steps=steps, value=score)`` this many times.
+    steps: int = 0
+    score: float = 0.0
+    fail: bool = False
+
+
+@job("trial", params=TrialParams)
+def trial(ctx: JobContext, params: TrialParams) -> dict[str, Any]:
+    """A sweep trial the tests can count: one line per run in ``marker/<job id>``, ``seconds``
+    of sleep split over ``steps`` reports, then ``score`` (or ValueError if ``fail``)."""
+    import time
+    from pathlib import Path
+
+    with open(Path(params.marker) / ctx.job_id, "a") as handle:
+        handle.write(f"{os.getpid()}\n")
+    slices = max(params.steps, 1)
+    for step in range(1, slices + 1):
+        time.sleep(params.seconds / slices)
+        if params.steps:
+            ctx.progress(step=step, steps=params.steps, value=params.score)
+    if params.fail:
+        raise ValueError(f"trial with score {params.score} failed on purpose")
+    return {"score": params.score, "device": ctx.device, "pid": os.getpid()}

@@ -251,6 +251,17 @@ def optimize(
     return study
 
 
+def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+    """``study.tell``. A sampler that ends its own search (GridSampler, BruteForceSampler) calls
+    ``study.stop()`` once the last point is told, which Optuna refuses outside
+    ``study.optimize``; the trial is stored by then, and this loop stops at ``n_trials``."""
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+
+
 class _StudyRun:
     """One producer's loop over a study: ask, send, poll, report, prune, tell."""
 
@@ -374,22 +385,22 @@ class _StudyRun:
         if entry["status"] == "ok":
             value = output.get(self.objective)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                self.study.tell(trial, state=TrialState.FAIL)
+                _tell(self.study, trial, state=TrialState.FAIL)
                 self._count(TrialState.FAIL, device)
                 fields = ", ".join(sorted(output)) or "no fields"
                 raise ConfigError(
                     f"objective {self.objective!r} is not a number in the output of job {self.base.name!r} "
                     f"(trial {number} returned {fields}); name one of its number fields"
                 )
-            self.study.tell(trial, float(value))
+            _tell(self.study, trial, float(value))
             state = TrialState.COMPLETE
         elif entry["status"] == "cancelled" and flight.pruning:
-            self.study.tell(trial, state=TrialState.PRUNED)
+            _tell(self.study, trial, state=TrialState.PRUNED)
             state = TrialState.PRUNED
         else:
             error = entry.get("error") or {}
             trial.set_user_attr("error", f"{error.get('type')}: {error.get('message')}")
-            self.study.tell(trial, state=TrialState.FAIL)
+            _tell(self.study, trial, state=TrialState.FAIL)
             state = TrialState.FAIL
             if error.get("type") == "InvalidJobArguments":
                 self._count(state, device)
@@ -406,7 +417,7 @@ class _StudyRun:
             self.queue.cancel([f.task_id for f in self.in_flight.values()], reason=reason)
             for flight in self.in_flight.values():
                 flight.trial.set_user_attr("cancelled", reason)
-                self.study.tell(flight.trial, state=self.optuna.trial.TrialState.FAIL, skip_if_finished=True)
+                _tell(self.study, flight.trial, state=self.optuna.trial.TrialState.FAIL, skip_if_finished=True)
         except Exception as exc:  # noqa: BLE001  (already leaving with an error)
             logger.warning("study %s: could not cancel the running trials: %s", self.study.study_name, exc)
         self.in_flight.clear()
