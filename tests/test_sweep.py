@@ -59,6 +59,23 @@ def test_twenty_trials_over_two_devices_run_once_each_on_both(fleet, app, tmp_pa
 
 
 @pytest.mark.timeout(60)
+def test_a_sweep_on_some_devices_has_its_own_queue_only_they_consume(fleet, app, tmp_path):
+    handle = tasks.sweep("trial", _trials(tmp_path, 6, seconds=0.05), devices="cpu1", app=app)
+    assert handle.queue.queue == f"sweep.{handle.id}" and handle.queue.own
+    entries = handle.get(timeout=30)
+    assert {e["device"] for e in entries} == {"cpu1"} and [e["status"] for e in entries] == ["ok"] * 6
+
+    def consumed() -> dict[str, list[str]]:
+        replies = app.control.inspect(timeout=2.0).active_queues() or {}
+        return {node.split("@")[0]: [q["name"] for q in queues] for node, queues in replies.items()}
+
+    # Done: the worker let the sweep's queue go; the other device never consumed it.
+    wait_for(lambda: all(handle.queue.queue not in names for names in consumed().values()), 10,
+             "the sweep's queue let go")
+    assert set(consumed()) >= {"cpu0", "cpu1"}
+
+
+@pytest.mark.timeout(60)
 def test_a_failing_trial_is_a_failed_entry_not_a_failed_sweep(fleet, app, tmp_path):
     trials = _trials(tmp_path, 4)
     trials[2]["fail"] = True

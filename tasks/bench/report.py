@@ -12,6 +12,10 @@ KEYS = (
     "dispatch.fanout_ms_p50",
     "dispatch.fanout_ms_p99",
     "dispatch.jobs_per_s",
+    "sweep.trials_per_s",
+    "sweep.vs_jobs_per_s",
+    "sweep.makespan_ratio",
+    "sweep.waves_ratio",
     "fanout.efficiency",
     "fanout.vs_multiprocessing",
     "pipeline.wait_s_sequential",
@@ -33,6 +37,8 @@ PUBLISHED = {
 GOALS = {
     "dispatch.fanout_ms_p50": ("<=", 5.0),
     "dispatch.jobs_per_s": (">=", 1000.0),
+    "sweep.vs_jobs_per_s": (">=", 0.8),
+    "sweep.makespan_ratio": ("<=", 1.10),
     "fanout.efficiency": (">=", 0.95),
     "fanout.vs_multiprocessing": ("<=", 1.05),
     "pipeline.wait_s_fleet": ("<=", 0.01),
@@ -73,7 +79,7 @@ def goal_met(key: str, value: float) -> bool | None:
 def _fmt(key: str, value: float) -> str:
     if key.endswith("_ms_p50") or key.endswith("_ms_p99"):
         return f"{value:.1f} ms"
-    if key.endswith("jobs_per_s"):
+    if key.endswith("jobs_per_s") or key.endswith("trials_per_s"):
         return f"{value:.0f}/s"
     if ".wait_s" in key:
         return f"{value:.3f} s"
@@ -94,6 +100,11 @@ def table(figures: dict[str, Any]) -> Table:
                                            "Ray: ~1 ms per sync task")
         extra["dispatch.fanout_ms_p99"] = f"plain Celery+Redis chord, this run: {flat['dispatch.plain_chord_ms_p99']:.1f} ms"
         extra["dispatch.jobs_per_s"] = f"plain Celery+Redis, this run: {flat['dispatch.plain_jobs_per_s']:.0f}/s"
+    if "sweep.ray_tune_trials_per_s" in flat:
+        extra["sweep.trials_per_s"] = (f"Ray Tune, this run ({flat['sweep.ray_tune_trials']} trials): "
+                                       f"{flat['sweep.ray_tune_trials_per_s']:.2f}/s")
+    if "sweep.waves_ratio" in flat:
+        extra["sweep.makespan_ratio"] = f"the same trials as waves of fan_out: {flat['sweep.waves_ratio']:.2f}"
     if "pipeline.wait_s_ray" in flat:
         extra["pipeline.wait_s_fleet"] = f"Ray, this run: {flat['pipeline.wait_s_ray']:.3f} s; " + \
             PUBLISHED["pipeline.wait_s_fleet"]

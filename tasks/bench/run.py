@@ -13,7 +13,7 @@ from typing import Any
 from ..core.devices import cpu_model_name, usable_cores
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..ops.fleet import Fleet
-from . import dispatch, efficiency, gpu, pipeline
+from . import dispatch, efficiency, gpu, pipeline, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def host_info() -> dict[str, Any]:
 def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> dict[str, Any]:
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
-    Returns ``{"host", "quick", "dispatch", "fanout", "pipeline", "gpu"?}``; ``gpu`` only where
+    Returns ``{"host", "quick", "dispatch", "sweep", "fanout", "pipeline", "gpu"?}``; ``gpu`` only where
     torch sees a CUDA device.
     """
     started = time.perf_counter()
@@ -51,6 +51,7 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> d
             cpus = [d for d in devices if d.startswith("cpu")]
             figures["devices"] = devices
             figures["dispatch"] = dispatch.measure(app, cpus, quick=quick)
+            figures["sweep"] = sweep.measure(app, cpus, quick=quick, jobs_per_s=figures["dispatch"]["jobs_per_s"])
             figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
             gpu_figures = gpu.measure(app, devices, quick=quick)
             if gpu_figures is not None:

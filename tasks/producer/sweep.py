@@ -35,10 +35,9 @@ from celery import Celery, states
 
 from ..core import keys
 from ..core.errors import ConfigError, FanOutTimeout, SweepConflict
-from ..core.queues import sweep_queue
 from ..core.records import SweepRecord
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, registry_client, select_devices
-from .trials import RUNNING_STATES, TrialQueue, entry_of, trial_task_id
+from .trials import RUNNING_STATES, TrialQueue, entry_of, queue_for, trial_task_id
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +309,7 @@ def sweep(
     sweep_id = name or uuid.uuid4().hex
     record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,
                          digest=digest(specs), trials=len(specs), devices=chosen,
-                         queue=sweep_queue(sweep_id), created_at=time.time())
+                         queue=queue_for(sweep_id, chosen, live), created_at=time.time())
     client = registry_client(app)
     sent: set[int] = set()
     existing = client.get(keys.sweep(sweep_id)) if name else None
@@ -321,11 +320,11 @@ def sweep(
                 f"sweep {name!r} exists with {old.trials} trials of {old.job!r} and other kwargs; "
                 f"resume it with the same job and trials, or give another name (nothing was sent)"
             )
-        record = old.model_copy(update={"devices": chosen})
+        record = old.model_copy(update={"devices": chosen})  # its queue holds what was sent
         sent = {int(i) for i in client.smembers(keys.sweep_sent(sweep_id))}
         logger.info("sweep %s: resuming, %d of %d trials sent before", sweep_id, len(sent), len(specs))
     _save(app, record)
-    queue = TrialQueue(app, sweep_id, chosen, live)
+    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue)
     if not record.cancelled:
         queue.attach()
     handle = Sweep(app, record, specs, queue, sent, max_concurrent)

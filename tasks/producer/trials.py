@@ -2,18 +2,23 @@
 
 What :mod:`tasks.producer.sweep` and :mod:`tasks.producer.optimize` share. A :class:`TrialQueue`
 
-- asks the chosen devices' workers to consume the queue ``sweep.<id>`` (Celery's
-  ``add_consumer`` control command), so a device takes the next trial the moment it is free
-  (each worker prefetches one message: a fast GPU runs more trials than a CPU worker), and asks
-  again when a worker restarts, and lets them go when the trials are done (``cancel_consumer``);
+- sends the trials to one queue every chosen device consumes, so a device takes the next trial
+  the moment it is free (each worker prefetches one message: a fast GPU runs more trials than a
+  CPU worker). When the devices are the whole fleet, or every device of a kind, that is the
+  ``fleet``, ``cpu`` or ``gpu`` queue they already consume. Otherwise it is the sweep's own
+  ``sweep.<id>``: the chosen devices' workers are asked to consume it (Celery's ``add_consumer``
+  control command; a worker's blocking read takes its new queue into account within kombu's
+  ``brpop_timeout``, a second), asked again when one restarts, and let go when the trials are
+  done (``cancel_consumer``);
 - sends trial ``i`` with a task id derived from the queue's id and ``i``, so a producer that
   runs again (a resumed sweep) sends a lost trial under the same id: a second copy of a trial
   that already ran or runs is dropped by the worker's lease (:mod:`tasks.worker.lease`), and
   every trial runs once;
 - reads the trials' states and entries with one ``MGET`` of their result keys per poll, and
   their latest progress reports with one more;
-- cancels: purges the queue (queued trials never start), revokes the rest (a running trial
-  stops at its next ``ctx.progress()``), and stores ``REVOKED`` for those that never started.
+- cancels: stores ``REVOKED`` for the trials that have not started (a worker that takes one
+  drops it: the id is in its revoked set, and the lease finds the job finished), revokes the
+  running ones (they stop at their next ``ctx.progress()``), and purges a sweep's own queue.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from typing import Any
 from celery import Celery, states
 
 from ..core.backend import entry_of_failure
-from ..core.queues import sweep_queue
+from ..core.devices import DeviceKind
+from ..core.queues import QueueName, sweep_queue
 from ..core.records import WorkerRecord
 from .fanout import JobSpec, latest_reports, live_devices
 
@@ -46,14 +52,29 @@ def trial_task_id(queue_id: str, trial: int) -> str:
     return str(uuid.uuid5(TRIAL_NAMESPACE, f"{queue_id}/{trial}"))
 
 
+def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord]) -> str:
+    """The queue that exactly ``devices`` consume: ``fleet`` for every live device, ``cpu`` or
+    ``gpu`` for every device of that kind, else the sweep's own (see the module's docstring)."""
+    chosen = set(devices)
+    if chosen == set(live):
+        return QueueName.FLEET.value
+    for kind in DeviceKind:
+        if chosen == {device for device, record in live.items() if record.kind == kind.value}:
+            return kind.value
+    return sweep_queue(queue_id)
+
+
 class TrialQueue:
     """The queue of one sweep or study, the devices that consume it, and its trials' results."""
 
     def __init__(self, app: Celery, queue_id: str, devices: list[str],
-                 live: Mapping[str, WorkerRecord]) -> None:
+                 live: Mapping[str, WorkerRecord], queue: str | None = None) -> None:
         self.app = app
         self.id = queue_id
-        self.queue = sweep_queue(queue_id)
+        #: The queue the trials go to (:func:`queue_for`, or a resumed sweep's).
+        self.queue = queue or queue_for(queue_id, devices, live)
+        #: Whether the queue is the sweep's own, which the workers consume only when asked.
+        self.own = self.queue == sweep_queue(queue_id)
         self.devices = devices
         self._workers = {device: live[device] for device in devices}
         self._device_of = {record.worker: device for device, record in live.items()}
@@ -66,7 +87,10 @@ class TrialQueue:
     # -- consumers ---------------------------------------------------------------------------
 
     def attach(self) -> None:
-        """Ask every chosen device's worker to consume the queue (and wait for their replies)."""
+        """Ask every chosen device's worker to consume the sweep's own queue (and wait for their
+        replies); nothing to do for a queue they consume anyway."""
+        if not self.own:
+            return
         nodenames = [record.worker for record in self._workers.values()]
         replies = self.app.control.add_consumer(self.queue, destination=nodenames, reply=True, timeout=2.0)
         answered = {name for reply in replies or [] for name in reply}
@@ -79,7 +103,7 @@ class TrialQueue:
     def refresh(self) -> None:
         """Every :data:`REFRESH_S`: a chosen device's worker that restarted (a new process has
         only its own queues) is asked again to consume the queue."""
-        if time.monotonic() - self._refreshed < REFRESH_S:
+        if not self.own or time.monotonic() - self._refreshed < REFRESH_S:
             return
         self._refreshed = time.monotonic()
         try:
@@ -98,7 +122,10 @@ class TrialQueue:
             self.app.control.add_consumer(self.queue, destination=restarted, reply=False)
 
     def detach(self) -> None:
-        """Let the workers stop consuming the queue (best effort: an empty queue costs nothing)."""
+        """Let the workers stop consuming the sweep's own queue (best effort: an empty queue
+        costs nothing)."""
+        if not self.own:
+            return
         try:
             self.app.control.cancel_consumer(self.queue, destination=[r.worker for r in self._workers.values()],
                                              reply=False)
@@ -156,8 +183,10 @@ class TrialQueue:
 
     def cancel(self, task_ids: list[str], reason: str) -> None:
         """Queued trials never start; running ones stop at their next ``ctx.progress()``."""
-        with self.app.connection_for_write() as conn:
-            purged = conn.default_channel.queue_purge(self.queue)
+        purged = 0
+        if self.own:  # a shared queue holds other work: its trial messages are dropped when taken
+            with self.app.connection_for_write() as conn:
+                purged = conn.default_channel.queue_purge(self.queue)
         metas = self.metas(task_ids)
         unfinished = [tid for tid, meta in metas.items() if tid not in self._final]
         if unfinished:
