@@ -12,6 +12,7 @@ import pytest
 
 from tasks.bench import report
 from tasks.bench.dispatch import percentile
+from tasks.bench.sweep import ideal_makespan, trial_lengths
 
 from . import conftest
 
@@ -31,6 +32,13 @@ def test_flatten_and_missing_keys() -> None:
     assert "dispatch.fanout_ms_p50" not in missing
     assert "gpu.busy_fraction" not in missing
     assert "gpu.busy_fraction" in report.missing_keys(figures, gpu=True)
+
+
+def test_sweep_bounds() -> None:
+    lengths = trial_lengths(40, 0.4)
+    assert len(lengths) == 40 and set(lengths) <= {0.05, 0.1, 0.2, 0.4} and trial_lengths(40, 0.4) == lengths
+    assert ideal_makespan([1.0, 1.0, 1.0, 1.0], 2) == 2.0  # the work spread evenly
+    assert ideal_makespan([3.0, 0.5, 0.5], 2) == 3.0  # no schedule beats the longest trial
 
 
 def test_goals() -> None:

@@ -27,9 +27,9 @@ from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
 from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
-from tasks.core.errors import JobError, OutOfMemory
+from tasks.core.errors import JobCancelled, JobError, OutOfMemory
 from tasks.core.job import JobContext
-from tasks.core.records import BusyInfo, Entry, ErrorInfo, LeaseRecord, ResendRecord, WorkerRecord
+from tasks.core.records import BusyInfo, Entry, EntryStatus, ErrorInfo, LeaseRecord, ResendRecord, WorkerRecord
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
@@ -37,7 +37,7 @@ from tasks.worker import lease as lease_module
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
 from tasks.worker.oom import run_guarded
-from tasks.worker.progress import ProgressPublisher
+from tasks.worker.progress import VALUES_KEPT, ProgressPublisher, summary
 from tests.conftest import wait_for
 
 OTHER_HOST = "host-of-another-worker"
@@ -687,3 +687,37 @@ def test_progress_is_throttled_and_the_latest_report_always_goes_out(client, app
     finally:
         task.pop_request()
         client.delete(key)
+
+
+def test_intermediate_values_ride_along_every_report_so_none_is_folded_away(client, app):
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    key = keys.progress(task_id)
+    try:
+        publisher = ProgressPublisher(task, "cpu9", client=client, expires_s=60, min_interval_s=60)
+        for step in range(1, 301):  # all but the first folded into the last by the throttle
+            publisher.report({"step": step, "value": step / 10})
+        publisher.report({"epoch": 3})  # a report without a value keeps the pairs too
+        publisher.flush()
+        report = json.loads(client.get(key))
+        assert report["epoch"] == 3
+        assert report["values"] == [[s, s / 10] for s in range(301 - VALUES_KEPT, 301)]
+        assert "values" not in summary(report)
+    finally:
+        task.pop_request()
+        client.delete(key)
+
+
+def test_cancelled_context_stops_at_its_next_progress_call(tmp_path):
+    cancelled = []
+    reports: list[dict[str, object]] = []
+    ctx = JobContext(device="cpu0", torch_device="cpu", job_id="j1", artifacts_dir=tmp_path,
+                     reporter=reports.append, cancelled=lambda: bool(cancelled))
+    ctx.progress(step=1)
+    cancelled.append(True)
+    with pytest.raises(JobCancelled, match="job j1 on cpu0 was cancelled"):
+        ctx.progress(step=2)
+    assert reports == [{"step": 1}]
+    entry = Entry.make(device="cpu0", worker="w", output=None, error=ErrorInfo.of(JobCancelled("x")),
+                       started=None, finished=None)
+    assert entry.status is EntryStatus.CANCELLED

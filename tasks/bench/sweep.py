@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -74,29 +77,36 @@ def waves_makespan(app: Celery, devices: list[str], lengths: list[float]) -> flo
 
 def ray_tune_trials_per_s(trials: int, cpus: int) -> float | None:
     """Trivial trials per second through Ray Tune (``num_samples=trials``, 1 CPU each);
-    None without Ray."""
+    None without Ray Tune (``ray[tune]``, in the ``bench`` extra)."""
     if not ray_available():
         return None
     import ray
-    from ray import tune
+
+    try:
+        from ray import tune
+    except ImportError as exc:  # Ray without its Tune dependencies (pandas, pyarrow)
+        logger.warning("no Ray Tune column: %s", exc)
+        return None
 
     def trivial(config: dict[str, Any]) -> dict[str, Any]:
         return {"score": config["x"]}
 
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        t0 = time.perf_counter()
-        tuner = tune.Tuner(tune.with_resources(trivial, {"cpu": 1}),
-                           param_space={"x": tune.uniform(0, 1)},
-                           tune_config=tune.TuneConfig(num_samples=trials),
-                           run_config=tune.RunConfig(verbose=0))
-        results = tuner.fit()
-        elapsed = time.perf_counter() - t0
-        if results.errors:
-            raise RuntimeError(f"Ray Tune: {len(results.errors)} trials failed: {results.errors[0]}")
-        return trials / elapsed
-    finally:
-        ray.shutdown()
+    # Tune prints its experiment table on stdout, where `bench --json` prints the figures.
+    with tempfile.TemporaryDirectory(prefix="devicefleet-bench-tune-") as storage, \
+            contextlib.redirect_stdout(sys.stderr):
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            t0 = time.perf_counter()
+            results = tune.Tuner(tune.with_resources(trivial, {"cpu": 1}),
+                                 param_space={"x": tune.uniform(0, 1)},
+                                 tune_config=tune.TuneConfig(num_samples=trials),
+                                 run_config=tune.RunConfig(verbose=0, storage_path=storage)).fit()
+            elapsed = time.perf_counter() - t0
+        finally:
+            ray.shutdown()
+    if results.errors:
+        raise RuntimeError(f"Ray Tune: {len(results.errors)} trials failed: {results.errors[0]}")
+    return trials / elapsed
 
 
 def measure(app: Celery, devices: list[str], *, quick: bool, jobs_per_s: float | None = None) -> dict[str, Any]:

@@ -200,12 +200,13 @@ class Sweep:
         finished = -1
         while True:
             metas = self.poll()
-            entries = self.entries(metas)
-            now_finished = sum(e is not None for e in entries)
-            if now_finished == len(entries):
-                return [e for e in entries if e is not None]
+            now_finished = sum(1 for m in metas if m is not None and m.get("status") in states.READY_STATES)
+            if now_finished == len(metas):
+                return [e for e in self.entries(metas) if e is not None]
             if deadline is not None and time.monotonic() > deadline:
-                raise FanOutTimeout(timeout or 0.0, [f"trial {i}" for i, e in enumerate(entries) if e is None])
+                pending = [f"trial {i}" for i, e in enumerate(self.entries(metas)) if e is None]
+                raise FanOutTimeout(timeout or 0.0, pending)
+            # Poll often while trials finish often; back off while nothing changes.
             pause = MIN_POLL_S if now_finished != finished else min(MAX_POLL_S, pause * 2)
             finished = now_finished
             time.sleep(pause)
