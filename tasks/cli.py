@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -181,19 +181,11 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
 
     kwargs = _parse_kwargs(kwargs_text)
     settings = _settings(redis_url=redis_url)
-    cancelled = False
     try:
         app = _producer_app(settings)
         handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, app=app)
-        with _say_on_interrupt("the fan-out"):
-            try:
-                if progress:
-                    _watch_progress(handle, timeout)
-                results = handle.get(timeout=timeout)
-            except KeyboardInterrupt:
-                cancelled = True
-                handle.cancel()
-                results = handle.get(timeout=CANCEL_WAIT_S)
+        results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout,
+                                             (lambda: _watch_progress(handle, timeout)) if progress else None)
     except DeviceFleetError as exc:
         _fail(exc)
     _print_results(results, as_json)
@@ -215,6 +207,19 @@ def _exit_code(statuses: list[str], cancelled: bool) -> int:
     if cancelled:
         return 130
     return 0 if all(status == "ok" for status in statuses) else 1
+
+
+def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], None] | None) -> tuple[Any, bool]:
+    """``(handle.get(timeout), False)``, after ``watch()`` draws it; on Ctrl-C, says so, cancels
+    the handle and returns ``(what it collected, True)``."""
+    with _say_on_interrupt(what):
+        try:
+            if watch is not None:
+                watch()
+            return handle.get(timeout=timeout), False
+        except KeyboardInterrupt:
+            handle.cancel()
+            return handle.get(timeout=CANCEL_WAIT_S), True
 
 
 @contextlib.contextmanager
@@ -281,21 +286,14 @@ def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text
     if (trials_file is None) == (grid_text is None):
         raise click.UsageError("give exactly one of --trials FILE.jsonl and --grid JSON")
     settings = _settings(redis_url=redis_url)
-    cancelled = False
     try:
         trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
         app = _producer_app(settings)
         handle = start_sweep(job, trials, devices, name=name, max_concurrent=max_concurrent,
                              kwargs=_parse_kwargs(kwargs_text), app=app)
-        with _say_on_interrupt(f"sweep {handle.id}"):
-            try:
-                if err_console.is_terminal:
-                    watch_sweep(handle, err_console, objective=objective, direction=direction, timeout=timeout)
-                entries = handle.get(timeout=timeout)
-            except KeyboardInterrupt:
-                cancelled = True
-                handle.cancel()
-                entries = handle.get(timeout=CANCEL_WAIT_S)
+        watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
+                                     timeout=timeout)) if err_console.is_terminal else None
+        entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch)
     except DeviceFleetError as exc:
         _fail(exc)
     if as_json:
