@@ -67,8 +67,8 @@ class TrialParams(BaseModel):
     fail: bool = False
 
 
-@job("trial", params=TrialParams)
-def trial(ctx: JobContext, params: TrialParams) -> dict[str, Any]:
+@job("counted", params=TrialParams)
+def counted(ctx: JobContext, params: TrialParams) -> dict[str, Any]:
     """A sweep trial the tests can count: one line per run in ``marker/<job id>``, ``seconds``
     of sleep split over ``steps`` reports, then ``score`` (or ValueError if ``fail``)."""
     import time

@@ -1,6 +1,6 @@
 """Sweeps and Optuna studies against the real session fleet (cpu0 + cpu1), and their CLI.
 
-Trials run the test job ``trial`` (tests/fleet_jobs.py), which appends one line per run to
+Trials run the test job ``counted`` (tests/fleet_jobs.py), which appends one line per run to
 ``<marker>/<task id>``: the tests count runs from those files, not from what the fleet says.
 """
 
@@ -41,7 +41,7 @@ def _trials(marker: Path, n: int, **fields: object) -> list[dict[str, object]]:
 def test_twenty_trials_over_two_devices_run_once_each_on_both(fleet, app, tmp_path):
     # Mixed lengths, so a device that is free takes the next trial while the other is busy.
     trials = [{"marker": str(tmp_path), "score": float(i), "seconds": 0.02 * (i % 5)} for i in range(20)]
-    handle = tasks.sweep("trial", trials, devices="cpu0,cpu1", app=app)
+    handle = tasks.sweep("counted", trials, devices="cpu0,cpu1", app=app)
     entries = handle.get(timeout=60)
 
     assert [e["trial"] for e in entries] == list(range(20))
@@ -60,7 +60,7 @@ def test_twenty_trials_over_two_devices_run_once_each_on_both(fleet, app, tmp_pa
 
 @pytest.mark.timeout(60)
 def test_a_sweep_on_some_devices_has_its_own_queue_only_they_consume(fleet, app, tmp_path):
-    handle = tasks.sweep("trial", _trials(tmp_path, 6, seconds=0.05), devices="cpu1", app=app)
+    handle = tasks.sweep("counted", _trials(tmp_path, 6, seconds=0.05), devices="cpu1", app=app)
     assert handle.queue.queue == f"sweep.{handle.id}" and handle.queue.own
     entries = handle.get(timeout=30)
     assert {e["device"] for e in entries} == {"cpu1"} and [e["status"] for e in entries] == ["ok"] * 6
@@ -79,7 +79,7 @@ def test_a_sweep_on_some_devices_has_its_own_queue_only_they_consume(fleet, app,
 def test_a_failing_trial_is_a_failed_entry_not_a_failed_sweep(fleet, app, tmp_path):
     trials = _trials(tmp_path, 4)
     trials[2]["fail"] = True
-    entries = tasks.sweep("trial", trials, app=app).get(timeout=30)
+    entries = tasks.sweep("counted", trials, app=app).get(timeout=30)
     assert [e["status"] for e in entries] == ["ok", "ok", "error", "ok"]
     assert entries[2]["error"]["type"] == "ValueError"
     assert "failed on purpose" in entries[2]["error"]["message"]
@@ -87,7 +87,7 @@ def test_a_failing_trial_is_a_failed_entry_not_a_failed_sweep(fleet, app, tmp_pa
 
 @pytest.mark.timeout(90)
 def test_cancel_stops_running_trials_and_never_starts_queued_ones(fleet, app, tmp_path):
-    handle = tasks.sweep("trial", _trials(tmp_path, 6, seconds=30.0, steps=300), app=app)
+    handle = tasks.sweep("counted", _trials(tmp_path, 6, seconds=30.0, steps=300), app=app)
     wait_for(lambda: handle.summary().running == 2, 30, "both devices running a trial")
     handle.cancel()
     entries = handle.get(timeout=30)
@@ -105,7 +105,7 @@ def test_cancel_stops_running_trials_and_never_starts_queued_ones(fleet, app, tm
 
 @pytest.mark.timeout(60)
 def test_fan_out_cancel_stops_each_device_at_its_next_progress_call(fleet, app, tmp_path):
-    handle = tasks.fan_out("trial", kwargs={"marker": str(tmp_path), "seconds": 30.0, "steps": 300}, app=app)
+    handle = tasks.fan_out("counted", kwargs={"marker": str(tmp_path), "seconds": 30.0, "steps": 300}, app=app)
     wait_for(lambda: set(handle.states().values()) == {"PROGRESS"}, 30, "both devices reporting")
     handle.cancel()
     results = handle.get(timeout=30)
@@ -123,7 +123,7 @@ def test_a_killed_producer_resumes_with_every_trial_exactly_once(fleet, app, tmp
         import tasks
         from tasks.core.settings import Settings
         app = tasks.create_app(Settings.load(redis_url={fleet.redis_url!r}))
-        handle = tasks.sweep("trial", {trials!r}, name="resume-me", max_concurrent=4, app=app)
+        handle = tasks.sweep("counted", {trials!r}, name="resume-me", max_concurrent=4, app=app)
         print("sent", flush=True)
         handle.get(timeout=120)
     """))
@@ -138,7 +138,7 @@ def test_a_killed_producer_resumes_with_every_trial_exactly_once(fleet, app, tmp
     sent_before = connect(fleet.redis_url).scard(keys.sweep_sent("resume-me"))
     assert 0 < sent_before < 12
 
-    entries = tasks.sweep("trial", trials, name="resume-me", max_concurrent=4, app=app).get(timeout=90)
+    entries = tasks.sweep("counted", trials, name="resume-me", max_concurrent=4, app=app).get(timeout=90)
     assert [e["status"] for e in entries] == ["ok"] * 12
     assert [e["output"]["score"] for e in entries] == [float(i) for i in range(12)]
     runs = _runs(marker)
@@ -150,24 +150,24 @@ def test_a_killed_producer_resumes_with_every_trial_exactly_once(fleet, app, tmp
 def test_bad_input_fails_at_the_producer_naming_it(fleet, app, tmp_path):
     client = connect(fleet.redis_url)
     with pytest.raises(tasks.ConfigError, match=r"trial 1 is 'lr=0.1', not a dict"):
-        tasks.sweep("trial", [{"marker": "x"}, "lr=0.1"], name="bad-input", app=app)
+        tasks.sweep("counted", [{"marker": "x"}, "lr=0.1"], name="bad-input", app=app)
     assert client.get(keys.sweep("bad-input")) is None  # nothing was sent
-    with pytest.raises(tasks.UnknownJob, match="did you mean 'trial'"):
-        tasks.sweep("trail", [{}], app=app)
+    with pytest.raises(tasks.UnknownJob, match="did you mean 'counted'"):
+        tasks.sweep("countd", [{}], app=app)
     with pytest.raises(tasks.ConfigError, match="grid axis 'lr'"):
         tasks.grid({"lr": 0.1})
     assert tasks.grid({"a": [1, 2], "b": ["x"]}) == [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}]
 
-    tasks.sweep("trial", _trials(tmp_path, 2), name="taken", app=app).get(timeout=30)
+    tasks.sweep("counted", _trials(tmp_path, 2), name="taken", app=app).get(timeout=30)
     with pytest.raises(tasks.SweepConflict, match="'taken' exists with 2 trials"):
-        tasks.sweep("trial", _trials(tmp_path, 3), name="taken", app=app)
+        tasks.sweep("counted", _trials(tmp_path, 3), name="taken", app=app)
 
     with pytest.raises(tasks.ConfigError, match=r"space\['lr'\]"):
-        tasks.optimize("trial", {"lr": {"low": 1.0, "high": 0.1}}, 2, "score", app=app)
+        tasks.optimize("counted", {"lr": {"low": 1.0, "high": 0.1}}, 2, "score", app=app)
     with pytest.raises(tasks.ConfigError, match=r"objective 'accuracy' is not a number .* returned device, pid, score"):
-        tasks.optimize("trial", {"score": [0.5, 1.0]}, 4, "accuracy", kwargs={"marker": str(tmp_path)}, app=app)
+        tasks.optimize("counted", {"score": [0.5, 1.0]}, 4, "accuracy", kwargs={"marker": str(tmp_path)}, app=app)
     with pytest.raises(tasks.ConfigError, match="refused trial 0's parameters .*'lr'"):
-        tasks.optimize("trial", {"lr": [0.1]}, 1, "score", kwargs={"marker": str(tmp_path)},
+        tasks.optimize("counted", {"lr": [0.1]}, 1, "score", kwargs={"marker": str(tmp_path)},
                        max_concurrent=1, app=app)
 
 
@@ -194,7 +194,7 @@ def test_optimize_is_an_optuna_study_in_redis_and_prunes_a_poor_trial_early(flee
     # sampler (which calls study.stop() when the grid is done) runs each score once.
     sampler = optuna.samplers.GridSampler({"score": [1.0, 0.1, 0.9, 0.8]}, seed=0)
     pruner = optuna.pruners.ThresholdPruner(lower=0.5, n_warmup_steps=2)
-    study = tasks.optimize("trial", {"score": [1.0, 0.1, 0.9, 0.8]}, 4, "score", name="prune-me",
+    study = tasks.optimize("counted", {"score": [1.0, 0.1, 0.9, 0.8]}, 4, "score", name="prune-me",
                            kwargs={"marker": str(tmp_path), "seconds": 3.0, "steps": 10},
                            sampler=sampler, pruner=pruner, app=app)
 
@@ -221,12 +221,12 @@ def test_cli_sweep_and_optimize_rank_by_the_objective_and_ctrl_c_cancels(fleet, 
     env.update(test_env(), DEVICEFLEET_REDIS_URL=fleet.redis_url)
     trials = tmp_path / "trials.jsonl"
     trials.write_text("\n".join(json.dumps({"marker": str(tmp_path), "score": s}) for s in (0.2, 0.9, 0.5)) + "\n")
-    out = subprocess.run([*CLI, "sweep", "trial", "--trials", str(trials), "--objective", "score", "--json"],
+    out = subprocess.run([*CLI, "sweep", "counted", "--trials", str(trials), "--objective", "score", "--json"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     entries = json.loads(out.stdout)["trials"]
     assert [e["kwargs"]["score"] for e in entries] == [0.2, 0.9, 0.5]
-    table = subprocess.run([*CLI, "sweep", "trial", "--grid", '{"score": [0.2, 0.9, 0.5]}', "--kwargs",
+    table = subprocess.run([*CLI, "sweep", "counted", "--grid", '{"score": [0.2, 0.9, 0.5]}', "--kwargs",
                             json.dumps({"marker": str(tmp_path)}), "--objective", "score"],
                            env=env, capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
@@ -234,7 +234,7 @@ def test_cli_sweep_and_optimize_rank_by_the_objective_and_ctrl_c_cancels(fleet, 
     ranked = [cells[5].strip() for cells in rows if cells[1].strip()]  # not a folded line
     assert ranked == ["0.9", "0.5", "0.2"]
 
-    study = subprocess.run([*CLI, "optimize", "trial", "--space", '{"score": {"low": 0.0, "high": 1.0}}',
+    study = subprocess.run([*CLI, "optimize", "counted", "--space", '{"score": {"low": 0.0, "high": 1.0}}',
                             "--trials", "4", "--objective", "score", "--seed", "1", "--name", "cli-study",
                             "--kwargs", json.dumps({"marker": str(tmp_path)}), "--json"],
                            env=env, capture_output=True, text=True, timeout=60)
@@ -243,12 +243,12 @@ def test_cli_sweep_and_optimize_rank_by_the_objective_and_ctrl_c_cancels(fleet, 
     assert len(report["trials"]) == 4 and report["study"] == "cli-study"
     assert report["best"]["value"] == max(t["objective"] for t in report["trials"])
 
-    bad = subprocess.run([*CLI, "sweep", "trial", "--grid", '{"score": 1}'], env=env, capture_output=True,
+    bad = subprocess.run([*CLI, "sweep", "counted", "--grid", '{"score": 1}'], env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "grid axis 'score'" in bad.stderr
 
     (tmp_path / "long").mkdir()
-    long = subprocess.Popen([*CLI, "sweep", "trial", "--grid", '{"score": [1, 2, 3, 4]}', "--json", "--kwargs",
+    long = subprocess.Popen([*CLI, "sweep", "counted", "--grid", '{"score": [1, 2, 3, 4]}', "--json", "--kwargs",
                              json.dumps({"marker": str(tmp_path / "long"), "seconds": 30, "steps": 300})],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: len(list((tmp_path / "long").iterdir())) == 2, 30, "two trials running", proc=long)
