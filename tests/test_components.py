@@ -250,10 +250,51 @@ def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, ap
             assert record.resend is not None
             assert (record.resend.name, record.resend.queue, record.resend.kwargs) == (
                 "devicefleet.components.job", "device.cpu9", {"epochs": 1})
+        # Held until the result is stored (the worker's task_postrun calls release_held).
+        assert keeper.held() == [task_id] and client.exists(keys.lease(task_id)) == 1
+        keeper.release_held(task_id)
         assert client.exists(keys.lease(task_id)) == 0
         assert keeper.held() == []
     finally:
         task.pop_request()
+
+
+def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, monkeypatch):
+    """The window between a job's return and its stored result: the lease still covers it."""
+    keeper = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    register(client, worker_record("cpu1", host=OTHER_HOST))  # the original's worker is alive
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    copy = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    runs = []
+    try:
+        with on_other_host(monkeypatch), keeper.hold(task):
+            runs.append("original")
+        # The function has returned; Celery has not stored the result yet. A copy now:
+        with pytest.raises(Ignore), copy.hold(task):
+            runs.append("copy, before the result is stored")
+        app.backend.store_result(task_id, {"done": True}, "SUCCESS")
+        keeper.release_held(task_id)  # what task_postrun does, after the store
+        # A copy after the release finds the result stored.
+        with pytest.raises(Ignore), copy.hold(task):
+            runs.append("copy, after the release")
+    finally:
+        task.pop_request()
+    assert runs == ["original"]
+    assert client.exists(keys.lease(task_id)) == 0 and copy.held() == [] and keeper.held() == []
+
+
+def test_hold_releases_at_once_when_the_block_ignores_or_the_worker_goes_down(client, app):
+    keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
+    for exc in (Ignore(), KeyboardInterrupt()):
+        task_id = str(uuid.uuid4())
+        task = _job_task(app, task_id)
+        try:
+            with pytest.raises(type(exc)), keeper.hold(task):
+                raise exc
+        finally:
+            task.pop_request()
+        assert client.exists(keys.lease(task_id)) == 0 and keeper.held() == []
 
 
 def test_hold_drops_a_copy_of_a_job_that_already_finished(client, app):
@@ -286,6 +327,7 @@ def test_hold_drops_a_second_copy_running_in_the_same_process(client, app):
             # The dropped copy must not have released the running copy's lease.
             assert client.get(keys.lease(task_id)) == value
             assert keeper.held() == [task_id]
+        keeper.release_held(task_id)
         assert client.exists(keys.lease(task_id)) == 0
     finally:
         task.pop_request()

@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Any
 
-from celery import bootsteps
+from celery import bootsteps, signals
 
 from ..core.errors import ConfigError, DeviceFleetError
 from ..core.job import COLLECT_TASK
@@ -70,6 +70,14 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         app.task(name=COLLECT_TASK, shared=False)(collect)
         # Exactly the device's queues, whatever -Q said.
         app.amqp.queues.select(device_worker.queues)
+        # A job's lease is released once Celery has stored its result (LeaseKeeper.hold).
+        # Connected before the consumer builds its tracers, which read the receivers.
+        signals.task_postrun.connect(self._release_lease, weak=False)
+
+    def _release_lease(self, sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+        leases = self.device_worker.leases
+        if leases is not None and task_id and isinstance(sender, JobTask):
+            leases.release_held(task_id)
 
     def start(self, parent: Any) -> None:
         try:
@@ -87,6 +95,7 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         self.device_worker.leave()
 
     def shutdown(self, parent: Any) -> None:
+        signals.task_postrun.disconnect(self._release_lease)
         self.device_worker.leave()
 
 

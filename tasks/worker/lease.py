@@ -155,7 +155,15 @@ class LeaseKeeper(PeriodicThread):
 
     @contextmanager
     def hold(self, task: Any) -> Iterator[None]:
-        """Hold ``task``'s lease while the block runs.
+        """Take ``task``'s lease for the block, and keep it until :meth:`release_held`.
+
+        The lease outlives the block: the job's function has returned, but Celery has not
+        stored its result yet. The worker releases it from Celery's ``task_postrun`` signal,
+        which comes after the result (or failure) is stored and before the message is
+        acknowledged, so a copy redelivered at any moment finds the lease held or the result
+        stored, and never runs the job again. Only a block that ends in
+        :class:`~celery.exceptions.Ignore` (nothing more to store) or in a BaseException that
+        is not an Exception (the worker is going down) releases it at once.
 
         Raises:
             celery.exceptions.Ignore: another live worker runs this job now, or it has already
@@ -180,7 +188,20 @@ class LeaseKeeper(PeriodicThread):
             raise Ignore()
         try:
             yield
-        finally:
+        except Ignore:
+            self.release(task_id)
+            raise
+        except Exception:
+            raise  # Celery stores the failure, then task_postrun releases the lease
+        except BaseException:
+            self.release(task_id)
+            raise
+
+    def release_held(self, task_id: str) -> None:
+        """Release ``task_id``'s lease if this process holds it (a no-op, no round trip, if not)."""
+        with self._lock:
+            held = task_id in self._held
+        if held:
             self.release(task_id)
 
     def tick(self) -> None:
