@@ -122,7 +122,10 @@ class Sweep:
         if not todo:
             return 0
         sent = self.queue.send((i, self.specs[i]) for i in todo)
-        registry_client(self.app).sadd(keys.sweep_sent(self.id), *sent)
+        pipe = registry_client(self.app).pipeline()
+        pipe.sadd(keys.sweep_sent(self.id), *sent)
+        pipe.expire(keys.sweep_sent(self.id), _expires(self.app))  # with the record and the results
+        pipe.execute()
         self._sent.update(sent)
         return len(sent)
 
@@ -260,10 +263,14 @@ def digest(specs: Sequence[JobSpec]) -> str:
     return h.hexdigest()
 
 
+def _expires(app: Celery) -> int:
+    """Seconds a sweep's keys live: as long as its trials' results (the backend's ``expires``)."""
+    return max(60, int(app.backend.expires or 86_400))
+
+
 def _save(app: Celery, record: SweepRecord) -> None:
-    """Store the record; it expires with the trials' results (the backend's ``expires``)."""
-    expires = max(60, int(app.backend.expires or 86_400))
-    registry_client(app).set(keys.sweep(record.sweep_id), record.to_json(), ex=expires)
+    """Store the record; it expires with the trials' results."""
+    registry_client(app).set(keys.sweep(record.sweep_id), record.to_json(), ex=_expires(app))
 
 
 def sweep(
