@@ -84,3 +84,42 @@ def counted(ctx: JobContext, params: TrialParams) -> dict[str, Any]:
     if params.fail:
         raise ValueError(f"trial with score {params.score} failed on purpose")
     return {"score": params.score, "device": ctx.device, "pid": os.getpid()}
+
+
+class RankedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: ``all_reduce`` this many times, sleeping ``seconds`` and reporting progress after each.
+    steps: int = 1
+    seconds: float = 0.0
+    #: This rank raises ValueError at its first step: a rank's own error.
+    fail_rank: int | None = None
+    #: A folder where each run appends a line to ``<marker>/<device>``: the tests count runs.
+    marker: str | None = None
+
+
+@job("ranked", params=RankedParams)
+def ranked(ctx: JobContext, params: RankedParams) -> dict[str, Any]:
+    """A rank of a distributed job: sums ``rank + 1`` over the group ``steps`` times and returns
+    what the rank saw (its torchrun variables, its CUDA_VISIBLE_DEVICES)."""
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    if params.marker is not None:
+        with open(Path(params.marker) / ctx.device, "a") as handle:
+            handle.write(f"{os.getpid()} {ctx.distributed.restarts if ctx.distributed else -1}\n")
+    total = 0.0
+    for step in range(1, params.steps + 1):
+        if params.fail_rank == ctx.rank:
+            raise ValueError(f"rank {ctx.rank} fails on purpose")
+        value = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(value, group=ctx.process_group)
+        total = float(value.item())
+        time.sleep(params.seconds)
+        ctx.progress(step=step, steps=params.steps)
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+    return {"sum": total, "env": {name: os.environ.get(name) for name in names},
+            "initialized": dist.is_initialized(), "pid": os.getpid(),
+            "local_rank": ctx.local_rank}

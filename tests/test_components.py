@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +28,23 @@ from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
 from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
-from tasks.core.errors import JobCancelled, JobError, OutOfMemory
+from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory
 from tasks.core.job import JobContext
-from tasks.core.records import BusyInfo, Entry, EntryStatus, ErrorInfo, LeaseRecord, ResendRecord, WorkerRecord
+from tasks.core.records import (
+    BusyInfo,
+    Entry,
+    EntryStatus,
+    ErrorInfo,
+    GangSpec,
+    LeaseRecord,
+    ResendRecord,
+    WorkerRecord,
+)
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker import lease as lease_module
+from tasks.worker.distributed import GiveWay, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
 from tasks.worker.oom import run_guarded
@@ -763,3 +774,63 @@ def test_cancelled_context_stops_at_its_next_progress_call(tmp_path):
     entry = Entry.make(device="cpu0", worker="w", output=None, error=ErrorInfo.of(JobCancelled("x")),
                        started=None, finished=None)
     assert entry.status is EntryStatus.CANCELLED
+
+
+# -- the gang rendezvous of distributed jobs (tasks.worker.distributed) ------------------------------
+
+
+def _gang(gang_id: str, seq: int, devices: list[str], max_restarts: int = 1) -> GangSpec:
+    return GangSpec(id=gang_id, devices=devices, seq=seq, backend="gloo", max_restarts=max_restarts,
+                    join_timeout_s=10, collective_timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+def test_a_younger_gang_gives_a_device_to_an_older_assembling_gang(client):
+    """Queues crossed (the younger gang's rank took d1, the older gang's took d0): the younger
+    rank gives d1 up, the older gang assembles; the older rank never gives way to it."""
+    older, younger = _gang("older", 1, ["d0", "d1"]), _gang("younger", 2, ["d0", "d1"])
+    older_d0 = Rendezvous(client, older, "d0", "h", 60)
+    waited: dict[str, Any] = {}
+    older_d0.join()
+    thread = threading.Thread(target=lambda: waited.update(assembled=older_d0.wait(0)))
+    thread.start()
+    wait_for(lambda: client.exists(keys.gang_alive("older")), 10, "the older gang to wait")
+    younger_d1 = Rendezvous(client, younger, "d1", "h", 60)
+    assert younger_d1.join() == 0
+    with pytest.raises(GiveWay, match="d1 is needed by the older gang older"):
+        younger_d1.wait(0)
+    # It left its generation: its gang needs d1 again, and d1 went to the older gang's rank.
+    assert client.zscore(keys.gangs_needing("d1"), "younger") == 2
+    older_d1 = Rendezvous(client, older, "d1", "h", 60)
+    older_d1.join()
+    assert older_d1.wait(0).hosts == {0: "h", 1: "h"}
+    thread.join(10)
+    assert waited["assembled"].generation == 0
+    assert client.zscore(keys.gangs_needing("d1"), "older") is None
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_that_dies_moves_its_gang_on_until_the_restarts_run_out(client):
+    spec = _gang("restarts", 3, ["d0", "d1"], max_restarts=1)
+    rank0, rank1 = Rendezvous(client, spec, "d0", "h", 60), Rendezvous(client, spec, "d1", "h", 60)
+    assert rank0.join() == rank1.join() == 0
+    assert rank0.wait(0).generation == 0
+    # Rank 1's worker died in generation 0: its fresh run moves the gang to generation 1, and
+    # rank 0, whose collective failed, joins it there (the gang moves on once, not twice).
+    assert rank1.join() == 1
+    assert rank0.join(after=0) == 1
+    assert rank0.wait(1).generation == rank1.wait(1).generation == 1
+    # One restart allowed: the next death fails the gang, and a waiting peer hears why.
+    with pytest.raises(GangFailed, match="gave up after 1 restarts"):
+        rank1.join()
+    with pytest.raises(GangFailed, match="gave up after 1 restarts"):
+        rank0.wait(1)
+
+
+def test_peer_lost_tells_a_lost_collective_from_a_jobs_own_error():
+    import torch.distributed as dist
+
+    assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+    assert peer_lost(dist.DistNetworkError("store"))
+    assert not peer_lost(ValueError("bad value"))
+    assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

@@ -19,6 +19,7 @@ The tree, by area::
         ├── DatasetError          a dataset file is missing or unreadable
         ├── TrainingDiverged      the loss became NaN or infinite
         ├── OutOfMemory           the device ran out of memory
+        ├── GangFailed            a distributed job's ranks could not form or gave up
         └── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
 
 Every message says what was wrong, with the offending value, and what to do.
@@ -123,6 +124,11 @@ class OutOfMemory(JobError, MemoryError):
         self.memory = memory or {}
         #: Device memory was still held after the release: the worker should be recycled.
         self.recycle = recycle
+
+
+class GangFailed(JobError):
+    """A distributed job failed as a whole: a rank did not join within the join timeout (the
+    message names its device), a rank's job raised, or the gang used up its restarts."""
 
 
 class JobCancelled(JobError):

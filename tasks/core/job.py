@@ -60,6 +60,26 @@ class JobMetric(str, Enum):
         return self is JobMetric.SAMPLES
 
 
+@dataclass(frozen=True)
+class DistributedInfo:
+    """Where a rank of a distributed job stands (``ctx.distributed``); the process group is
+    ``torch.distributed``'s default group, initialised before the job starts and destroyed
+    after it ends (the worker owns it: a job never calls ``init_process_group``)."""
+
+    rank: int
+    world_size: int
+    #: The rank's index among the gang's ranks on the same host, as torchrun numbers them.
+    #: Each worker sees only its own GPU: use ``ctx.torch_device``, not ``cuda:<local_rank>``.
+    local_rank: int
+    #: ``gloo`` or ``nccl``.
+    backend: str
+    #: How many times the gang has restarted (0 on the first run).
+    restarts: int
+    #: Rank 0's TCP store, which every rank joined: ``MASTER_ADDR`` and ``MASTER_PORT``.
+    master_addr: str
+    master_port: int
+
+
 @dataclass
 class JobContext:
     """What a running job knows about where it runs."""
@@ -82,6 +102,31 @@ class JobContext:
     scalar_sink: Callable[[int, dict[str, Any]], None] | None = None
     #: True once the producer cancelled this run (``handle.cancel()``, a pruned trial).
     cancelled: Callable[[], bool] | None = None
+    #: Set when this run is one rank of a distributed job (``fan_out(..., distributed=True)``).
+    distributed: DistributedInfo | None = None
+
+    @property
+    def rank(self) -> int:
+        """This run's rank: 0 unless it is a rank of a distributed job."""
+        return self.distributed.rank if self.distributed is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the job has: 1 unless it is distributed."""
+        return self.distributed.world_size if self.distributed is not None else 1
+
+    @property
+    def local_rank(self) -> int:
+        return self.distributed.local_rank if self.distributed is not None else 0
+
+    @property
+    def process_group(self) -> Any:
+        """The job's ``torch.distributed`` process group (the default group), or None."""
+        if self.distributed is None:
+            return None
+        import torch.distributed as dist
+
+        return dist.group.WORLD
 
     def progress(self, **fields: Any) -> None:
         """Report progress, e.g. ``ctx.progress(epoch=3, epochs=15, loss=0.21)``.

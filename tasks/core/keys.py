@@ -59,6 +59,33 @@ def sweep_sent(sweep_id: str) -> str:
 OPTUNA_PREFIX = f"{PREFIX}optuna"
 
 
+# -- distributed jobs (tasks.producer.fanout sends, tasks.worker.distributed assembles) -----------
+
+#: Counter that gives each distributed job its ``seq`` (its age).
+GANG_SEQ = f"{PREFIX}gang:seq"
+#: Lock held while one gang's ranks are sent: every device's queue has one gang's ranks before
+#: the next gang's (redis-py's ``Lock``).
+GANG_SEND_LOCK = f"{PREFIX}gang:send-lock"
+
+
+def gang(gang_id: str) -> str:
+    """Hash of a gang's rendezvous: ``gen`` (its generation: how often it restarted),
+    ``m:<gen>:<rank>`` (the host of each rank that joined), ``master:<gen>`` (rank 0's
+    ``address:port``), ``failed`` (why it gave up). Expires with the results."""
+    return f"{PREFIX}gang:{gang_id}"
+
+
+def gang_alive(gang_id: str) -> str:
+    """Set (with a short TTL) while any rank of the gang waits for the others."""
+    return f"{PREFIX}gang:{gang_id}:alive"
+
+
+def gangs_needing(device: str) -> str:
+    """Sorted set ``{gang id: seq}`` of the assembling gangs whose rank on ``device`` has not
+    joined yet: a younger gang waiting on the device gives it up to them."""
+    return f"{PREFIX}gangs-needing:{device}"
+
+
 # -- throughput counters (tasks.worker.accounting writes, tasks.ops.exporter reads) --------------
 
 #: Set of the devices that have counters.

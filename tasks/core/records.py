@@ -2,6 +2,8 @@
 
 - :class:`Entry`: one device's result in a fan-out (the value of ``{device: entry}``);
 - :class:`JobOptions`: per-job options that are not the job's own kwargs (a message header);
+- :class:`DistributedOptions`, :class:`GangSpec`: a distributed job as asked, and as every rank
+  receives it;
 - :class:`WorkerRecord`: a device worker's entry in the fleet registry;
 - :class:`LeaseRecord`: the lease of a running job, with what the reaper needs to send it again;
 - :class:`FleetFile`: what ``devicefleet up`` writes for producers on the same host.
@@ -122,6 +124,61 @@ def iso(ts: float | None) -> str | None:
 # -- options beside the kwargs ---------------------------------------------------------------------
 
 
+class DistBackend(str, Enum):
+    """The ``torch.distributed`` backend of a distributed job."""
+
+    #: nccl when every rank is a GPU device, else gloo (gloo also reduces CUDA tensors).
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class DistributedOptions(_Record):
+    """How to run one job as the ranks of one ``torch.distributed`` group
+    (``fan_out(job, devices, distributed={...})``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: DistBackend = DistBackend.AUTO
+    #: How many times the whole gang runs again after a rank's worker died (from the job's
+    #: last checkpoint); a job's own error is not retried.
+    max_restarts: int = Field(default=2, ge=0, le=100)
+    #: How long a rank waits for the others to start; then the gang fails, naming the devices
+    #: that did not come (they may be busy with other jobs: count their queue in).
+    join_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    #: How long a collective may wait for a peer (``init_process_group(timeout=...)``), instead
+    #: of torch's 30 minutes; a dead peer's gloo connection fails at once.
+    collective_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+
+
+class GangSpec(_Record):
+    """A distributed job as each of its ranks receives it: rank ``i`` runs on ``devices[i]``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    devices: list[str] = Field(min_length=1)
+    #: The gang's age (a fleet-wide counter at send time): an older gang keeps a device that
+    #: two assembling gangs both want (tasks.worker.distributed).
+    seq: int = Field(ge=0)
+    backend: Literal["gloo", "nccl"]
+    max_restarts: int = Field(ge=0, le=100)
+    join_timeout_s: float = Field(gt=0)
+    collective_timeout_s: float = Field(gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def rank_of(self, device: str) -> int:
+        """The rank of ``device``.
+
+        Raises:
+            ValueError: the device is not one of the gang's.
+        """
+        return self.devices.index(device)
+
+
 class JobOptions(_Record):
     """Options of one job run that are not the job's own kwargs.
 
@@ -133,6 +190,8 @@ class JobOptions(_Record):
 
     #: Where to run the job again if the device runs out of memory: ``"cpu"``, or None.
     fallback: Literal["cpu"] | None = None
+    #: Set on each rank of a distributed job (``fan_out(..., distributed=True)``).
+    gang: GangSpec | None = None
 
     @property
     def is_default(self) -> bool:

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     device_names: DeviceNames = DeviceNames.SHORT
     #: The host part of device names under ``device_names=host``. Default: this host's name.
     device_host: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+    #: The address the other ranks of a distributed job reach this worker at when it is rank 0.
+    #: Default: this host's address on its route to Redis (127.0.0.1 when Redis is on loopback).
+    advertise_address: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}$")
 
     @field_validator("redis_url")
     @classmethod

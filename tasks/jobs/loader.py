@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def build_loader(
     shuffle: bool = False,
     seed: int = 0,
     prefetch_factor: int = DEFAULT_PREFETCH,
+    sampler: Sampler[Any] | None = None,
 ) -> DataLoader[Any]:
     """A DataLoader over ``dataset`` with ``num_workers`` persistent producer processes.
 
@@ -41,12 +42,15 @@ def build_loader(
             since a process that initialised CUDA must not fork.
         shuffle: reshuffle each epoch (reproducibly, from ``seed``).
         prefetch_factor: batches each worker keeps ready ahead of the consumer.
+        sampler: which samples, in which order (a ``DistributedSampler`` gives a rank its
+            shard); it does the shuffling, so ``shuffle`` is ignored.
     """
     workers = max(0, num_workers)
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        shuffle=shuffle if sampler is None else None,
+        sampler=sampler,
         num_workers=workers,
         pin_memory=cuda,
         persistent_workers=workers > 0,

@@ -5,6 +5,10 @@ A job that runs again after its worker died has the same job id, hence the same
 ``resume.safetensors`` (model ``model.<name>``, optimizer state ``optim.<param>.<key>``); the
 epoch and the optimizer's hyper-parameters to ``resume.json``. Both are written to a temporary
 name and renamed, so a kill during a save leaves the previous checkpoint intact.
+
+In a distributed job only rank 0 saves; when the gang (re)starts, :func:`share` copies rank 0's
+checkpoint files to every rank over the process group (as bytes: no pickle, and no shared
+filesystem needed across hosts), so every rank resumes from the same epoch and state.
 """
 
 from __future__ import annotations
@@ -45,6 +49,35 @@ def save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     tmp_info = folder / (INFO + ".tmp")
     tmp_info.write_text(json.dumps(info))
     os.replace(tmp_info, folder / INFO)
+
+
+def share(folder: Path, rank: int, device: torch.device) -> None:
+    """Make ``folder`` on every rank hold rank 0's checkpoint (or none, if rank 0 has none).
+
+    A collective: every rank of the default process group calls it.
+    """
+    import torch.distributed as dist
+
+    names = (TENSORS, INFO)
+    blobs = [(folder / name).read_bytes() if rank == 0 and (folder / name).is_file() else b"" for name in names]
+    if rank == 0 and not all(blobs):
+        blobs = [b"", b""]
+    sizes = torch.tensor([len(blob) for blob in blobs], dtype=torch.long, device=device)
+    dist.broadcast(sizes, src=0)
+    for name, blob, size in zip(names, blobs, sizes.tolist(), strict=True):
+        path = folder / name
+        if not size:
+            if rank != 0:
+                path.unlink(missing_ok=True)
+            continue
+        data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if rank == 0
+                else torch.empty(int(size), dtype=torch.uint8, device=device))
+        dist.broadcast(data, src=0)
+        if rank != 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / (name + ".tmp")
+            tmp.write_bytes(data.cpu().numpy().tobytes())
+            os.replace(tmp, path)
 
 
 def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

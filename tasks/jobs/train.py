@@ -6,10 +6,17 @@ batches in the background; on CUDA, batches are pinned and copied with ``non_blo
 accumulators live on the device and are read once per epoch (no per-step ``.item()``);
 evaluation runs under ``torch.inference_mode()``. Results travel by reference: the checkpoint
 stays on disk and only its path goes through Redis.
+
+As a rank of a distributed job (``fan_out("train", devices, distributed=True)``) the model is
+wrapped in ``DistributedDataParallel``, each rank trains on its shard of the data
+(``DistributedSampler``, reshuffled each epoch), the epoch's loss and accuracy are averaged over
+the ranks with ``all_reduce``, and only rank 0 writes checkpoints. Every rank reports
+``weights_digest``, a hash of its final parameters: equal on every rank, or DDP did not work.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -20,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
@@ -56,6 +64,25 @@ def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
     return min(4, cores) if cuda else min(4, cores - 1)
 
 
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers, by name: equal models, equal digests."""
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _sum_over_ranks(values: list[torch.Tensor | float], device: torch.device, ranks: int) -> list[float]:
+    """``values`` summed over every rank (one ``all_reduce``), as floats."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if ranks > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(stacked)
+    return [float(v) for v in stacked.tolist()]
+
+
 @job("train", params=TrainParams, metrics={
     "samples_seen": JobMetric.SAMPLES,
     "samples_per_s": JobMetric.SAMPLES_PER_S,
@@ -66,22 +93,35 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     torch.manual_seed(params.seed)
     device = torch.device(ctx.torch_device)
     cuda = device.type == "cuda"
+    rank, ranks = ctx.rank, ctx.world_size
     split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
     workers = _loader_workers(params, ctx, cuda)
+    train_set = TensorDataset(split.x_train, split.y_train)
+    sampler: DistributedSampler[Any] | None = (DistributedSampler(train_set, num_replicas=ranks, rank=rank, shuffle=True, seed=params.seed)
+               if ranks > 1 else None)
     loader = build_loader(
-        TensorDataset(split.x_train, split.y_train),
+        train_set,
         batch_size=params.batch_size,
         num_workers=workers,
         cuda=cuda,
         shuffle=True,
         seed=params.seed,
+        sampler=sampler,
     )
-    model = build(params.model, split.features, split.classes, params.hidden).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=params.lr)
+    net = build(params.model, split.features, split.classes, params.hidden).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
+    rank_samples = len(sampler) if sampler is not None else n_train
 
-    resumed_from = resume.load(ctx.artifacts_dir, model, optimizer, device)
+    if ranks > 1:
+        resume.share(ctx.artifacts_dir, rank, device)  # every rank resumes from rank 0's checkpoint
+    resumed_from = resume.load(ctx.artifacts_dir, net, optimizer, device)
+    model: nn.Module = net
+    if ranks > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(net, device_ids=[device.index or 0] if cuda else None)
     last_save = time.monotonic()
 
     wait_s = 0.0
@@ -90,6 +130,8 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     started = time.perf_counter()
     for epoch in range(resumed_from + 1, params.epochs + 1):
         model.train()
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         epoch_started = time.perf_counter()
         epoch_wait = wait_s
         loss_sum = torch.zeros((), device=device)
@@ -110,9 +152,11 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
             optimizer.step()
             loss_sum += loss.detach() * yb.shape[0]
             correct_sum += (logits.detach().argmax(dim=1) == yb).sum()
-        # One device-to-host read per epoch, for the loss curve and progress.
-        epoch_loss = float(loss_sum.item()) / n_train
-        epoch_accuracy = int(correct_sum.item()) / n_train
+        # One device-to-host read per epoch (one all_reduce over the ranks), for the loss curve.
+        loss_total, correct_total, seen_total = _sum_over_ranks(
+            [loss_sum, correct_sum, float(rank_samples)], device, ranks)
+        epoch_loss = loss_total / seen_total
+        epoch_accuracy = correct_total / seen_total
         epoch_s = time.perf_counter() - epoch_started
         if not math.isfinite(epoch_loss):
             raise TrainingDiverged(
@@ -124,36 +168,40 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         ctx.log(epoch, **{
             "loss/train": epoch_loss,
             "accuracy/train": epoch_accuracy,
-            "samples_per_s": n_train / epoch_s if epoch_s > 0 else 0.0,
+            "samples_per_s": rank_samples / epoch_s if epoch_s > 0 else 0.0,
             "data_wait_fraction": (wait_s - epoch_wait) / epoch_s if epoch_s > 0 else 0.0,
         })
         ctx.progress(epoch=epoch, epochs=params.epochs, loss=round(epoch_loss, 6))
-        if epoch < params.epochs and time.monotonic() - last_save >= params.checkpoint_every_s:
-            resume.save(ctx.artifacts_dir, model, optimizer, epoch, {"loss": epoch_loss})
+        if rank == 0 and epoch < params.epochs and time.monotonic() - last_save >= params.checkpoint_every_s:
+            resume.save(ctx.artifacts_dir, net, optimizer, epoch, {"loss": epoch_loss})
             last_save = time.monotonic()
     train_s = time.perf_counter() - started
 
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=device)
+    # Each rank scores its share of the test set; the counts are summed over the ranks.
+    x_test = split.x_test[rank::ranks].to(device, non_blocking=True)
+    y_test = split.y_test[rank::ranks].to(device, non_blocking=True)
     with torch.inference_mode():
-        x_test = split.x_test.to(device, non_blocking=True)
-        y_test = split.y_test.to(device, non_blocking=True)
         for start in range(0, len(y_test), 4096):
-            logits = model(x_test[start : start + 4096])
+            logits = net(x_test[start : start + 4096])
             correct += (logits.argmax(dim=1) == y_test[start : start + 4096]).sum()
-    accuracy = int(correct.item()) / len(split.y_test)
+    correct_total, tested = _sum_over_ranks([correct, float(len(y_test))], device, ranks)
+    accuracy = correct_total / tested
     ctx.log(params.epochs, **{"accuracy/test": accuracy})
 
-    ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = ctx.artifacts_dir / f"{ctx.device}-{params.model.value}.safetensors"
-    state = {key: value.detach().cpu().contiguous() for key, value in model.state_dict().items()}
-    save_file(state, str(checkpoint), metadata={
-        "model": params.model.value, "dataset": split.name, "epochs": str(params.epochs),
-        "features": str(split.features), "classes": str(split.classes), "hidden": str(params.hidden),
-    })
+    checkpoint = None
+    if rank == 0:
+        ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = ctx.artifacts_dir / f"{ctx.device}-{params.model.value}.safetensors"
+        state = {key: value.detach().cpu().contiguous() for key, value in net.state_dict().items()}
+        save_file(state, str(checkpoint), metadata={
+            "model": params.model.value, "dataset": split.name, "epochs": str(params.epochs),
+            "features": str(split.features), "classes": str(split.classes), "hidden": str(params.hidden),
+        })
     logger.info("%s: %s on %s, accuracy %.4f in %.2f s", ctx.device, params.model.value, split.name,
                 accuracy, train_s)
-    samples_seen = n_train * (params.epochs - resumed_from)
+    samples_seen = rank_samples * (params.epochs - resumed_from)
     # The first numeric fields are what `devicefleet run` shows in its table.
     return {
         "accuracy": accuracy,
@@ -170,7 +218,9 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "train_s": train_s,
         "num_workers": workers,
         "torch_device": str(device),
-        "checkpoint": str(checkpoint),
+        # Rank 0's file (the other ranks of a distributed job write none: theirs is None).
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "weights_digest": weights_digest(net),
         # Per-epoch training loss and accuracy (on the training batches) of this run's epochs.
         "history": history,
     }

@@ -15,6 +15,12 @@ returns. A failed job's task ends in FAILURE and its error entry is still collec
 
 Before anything is sent, the fleet registry is read: a device with no live worker fails the call
 at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices.
+
+With ``distributed=True`` the devices' jobs are the ranks of one ``torch.distributed`` job
+(rank ``i`` on the ``i``-th device): every message carries the gang's
+:class:`~tasks.core.records.GangSpec`, and the workers assemble the process group
+(:mod:`tasks.worker.distributed`). A gang's ranks are sent under one Redis lock, so on every
+device's queue one gang's ranks come before the next gang's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +45,7 @@ from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, Unknown
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
 from ..core.queues import QueueName, device_queue
-from ..core.records import JobOptions, WorkerRecord
+from ..core.records import DistBackend, DistributedOptions, GangSpec, JobOptions, WorkerRecord
 from ..core.registry import connect, live_workers
 from ..core.validation import describe_validation_error
 
@@ -273,6 +280,7 @@ def fan_out(
     *,
     kwargs: Mapping[str, Any] | None = None,
     options: JobOptions | Mapping[str, Any] | None = None,
+    distributed: bool | DistributedOptions | Mapping[str, Any] = False,
     app: Celery | None = None,
 ) -> FanOut:
     """Run a job on each device at the same time; ``.get()`` the handle for ``{device: entry}``.
@@ -285,6 +293,10 @@ def fan_out(
         kwargs: kwargs of a single job given by name.
         options: :class:`~tasks.core.records.JobOptions` of a single job (e.g.
             ``{"fallback": "cpu"}``); they travel beside the kwargs.
+        distributed: run the job once over all the devices, as the ranks of one
+            ``torch.distributed`` job (``True``, or
+            :class:`~tasks.core.records.DistributedOptions` as a dict, e.g.
+            ``{"max_restarts": 1, "join_timeout_s": 60}``). Each entry's output has its ``rank``.
         app: the Celery app to send through; default ``tasks.app``.
 
     Raises:
@@ -310,11 +322,78 @@ def fan_out(
         live = live_devices(app)
         plan = {device: spec for device in select_devices(devices, live)}
     check_jobs(plan, live)
+    if distributed is not False:
+        return _send_gang(app, plan, live, distributed)
+    return FanOut(app, plan, _send(app, plan))
+
+
+def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
     header = [spec.signature(app, device_queue(device)) for device, spec in plan.items()]
     body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=QueueName.FLEET.value)
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))
-    return FanOut(app, plan, result)
+    return result
+
+
+def gang_spec(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord],
+              distributed: bool | DistributedOptions | Mapping[str, Any], seq: int) -> GangSpec:
+    """The gang of a distributed fan-out: one job over the plan's devices, in order.
+
+    Raises:
+        ConfigError: the plan has several jobs, an option is invalid, or nccl was asked with a
+            CPU device among the ranks.
+    """
+    if distributed is True:
+        opts = DistributedOptions()
+    elif isinstance(distributed, DistributedOptions):
+        opts = distributed
+    elif isinstance(distributed, Mapping):
+        try:
+            opts = DistributedOptions.model_validate(dict(distributed))
+        except ValidationError as exc:
+            raise ConfigError(f"distributed={dict(distributed)!r}: {describe_validation_error(exc)}") from None
+    else:
+        raise ConfigError(f"distributed={distributed!r}: give True or a dict of DistributedOptions")
+    specs = {(spec.name, json.dumps(spec.kwargs, sort_keys=True)) for spec in plan.values()}
+    if len(specs) != 1:
+        raise ConfigError("a distributed job is one job over several devices; got different jobs "
+                          f"per device ({', '.join(sorted({name for name, _ in specs}))})")
+    spec = next(iter(plan.values()))
+    if spec.options.fallback is not None:
+        raise ConfigError(f"fallback={spec.options.fallback!r} cannot be used with distributed: a "
+                          "rank cannot move to another device without its gang")
+    cpu = [device for device in plan if live[device].kind != DeviceKind.GPU.value]
+    backend = opts.backend
+    if backend is DistBackend.AUTO:
+        backend = DistBackend.GLOO if cpu else DistBackend.NCCL
+    elif backend is DistBackend.NCCL and cpu:
+        raise ConfigError(f"backend 'nccl' needs a GPU on every rank; {', '.join(cpu)} "
+                          f"{'is a CPU device' if len(cpu) == 1 else 'are CPU devices'}: use 'gloo' or 'auto'")
+    return GangSpec(id=uuid.uuid4().hex, devices=list(plan), seq=seq,
+                    backend="nccl" if backend is DistBackend.NCCL else "gloo",
+                    max_restarts=opts.max_restarts, join_timeout_s=opts.join_timeout_s,
+                    collective_timeout_s=opts.collective_timeout_s)
+
+
+#: How long a producer waits for another producer to finish sending its gang.
+GANG_SEND_WAIT_S = 30.0
+
+
+def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerRecord],
+               distributed: bool | DistributedOptions | Mapping[str, Any]) -> FanOut:
+    client = registry_client(app)
+    gang_spec(plan, live, distributed, seq=0)  # refuse bad options before taking a number or the lock
+    # Holding the lock while the ranks are published puts one gang's ranks before the next
+    # gang's on every device's queue, so two gangs sent at once do not each take one device
+    # and wait for the other's. The workers' wait-die rule covers what order cannot.
+    with client.lock(keys.GANG_SEND_LOCK, timeout=GANG_SEND_WAIT_S, blocking_timeout=GANG_SEND_WAIT_S):
+        gang = gang_spec(plan, live, distributed, seq=int(client.incr(keys.GANG_SEQ)))
+        ranks = {device: spec.model_copy(update={"options": spec.options.model_copy(update={"gang": gang})})
+                 for device, spec in plan.items()}
+        result = _send(app, ranks)
+    logger.info("distributed %s %s: %d ranks (%s) on %s", next(iter(plan.values())).name, gang.id,
+                gang.world_size, gang.backend, ", ".join(gang.devices))
+    return FanOut(app, ranks, result)
 
 
 def _looks_like_spec(mapping: Mapping[str, Any]) -> bool:

@@ -34,6 +34,7 @@ from ..core.records import Visibility, WorkerRecord
 from ..core.registry import connect, read_worker
 from ..core.settings import Settings, redact_url
 from ..core.worker_config import WorkerConfig, load_worker_config
+from .distributed import route_address
 from .heartbeat import Heartbeat
 from .jobs import JobRegistry
 from .lease import LeaseKeeper, Reaper
@@ -94,6 +95,8 @@ class DeviceWorker:
         self.leases: LeaseKeeper | None = None
         self.reaper: Reaper | None = None
         self.jobs_done = 0
+        #: Where the other ranks of a distributed job reach this worker (set by :meth:`join`).
+        self.address = settings.advertise_address or "127.0.0.1"
 
     @property
     def queues(self) -> list[str]:
@@ -170,6 +173,7 @@ class DeviceWorker:
         """Join the fleet: the registry heartbeat, the lease keeper and the reaper."""
         url = self.settings.resolve_redis_url()
         client = connect(url)
+        self.address = self.settings.advertise_address or route_address(url)
         self.check_unique(client)
         self.heartbeat = Heartbeat(client, self.record(), self.settings.heartbeat_interval_s,
                                    self.settings.heartbeat_ttl_s)

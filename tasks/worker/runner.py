@@ -25,13 +25,22 @@ from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
 from ..core.backend import attach_entry
-from ..core.errors import DeviceFleetError, InvalidJobArguments, JobCancelled, JobError, OutOfMemory
-from ..core.job import JobContext, JobDefinition
+from ..core.devices import host_name
+from ..core.errors import (
+    DeviceFleetError,
+    GangFailed,
+    InvalidJobArguments,
+    JobCancelled,
+    JobError,
+    OutOfMemory,
+)
+from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.keys import OPTIONS_HEADER
-from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
+from ..core.records import BusyInfo, Entry, ErrorInfo, GangSpec, JobOptions
 from ..core.validation import describe_validation_error
 from . import accounting, progress
 from .device import DeviceWorker
+from .distributed import GIVE_WAY_S, GiveWay, Rendezvous, run_rank
 from .jobs import validate_kwargs
 from .oom import recycle_if_needed, release_memory, run_guarded
 from .scalars import ScalarLog, run_dir
@@ -118,6 +127,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     device = worker.device.name
     output: dict[str, Any] | None = None
     failure: BaseException | None = None
+    give_way: GiveWay | None = None
     recycle = False
     if worker.heartbeat is not None:
         worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
@@ -142,7 +152,8 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
             # runs beside the job's pool thread): a set lookup per ctx.progress() call.
             cancelled=lambda: job_id in worker_state.revoked,
         )
-        result, recycle = run_guarded(definition.func, ctx, params, options.fallback)
+        func = definition.func if options.gang is None else rank_of_gang(worker, definition, options.gang)
+        result, recycle = run_guarded(func, ctx, params, options.fallback)
         if not isinstance(result, dict):
             raise JobError(f"job {definition.name!r} returned {type(result).__name__}, not a dict")
         json.dumps(result)  # results travel as JSON: fail here, in the entry, not in Celery
@@ -153,6 +164,9 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     except JobCancelled as exc:
         logger.info("%s: job %s %s: %s", device, definition.name, job_id, exc)
         failure = exc
+    except GiveWay as exc:
+        logger.info("%s: job %s %s: %s", device, definition.name, job_id, exc)
+        give_way = exc
     except DeviceFleetError as exc:
         logger.warning("%s: job %s failed: %s", device, definition.name, exc)
         failure = exc
@@ -162,9 +176,12 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     finally:
         reports.flush()  # the last report always goes out: the finished bar shows 10/10
         scalar_log.close()
-        worker.jobs_done += 1
+        worker.jobs_done += give_way is None
         if worker.heartbeat is not None:
             worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done)
+    if give_way is not None:
+        # The same message (id, chord, options) back on the queue: it runs again later.
+        raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
     finished = time.time()
     _count(worker, definition, job_id, failure is None, started, finished, output)
     recycle_if_needed(recycle, device)
@@ -179,6 +196,26 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     if failure is not None:
         raise attach_entry(failure, entry)
     return entry.to_dict()
+
+
+def rank_of_gang(worker: DeviceWorker, definition: JobDefinition, spec: GangSpec) -> JobFunc:
+    """The job as one rank of the distributed job ``spec`` (:mod:`tasks.worker.distributed`).
+
+    Raises:
+        GangFailed: this worker is not joined to a fleet, or its device is not one of the gang's.
+    """
+    client = worker.heartbeat.client if worker.heartbeat is not None else None
+    if client is None:
+        raise GangFailed(f"{worker.device.name} is not joined to a fleet: a distributed job needs its Redis")
+    if worker.device.name not in spec.devices:
+        raise GangFailed(f"{worker.device.name} took a rank of {spec.id}, which runs on "
+                         f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)")
+    rdv = Rendezvous(client, spec, worker.device.name, host_name(), worker.settings.result_expires_s)
+
+    def rank(ctx: JobContext, params: Any) -> dict[str, Any]:
+        return run_rank(definition.func, ctx, params, rdv, worker.address)
+
+    return rank
 
 
 def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:

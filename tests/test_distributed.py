@@ -1,0 +1,172 @@
+"""Distributed jobs against a real fleet: two CPU workers as the ranks of one gloo group.
+
+The fleet here is supervised as ``devicefleet up`` supervises it, with short leases, because a
+test kills a rank's worker. ``ranked`` (tests/fleet_jobs.py) is a rank that only all-reduces;
+``train`` is the built-in job with DDP.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import tasks
+from tasks import Fleet, fan_out
+from tasks.core.errors import ConfigError
+
+from .conftest import make_settings, test_env, wait_for
+
+LEASE_TTL_S = 3.0
+HEARTBEAT_TTL_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def dfleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    settings = make_settings(tmp_path_factory.mktemp("dfleet"), lease_ttl_s=LEASE_TTL_S, reaper_interval_s=0.5,
+                             heartbeat_interval_s=0.5, heartbeat_ttl_s=HEARTBEAT_TTL_S)
+    stop = threading.Event()
+    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
+        supervisor = threading.Thread(target=running.supervise, args=(stop, 0.2), daemon=True)
+        supervisor.start()
+        try:
+            yield running
+        finally:
+            stop.set()
+            supervisor.join(5)
+
+
+@pytest.fixture(scope="module")
+def dapp(dfleet):  # type: ignore[no-untyped-def]
+    return dfleet.app()
+
+
+def _ok(results: dict[str, dict]) -> None:  # type: ignore[type-arg]
+    assert {d: e["status"] for d, e in results.items()} == {d: "ok" for d in results}, results
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_train_one_model_on_digits(dapp):
+    results = fan_out("train", "cpu0,cpu1", kwargs={"epochs": 12}, distributed=True, app=dapp).get(timeout=100)
+    _ok(results)
+    out = {d: e["output"] for d, e in results.items()}
+    assert [out["cpu0"]["rank"], out["cpu1"]["rank"]] == [0, 1]
+    assert {o["world_size"] for o in out.values()} == {2}
+    assert {o["backend"] for o in out.values()} == {"gloo"}
+    # One model: every rank ends with the same parameters, and it learned digits.
+    assert out["cpu0"]["weights_digest"] == out["cpu1"]["weights_digest"]
+    assert out["cpu0"]["accuracy"] == out["cpu1"]["accuracy"] >= 0.9
+    # Each rank trained on its half of the data; only rank 0 wrote the checkpoint.
+    assert out["cpu0"]["samples_seen"] + out["cpu1"]["samples_seen"] >= out["cpu0"]["train_samples"] * 12
+    assert out["cpu0"]["samples_seen"] < out["cpu0"]["train_samples"] * 12
+    assert Path(out["cpu0"]["checkpoint"]).is_file() and out["cpu1"]["checkpoint"] is None
+    # Every rank saw the same (rank-averaged) loss curve.
+    assert out["cpu0"]["history"] == out["cpu1"]["history"]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_get_torchrun_variables_and_keep_their_own_device(dapp):
+    results = fan_out("ranked", "cpu1,cpu0", kwargs={"steps": 2}, distributed=True, app=dapp).get(timeout=40)
+    _ok(results)
+    out = {d: e["output"] for d, e in results.items()}
+    assert out["cpu1"]["rank"] == 0 and out["cpu0"]["rank"] == 1  # rank i runs on the i-th device named
+    assert {o["sum"] for o in out.values()} == {3.0}  # 1 + 2, reduced over the group
+    for device, o in out.items():
+        env = o["env"]
+        assert env["RANK"] == str(o["rank"]) and env["WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["CUDA_VISIBLE_DEVICES"] == "-1"
+        assert results[device]["visibility"]["cuda_visible_devices"] == "-1"
+        assert o["initialized"] is True and o["restarts"] == 0
+    assert out["cpu0"]["env"]["MASTER_PORT"] == out["cpu1"]["env"]["MASTER_PORT"]
+    # Both workers run on this host: local ranks 0 and 1, as torchrun numbers them.
+    assert sorted(o["local_rank"] for o in out.values()) == [0, 1]
+    # No rank holds the group after its job: a plain job on the same workers sees none.
+    after = fan_out("ranked", "cpu0", kwargs={"steps": 0}, app=dapp).get(timeout=30)
+    assert after["cpu0"]["output"]["initialized"] is False
+    assert after["cpu0"]["output"]["env"]["RANK"] is None
+
+
+@pytest.mark.timeout(90)
+def test_two_gangs_sent_at_once_over_the_same_devices_both_complete(dapp):
+    barrier = threading.Barrier(2)
+    results: dict[str, dict] = {}  # type: ignore[type-arg]
+
+    def send(order: str) -> None:
+        barrier.wait()
+        handle = fan_out("ranked", order, kwargs={"steps": 5, "seconds": 0.05}, distributed=True, app=dapp)
+        results[order] = handle.get(timeout=60)
+
+    threads = [threading.Thread(target=send, args=(order,)) for order in ("cpu0,cpu1", "cpu1,cpu0")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(70)
+    assert set(results) == {"cpu0,cpu1", "cpu1,cpu0"}
+    for gang in results.values():
+        _ok(gang)
+        assert {e["output"]["sum"] for e in gang.values()} == {3.0}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_cannot_join_fails_the_gang_naming_its_device(dapp, tmp_path):
+    release = tmp_path / "release"
+    busy = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release)}, app=dapp)
+    wait_for(lambda: busy.states()["cpu1"] in ("STARTED", "PROGRESS"), 30, "cpu1 to be busy")
+    handle = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 1}, distributed={"join_timeout_s": 2}, app=dapp)
+    wait_for(lambda: handle.states()["cpu0"] == "FAILURE", 30, "rank 0 to give up")
+    release.touch()
+    results = handle.get(timeout=60)
+    busy.get(timeout=30)
+    error = results["cpu0"]["error"]
+    assert error["type"] == "GangFailed"
+    assert "cpu1 did not join within join_timeout_s=2" in error["message"]
+    assert results["cpu0"]["duration_s"] >= 2.0  # it waited the join timeout, then gave up
+    # The late rank finds its gang failed and does not wait for anything.
+    assert results["cpu1"]["error"]["type"] == "GangFailed"
+    assert "cpu1 did not join" in results["cpu1"]["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_a_ranks_own_error_fails_the_gang_at_once_naming_it(dapp):
+    results = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 3, "fail_rank": 1}, distributed=True,
+                      app=dapp).get(timeout=40)
+    assert results["cpu1"]["error"] == {"type": "ValueError", "message": "rank 1 fails on purpose"}
+    assert results["cpu0"]["error"]["type"] == "GangFailed"
+    assert "rank 1 on cpu1 failed: ValueError: rank 1 fails on purpose" in results["cpu0"]["error"]["message"]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_ranks_gang_restarts_from_its_checkpoint_and_completes(dfleet, dapp):
+    handle = fan_out("train", "cpu0,cpu1", kwargs={"epochs": 40, "checkpoint_every_s": 0, "num_workers": 0},
+                     distributed=True, app=dapp)
+    rank0_dir = dfleet.settings.artifacts_path / handle.task_ids["cpu0"]
+    wait_for(lambda: (rank0_dir / "resume.json").is_file() and handle.progress()["cpu1"].get("epoch", 0) >= 3,
+             120, "the gang to train three epochs")
+    victim = dfleet.workers["cpu1"]
+    killed_pid = victim.process.pid
+    victim.process.kill()  # rank 1's worker: SIGKILL mid-training
+
+    results = handle.get(timeout=150)
+    _ok(results)
+    out = {d: e["output"] for d, e in results.items()}
+    assert {o["restarts"] for o in out.values()} == {1}  # the whole gang ran again, once
+    # From rank 0's last checkpoint, shared with the new rank 1.
+    assert out["cpu0"]["resumed_from_epoch"] == out["cpu1"]["resumed_from_epoch"] >= 2
+    assert out["cpu0"]["weights_digest"] == out["cpu1"]["weights_digest"]
+    assert out["cpu0"]["epochs"] == 40 and out["cpu0"]["accuracy"] >= 0.9
+    assert tasks.live_devices(dapp)["cpu1"].pid != killed_pid  # the restarted worker ran rank 1
+    dfleet.wait_ready(60)
+
+
+def test_distributed_options_are_checked_before_anything_is_sent(dapp):
+    with pytest.raises(ConfigError, match="max_restarts"):
+        fan_out("ranked", "cpu0,cpu1", distributed={"max_restarts": -1}, app=dapp)
+    with pytest.raises(ConfigError, match="nccl.*cpu0, cpu1 are CPU devices"):
+        fan_out("ranked", "cpu0,cpu1", distributed={"backend": "nccl"}, app=dapp)
+    with pytest.raises(ConfigError, match="one job over several devices"):
+        fan_out({"cpu0": "ranked", "cpu1": "echo"}, distributed=True, app=dapp)
+    with pytest.raises(ConfigError, match="fallback"):
+        fan_out("ranked", "cpu0,cpu1", options={"fallback": "cpu"}, distributed=True, app=dapp)
+
