@@ -23,7 +23,7 @@ import click
 from rich.console import Console
 
 from .core.errors import ConfigError, DeviceFleetError
-from .core.records import WorkerRecord
+from .core.records import DistBackend, WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
 from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
 
@@ -172,18 +172,31 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result dict as JSON.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar per device (on stderr).")
 @click.option("--fallback", type=click.Choice(["cpu"]), help="On out-of-memory, run the job again on the CPU.")
+@click.option("--distributed", is_flag=True,
+              help="Run JOB once over all DEVICES as the ranks of one torch.distributed group (DDP).")
+@click.option("--backend", type=click.Choice([b.value for b in DistBackend]),
+              help="With --distributed: gloo or nccl [default: auto, nccl when every rank is a GPU, else gloo].")
+@click.option("--max-restarts", type=click.IntRange(0, 100),
+              help="With --distributed: times the gang runs again after a rank's worker died [default: 2].")
+@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="With --distributed: seconds a rank waits for the others to start [default: 120].")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool,
-        fallback: str | None, redis_url: str | None) -> None:
+        fallback: str | None, distributed: bool, backend: str | None, max_restarts: int | None,
+        join_timeout: float | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
     Ctrl-C (which cancels the fan-out)."""
     from .producer.fanout import fan_out
 
     kwargs = _parse_kwargs(kwargs_text)
     settings = _settings(redis_url=redis_url)
+    given = {"backend": backend, "max_restarts": max_restarts, "join_timeout_s": join_timeout}
+    gang: dict[str, Any] | bool = {k: v for k, v in given.items() if v is not None} if distributed else False
+    if not distributed and any(v is not None for v in given.values()):
+        raise click.UsageError("--backend, --max-restarts and --join-timeout go with --distributed")
     try:
         app = _producer_app(settings)
-        handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, app=app)
+        handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, distributed=gang, app=app)
         results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout,
                                              (lambda: _watch_progress(handle, timeout)) if progress else None)
     except DeviceFleetError as exc:

@@ -448,7 +448,8 @@ def _make_ca(folder: Path, host_ip: str) -> tuple[Path, Path, Path]:
 def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path: Path) -> None:
     """Host A serves Redis over TLS (rendered with --serve), host B joins it (--join): each
     host's worker unit starts as systemd would, both join the one registry under host-qualified
-    names, and a fan-out over ``all`` reaches each of them exactly once. A client that does not
+    names, a fan-out over ``all`` reaches each of them exactly once, and a distributed job
+    over the two makes one gloo group across the hosts. A client that does not
     trust the fleet's CA, or that skips TLS, is refused."""
     binary = _tls_redis_server()
     if binary is None:
@@ -510,6 +511,16 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
         assert all(entry["status"] == "ok" for entry in results.values()), results
         pids = {entry["output"]["pid"] for entry in results.values()}
         assert pids == {w.process.pid for w in workers}  # each host's own worker ran its device's job
+
+        # The two hosts' devices as the ranks of one DDP job: one gloo group, rendezvous
+        # through the fleet's Redis, rank 0's store on the address its route to Redis takes.
+        ddp = fan_out("train", "cpu0@hosta,cpu0@hostb", kwargs={"epochs": 3}, distributed=True,
+                      app=app).get(timeout=120)
+        assert all(entry["status"] == "ok" for entry in ddp.values()), ddp
+        out = {device: entry["output"] for device, entry in ddp.items()}
+        assert [out["cpu0@hosta"]["rank"], out["cpu0@hostb"]["rank"]] == [0, 1]
+        assert {o["backend"] for o in out.values()} == {"gloo"}
+        assert out["cpu0@hosta"]["weights_digest"] == out["cpu0@hostb"]["weights_digest"]
     finally:
         for worker in workers:
             worker.stop()

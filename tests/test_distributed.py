@@ -7,6 +7,10 @@ test kills a rank's worker. ``ranked`` (tests/fleet_jobs.py) is a rank that only
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -170,3 +174,16 @@ def test_distributed_options_are_checked_before_anything_is_sent(dapp):
     with pytest.raises(ConfigError, match="fallback"):
         fan_out("ranked", "cpu0,cpu1", options={"fallback": "cpu"}, distributed=True, app=dapp)
 
+
+
+@pytest.mark.timeout(90)
+def test_cli_runs_a_distributed_job(dfleet):
+    env = {**os.environ, **test_env(), "DEVICEFLEET_REDIS_URL": dfleet.redis_url}
+    cli = [sys.executable, "-m", "tasks", "run", "ranked", "--devices", "cpu0,cpu1"]
+    done = subprocess.run([*cli, "--distributed", "--max-restarts", "0", "--json", "--no-progress"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert [results[d]["output"]["rank"] for d in ("cpu0", "cpu1")] == [0, 1]
+    misused = subprocess.run([*cli, "--backend", "gloo"], env=env, capture_output=True, text=True, timeout=60)
+    assert misused.returncode == 2 and "go with --distributed" in misused.stderr
