@@ -26,7 +26,7 @@ from ..producer.fanout import fan_out
 logger = logging.getLogger(__name__)
 
 
-def _train_kwargs(epochs: int) -> dict[str, Any]:
+def train_kwargs(epochs: int) -> dict[str, Any]:
     return {"model": "mlp", "epochs": epochs, "num_workers": 0, "batch_size": 64}
 
 
@@ -67,11 +67,11 @@ def calibrate_epochs(target_s: float, artifacts: Path) -> int:
 
     Two short runs separate the per-epoch time from the fixed cost (dataset, checkpoint).
     """
-    run_train_inline("calib", _train_kwargs(1), artifacts)  # imports, dataset cache
+    run_train_inline("calib", train_kwargs(1), artifacts)  # imports, dataset cache
     times = []
     for epochs in (2, 6):
         t0 = time.perf_counter()
-        run_train_inline("calib", _train_kwargs(epochs), artifacts)
+        run_train_inline("calib", train_kwargs(epochs), artifacts)
         times.append(time.perf_counter() - t0)
     per_epoch = max((times[1] - times[0]) / 4, 1e-3)
     fixed = max(times[0] - 2 * per_epoch, 0.0)
@@ -84,9 +84,9 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         artifacts = Path(tmp)
         epochs = calibrate_epochs(0.5 if quick else 3.0, artifacts)
         repeats = 1 if quick else 3
-        kwargs = _train_kwargs(epochs)
+        kwargs = train_kwargs(epochs)
         # Warm the workers (imports, dataset) as the in-process runs are warm.
-        fan_out(("train", _train_kwargs(1)), devices, app=app).get(timeout=600)
+        fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
 
         # Each variant runs `repeats` times, interleaved, and keeps its best time: on a shared
         # VM one run can lose a third of its speed to a noisy neighbour (steal time).

@@ -18,6 +18,9 @@ KEYS = (
     "sweep.waves_ratio",
     "fanout.efficiency",
     "fanout.vs_multiprocessing",
+    "ddp.vs_native",
+    "ddp.vs_native_train",
+    "ddp.scaling",
     "pipeline.wait_s_sequential",
     "pipeline.wait_s_mp_queue",
     "pipeline.wait_s_fleet",
@@ -41,6 +44,7 @@ GOALS = {
     "sweep.makespan_ratio": ("<=", 1.10),
     "fanout.efficiency": (">=", 0.95),
     "fanout.vs_multiprocessing": ("<=", 1.05),
+    "ddp.vs_native": ("<=", 1.05),
     "pipeline.wait_s_fleet": ("<=", 0.01),
     "gpu.busy_fraction": (">=", 0.9),
 }

@@ -13,7 +13,7 @@ from typing import Any
 from ..core.devices import cpu_model_name, usable_cores
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..ops.fleet import Fleet
-from . import dispatch, efficiency, gpu, pipeline, sweep
+from . import ddp, dispatch, efficiency, gpu, pipeline, sweep
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ def host_info() -> dict[str, Any]:
 def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> dict[str, Any]:
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
-    Returns ``{"host", "quick", "dispatch", "sweep", "fanout", "pipeline", "gpu"?}``; ``gpu`` only where
-    torch sees a CUDA device.
+    Returns ``{"host", "quick", "dispatch", "sweep", "fanout", "ddp", "pipeline", "gpu"?}``; ``gpu``
+    only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
     """
     started = time.perf_counter()
     figures: dict[str, Any] = {"host": host_info(), "quick": quick}
@@ -53,6 +53,9 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> d
             figures["dispatch"] = dispatch.measure(app, cpus, quick=quick)
             figures["sweep"] = sweep.measure(app, cpus, quick=quick, jobs_per_s=figures["dispatch"]["jobs_per_s"])
             figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
+            ddp_figures = ddp.measure(app, cpus, quick=quick)
+            if ddp_figures is not None:
+                figures["ddp"] = ddp_figures
             gpu_figures = gpu.measure(app, devices, quick=quick)
             if gpu_figures is not None:
                 figures["gpu"] = gpu_figures
