@@ -15,9 +15,11 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 
 import tasks
 from tasks import Fleet, fan_out
+from tasks.core import keys
 from tasks.core.errors import ConfigError
 
 from .conftest import make_settings, test_env, wait_for
@@ -111,6 +113,27 @@ def test_two_gangs_sent_at_once_over_the_same_devices_both_complete(dapp):
     for gang in results.values():
         _ok(gang)
         assert {e["output"]["sum"] for e in gang.values()} == {3.0}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfleet, dapp):
+    """Wait-die through the real worker: an older gang (written here as its waiting ranks write
+    it) needs cpu1 for a while; the new gang's rank on cpu1 gives the device up, its message goes
+    back to the queue with its options, and once the older gang stops waiting it runs."""
+    client = redis.Redis.from_url(dfleet.redis_url)
+    alive_ms = 1500
+    client.zadd(keys.gangs_needing("cpu1"), {"older-gang": 0})
+    client.set(keys.gang_alive("older-gang"), 1, px=alive_ms)
+    try:
+        results = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2}, distributed=True, app=dapp).get(timeout=60)
+    finally:
+        client.zrem(keys.gangs_needing("cpu1"), "older-gang")
+        client.close()
+    _ok(results)
+    assert {e["output"]["sum"] for e in results.values()} == {3.0}
+    log = dfleet.workers["cpu1"].log.read_text()
+    assert "cpu1 is needed by the older gang older-gang" in log
+    assert "needed by the older gang" not in dfleet.workers["cpu0"].log.read_text()
 
 
 @pytest.mark.timeout(90)

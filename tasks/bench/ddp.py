@@ -5,8 +5,8 @@
   ``torch.multiprocessing.spawn`` with a plain ``init_process_group("gloo")`` (``env://``).
   Same job function, model, data, epochs, one torch thread and one core per rank (each rank
   pinned as the fleet's workers are); interleaved, best of three each. Like with like: the
-  fleet's workers are already running, so the native time starts when its ranks are too (after
-  their imports, before ``init_process_group``) and ends when the last rank has destroyed its
+  fleet's workers are already running, so the native time starts when all its ranks are too
+  (after their imports, before ``init_process_group``) and ends when the last rank has destroyed its
   group. What a cold launch costs on top is ``native_launch_s`` (the whole ``spawn``).
 - ``vs_native_train``: the same ratio for the training loop alone (``train_s`` of the slowest
   rank), without the launch: what the fleet's rendezvous and process group cost inside a job.
@@ -30,7 +30,7 @@ from celery import Celery
 
 from ..core.job import DistributedInfo, JobContext
 from ..producer.fanout import fan_out
-from .efficiency import train_kwargs, calibrate_epochs
+from .efficiency import calibrate_epochs, train_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _native_rank(rank: int, world: int, port: int, kwargs: dict[str, Any], folde
 
 
 def run_native(world: int, kwargs: dict[str, Any], folder: Path) -> tuple[float, float, list[dict[str, Any]]]:
-    """Native DDP launched with ``torch.multiprocessing.spawn``: ``(seconds from the first rank
+    """Native DDP launched with ``torch.multiprocessing.spawn``: ``(seconds from the last rank
     ready to the last one done, seconds of the whole spawn, each rank's train output)``."""
     import torch.multiprocessing as tmp
 
@@ -84,7 +84,8 @@ def run_native(world: int, kwargs: dict[str, Any], folder: Path) -> tuple[float,
     tmp.spawn(_native_rank, args=(world, _free_port(), kwargs, str(folder)), nprocs=world, join=True)
     launch = time.perf_counter() - t0
     records = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
-    ran = max(r["done"] for r in records) - min(r["ready"] for r in records)
+    # From the moment every rank is ready (as a fleet's idle workers are) to the last one done.
+    ran = max(r["done"] for r in records) - max(r["ready"] for r in records)
     return ran, launch, [r["output"] for r in records]
 
 

@@ -349,6 +349,17 @@ def run_rank(func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext,
         GiveWay: an older gang needs this device; the message goes back to the queue.
         Exception: this rank's job raised (the gang fails with it).
     """
+    try:
+        return _run_rank(func, ctx, params, rdv, address)
+    except GangFailed as exc:
+        if ctx.cancelled is not None and ctx.cancelled():
+            # Every rank of a cancelled job is revoked: its entry says cancelled, not failed.
+            raise JobCancelled(f"rank {rdv.rank} of {rdv.spec.id} on {rdv.device} was cancelled ({exc})") from None
+        raise
+
+
+def _run_rank(func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext, params: Any,
+              rdv: Rendezvous, address: str) -> dict[str, Any]:
     gen = rdv.join()
     while True:
         if ctx.cancelled is not None and ctx.cancelled():
@@ -370,6 +381,8 @@ def run_rank(func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext,
             raise
         except Exception as exc:
             if not peer_lost(exc):
+                # The job's error (already given), or the group's setup failed here.
+                rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: {type(exc).__name__}: {exc}")
                 raise
             logger.warning("%s: rank %d of %s lost a peer in generation %d (%s); restarting the gang",
                            rdv.device, rdv.rank, rdv.spec.id, assembled.generation, exc)
