@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,6 +62,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     settings = make_settings(tmp_path_factory.mktemp("fleet"))
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
         yield running
+
+
+@contextmanager
+def supervised_fleet(settings: Settings) -> Iterator[Fleet]:
+    """Two CPU workers supervised as ``devicefleet up`` supervises them: a worker that dies is
+    started again (for the tests that kill workers)."""
+    stop = threading.Event()
+    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
+        supervisor = threading.Thread(target=running.supervise, args=(stop, 0.2), daemon=True)
+        supervisor.start()
+        try:
+            yield running
+        finally:
+            stop.set()
+            supervisor.join(5)
 
 
 @pytest.fixture(scope="session")

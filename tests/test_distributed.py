@@ -18,11 +18,11 @@ import pytest
 import redis
 
 import tasks
-from tasks import Fleet, fan_out
+from tasks import fan_out
 from tasks.core import keys
 from tasks.core.errors import ConfigError
 
-from .conftest import make_settings, test_env, wait_for
+from .conftest import make_settings, supervised_fleet, test_env, wait_for
 
 LEASE_TTL_S = 3.0
 HEARTBEAT_TTL_S = 2.0
@@ -32,15 +32,8 @@ HEARTBEAT_TTL_S = 2.0
 def dfleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     settings = make_settings(tmp_path_factory.mktemp("dfleet"), lease_ttl_s=LEASE_TTL_S, reaper_interval_s=0.5,
                              heartbeat_interval_s=0.5, heartbeat_ttl_s=HEARTBEAT_TTL_S)
-    stop = threading.Event()
-    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
-        supervisor = threading.Thread(target=running.supervise, args=(stop, 0.2), daemon=True)
-        supervisor.start()
-        try:
-            yield running
-        finally:
-            stop.set()
-            supervisor.join(5)
+    with supervised_fleet(settings) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +114,24 @@ def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfle
     it) needs cpu1 for a while; the new gang's rank on cpu1 gives the device up, its message goes
     back to the queue with its options, and once the older gang stops waiting it runs."""
     client = redis.Redis.from_url(dfleet.redis_url)
-    alive_ms = 1500
+    cpu1_log = dfleet.workers["cpu1"].log
+
+    def older_gang_waits_and_rank_gave_way() -> bool:
+        client.set(keys.gang_alive("older-gang"), 1, px=2000)  # its ranks poll while they wait
+        return "cpu1 is needed by the older gang older-gang" in cpu1_log.read_text()
+
     client.zadd(keys.gangs_needing("cpu1"), {"older-gang": 0})
-    client.set(keys.gang_alive("older-gang"), 1, px=alive_ms)
+    client.set(keys.gang_alive("older-gang"), 1, px=2000)
     try:
-        results = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2}, distributed=True, app=dapp).get(timeout=60)
-    finally:
+        handle = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2}, distributed=True, app=dapp)
+        wait_for(older_gang_waits_and_rank_gave_way, 60, "the rank on cpu1 to give way", poll=0.1)
+    finally:  # the older gang stops waiting
+        client.delete(keys.gang_alive("older-gang"))
         client.zrem(keys.gangs_needing("cpu1"), "older-gang")
         client.close()
+    results = handle.get(timeout=60)
     _ok(results)
     assert {e["output"]["sum"] for e in results.values()} == {3.0}
-    log = dfleet.workers["cpu1"].log.read_text()
-    assert "cpu1 is needed by the older gang older-gang" in log
     assert "needed by the older gang" not in dfleet.workers["cpu0"].log.read_text()
 
 

@@ -14,7 +14,6 @@ import os
 import pickle
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +33,7 @@ from kombu import Exchange
 from kombu.exceptions import DecodeError
 
 import tasks
-from tasks import Fleet, fan_out
+from tasks import fan_out
 from tasks.cli import cli
 from tasks.core import keys
 from tasks.core.errors import (
@@ -49,7 +48,7 @@ from tasks.core.records import JobOptions, LeaseRecord, WorkerRecord
 from tasks.ops.deploy import plan_host, render
 from tasks.producer.fanout import JobSpec
 
-from .conftest import ROOT, TEST_JOB_MODULES, make_settings, wait_for
+from .conftest import ROOT, TEST_JOB_MODULES, make_settings, supervised_fleet, wait_for
 from .conftest import test_env as child_env
 
 LEASE_TTL_S = 4.0
@@ -77,15 +76,8 @@ def rfleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
         heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
         heartbeat_ttl_s=HEARTBEAT_TTL_S,
     )
-    stop = threading.Event()
-    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=child_env()).start() as running:
-        supervisor = threading.Thread(target=running.supervise, args=(stop, 0.2), daemon=True)
-        supervisor.start()
-        try:
-            yield running
-        finally:
-            stop.set()
-            supervisor.join(5)
+    with supervised_fleet(settings) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
