@@ -44,7 +44,7 @@ from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker import lease as lease_module
-from tasks.worker.distributed import GiveWay, Rendezvous, peer_lost
+from tasks.worker.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
 from tasks.worker.oom import run_guarded
@@ -832,5 +832,6 @@ def test_peer_lost_tells_a_lost_collective_from_a_jobs_own_error():
 
     assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert peer_lost(dist.DistNetworkError("store"))
+    assert peer_lost(PeerLost("the gang moved on while this rank joined its group"))
     assert not peer_lost(ValueError("bad value"))
     assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

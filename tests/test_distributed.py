@@ -109,12 +109,16 @@ def test_two_gangs_sent_at_once_over_the_same_devices_both_complete(dapp):
 
 
 @pytest.mark.timeout(90)
-def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfleet, dapp):
+def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfleet, dapp, tmp_path):
     """Wait-die through the real worker: an older gang (written here as its waiting ranks write
-    it) needs cpu1 for a while; the new gang's rank on cpu1 gives the device up, its message goes
-    back to the queue with its options, and once the older gang stops waiting it runs."""
+    it) needs cpu1; the new gang's rank on cpu1, waiting for cpu0 (busy), gives cpu1 up, its
+    message goes back to the queue with its options, and once the older gang stops waiting and
+    cpu0 is free, the gang runs."""
     client = redis.Redis.from_url(dfleet.redis_url)
     cpu1_log = dfleet.workers["cpu1"].log
+    release = tmp_path / "release"
+    busy = fan_out("hold", "cpu0", kwargs={"steps": 1, "release_file": str(release)}, app=dapp)
+    wait_for(lambda: busy.states()["cpu0"] in ("STARTED", "PROGRESS"), 30, "cpu0 to be busy")
 
     def older_gang_waits_and_rank_gave_way() -> bool:
         client.set(keys.gang_alive("older-gang"), 1, px=2000)  # its ranks poll while they wait
@@ -125,10 +129,12 @@ def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfle
     try:
         handle = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2}, distributed=True, app=dapp)
         wait_for(older_gang_waits_and_rank_gave_way, 60, "the rank on cpu1 to give way", poll=0.1)
-    finally:  # the older gang stops waiting
+    finally:  # the older gang stops waiting, cpu0 is free again
         client.delete(keys.gang_alive("older-gang"))
         client.zrem(keys.gangs_needing("cpu1"), "older-gang")
         client.close()
+        release.touch()
+    busy.get(timeout=30)
     results = handle.get(timeout=60)
     _ok(results)
     assert {e["output"]["sum"] for e in results.values()} == {3.0}

@@ -144,6 +144,11 @@ class GiveWay(DeviceFleetError):
         self.older = older
 
 
+class PeerLost(DeviceFleetError):
+    """The gang moved to a later generation while this rank was joining its group (a peer
+    died and ran again): this rank follows it there."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Assembled:
     """A generation in which every rank has joined."""
@@ -259,6 +264,7 @@ class Rendezvous:
 
         Raises:
             GangFailed: rank 0 did not publish its store within the join timeout.
+            PeerLost: the gang moved on to another generation meanwhile.
         """
         import torch.distributed as dist
 
@@ -271,9 +277,12 @@ class Rendezvous:
             return address, int(store.port), store
         deadline = time.monotonic() + self.spec.join_timeout_s
         while not (published := self.client.hget(self.key, field)):
-            if self.client.hget(self.key, "failed") or time.monotonic() > deadline:
+            failed, current = self.client.hmget(self.key, ["failed", "gen"])
+            if failed or time.monotonic() > deadline:
                 raise GangFailed(f"distributed job {self.spec.id}: rank 0 on {self.spec.devices[0]} "
                                  "did not open its store")
+            if current is not None and int(current) != gen:
+                raise PeerLost(f"{self.spec.id} moved on from generation {gen} to {int(current)}")
             time.sleep(POLL_S)
         host, _, port = _text(published).rpartition(":")
         store = dist.TCPStore(host, int(port), world_size=self.spec.world_size, is_master=False,
@@ -290,7 +299,7 @@ def peer_lost(exc: BaseException) -> bool:
     itself failed (the gang fails)."""
     import torch.distributed as dist
 
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, PeerLost)):
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(marker in text for marker in PEER_LOST_MARKERS)
