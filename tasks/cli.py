@@ -439,7 +439,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
                 handle = fan_out("train", "all", kwargs={"model": model, "epochs": epochs},
                                  app=fleet.app())
                 _watch_progress(handle, 600)
-                results = handle.get(timeout=600)
+                results = _get_unless_terminated(handle, 600)
         except DeviceFleetError as exc:
             _fail(exc)
     _print_results(results, as_json)
@@ -567,9 +567,35 @@ def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
         say(f"bench done in {figures['elapsed_s']:.0f} s")
 
 
+#: Set once SIGTERM arrived. Python swallows an exception that a signal handler raises while a
+#: finalizer runs ("Exception ignored in: <function ConnectionPool.__del__>"), so the demo's
+#: wait also checks this, or a SIGTERM could be lost and the fleet orphaned.
+_terminated = threading.Event()
+
+
 def _interrupt_on_sigterm() -> None:
     """SIGTERM acts as Ctrl-C, so a throwaway fleet (demo, bench) is stopped, not orphaned."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    def terminated(signum: int, frame: Any) -> None:
+        _terminated.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def _get_unless_terminated(handle: Any, timeout: float) -> Any:
+    """``handle.get(timeout)``, in one-second waits that raise KeyboardInterrupt once SIGTERM has
+    arrived (even if the handler's own KeyboardInterrupt was swallowed)."""
+    from .core.errors import FanOutTimeout
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if _terminated.is_set():
+            raise KeyboardInterrupt
+        try:
+            return handle.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except FanOutTimeout:
+            if time.monotonic() >= deadline:
+                raise
 
 
 # -- output ------------------------------------------------------------------------------------

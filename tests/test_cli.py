@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,30 @@ def test_sigterm_to_demo_stops_its_fleet(tmp_path):
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+
+
+def test_demo_wait_ends_on_sigterm_even_if_its_interrupt_was_swallowed(monkeypatch):
+    """A KeyboardInterrupt that the SIGTERM handler raises inside a finalizer (redis-py's
+    ``ConnectionPool.__del__``) is swallowed by Python; seen once on CI, the demo then ran on and
+    its fleet was orphaned. The demo's wait notices SIGTERM by itself within a second."""
+    from tasks import cli as cli_module
+    from tasks.core.errors import FanOutTimeout
+
+    class StillRunning:
+        calls = 0
+
+        def get(self, timeout: float) -> None:
+            self.calls += 1
+            assert timeout <= 1.0
+            if self.calls == 2:
+                cli_module._terminated.set()  # SIGTERM came; its KeyboardInterrupt was lost
+            raise FanOutTimeout(timeout, ["cpu0"])
+
+    monkeypatch.setattr(cli_module, "_terminated", threading.Event())
+    handle = StillRunning()
+    with pytest.raises(KeyboardInterrupt):
+        cli_module._get_unless_terminated(handle, 600)
+    assert handle.calls == 2
 
 
 @pytest.mark.gpu
