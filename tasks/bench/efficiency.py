@@ -46,9 +46,33 @@ def _mp_child(device: str, kwargs: dict[str, Any], artifacts: str, out: Any) -> 
     out[f"{device}_output"] = run_train_inline(device, kwargs, Path(artifacts))
 
 
+def _mp_context() -> Any:
+    """The baseline's processes fork from a forkserver that has imported the job's code and never
+    trained. Forking this process itself fails once its inline runs have used autograd on a CUDA
+    build ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing", seen on an H100 host), and spawn would charge the baseline an interpreter
+    start and a torch import per job that the fleet's warm workers do not pay."""
+    ctx = mp.get_context("forkserver")
+    # What a warm worker has imported: train's lazy imports too (scikit-learn's datasets, and
+    # torch._dynamo, which the first optimizer pulls in), or the baseline pays ~4 s of imports.
+    ctx.set_forkserver_preload([__name__, "tasks.jobs.train", "sklearn.datasets", "torch._dynamo"])
+    return ctx
+
+
+def _noop() -> None:
+    pass
+
+
+def warm_multiprocessing() -> None:
+    """Start the forkserver (and its imports) before anything is timed, as the workers are warm."""
+    proc = _mp_context().Process(target=_noop)
+    proc.start()
+    proc.join()
+
+
 def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: Path) -> float:
     """Wall seconds of the plain multiprocessing pattern: a Process per job, a Manager dict, join()."""
-    ctx = mp.get_context("fork")
+    ctx = _mp_context()
     t0 = time.perf_counter()
     with ctx.Manager() as manager:
         out = manager.dict()
@@ -87,6 +111,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         kwargs = train_kwargs(epochs)
         # Warm the workers (imports, dataset) as the in-process runs are warm.
         fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
+        warm_multiprocessing()
 
         # Each variant runs `repeats` times, interleaved, and keeps its best time: on a shared
         # VM one run can lose a third of its speed to a noisy neighbour (steal time).
