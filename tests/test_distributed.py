@@ -64,6 +64,34 @@ def test_two_ranks_train_one_model_on_digits(dapp):
     assert out["cpu0"]["history"] == out["cpu1"]["history"]
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_ranks_train_with_nccl_and_beside_a_cpu_rank_with_gloo(dapp):
+    """On a GPU host: the GPU workers alone form an nccl group, each rank on its own card; a
+    gang of cpu0 and a GPU rank gets gloo (``auto``: nccl cannot take a CPU rank) and trains one
+    model across both kinds of device."""
+    gpus = sorted(d for d, r in tasks.live_devices(dapp).items() if r.kind == "gpu")
+    assert gpus, "a GPU host runs a GPU worker"
+    results = fan_out("train", gpus, kwargs={"epochs": 8}, distributed={"backend": "nccl"},
+                      app=dapp).get(timeout=240)
+    _ok(results)
+    for device, entry in results.items():
+        assert entry["output"]["backend"] == "nccl" and entry["output"]["world_size"] == len(gpus)
+        assert entry["output"]["torch_device"] == "cuda:0"  # each worker sees only its own card
+        assert entry["visibility"]["cuda_visible_devices"] == device.removeprefix("gpu")
+    assert len({e["output"]["weights_digest"] for e in results.values()}) == 1
+    assert results[gpus[0]]["output"]["accuracy"] >= 0.9
+
+    mixed = fan_out("train", ["cpu0", gpus[0]], kwargs={"epochs": 8}, distributed=True,
+                    app=dapp).get(timeout=240)
+    _ok(mixed)
+    out = {d: e["output"] for d, e in mixed.items()}
+    assert {o["backend"] for o in out.values()} == {"gloo"}
+    assert out["cpu0"]["torch_device"] == "cpu" and out[gpus[0]]["torch_device"] == "cuda:0"
+    assert out["cpu0"]["accuracy"] == out[gpus[0]]["accuracy"] >= 0.9  # one evaluation, summed over ranks
+    assert out["cpu0"]["history"] == out[gpus[0]]["history"]
+
+
 @pytest.mark.timeout(60)
 def test_ranks_get_torchrun_variables_and_keep_their_own_device(dapp):
     results = fan_out("ranked", "cpu1,cpu0", kwargs={"steps": 2}, distributed=True, app=dapp).get(timeout=40)

@@ -294,10 +294,11 @@ def test_redis_restart_loses_no_queued_or_running_job(rfleet, rapp, client, tmp_
     pids = _pids(rapp)
     running = fan_out({"cpu0": ("sleepy", {"seconds": 4, "marker": str(tmp_path)}),
                        "cpu1": ("sleepy", {"seconds": 4, "marker": str(tmp_path)})}, app=rapp)
-    queued = fan_out("echo", "all", kwargs={"value": "queued"}, app=rapp)
+    # Queued behind the running jobs (on a GPU host "all" would include gpu0, which is free).
+    queued = fan_out("echo", "cpu0,cpu1", kwargs={"value": "queued"}, app=rapp)
     wait_for(lambda: len(list(tmp_path.iterdir())) == 2, 60, "both jobs to start")
     # The running jobs' messages (unacknowledged) and the queued ones are in Redis...
-    wait_for(lambda: all(client.llen(f"device.{d}") == 1 for d in pids), 30,
+    wait_for(lambda: all(client.llen(f"device.{d}") == 1 for d in ("cpu0", "cpu1")), 30,
              "the queued jobs to wait in their queues")
     # ...and in the append-only file, written out, before Redis goes away.
     assert rfleet.redis is not None
