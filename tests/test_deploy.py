@@ -111,7 +111,10 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     assert cpu["Service.PrivateDevices"] == ["yes"] and "Service.DeviceAllow" not in cpu
     assert gpu1["Service.PrivateDevices"][-1] == "no"
     assert gpu1["Service.DevicePolicy"] == ["closed"]
-    assert "char-nvidia-frontend rw" in gpu1["Service.DeviceAllow"]
+    # GPU 1's instance may open its own card and the driver's shared nodes, not GPU 0's card.
+    allowed = {rule.split()[0] for rule in gpu1["Service.DeviceAllow"]}
+    assert {"/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"} <= allowed
+    assert "/dev/nvidia0" not in allowed and not any(a.startswith("char-nvidia-frontend") for a in allowed)
     assert "20-gpu.conf" not in {p.name for p in unit_files(plan.unit_dir, "devicefleet-worker@cpu0.service")}
     # Secrets are not world-readable.
     for name in ("devicefleet.env", "flower.env"):
