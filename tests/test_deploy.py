@@ -100,9 +100,14 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     assert cpu["Service.TimeoutStopSec"][-1] == str(3600 + 90)
     assert gpu1["Service.TimeoutStopSec"][-1] == str(7200 + 90)
     assert cpu["Service.User"] == ["devicefleet"]
-    for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"),
-                       ("ProtectHome", "yes"), ("PrivateTmp", "yes")]:
+    for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes"),
+                       ("SystemCallArchitectures", "native"), ("ProtectProc", "invisible")]:
         assert cpu[f"Service.{key}"] == [value]
+    # Homes hidden; code installed under one (or under /tmp) is bound back in, read-only.
+    binds = " ".join(cpu["Service.BindReadOnlyPaths"]).split()
+    assert binds == [str(d) for d in plan.hidden_code_dirs]
+    home = any(d.is_relative_to(r) for d in plan.hidden_code_dirs for r in (Path("/root"), Path("/home")))
+    assert cpu["Service.ProtectHome"] == ["tmpfs" if home else "yes"]
     assert cpu["Service.ReadWritePaths"] == [f"{plan.state_dir} {plan.state_dir / 'artifacts'}"]
     # The binary itself, no shell.
     argv = cpu["Service.ExecStart"][0].split()
@@ -120,6 +125,29 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     for name in ("devicefleet.env", "flower.env"):
         assert stat.S_IMODE((plan.config_dir / name).stat().st_mode) == 0o640
     assert stat.S_IMODE((plan.redis_conf_dir / "devicefleet.conf").stat().st_mode) == 0o640
+
+
+def test_code_under_a_home_or_tmp_is_bound_back_into_the_sandbox(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    plan.code_dirs = [Path("/root/.pyenv/versions/3.11.7"), Path("/root/.pyenv/versions/3.11.7/lib"),
+                      Path("/tmp/ci/venv"), Path("/opt/app"), Path("/usr")]
+    assert plan.hidden_code_dirs == [Path("/root/.pyenv/versions/3.11.7"), Path("/tmp/ci/venv")]
+    plan.code_dirs = [Path("/opt/venv"), Path("/srv/checkout")]
+    render(plan)
+    unit = load_unit(plan.unit_dir, "devicefleet-worker@cpu0.service")
+    assert unit["Service.ProtectHome"] == ["yes"] and not any(unit.get("Service.BindReadOnlyPaths", []))
+
+
+def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path) -> None:
+    analyze = system_tools.tool("systemd-analyze", "systemd")
+    plan = _plan(tmp_path, unit_dir=Path("/etc/systemd/system"))
+    render(plan, tmp_path / "root")
+    for unit in ("devicefleet-worker@cpu0.service", "devicefleet-flower.service", "devicefleet-metrics.service"):
+        out = subprocess.run([analyze, "security", "--offline=true", f"--root={tmp_path / 'root'}", unit],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        level = float(out.stdout.rsplit("Overall exposure level for", 1)[1].split(":")[1].split()[0])
+        assert level <= 2.0, f"{unit}: {level}\n{out.stdout}"
 
 
 @pytest.mark.parametrize("mode", ["local", "serve", "join"])

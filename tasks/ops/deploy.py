@@ -40,6 +40,10 @@ WORKER_UNIT = "devicefleet-worker@.service"
 FLOWER_UNIT = "devicefleet-flower.service"
 METRICS_UNIT = "devicefleet-metrics.service"
 TARGET_UNIT = "devicefleet.target"
+#: Folders a unit with ``ProtectHome`` and ``PrivateTmp`` does not see. Code installed there (a
+#: venv under /root or /home, a checkout or CI venv under /tmp) is bound back in read-only.
+HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
+HIDDEN_ROOTS = (*HOME_ROOTS, Path("/tmp"), Path("/var/tmp"))
 REDIS_UNIT = "redis-server.service"
 #: Seconds a stop may take beyond the longest job: Celery's shutdown and storing the result.
 DEFAULT_STOP_MARGIN_S = 60
@@ -118,6 +122,14 @@ class HostPlan:
     flower_port: int = 5555
     metrics_port: int = DEFAULT_METRICS_PORT
     flower_auth: str = field(default_factory=lambda: f"admin:{secrets.token_urlsafe(18)}")
+    #: Folders the units run code from (the binaries' environment, the interpreter, the package).
+    code_dirs: list[Path] = field(default_factory=list)
+
+    @property
+    def hidden_code_dirs(self) -> list[Path]:
+        """The :attr:`code_dirs` the units' sandbox hides, outermost only: bound back read-only."""
+        hidden = sorted({d for d in self.code_dirs if any(d.is_relative_to(r) for r in HIDDEN_ROOTS)})
+        return [d for d in hidden if not any(d != o and d.is_relative_to(o) for o in hidden)]
 
     @property
     def devices(self) -> list[str]:
@@ -127,6 +139,14 @@ class HostPlan:
     @property
     def runs_redis(self) -> bool:
         return self.join_url is None
+
+    @property
+    def sysusers_file(self) -> Path:
+        return Path("/etc/sysusers.d") / f"{self.user}.conf"
+
+    @property
+    def tmpfiles_file(self) -> Path:
+        return Path("/etc/tmpfiles.d") / f"{self.user}.conf"
 
     @property
     def artifacts(self) -> Path:
@@ -197,10 +217,24 @@ def plan_host(
         serve_address=serve_address,
         **paths,  # type: ignore[arg-type]
     )
+    plan.code_dirs = code_dirs(binary)
     multi_host = join_url is not None or serve_address is not None
     plan.device_names = device_names or (DeviceNames.HOST if multi_host else DeviceNames.SHORT)
     _reuse_secrets(plan, root)
     return plan
+
+
+def code_dirs(binary: Path) -> list[Path]:
+    """The folders the units read code from: the environment ``binary`` belongs to and, when it
+    is this interpreter's, the interpreter's installation and the devicefleet package (the
+    checkout, for an editable install)."""
+    dirs = {binary.parent.parent}
+    if binary.parent == Path(sys.prefix) / "bin":
+        import tasks
+
+        dirs |= {Path(sys.prefix), Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent,
+                 Path(tasks.__file__).resolve().parent.parent}
+    return sorted(dirs)
 
 
 def _find_bin(name: str) -> Path:
@@ -277,8 +311,13 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     wanted = ([REDIS_UNIT] if plan.runs_redis else []) + workers + [FLOWER_UNIT, METRICS_UNIT]
     margin = plan.stop_margin_s
     timeouts = {d: stop_timeout(configs_here, Device.parse(d), margin) for d in plan.devices}
+    binds = plan.hidden_code_dirs
     values: dict[str, object] = {
         "after_units": after,
+        # ProtectHome=yes makes /root and /home unreadable; tmpfs hides them too but lets the
+        # code folders below be bound back in (a venv under /root otherwise fails with 203/EXEC).
+        "protect_home": "tmpfs" if any(d.is_relative_to(r) for d in binds for r in HOME_ROOTS) else "yes",
+        "code_binds": " ".join(_check_safe("code folder", str(d)) for d in binds),
         "user": _check_safe("user", plan.user),
         "config_dir": _check_safe("config dir", str(plan.config_dir)),
         "state_dir": _check_safe("state dir", str(plan.state_dir)),
@@ -319,6 +358,8 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     write(units / FLOWER_UNIT, template(FLOWER_UNIT))
     write(units / METRICS_UNIT, template(METRICS_UNIT))
     write(units / TARGET_UNIT, template(TARGET_UNIT))
+    write(plan.sysusers_file, template("devicefleet.sysusers"))
+    write(plan.tmpfiles_file, template("devicefleet.tmpfiles"))
     write(plan.config_dir / "devicefleet.env", template("devicefleet.env"), 0o640)
     write(plan.config_dir / "flower.env", template("flower.env"), 0o640)
     if plan.runs_redis:
@@ -361,9 +402,8 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
     if root != Path("/"):
         out.append(f"cp -a --no-preserve=ownership {root}/. /   # install the reviewed files")
     out += [
-        f"id -u {user} >/dev/null 2>&1 || useradd --system --home-dir {plan.state_dir} "
-        f"--shell /usr/sbin/nologin {user}",
-        f"install -d -m 0750 -o {user} -g {user} {plan.state_dir} {plan.artifacts}",
+        f"systemd-sysusers {plan.sysusers_file}   # the {user} system user",
+        f"systemd-tmpfiles --create {plan.tmpfiles_file}   # its state and artifacts folders",
         f"chown root:{user} {plan.config_dir}/devicefleet.env {plan.config_dir}/flower.env",
     ]
     if plan.runs_redis:
