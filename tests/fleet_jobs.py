@@ -123,3 +123,26 @@ def ranked(ctx: JobContext, params: RankedParams) -> dict[str, Any]:
     return {"sum": total, "env": {name: os.environ.get(name) for name in names},
             "initialized": dist.is_initialized(), "pid": os.getpid(),
             "local_rank": ctx.local_rank}
+
+
+class SandboxParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: Files to create: each reports "ok" or the errno's name.
+    write: list[str] = []
+
+
+@job("sandbox", params=SandboxParams)
+def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
+    """What the worker's sandbox lets a job do: write the given files, see other processes."""
+    import errno
+
+    writes: dict[str, str] = {}
+    for path in params.write:
+        try:
+            with open(path, "w") as handle:
+                handle.write("written by a job\n")
+            writes[path] = "ok"
+        except OSError as exc:
+            writes[path] = errno.errorcode.get(exc.errno or 0, str(exc))
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return {"writes": writes, "visible_pids": len(pids), "uid": os.getuid(), "pid": os.getpid()}

@@ -1,0 +1,355 @@
+"""The units ``devicefleet deploy`` renders, under a real systemd (``-k under_systemd``).
+
+One container (tests/systemd_container.py) boots for the module: systemd as its PID 1, the
+rendered units, configs, sysusers.d and tmpfiles.d files bound in, and Debian's redis-server
+run by Debian's own unit with the rendered snippet. Producers send from this process, outside
+the container, through the rendered Redis URL. The tests add to the rendered environment file
+only what a user adds for their own jobs (the test job modules and short lease timings).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tasks import fan_out, live_devices
+from tasks.core.app import create_app
+from tasks.core.settings import Settings
+from tasks.ops.deploy import HostPlan, plan_host, render
+from tasks.ops.proc import free_port
+
+from . import system_tools
+from .conftest import ROOT, wait_for
+from .systemd_container import BootFailed, Container, nspawn_binary
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKERS = ["devicefleet-worker@cpu0.service", "devicefleet-worker@cpu1.service"]
+SERVICES = ["redis-server.service", *WORKERS, "devicefleet-flower.service", "devicefleet-metrics.service"]
+STATE = Path("/var/lib/devicefleet")
+
+
+class Host:
+    """The container and what the tests need to reach it."""
+
+    def __init__(self, box: Container, plan: HostPlan, units: Path, state: Path) -> None:
+        self.box, self.plan, self.units, self.state = box, plan, units, state
+        self.etc = units.parent.parent
+        self.app = create_app(Settings.load(redis_url=plan.redis_url, state_dir=state / "producer",
+                                            job_modules=["tasks.jobs", "tests.fleet_jobs", "tests.reliability_jobs"]))
+
+    def marker_dir(self, name: str) -> tuple[Path, str]:
+        """A folder the workers may write (under the state dir): its host path and its path inside."""
+        host = self.state / "markers" / name
+        host.mkdir(parents=True)
+        os.chmod(host, 0o777)
+        return host, str(STATE / "markers" / name)
+
+    def active(self, unit: str) -> bool:
+        return self.box.systemctl("is-active", unit, check=False).strip() == "active"
+
+    def main_pid(self, unit: str) -> int:
+        return int(self.box.show(unit, "MainPID")["MainPID"])
+
+    def workers_ready(self) -> bool:
+        """Every unit active, and each worker in the fleet registry as its unit's main process."""
+        if not all(self.active(u) for u in SERVICES):
+            return False
+        live = {d: r.pid for d, r in live_devices(self.app).items()}
+        return live == {u.split("@")[1].removesuffix(".service"): self.main_pid(u) for u in WORKERS}
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        wait_for(self.workers_ready, timeout, "every unit active and both workers in the registry")
+
+    def dropin(self, unit: str, name: str, text: str | None) -> None:
+        """Write (or with None remove) a drop-in from the host side, then daemon-reload."""
+        path = self.units / f"{unit}.d" / name
+        if text is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+        self.box.systemctl("daemon-reload")
+
+
+def _require_nspawn() -> str:
+    found = nspawn_binary()
+    if found is None:
+        system_tools.missing("systemd-nspawn", "systemd-container")
+    if os.geteuid() != 0:
+        pytest.skip("booting a systemd container needs root")
+    assert found is not None
+    system_tools.tool("/usr/bin/redis-server", "redis-server")
+    return found
+
+
+def _render(tmp: Path) -> tuple[HostPlan, Path]:
+    root = tmp / "root"
+    plan = plan_host(gpus=0, cpu_workers=2, root=root, worker_configs_src=ROOT / "worker_configs",
+                     devicefleet_bin=Path(sys.executable).parent / "devicefleet", redis_port=free_port(),
+                     flower_port=free_port(), metrics_port=free_port())
+    render(plan, root)
+    etc = root / "etc"
+    # What the user adds for their own jobs, and short leases so a killed job comes back fast.
+    with open(etc / "devicefleet" / "devicefleet.env", "a") as env:
+        env.write(f'DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs,tests.reliability_jobs"\n'
+                  f'PYTHONPATH="{ROOT}"\nDEVICEFLEET_LEASE_TTL_S="3"\nDEVICEFLEET_REAPER_INTERVAL_S="0.5"\n'
+                  f'DEVICEFLEET_HEARTBEAT_INTERVAL_S="0.5"\nDEVICEFLEET_HEARTBEAT_TTL_S="2"\n')
+    # What Debian's redis-server package provides on a real host: its user and its main config,
+    # which `devicefleet deploy`'s commands extend with the rendered snippet.
+    (etc / "sysusers.d" / "redis.conf").write_text("u redis - - /var/lib/redis\n")
+    (etc / "tmpfiles.d" / "redis.conf").write_text("d /var/lib/redis 0750 redis redis -\n")
+    (etc / "redis" / "redis.conf").write_text("include /etc/redis/devicefleet.conf\ndir /var/lib/redis\n")
+    for conf in (etc / "redis").iterdir():
+        conf.chmod(0o644)  # the container's redis user is not the host's
+    return plan, root
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    nspawn = _require_nspawn()
+    tmp = tmp_path_factory.mktemp("systemd")
+    plan, root = _render(tmp)
+    etc = root / "etc"
+    state = tmp / "state"
+    state.mkdir()
+    box = Container(nspawn, f"dftest{os.getpid()}", tmp / "console.log")
+    for sub in ("systemd/system", "devicefleet", "redis", "sysusers.d", "tmpfiles.d"):
+        box.binds.append((etc / sub, Path("/etc") / sub, True))
+    # The environment and checkout the units run code from, at the same paths.
+    for code in sorted({*plan.code_dirs, ROOT}):
+        if not code.is_relative_to("/usr"):
+            box.binds.append((code, code, True))
+    box.binds.append((state, STATE, False))
+    try:
+        box.boot()
+    except BootFailed as exc:
+        box.stop()
+        pytest.skip(f"systemd-nspawn could not boot a container here: {exc}")
+    try:
+        yield Host(box, plan, etc / "systemd" / "system", state)
+    finally:
+        box.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet_host(host: Host) -> Host:
+    host.box.systemctl("start", "devicefleet.target")
+    host.wait_ready(90)
+    return host
+
+
+def _markers(path: Path) -> list[str]:
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _http(url: str, auth: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+# -- 1. the target brings everything up ----------------------------------------------------------
+
+
+def test_target_starts_redis_workers_flower_and_exporter_under_systemd(fleet_host: Host) -> None:
+    box = fleet_host.box
+    wants = box.show("devicefleet.target", "Wants")["Wants"].split()
+    assert set(SERVICES) <= set(wants)
+    results = fan_out("probe", "all", app=fleet_host.app).get(timeout=60)
+    assert {d: e["status"] for d, e in results.items()} == {"cpu0": "ok", "cpu1": "ok"}
+    for device, entry in results.items():
+        unit = f"devicefleet-worker@{device}.service"
+        pid = fleet_host.main_pid(unit)
+        assert entry["output"]["pid"] == pid  # the job ran in the unit's own main process
+        user = box.run("ps", "-o", "user=", "-p", str(pid)).stdout.strip()
+        assert user == "devicefleet"
+        assert entry["visibility"]["cuda_visible_devices"] == "-1"
+        status = box.run("cat", f"/proc/{pid}/status").stdout
+        assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status  # the filter is on
+    # Flower behind its login; the exporter's metrics.
+    flower = f"http://127.0.0.1:{fleet_host.plan.flower_port}/"
+    wait_for(lambda: _http(flower)[0] == 401, 30, "Flower to answer (401 without its login)")
+    assert _http(flower + "workers", fleet_host.plan.flower_auth)[0] == 200
+    code, metrics = _http(f"http://127.0.0.1:{fleet_host.plan.metrics_port}/metrics")
+    assert code == 200 and "devicefleet_" in metrics
+
+
+# -- 2. kill -9 mid-job ----------------------------------------------------------------------------
+
+
+def test_kill_9_of_a_worker_under_systemd_restarts_it_and_the_job_runs_again(fleet_host: Host) -> None:
+    unit = WORKERS[0]
+    restarts = int(fleet_host.box.show(unit, "NRestarts")["NRestarts"])
+    host_dir, inside = fleet_host.marker_dir("kill9")
+    handle = fan_out("sleepy", "cpu0,cpu1", kwargs={"seconds": 2, "marker": inside}, app=fleet_host.app)
+    job = handle.task_ids["cpu0"]
+    wait_for(lambda: _markers(host_dir / job) == ["start"], 60, "cpu0's job to start")
+    pid = fleet_host.main_pid(unit)
+    fleet_host.box.run("kill", "-9", str(pid))
+    results = handle.get(timeout=90)
+    assert {d: e["status"] for d, e in results.items()} == {"cpu0": "ok", "cpu1": "ok"}
+    assert _markers(host_dir / job) == ["start", "start", "end"]  # killed once, ran again, once
+    show = fleet_host.box.show(unit, "NRestarts", "MainPID")
+    assert int(show["NRestarts"]) == restarts + 1 and int(show["MainPID"]) != pid
+    assert "status=9/KILL" in fleet_host.box.journal(unit)
+    fleet_host.wait_ready()
+
+
+# -- 3. stopping during a job ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_stop_under_systemd_lets_the_job_finish_and_sigquit_stops_at_once(fleet_host: Host) -> None:
+    box, unit = fleet_host.box, WORKERS[0]
+    host_dir, inside = fleet_host.marker_dir("stop")
+    handle = fan_out("sleepy", "cpu0", kwargs={"seconds": 3, "marker": inside}, app=fleet_host.app)
+    job = handle.task_ids["cpu0"]
+    wait_for(lambda: _markers(host_dir / job) == ["start"], 60, "the job to start")
+    box.systemctl("stop", unit)  # returns once the unit has stopped
+    # Warm shutdown: the job finished and its result was stored before the process exited.
+    assert _markers(host_dir / job) == ["start", "end"]
+    assert handle.states() == {"cpu0": "SUCCESS"}
+    show = box.show(unit, "ActiveState", "ExecMainStatus", "Result")
+    assert show == {"ActiveState": "inactive", "ExecMainStatus": "0", "Result": "success"}
+    box.systemctl("start", unit)
+    fleet_host.wait_ready()
+
+    handle = fan_out("sleepy", "cpu0", kwargs={"seconds": 3, "marker": inside}, app=fleet_host.app)
+    job = handle.task_ids["cpu0"]
+    wait_for(lambda: _markers(host_dir / job) == ["start"], 60, "the second job to start")
+    restarts, pid = int(box.show(unit, "NRestarts")["NRestarts"]), fleet_host.main_pid(unit)
+    box.systemctl("kill", "-s", "SIGQUIT", unit)
+    # Celery's cold shutdown exits 1 at once: a failure, so systemd restarts the unit.
+    wait_for(lambda: int(box.show(unit, "NRestarts")["NRestarts"]) == restarts + 1, 30,
+             "systemd to restart the unit after SIGQUIT")
+    assert fleet_host.main_pid(unit) != pid
+    assert "status=1/FAILURE" in box.journal(unit)
+    assert handle.get(timeout=90)["cpu0"]["status"] == "ok"
+    assert _markers(host_dir / job) == ["start", "start", "end"]
+    fleet_host.wait_ready()
+
+
+# -- 4. configuration errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting, named", [("DEVICEFLEET_LEASE_TTL_S=banana", "banana"),
+                                            ("DEVICEFLEET_JOB_MODULES=tasks.jobs,no_such_jobs", "no_such_jobs")])
+def test_a_configuration_error_under_systemd_exits_2_and_is_not_restarted(fleet_host: Host, setting: str,
+                                                                          named: str) -> None:
+    box, unit = fleet_host.box, WORKERS[1]
+    restarts = int(box.show(unit, "NRestarts")["NRestarts"])
+    try:
+        # As if an operator mistyped a value in the environment files (a later file wins).
+        (fleet_host.etc / "devicefleet" / "broken.env").write_text(setting + "\n")
+        fleet_host.dropin(unit, "90-broken.conf", "[Service]\nEnvironmentFile=/etc/devicefleet/broken.env\n")
+        box.systemctl("restart", unit)
+        wait_for(lambda: box.show(unit, "ActiveState")["ActiveState"] == "failed", 60,
+                 "the unit to fail (not to be scheduled for a restart)")
+        show = box.show(unit, "ExecMainStatus", "NRestarts", "Result")
+        assert show == {"ExecMainStatus": "2", "NRestarts": str(restarts), "Result": "exit-code"}
+        assert named in box.journal(unit)  # the journal names the bad value
+    finally:
+        fleet_host.dropin(unit, "90-broken.conf", None)
+        box.systemctl("reset-failed", unit, check=False)
+        box.systemctl("start", unit)
+    fleet_host.wait_ready()
+
+
+# -- 5. hardening ------------------------------------------------------------------------------------
+
+
+def test_hardening_holds_under_systemd(fleet_host: Host) -> None:
+    box = fleet_host.box
+    for unit in (WORKERS[0], "devicefleet-flower.service", "devicefleet-metrics.service"):
+        out = box.run("systemd-analyze", "security", "--no-pager", unit, check=False).stdout
+        level = float(out.rsplit("Overall exposure level for", 1)[1].split(":")[1].split()[0])
+        assert level <= 2.0, f"{unit}: {level}"
+    writes = [str(STATE / "job-was-here"), str(STATE / "artifacts" / "job-was-here"), "/etc/job-was-here",
+              "/usr/job-was-here", "/var/job-was-here", str(ROOT / "job-was-here"), "/tmp/job-was-here"]
+    entry = fan_out("sandbox", "cpu0", kwargs={"write": writes}, app=fleet_host.app).get(timeout=60)["cpu0"]
+    assert entry["status"] == "ok", entry["error"]
+    got = entry["output"]["writes"]
+    assert got == {writes[0]: "ok", writes[1]: "ok", writes[2]: "EROFS", writes[3]: "EROFS",
+                   writes[4]: "EROFS", writes[5]: "EROFS", writes[6]: "ok"}, got
+    assert (fleet_host.state / "job-was-here").is_file()
+    assert box.run("test", "-e", "/tmp/job-was-here", check=False).returncode == 1  # its own /tmp
+    # /proc shows the job only its own processes, not the other worker or Redis.
+    assert entry["output"]["visible_pids"] < len(box.run("ls", "/proc").stdout.split()) - 5
+    # torch, a DataLoader with worker processes and psutil run under the system-call filter.
+    trained = fan_out("train", "cpu0", kwargs={"epochs": 2, "num_workers": 2}, app=fleet_host.app).get(timeout=90)
+    assert trained["cpu0"]["status"] == "ok", trained["cpu0"]["error"]
+    assert trained["cpu0"]["output"]["num_workers"] == 2
+
+
+PROBE = ("import errno, os\n"
+         "for path in ('/dev/nvidia0', '/dev/nvidia1'):\n"
+         "    try:\n"
+         "        os.close(os.open(path, os.O_RDWR)); print(path, 'opened')\n"
+         "    except OSError as exc:\n"
+         "        print('devprobe', path, errno.errorcode[exc.errno])\n")
+
+
+def test_a_gpu_unit_opens_only_its_own_card_under_systemd(fleet_host: Host, tmp_path: Path) -> None:
+    """Stand-in device nodes (no NVIDIA driver here): GPU 0's instance, with its rendered drop-in,
+    gets past the device cgroup for /dev/nvidia0 (ENXIO: no driver behind it) and is stopped at
+    /dev/nvidia1 (EPERM); a CPU instance sees neither node (ENOENT, PrivateDevices)."""
+    box = fleet_host.box
+    for index in (0, 1):
+        box.run("mknod", "-m", "0666", f"/dev/nvidia{index}", "c", "195", str(index), check=False)
+    gpu_plan = plan_host(gpus=1, cpu_workers=1, root=tmp_path, worker_configs_src=ROOT / "worker_configs",
+                         devicefleet_bin=fleet_host.plan.devicefleet_bin)
+    render(gpu_plan, tmp_path)
+    dropin = tmp_path / "etc/systemd/system/devicefleet-worker@gpu0.service.d/20-gpu.conf"
+    probe = (f"[Service]\nType=oneshot\nRestart=no\nExecStart=\n"
+             f"ExecStart={sys.executable} -c \"exec(bytes.fromhex('{PROBE.encode().hex()}'))\"\n")
+    seen: dict[str, list[str]] = {}
+    try:
+        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", dropin.read_text())
+        for device in ("gpu0", "cpu7"):
+            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", probe)
+            box.systemctl("start", f"devicefleet-worker@{device}.service")
+            seen[device] = sorted(line.split(" ", 1)[1] for line in
+                                  box.journal(f"devicefleet-worker@{device}.service").splitlines()
+                                  if line.startswith("devprobe "))
+    finally:
+        for device in ("gpu0", "cpu7"):
+            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", None)
+        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", None)
+    assert seen["gpu0"] == ["/dev/nvidia0 ENXIO", "/dev/nvidia1 EPERM"], seen
+    assert seen["cpu7"] == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENOENT"], seen
+
+
+# -- 6. restarting the whole fleet -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_restarting_the_target_under_systemd_loses_no_queued_job(fleet_host: Host) -> None:
+    host_dir, inside = fleet_host.marker_dir("restart")
+    running = fan_out("sleepy", "cpu0,cpu1", kwargs={"seconds": 2, "marker": inside}, app=fleet_host.app)
+    queued = [fan_out("echo", "cpu0,cpu1", kwargs={"value": i}, app=fleet_host.app) for i in range(10)]
+    wait_for(lambda: all(_markers(host_dir / j) == ["start"] for j in running.task_ids.values()), 60,
+             "both running jobs to start")
+    pids = {u: fleet_host.main_pid(u) for u in WORKERS}
+    fleet_host.box.systemctl("restart", "devicefleet.target")
+    assert all(fleet_host.main_pid(u) not in (0, pids[u]) for u in WORKERS)  # really restarted
+    assert {d: e["status"] for d, e in running.get(timeout=60).items()} == {"cpu0": "ok", "cpu1": "ok"}
+    for job in running.task_ids.values():
+        assert _markers(host_dir / job) == ["start", "end"]  # finished before the stop, once
+    for i, handle in enumerate(queued):
+        got = handle.get(timeout=90)
+        assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": i, "cpu1": i}
+    fleet_host.wait_ready()
