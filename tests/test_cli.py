@@ -10,11 +10,14 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 import tasks
+from tasks.core.app import create_app
 from tasks.core.devices import count_gpus
 from tasks.core.registry import connect, live_workers
+from tasks.core.settings import Settings
 
 from .conftest import test_env, wait_for
 
@@ -26,6 +29,14 @@ def _env(**extra: str) -> dict[str, str]:
     env.update(test_env())
     env.update(extra)
     return env
+
+
+def _ready_workers(env: dict[str, str]) -> dict[str, dict]:  # type: ignore[type-arg]
+    """The ready workers `devicefleet status --json` shows (none while there is no fleet)."""
+    out = subprocess.run([*CLI, "status", "--json"], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {}
+    return {d: w for d, w in json.loads(out.stdout)["workers"].items() if w.get("ready")}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -42,14 +53,8 @@ def test_up_run_status_and_clean_stop(tmp_path):
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        def ready():
-            out = subprocess.run([*CLI, "status", "--json"], env=env, capture_output=True, text=True)
-            if out.returncode != 0:
-                return None
-            workers = json.loads(out.stdout)["workers"]
-            return workers if len(workers) == 2 and all(w.get("ready") for w in workers.values()) else None
-
-        workers = wait_for(ready, 120, "`devicefleet status` to show two ready workers", proc=up)
+        workers = wait_for(lambda: _ready_workers(env) if len(_ready_workers(env)) == 2 else None, 120,
+                           "`devicefleet status` to show two ready workers", proc=up)
         assert set(workers) == {"cpu0", "cpu1"}
         assert all(w["cuda_visible_devices"] == "-1" for w in workers.values())
         fleet_file = tmp_path / "fleet.json"
@@ -83,6 +88,55 @@ def test_up_run_status_and_clean_stop(tmp_path):
         assert not fleet_file.exists()
         after = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True)
         assert after.returncode == 1 and "devicefleet up" in after.stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _redis_server_of(up: subprocess.Popen[str]) -> psutil.Process | None:
+    """The running redis-server `up` started, if there is one (a zombie does not count)."""
+    found = [p for p in psutil.Process(up.pid).children(recursive=True)
+             if "redis-server" in p.name() and p.status() != psutil.STATUS_ZOMBIE]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+@pytest.mark.timeout(180)
+def test_up_restarts_its_killed_redis_and_a_fan_out_in_flight_completes(tmp_path):
+    """As it was found: `devicefleet up`, a fan-out in flight, `kill -9` of the fleet's
+    redis-server. `up` reaps and restarts it on the same port from its append-only file, the
+    producer and the workers ride through and the results arrive; then, with Redis killed again,
+    one SIGTERM stops `up` within its stop timeout."""
+    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", "--stop-timeout", "30"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: len(_ready_workers(env)) == 2, 120, "two ready workers", proc=up)
+        redis_url = json.loads((tmp_path / "fleet.json").read_text())["redis_url"]
+        app = create_app(Settings.load(redis_url=redis_url, state_dir=tmp_path / "producer"))
+        pids = [r.pid for r in tasks.live_devices(app).values()]
+        handle = tasks.fan_out("probe", "cpu0,cpu1", kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
+        wait_for(lambda: set(handle.states().values()) == {"STARTED"}, 60, "both jobs to start")
+        first = _redis_server_of(up)
+        assert first is not None
+        first.kill()
+        # Reaped (no zombie) and running again, a new process on the same port.
+        wait_for(lambda: not first.is_running(), 10, "the killed redis-server to be reaped (not a zombie)")
+        second = wait_for(lambda: _redis_server_of(up), 30, "up to start redis-server again")
+        assert second.pid != first.pid
+        results = handle.get(timeout=90)
+        assert {d: e["status"] for d, e in results.items()} == {"cpu0": "ok", "cpu1": "ok"}
+        assert [r.pid for r in tasks.live_devices(app).values()] == pids  # the workers rode through
+        again = tasks.fan_out("probe", "all", app=app).get(timeout=60)
+        assert {d: e["status"] for d, e in again.items()} == {"cpu0": "ok", "cpu1": "ok"}
+
+        second.kill()
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=60)
+        assert up.returncode == 0, out
+        assert "restarting it on port" in out and "fleet stopped" in out
+        assert not any(_pid_alive(pid) for pid in pids)
     finally:
         if up.poll() is None:
             up.kill()

@@ -24,7 +24,7 @@ from celery import Celery
 
 from ..core.app import create_app
 from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
-from ..core.errors import ConfigError, FleetError
+from ..core.errors import ConfigError, FleetError, RedisServerError
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
@@ -34,6 +34,11 @@ from .proc import log_tail, wait_until
 from .redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
+
+#: Back-off between tries to restart an embedded redis-server that keeps failing (doubling).
+REDIS_RESTART_BACKOFF_S = (0.5, 10.0)
+#: How long stopping workers may take when Redis is gone for good: they cannot store a result.
+REDIS_GONE_STOP_S = 5.0
 
 
 @dataclass
@@ -91,6 +96,9 @@ class Fleet:
     redis_url: str = ""
     monitor: FleetMonitor | None = None
     _stopping: bool = False
+    redis_restarts: int = 0
+    _redis_retry_at: float = 0.0
+    _redis_backoff_s: float = REDIS_RESTART_BACKOFF_S[0]
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -241,8 +249,11 @@ class Fleet:
         return create_app(self.settings.model_copy(update={"redis_url": self.redis_url}))
 
     def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
-        """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, until ``stop``."""
+        """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, and the
+        embedded Redis if it dies (on its port, from its append-only file), until ``stop``."""
         while not stop.wait(poll_s):
+            if self.redis_down() and time.monotonic() >= self._redis_retry_at:
+                self._restart_redis()
             for worker in self.workers.values():
                 if self._stopping or worker.alive or worker.process is None:
                     continue
@@ -251,6 +262,27 @@ class Fleet:
                 logger.warning("%s exited with code %s; restarting it (restart %d)",
                                worker.name, code, worker.restarts)
                 self._spawn(worker)
+
+    def redis_down(self) -> bool:
+        """Whether the embedded redis-server has exited (it is reaped here: no zombie stays)."""
+        process = self.redis.process if self.redis is not None else None
+        return process is not None and process.poll() is not None
+
+    def _restart_redis(self) -> bool:
+        """Start the embedded Redis again; on failure, try again after a doubling back-off."""
+        assert self.redis is not None and self.redis.process is not None
+        self.redis_restarts += 1
+        logger.warning("redis-server exited with code %s; restarting it on port %d from its append-only file "
+                       "(restart %d)", self.redis.process.returncode, self.redis.port, self.redis_restarts)
+        try:
+            self.redis.start()
+        except RedisServerError as exc:
+            self._redis_retry_at = time.monotonic() + self._redis_backoff_s
+            logger.error("%s; trying again in %g s", exc, self._redis_backoff_s)
+            self._redis_backoff_s = min(2 * self._redis_backoff_s, REDIS_RESTART_BACKOFF_S[1])
+            return False
+        self._redis_backoff_s = REDIS_RESTART_BACKOFF_S[0]
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -262,6 +294,7 @@ class Fleet:
                        "log": str(w.log), "restarts": w.restarts}
                 for name, w in self.workers.items()
             },
+            "redis_restarts": self.redis_restarts,
             **(self.monitor.describe() if self.monitor else {}),
         }
 
@@ -271,6 +304,10 @@ class Fleet:
         """Warm-stop every worker (SIGTERM), kill those still running after ``timeout``, stop Redis."""
         self._stopping = True
         timeout = self.stop_timeout if timeout is None else timeout
+        # Running jobs need Redis to store their results: bring a dead embedded one back first,
+        # and if it will not come back, do not wait the full timeout for workers that cannot.
+        if self.redis_down() and not self._restart_redis():
+            timeout = min(timeout, REDIS_GONE_STOP_S)
         running = [w for w in self.workers.values() if w.alive]
         for worker in running:
             worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
