@@ -144,5 +144,5 @@ def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
             writes[path] = "ok"
         except OSError as exc:
             writes[path] = errno.errorcode.get(exc.errno or 0, str(exc))
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    return {"writes": writes, "visible_pids": len(pids), "uid": os.getuid(), "pid": os.getpid()}
+    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    return {"writes": writes, "visible_pids": pids, "uid": os.getuid(), "pid": os.getpid()}

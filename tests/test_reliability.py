@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -307,12 +308,19 @@ def test_redis_restart_loses_no_queued_or_running_job(rfleet, rapp, client, tmp_
              "every job's message in the append-only file")
     wait_for(lambda: _aof_settled(client), 30, "the append-only file written and synced")
     logs = {d: (w.log, w.log.stat().st_size) for d, w in rfleet.workers.items()}
-    rfleet.redis.stop()
-    # Down until every worker's heartbeat has failed: an outage the fleet saw, not a blip
-    # between two of its writes.
-    wait_for(lambda: all(b"devicefleet-heartbeat: " in log.read_bytes()[offset:]
-                         for log, offset in logs.values()), 60, "every worker to find Redis gone")
-    rfleet.redis.start()
+    # The fleet's supervisor restarts a dead Redis at once; a binary that will not start keeps
+    # it down (the supervisor retries with a back-off) until every worker's heartbeat has
+    # failed: an outage the fleet saw, not a blip between two of its writes.
+    binary, restarts = rfleet.redis.binary, rfleet.redis_restarts
+    rfleet.redis.binary = Path(shutil.which("false") or "/bin/false")
+    try:
+        rfleet.redis.stop()
+        wait_for(lambda: all(b"devicefleet-heartbeat: " in log.read_bytes()[offset:]
+                             for log, offset in logs.values()), 60, "every worker to find Redis gone")
+        assert rfleet.redis_down() and rfleet.redis_restarts > restarts  # tried, failed, backing off
+    finally:
+        rfleet.redis.binary = binary
+    wait_for(lambda: not rfleet.redis_down(), 30, "the supervisor to start Redis again")
     got = running.get(timeout=150)
     assert {d: e["status"] for d, e in got.items()} == {"cpu0": "ok", "cpu1": "ok"}
     got = queued.get(timeout=120)

@@ -287,8 +287,10 @@ def test_hardening_holds_under_systemd(fleet_host: Host) -> None:
                    writes[4]: "EROFS", writes[5]: "EROFS", writes[6]: "ok"}, got
     assert (fleet_host.state / "job-was-here").is_file()
     assert box.run("test", "-e", "/tmp/job-was-here", check=False).returncode == 1  # its own /tmp
-    # /proc shows the job only its own processes, not the other worker or Redis.
-    assert entry["output"]["visible_pids"] < len(box.run("ls", "/proc").stdout.split()) - 5
+    # /proc hides other users' processes from the job: not Redis's, not PID 1's; its own shows.
+    visible = entry["output"]["visible_pids"]
+    assert entry["output"]["pid"] in visible
+    assert fleet_host.main_pid("redis-server.service") not in visible and 1 not in visible
     # torch, a DataLoader with worker processes and psutil run under the system-call filter.
     trained = fan_out("train", "cpu0", kwargs={"epochs": 2, "num_workers": 2}, app=fleet_host.app).get(timeout=90)
     assert trained["cpu0"]["status"] == "ok", trained["cpu0"]["error"]
