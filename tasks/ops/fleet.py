@@ -252,7 +252,7 @@ class Fleet:
         """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, and the
         embedded Redis if it dies (on its port, from its append-only file), until ``stop``."""
         while not stop.wait(poll_s):
-            if self.redis_down() and time.monotonic() >= self._redis_retry_at:
+            if not self._stopping and self.redis_down() and time.monotonic() >= self._redis_retry_at:
                 self._restart_redis()
             for worker in self.workers.values():
                 if self._stopping or worker.alive or worker.process is None:
