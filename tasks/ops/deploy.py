@@ -9,6 +9,8 @@ only thing filled in. A host gets:
 - ``devicefleet-flower.service``, ``devicefleet-metrics.service`` (the Prometheus exporter) and
   ``devicefleet.target`` (wants every unit of this host);
 - ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640);
+- ``/etc/sysusers.d/`` and ``/etc/tmpfiles.d/`` entries: the units' system user and the folders
+  it may write;
 - a copy of ``worker_configs/`` (the units read this copy; edits there are kept);
 - for the host that runs Redis: a snippet for Debian's ``redis-server`` (bind, password,
   append-only, and TLS when other hosts join).
