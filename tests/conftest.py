@@ -7,11 +7,14 @@ to the built-in jobs, so tests can make a job fail on purpose.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +29,7 @@ for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_") and k != "DEV
 
 from tasks import Fleet, Settings  # noqa: E402
 from tasks.core.devices import count_gpus  # noqa: E402
+from tasks.ops.flower import auth_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_JOB_MODULES = ["tasks.jobs", "tests.fleet_jobs"]
@@ -111,4 +115,19 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.
         time.sleep(poll)
 
 
-__all__ = ["ROOT", "make_settings", "test_env", "sys", "wait_for"]
+def http_status(url: str, auth: str | None = None) -> int:
+    headers = {"Authorization": auth_header(auth)} if auth else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def read_markers(path: Path) -> list[dict[str, Any]]:
+    """The start/end lines ``sleepy`` runs (tests/reliability_jobs.py) wrote to ``path``; none
+    yet: an empty list."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+__all__ = ["ROOT", "http_status", "read_markers", "make_settings", "test_env", "sys", "wait_for"]

@@ -194,3 +194,8 @@ def service_exec(unit_dir: Path, unit: str) -> tuple[list[str], dict[str, str]]:
         raise ValueError(f"{unit}: ExecStart prefixes are not modelled: {command!r}")
     argv = [_expand(word, env) for word in shlex.split(command)]
     return argv, env
+
+
+def exposure_level(analysis: str) -> float:
+    """The overall exposure level ``systemd-analyze security UNIT`` printed (0 best, 10 worst)."""
+    return float(analysis.rsplit("Overall exposure level for", 1)[1].split(":")[1].split()[0])

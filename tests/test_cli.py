@@ -53,7 +53,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        workers = wait_for(lambda: _ready_workers(env) if len(_ready_workers(env)) == 2 else None, 120,
+        workers = wait_for(lambda: ready if len(ready := _ready_workers(env)) == 2 else None, 120,
                            "`devicefleet status` to show two ready workers", proc=up)
         assert set(workers) == {"cpu0", "cpu1"}
         assert all(w["cuda_visible_devices"] == "-1" for w in workers.values())

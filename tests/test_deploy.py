@@ -33,7 +33,7 @@ from tasks.producer.fanout import fan_out
 from . import system_tools
 from .conftest import ROOT, test_env
 from .conftest import wait_for as _wait
-from .systemd_units import load_unit, parse_env_file, service_exec, unit_files
+from .systemd_units import exposure_level, load_unit, parse_env_file, service_exec, unit_files
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -146,7 +146,7 @@ def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path)
         out = subprocess.run([analyze, "security", "--offline=true", f"--root={tmp_path / 'root'}", unit],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        level = float(out.stdout.rsplit("Overall exposure level for", 1)[1].split(":")[1].split()[0])
+        level = exposure_level(out.stdout)
         assert level <= 2.0, f"{unit}: {level}\n{out.stdout}"
 
 

@@ -41,7 +41,7 @@ from tasks.ops.flower import auth_header, credentials
 from tasks.ops.progress_view import describe, fraction, watch
 
 from .browser import chromium, screenshot
-from .conftest import ROOT, make_settings, wait_for
+from .conftest import ROOT, http_status, make_settings, wait_for
 from .conftest import test_env as child_env
 
 DEVICES = ["cpu0", "cpu1"]
@@ -81,15 +81,6 @@ def flower_api(mon: Monitored, path: str, **query: str) -> Any:
     req = urllib.request.Request(url, headers={"Authorization": auth_header(mon.auth)})
     with urllib.request.urlopen(req, timeout=10) as reply:
         return json.loads(reply.read())
-
-
-def http_status(url: str, auth: str | None = None) -> int:
-    headers = {"Authorization": auth_header(auth)} if auth else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
-            return int(reply.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
 
 
 @dataclass

@@ -18,7 +18,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -49,7 +48,7 @@ from tasks.core.records import JobOptions, LeaseRecord, WorkerRecord
 from tasks.ops.deploy import plan_host, render
 from tasks.producer.fanout import JobSpec
 
-from .conftest import ROOT, TEST_JOB_MODULES, make_settings, supervised_fleet, wait_for
+from .conftest import ROOT, TEST_JOB_MODULES, make_settings, read_markers, supervised_fleet, wait_for
 from .conftest import test_env as child_env
 
 LEASE_TTL_S = 4.0
@@ -113,11 +112,6 @@ def _lease(client: redis.Redis, task_id: str) -> LeaseRecord | None:
 
 def _restored(client: redis.Redis) -> int:
     return int(client.hget(keys.REAPER_STATS, "restored") or 0)  # type: ignore[arg-type]
-
-
-def _markers(path: Path) -> list[dict[str, Any]]:
-    """The start/end lines a ``sleepy`` run wrote."""
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _consumed(client: redis.Redis, queue: str) -> bool:
@@ -214,7 +208,7 @@ def test_a_dead_workers_job_whose_message_is_gone_is_sent_again(rfleet, rapp, cl
     assert entry["status"] == "ok", entry
     assert entry["output"]["pid"] != record.pid  # it ran again, on the restarted worker
     assert handle.states() == {"cpu1": "SUCCESS"}
-    events = [e["event"] for e in _markers(marker)]
+    events = [e["event"] for e in read_markers(marker)]
     assert events == ["start", "start", "end"], events
     rfleet.wait_ready(60)
 
@@ -243,7 +237,7 @@ def test_a_redelivered_copy_of_a_job_runs_only_once(rfleet, rapp, client, tmp_pa
     # Let the worker take the copy from the queue and drop it; an echo sent after it runs after it.
     wait_for(lambda: _consumed(client, "device.cpu1"), 30, "the copy to be consumed")
     fan_out("echo", ["cpu1"], kwargs={"value": 1}, app=rapp).get(timeout=30)
-    events = _markers(marker)
+    events = read_markers(marker)
     assert [e["event"] for e in events] == ["start", "end"], events
     assert handle.states() == {"cpu1": outcome}  # the copy did not reopen the stored result
     assert _lease(client, job_id) is None
@@ -327,7 +321,7 @@ def test_redis_restart_loses_no_queued_or_running_job(rfleet, rapp, client, tmp_
     assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": "queued", "cpu1": "queued"}
     # Each job ran exactly once across the restart.
     for job_id in running.task_ids.values():
-        assert [e["event"] for e in _markers(tmp_path / job_id)] == ["start", "end"]
+        assert [e["event"] for e in read_markers(tmp_path / job_id)] == ["start", "end"]
     # Workers reconnected by themselves (same processes) and take new work.
     wait_for(lambda: _pids(rapp) == pids, 30, "both workers back in the registry")
     _assert_fleet_healthy(rapp, pids)

@@ -9,8 +9,6 @@ only what a user adds for their own jobs (the test job modules and short lease t
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import sys
 import urllib.error
@@ -27,8 +25,9 @@ from tasks.ops.deploy import HostPlan, plan_host, render
 from tasks.ops.proc import free_port
 
 from . import system_tools
-from .conftest import ROOT, wait_for
+from .conftest import ROOT, http_status, read_markers, wait_for
 from .systemd_container import BootFailed, Container, nspawn_binary
+from .systemd_units import exposure_level
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -148,18 +147,7 @@ def fleet_host(host: Host) -> Host:
 
 
 def _markers(path: Path) -> list[str]:
-    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _http(url: str, auth: str | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url)
-    if auth:
-        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
+    return [marker["event"] for marker in read_markers(path)]
 
 
 # -- 1. the target brings everything up ----------------------------------------------------------
@@ -182,10 +170,10 @@ def test_target_starts_redis_workers_flower_and_exporter_under_systemd(fleet_hos
         assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status  # the filter is on
     # Flower behind its login; the exporter's metrics.
     flower = f"http://127.0.0.1:{fleet_host.plan.flower_port}/"
-    wait_for(lambda: _http(flower)[0] == 401, 30, "Flower to answer (401 without its login)")
-    assert _http(flower + "workers", fleet_host.plan.flower_auth)[0] == 200
-    code, metrics = _http(f"http://127.0.0.1:{fleet_host.plan.metrics_port}/metrics")
-    assert code == 200 and "devicefleet_" in metrics
+    wait_for(lambda: http_status(flower) == 401, 30, "Flower to answer (401 without its login)")
+    assert http_status(flower + "workers", fleet_host.plan.flower_auth) == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet_host.plan.metrics_port}/metrics", timeout=10) as reply:
+        assert reply.status == 200 and "devicefleet_" in reply.read().decode()
 
 
 # -- 2. kill -9 mid-job ----------------------------------------------------------------------------
@@ -276,7 +264,7 @@ def test_hardening_holds_under_systemd(fleet_host: Host) -> None:
     box = fleet_host.box
     for unit in (WORKERS[0], "devicefleet-flower.service", "devicefleet-metrics.service"):
         out = box.run("systemd-analyze", "security", "--no-pager", unit, check=False).stdout
-        level = float(out.rsplit("Overall exposure level for", 1)[1].split(":")[1].split()[0])
+        level = exposure_level(out)
         assert level <= 2.0, f"{unit}: {level}"
     writes = [str(STATE / "job-was-here"), str(STATE / "artifacts" / "job-was-here"), "/etc/job-was-here",
               "/usr/job-was-here", "/var/job-was-here", str(ROOT / "job-was-here"), "/tmp/job-was-here"]

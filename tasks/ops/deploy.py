@@ -234,7 +234,7 @@ def code_dirs(binary: Path) -> list[Path]:
     if binary.parent == Path(sys.prefix) / "bin":
         import tasks
 
-        dirs |= {Path(sys.prefix), Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent,
+        dirs |= {Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent,
                  Path(tasks.__file__).resolve().parent.parent}
     return sorted(dirs)
 
