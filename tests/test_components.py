@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.app.task import Context
 from celery.exceptions import Ignore
 from kombu import Exchange
 
 from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
-from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
+from tasks.core.backend import FINISH_ATTR, FleetBackend, JobFinish, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
 from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory
-from tasks.core.job import JobContext
+from tasks.core.job import JobContext, JobMetric
 from tasks.core.records import (
     BusyInfo,
     Entry,
@@ -43,6 +44,7 @@ from tasks.core.records import (
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
+from tasks.worker import accounting
 from tasks.worker import lease as lease_module
 from tasks.worker.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
@@ -271,7 +273,8 @@ def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, ap
 
 
 def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, monkeypatch):
-    """The window between a job's return and its stored result: the lease still covers it."""
+    """The window between a job's return and its stored result: the lease still covers it, and
+    goes only in the script call that stores the result."""
     keeper = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     register(client, worker_record("cpu1", host=OTHER_HOST))  # the original's worker is alive
     task_id = str(uuid.uuid4())
@@ -281,18 +284,64 @@ def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, mon
     try:
         with on_other_host(monkeypatch), keeper.hold(task):
             runs.append("original")
+            assert app.backend.get_task_meta(task_id)["status"] == "STARTED"  # stored by the take
         # The function has returned; Celery has not stored the result yet. A copy now:
         with pytest.raises(Ignore), copy.hold(task):
             runs.append("copy, before the result is stored")
-        app.backend.store_result(task_id, {"done": True}, "SUCCESS")
-        keeper.release_held(task_id)  # what task_postrun does, after the store
-        # A copy after the release finds the result stored.
+        # What the runner hands the backend, and Celery's store of the result:
+        finish = JobFinish(device="cpu1", lease=keeper.finishing(task_id),
+                           on_stored=lambda: keeper.forget(task_id))
+        setattr(task.request, FINISH_ATTR, finish)
+        app.backend.store_result(task_id, {"done": True}, "SUCCESS", request=task.request)
+        assert keeper.held() == [] and client.exists(keys.lease(task_id)) == 0  # released with it
+        # A copy after that finds the result stored.
         with pytest.raises(Ignore), copy.hold(task):
             runs.append("copy, after the release")
     finally:
         task.pop_request()
     assert runs == ["original"]
-    assert client.exists(keys.lease(task_id)) == 0 and copy.held() == [] and keeper.held() == []
+    assert client.exists(keys.lease(task_id)) == 0 and client.hexists(keys.LEASES, task_id) == 0
+    assert copy.held() == []
+
+
+def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(client, app):
+    keeper = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
+    task_id = str(uuid.uuid4())
+    assert keeper.acquire(task_id, None)
+    count = accounting.job_count("cpu3", "cpu3@here", ok=True, started=100.0, finished=102.5,
+                                 metrics={JobMetric.SAMPLES: 64, JobMetric.SAMPLES_PER_S: 0.25})
+    request = Context(id=task_id)
+    setattr(request, FINISH_ATTR, JobFinish(device="cpu3", lease=keeper.finishing(task_id), count=count,
+                                            on_stored=lambda: keeper.forget(task_id)))
+    app.backend.store_result(task_id, {"done": True}, "SUCCESS", request=request)
+
+    assert app.backend.get_task_meta(task_id)["result"] == {"done": True}
+    assert client.exists(keys.lease(task_id)) == 0 and client.hexists(keys.LEASES, task_id) == 0
+    assert keeper.held() == []
+    stats = client.hgetall(keys.stats("cpu3"))
+    assert (stats["jobs_ok"], float(stats["busy_seconds"]), float(stats[JobMetric.SAMPLES.value])) == ("1", 2.5, 64.0)
+    assert (stats["worker"], float(stats["last_finished_at"]), float(stats[f"last_{JobMetric.SAMPLES_PER_S.value}"])) == (
+        "cpu3@here", 102.5, 0.25)
+    assert client.smembers(keys.STATS_DEVICES) == {"cpu3"}
+    assert client.zrange(keys.finished("cpu3"), 0, -1, withscores=True) == [(task_id, 102.5)]
+
+    # A second store (a copy that ran anyway) over the finished result: nothing stored or counted.
+    again = Context(id=task_id)
+    setattr(again, FINISH_ATTR, JobFinish(device="cpu3", count=count))
+    app.backend.store_result(task_id, {"done": "twice"}, "SUCCESS", request=again)
+    assert app.backend.get_task_meta(task_id, cache=False)["result"] == {"done": True}
+    assert client.hget(keys.stats("cpu3"), "jobs_ok") == "1"
+
+
+def test_renewal_never_restores_a_lease_handed_to_the_store(client):
+    keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
+    assert keeper.acquire("job-8", None)
+    assert keeper.finishing("job-8") == client.get(keys.lease("job-8"))
+    client.delete(keys.lease("job-8"), keys.LEASES)  # as the store script does
+    keeper.tick()  # before the worker forgot it: must not bring it back
+    assert client.exists(keys.lease("job-8")) == 0 and client.hexists(keys.LEASES, "job-8") == 0
+    keeper.forget("job-8")
+    assert keeper.held() == []
 
 
 def test_hold_releases_at_once_when_the_block_ignores_or_the_worker_goes_down(client, app):

@@ -154,6 +154,14 @@ class FleetCelery(Celery):
             self._fleet_settings = Settings.load()
         return self._fleet_settings
 
+    def close(self) -> None:
+        """Celery's clean-up, and this thread's result-backend connections closed now rather
+        than whenever the garbage collector finds them."""
+        backend = self._backend  # this thread's, if one was made: never makes one
+        if backend is not None and "client" in vars(backend):
+            backend.client.connection_pool.disconnect()
+        super().close()
+
 
 def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> FleetCelery:
     """A Celery app for ``settings``; ``None`` reads them from the environment when first needed."""

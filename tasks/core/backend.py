@@ -9,18 +9,32 @@ readers ignore it.
 A chord whose header task failed normally fails its body with a ``ChordError``. Here a failed
 part is unpacked into its error entry instead, so the chord's collect step always runs and
 collects ``{device: entry}`` for every device, failed ones included.
+
+Storing a state is one script call (:data:`_STORE`), not Celery's GET of the stored state and
+then a MULTI: a state is never stored over a finished one (SUCCESS, FAILURE, REVOKED). A device
+worker finishing a job hands the backend a :class:`JobFinish` on the task's request; the same
+script then also releases the job's lease and counts the job in the fleet's metrics, so the
+lease goes only together with the stored result (a copy of the message redelivered at any moment
+finds the lease held or the result stored) and a job's end costs one round trip.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from celery import states
 from celery.backends.redis import RedisBackend
+from celery.exceptions import BackendStoreError
+from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from . import keys
 from .errors import NoFleetError
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
@@ -30,6 +44,77 @@ logger = logging.getLogger(__name__)
 
 #: Attribute of an exception that carries the failed job's entry (a JSON dict).
 _ENTRY_ATTR = "devicefleet_entry"
+#: Attribute of a task's request that carries its :class:`JobFinish`.
+FINISH_ATTR = "devicefleet_finish"
+
+#: Lua functions the state-storing scripts share (here and in :mod:`tasks.worker.lease`):
+#: ``finished(key)``, whether the meta stored under ``key`` is a finished state (SUCCESS, FAILURE,
+#: REVOKED); ``store(key, value, expires)``, Celery's write of a state: SETEX (SET when
+#: ``expires`` is 0) and a PUBLISH for the producers waiting on it.
+LUA_STATE_FUNCTIONS = """
+local finished = function(key)
+  local current = redis.call('get', key)
+  if not current then return false end
+  local ok, meta = pcall(cjson.decode, current)
+  return ok and type(meta) == 'table' and (meta.status == 'SUCCESS' or meta.status == 'FAILURE'
+    or meta.status == 'REVOKED')
+end
+local store = function(key, value, expires)
+  if tonumber(expires) > 0 then
+    redis.call('setex', key, expires, value)
+  else
+    redis.call('set', key, value)
+  end
+  redis.call('publish', key, value)
+end
+"""
+
+#: Store a task's state unless a finished one is stored; with a job's finish, release its lease
+#: and count it. KEYS: the task's meta key, its lease key, ``keys.LEASES``, the device's stats
+#: hash, ``keys.STATS_DEVICES``, the device's finished set. ARGV: the encoded meta, expiry in
+#: seconds (0: none), the lease value ('' if none), the task id, the count as JSON ('' if none).
+#: Returns 1 if stored, 0 if a finished state was there already (nothing stored or counted).
+_STORE = LUA_STATE_FUNCTIONS + """
+local release = function()
+  if ARGV[3] == '' then return end
+  if redis.call('get', KEYS[2]) == ARGV[3] then redis.call('del', KEYS[2]) end
+  if redis.call('hget', KEYS[3], ARGV[4]) == ARGV[3] then redis.call('hdel', KEYS[3], ARGV[4]) end
+end
+if finished(KEYS[1]) then
+  release()
+  return 0
+end
+store(KEYS[1], ARGV[1], ARGV[2])
+release()
+if ARGV[5] ~= '' then
+  local count = cjson.decode(ARGV[5])
+  redis.call('sadd', KEYS[5], count.device)
+  redis.call('hincrby', KEYS[4], count.outcome, 1)
+  for field, value in pairs(count.add) do redis.call('hincrbyfloat', KEYS[4], field, value) end
+  for field, value in pairs(count.set) do redis.call('hset', KEYS[4], field, value) end
+  redis.call('zadd', KEYS[6], count.finished, ARGV[4])
+  redis.call('zremrangebyscore', KEYS[6], '-inf', count.keep_after)
+end
+return 1
+"""
+
+
+@dataclass
+class JobFinish:
+    """What a device worker asks the backend to do with a job's finished state, in the same
+    script call that stores it (``setattr(task.request, FINISH_ATTR, finish)``).
+
+    Attributes:
+        lease: the job's lease value, released if it is still ours; ``None``: no lease.
+        count: the job's counters for the fleet's metrics
+            (:func:`tasks.worker.accounting.job_count`); ``None``: not counted.
+        on_stored: called once the script has run (the worker forgets the lease).
+    """
+
+    device: str
+    lease: str | None = None
+    count: dict[str, Any] | None = None
+    on_stored: Callable[[], None] | None = None
 
 
 def attach_entry(exc: BaseException, entry: Entry) -> BaseException:
@@ -88,14 +173,50 @@ class FleetBackend(RedisBackend):
             prepared[ENTRY_FIELD] = entry
         return prepared
 
+    @cached_property
+    def _store_script(self) -> Any:
+        # Called by hash (EVALSHA): the script's text is sent once per connection pool.
+        return self.client.register_script(_STORE)
+
     def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:
-        # Celery keeps a stored SUCCESS against later writes; a failed job's FAILURE is as final.
-        # Otherwise a redelivered copy of a failed job would store STARTED over it before
-        # running, the lease's "already finished" check would miss it, and the job run twice.
-        if self._get_task_meta_for(task_id)["status"] in states.READY_STATES:
-            return result
-        return super()._store_result(task_id, result, state, traceback, request, **kwargs)
+        """Store ``state`` in one script call (see the module's docstring).
+
+        Celery keeps a stored SUCCESS against later writes; a failed job's FAILURE and a
+        cancelled one's REVOKED are as final. Otherwise a redelivered copy of a failed job would
+        store STARTED over it, the lease's "already finished" check would miss it, and the job
+        would run twice.
+        """
+        meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
+        meta["task_id"] = bytes_to_str(task_id)
+        value = self.encode(meta)
+        if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+            raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
+        finish = getattr(request, FINISH_ATTR, None) if state in states.READY_STATES else None
+        expires = (self.failure_expires if state == states.FAILURE else None) or self.expires or 0
+        self.ensure(self._store, (bytes_to_str(task_id), value, int(expires), finish))
+        if finish is not None and finish.on_stored is not None:
+            finish.on_stored()
+        return result
+
+    def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None) -> int:
+        device = finish.device if finish is not None else ""
+        return int(self._store_script(
+            keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(device),
+                  keys.STATS_DEVICES, keys.finished(device)],
+            args=[value, expires, (finish.lease or "") if finish else "", task_id,
+                  json.dumps(finish.count) if finish is not None and finish.count is not None else ""],
+        ))
+
+    def set_chord_size(self, group_id: Any, chord_size: int) -> None:
+        """Celery's two writes (the counter's reset, the size) in one round trip."""
+        def write() -> None:
+            pipe = self.client.pipeline()
+            pipe.delete(self.get_key_for_group(group_id, ".c"))
+            pipe.set(self.get_key_for_group(group_id, ".s"), chord_size, ex=self.chord_expires or None)
+            pipe.execute()
+
+        self.ensure(write, ())
 
     def _unpack_chord_result(self, tup: Any, decode: Any,
                              EXCEPTION_STATES: frozenset[str] = states.EXCEPTION_STATES,

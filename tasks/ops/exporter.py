@@ -5,7 +5,7 @@ Design: Flower already turns Celery's task events into ``/metrics`` (``flower_ev
 in Redis, so the fleet exports it itself, from one exporter thread the launcher starts:
 
 - each worker, when a job ends, adds to its device's counters in Redis
-  (:func:`tasks.worker.accounting.record_job`): jobs by status, busy seconds, the metrics the
+  (:func:`tasks.worker.accounting.job_count`, stored with each result): jobs by status, busy seconds, the metrics the
   job declared (samples, the last samples/s and data-wait fraction), GPU memory, and the finish
   time in a sorted set (for jobs/s over the last minute). Counters in Redis survive a worker
   restart and need no event stream, so they are exact;

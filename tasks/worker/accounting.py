@@ -1,4 +1,4 @@
-"""Counting finished jobs for the fleet's metrics: one pipelined round trip per job.
+"""Counting finished jobs for the fleet's metrics, in the round trip that stores the job's result.
 
 Counters in Redis (``keys.stats(device)``, ``keys.finished(device)``) survive a worker restart
 and need no event stream, so they are exact; :mod:`tasks.ops.exporter` reads them on each scrape.
@@ -11,10 +11,8 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping
+from typing import Any
 
-import redis
-
-from ..core import keys
 from ..core.job import JobMetric
 
 logger = logging.getLogger(__name__)
@@ -24,41 +22,38 @@ logger = logging.getLogger(__name__)
 KEEP_S = 600.0
 
 
-def record_job(
-    client: redis.Redis,
+def job_count(
     device: str,
     worker: str,
     *,
-    job_id: str,
     ok: bool,
     started: float,
     finished: float,
     metrics: Mapping[JobMetric, float] | None = None,
     gpu_memory_bytes: int | None = None,
-) -> None:
-    """Add one finished job to ``device``'s counters in Redis (one round trip).
+) -> dict[str, Any]:
+    """One finished job's counts, as the result backend's store script adds them
+    (:class:`tasks.core.backend.JobFinish`): in the same round trip as the job's stored result.
 
     Args:
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
+
+    Numbers travel as ``repr`` strings, so Redis stores what Python would have written.
     """
-    key = keys.stats(device)
-    pipe = client.pipeline(transaction=True)
-    pipe.sadd(keys.STATS_DEVICES, device)
-    pipe.hincrby(key, "jobs_ok" if ok else "jobs_error", 1)
-    pipe.hincrbyfloat(key, "busy_seconds", max(0.0, finished - started))
-    latest: dict[str, str | float | int] = {"worker": worker, "last_finished_at": finished}
+    add = {"busy_seconds": repr(max(0.0, finished - started))}
+    latest: dict[str, str] = {"worker": worker, "last_finished_at": repr(finished)}
     for metric, value in (metrics or {}).items():
         if metric.is_counter:
-            pipe.hincrbyfloat(key, metric.value, value)
+            add[metric.value] = repr(float(value))
         else:
-            latest[f"last_{metric.value}"] = value
+            latest[f"last_{metric.value}"] = repr(value)
     if gpu_memory_bytes is not None:
-        latest["gpu_memory_bytes"] = gpu_memory_bytes
-    pipe.hset(key, mapping=latest)  # type: ignore[arg-type]
-    pipe.zadd(keys.finished(device), {job_id: finished})
-    pipe.zremrangebyscore(keys.finished(device), "-inf", finished - KEEP_S)
-    pipe.execute()
+        latest["gpu_memory_bytes"] = str(gpu_memory_bytes)
+    return {
+        "device": device, "outcome": "jobs_ok" if ok else "jobs_error", "add": add, "set": latest,
+        "finished": repr(finished), "keep_after": repr(finished - KEEP_S),
+    }
 
 
 def gpu_memory_in_use() -> int | None:

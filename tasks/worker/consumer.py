@@ -16,7 +16,7 @@ from celery import signals
 from celery.app.task import Context
 from celery.worker.consumer import Consumer
 
-from ..core.backend import attach_entry
+from ..core.backend import FINISH_ATTR, JobFinish, attach_entry
 from ..core.job import TASK_PREFIX
 from ..core.records import Entry, ErrorInfo
 from . import accounting
@@ -62,14 +62,10 @@ class FleetConsumer(Consumer):  # type: ignore[misc]
             correlation_id=message.properties.get("correlation_id"),
             reply_to=message.properties.get("reply_to"), delivery_info=message.delivery_info,
         )
+        if device_worker.heartbeat is not None:  # counted as a failed job, with the stored failure
+            setattr(request, FINISH_ATTR, JobFinish(device=device_worker.device.name, count=accounting.job_count(
+                device_worker.device.name, device_worker.nodename, ok=False, started=now, finished=now)))
         self.app.backend.mark_as_failure(task_id, attach_entry(failure, entry), request=request)
-        if device_worker.heartbeat is not None:  # counted as a failed job, best effort
-            try:
-                accounting.record_job(device_worker.heartbeat.client, device_worker.device.name,
-                                      device_worker.nodename, job_id=task_id, ok=False,
-                                      started=now, finished=now)
-            except Exception as count_exc:
-                logger.warning("%s: could not record job metrics: %s", device_worker.device, count_exc)
         if self.event_dispatcher:
             self.event_dispatcher.send("task-failed", uuid=task_id, exception=repr(failure))
         signals.task_unknown.send(sender=self, message=message, exc=exc, name=name, id=task_id)

@@ -28,16 +28,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import redis
 from celery import Celery
 from celery.exceptions import Ignore
-from celery.states import READY_STATES
+from celery.states import STARTED
 from pydantic import ValidationError
 from redis.exceptions import LockError
 
 from ..core import keys
+from ..core.backend import LUA_STATE_FUNCTIONS
 from ..core.devices import host_name
 from ..core.records import LeaseRecord, ResendRecord
 from ..core.registry import read_worker
@@ -45,19 +48,30 @@ from .periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 
-#: KEYS[1] lease key; ARGV: value read, new value, TTL ms. Set only if unchanged since read.
-_COMPARE_AND_SET = """
-local v = redis.call('get', KEYS[1])
-if (v == false and ARGV[1] == '') or v == ARGV[1] then
-  return redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) and 1
+#: Take a job: one round trip. KEYS: the job's result meta key ('' to skip that check), its lease
+#: key, ``keys.LEASES``. ARGV: our lease value, TTL ms, task id, the STARTED meta to store ('' for
+#: none), its expiry in seconds, the lease value we expect to replace ('' takes a free lease only).
+#: Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
+#: lease is there), ``{'changed'}`` (the lease is not the one we read) or ``{'ok'}`` (taken).
+_TAKE = LUA_STATE_FUNCTIONS + """
+if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
+local lease = redis.call('get', KEYS[2])
+if ARGV[6] == '' then
+  if lease then return {'held', lease} end
+elseif lease ~= ARGV[6] then
+  return {'changed'}
 end
-return 0
+redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('hset', KEYS[3], ARGV[3], ARGV[1])
+if ARGV[4] ~= '' then store(KEYS[1], ARGV[4], ARGV[5]) end
+return {'ok'}
 """
-#: KEYS: lease key, leases hash; ARGV: our value, TTL ms, task id. Renew (or restore after a Redis
-#: restart lost it) our lease; leave a lease another worker took alone.
+#: KEYS: lease key, leases hash; ARGV: our value, TTL ms, task id, '1' to restore a lost lease.
+#: Renew our lease (or restore it after a Redis restart lost it); leave another worker's alone.
 _RENEW = """
 local v = redis.call('get', KEYS[1])
 if v ~= false and v ~= ARGV[1] then return 0 end
+if v == false and ARGV[4] ~= '1' then return 1 end
 redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
 return 1
@@ -68,6 +82,26 @@ if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
 if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[1] then redis.call('hdel', KEYS[2], ARGV[2]) end
 return 1
 """
+
+
+class Take(str, Enum):
+    """What :meth:`LeaseKeeper.take` found."""
+
+    #: The lease is ours: run the job.
+    TAKEN = "taken"
+    #: Another live worker runs the job now: drop this copy.
+    RUNNING_ELSEWHERE = "running elsewhere"
+    #: The job's result is stored: drop this copy.
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Started:
+    """The STARTED state to store when the lease is taken: Celery's meta key, value and expiry."""
+
+    key: str
+    value: str
+    expires_s: int
 
 
 def _parse(raw: str | bytes | None) -> LeaseRecord | None:
@@ -86,7 +120,12 @@ def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
 
 
 class LeaseKeeper(PeriodicThread):
-    """Takes, renews and releases the leases of the jobs this worker process runs."""
+    """Takes, renews and releases the leases of the jobs this worker process runs.
+
+    A job's lease goes with its stored result: :meth:`finishing` hands it to the result backend
+    (:class:`tasks.core.backend.JobFinish`), whose store script releases it in the same call.
+    Until then it is renewed (never restored once finishing: the store may have deleted it).
+    """
 
     name = "devicefleet-leases"
 
@@ -97,9 +136,10 @@ class LeaseKeeper(PeriodicThread):
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
         self._held: dict[str, str] = {}  # task id -> lease value
+        self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
         # Called by hash (EVALSHA): the script text is sent once.
-        self._compare_and_set = client.register_script(_COMPARE_AND_SET)
+        self._take = client.register_script(_TAKE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
 
@@ -109,61 +149,102 @@ class LeaseKeeper(PeriodicThread):
             return list(self._held)
 
     def acquire(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None) -> bool:
-        """Take the lease of ``task_id``; False if another live worker holds it.
+        """Take the lease of ``task_id``; False if another live worker holds it (see :meth:`take`)."""
+        return self.take(task_id, delivery_tag, resend) is Take.TAKEN
 
-        A lease left by a dead owner (its key not yet expired) is taken over. ``resend`` is what
-        the reaper needs to send the job again when its message is no longer in Redis.
+    def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
+             started: Started | None = None) -> Take:
+        """Take the lease of ``task_id`` and, with ``started``, store the job's STARTED state:
+        one script call, which first checks that the job's result is not stored yet.
+
+        A lease left by a dead owner (its key not yet expired) is taken over (a second call, only
+        then). ``resend`` is what the reaper needs to send the job again when its message is no
+        longer in Redis.
         """
         record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
                              task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
         value = record.to_json()
-        key = keys.lease(task_id)
-        if not self._client.set(key, value, nx=True, px=self._ttl_ms):
-            raw = self._client.get(key)
-            holder = _parse(raw)  # type: ignore[arg-type]
+
+        def call(expect: str) -> list[Any]:
+            return list(self._take(
+                keys=[started.key if started else "", keys.lease(task_id), keys.LEASES],
+                args=[value, self._ttl_ms, task_id, started.value if started else "",
+                      started.expires_s if started else 0, expect],
+            ))
+
+        reply = call("")
+        if reply[0] == "held":
+            raw = str(reply[1])
+            holder = _parse(raw)
             if holder is not None and holder.pid == os.getpid() and holder.host == host_name():
                 with self._lock:
                     running_here = task_id in self._held
                 if running_here:  # a copy reached another thread of this process: not twice at once
                     logger.warning("job %s already runs in this worker; not running this copy", task_id)
-                    return False
+                    return Take.RUNNING_ELSEWHERE
                 # else a lease this process left behind (its release failed): take it again
             elif holder is not None and owner_alive(self._client, holder):
                 logger.warning("job %s already runs on %s (pid %s); not running this copy",
                                task_id, holder.worker, holder.pid)
-                return False
+                return Take.RUNNING_ELSEWHERE
             else:
                 logger.warning("taking over the lease of job %s from dead %s", task_id,
                                holder.worker if holder else "owner")
             # Only if it still holds what we read: two workers cannot both take it over.
-            if not self._compare_and_set(keys=[key], args=[raw or "", value, self._ttl_ms]):
-                logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
-                return False
-        self._client.hset(keys.LEASES, task_id, value)
+            reply = call(raw)
+        if reply[0] == "finished":
+            logger.warning("job %s has already finished; not running this copy", task_id)
+            return Take.FINISHED
+        if reply[0] != "ok":
+            logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
+            return Take.RUNNING_ELSEWHERE
         with self._lock:
             self._held[task_id] = value
-        return True
+            self._finishing.discard(task_id)
+        return Take.TAKEN
 
     def release(self, task_id: str) -> None:
         with self._lock:
             value = self._held.pop(task_id, None)
+            self._finishing.discard(task_id)
         try:
             # Only our own lease: a worker that was cut off must not delete its successor's.
             self._release(keys=[keys.lease(task_id), keys.LEASES], args=[value or "", task_id])
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
+    def finishing(self, task_id: str) -> str | None:
+        """Hand ``task_id``'s lease to the store of its result: returns the lease value for the
+        store script to release (``None`` if this process holds none). Renewal goes on until
+        :meth:`forget`, but never brings the lease back once the store has deleted it."""
+        with self._lock:
+            value = self._held.get(task_id)
+            if value is not None:
+                self._finishing.add(task_id)
+        return value
+
+    def forget(self, task_id: str) -> None:
+        """The store script released ``task_id``'s lease: stop renewing it (no round trip)."""
+        with self._lock:
+            self._held.pop(task_id, None)
+            self._finishing.discard(task_id)
+
     @contextmanager
     def hold(self, task: Any) -> Iterator[None]:
-        """Take ``task``'s lease for the block, and keep it until :meth:`release_held`.
+        """Take ``task``'s lease and store its STARTED state (one round trip) for the block, and
+        keep the lease until the job's result is stored.
 
         The lease outlives the block: the job's function has returned, but Celery has not
-        stored its result yet. The worker releases it from Celery's ``task_postrun`` signal,
-        which comes after the result (or failure) is stored and before the message is
-        acknowledged, so a copy redelivered at any moment finds the lease held or the result
-        stored, and never runs the job again. Only a block that ends in
-        :class:`~celery.exceptions.Ignore` (nothing more to store) or in a BaseException that
-        is not an Exception (the worker is going down) releases it at once.
+        stored its result yet. The runner hands it to the result backend (:meth:`finishing`),
+        which releases it in the script call that stores the result; the worker's
+        ``task_postrun`` signal, which comes after the result (or failure) is stored and before
+        the message is acknowledged, releases what is still held. So a copy redelivered at any
+        moment finds the lease held or the result stored, and never runs the job again. Only a
+        block that ends in :class:`~celery.exceptions.Ignore` (nothing more to store) or in a
+        BaseException that is not an Exception (the worker is going down) releases it at once.
+
+        The job task stores no STARTED state of its own (``track_started`` is off for it): this
+        is Celery's STARTED meta, made by the task's result backend, stored by the take script.
 
         Raises:
             celery.exceptions.Ignore: another live worker runs this job now, or it has already
@@ -179,20 +260,15 @@ class LeaseKeeper(PeriodicThread):
             headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
             group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
         )
-        if not self.acquire(task_id, properties.get("delivery_tag"), resend):
-            raise Ignore()
-        if task.AsyncResult(task_id).state in READY_STATES:
-            # A copy of a job that already finished (redelivered after its ack was lost).
-            logger.warning("job %s has already finished; not running this copy", task_id)
-            self.release(task_id)
+        if self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task)) is not Take.TAKEN:
             raise Ignore()
         try:
             yield
         except Ignore:
-            self.release(task_id)
+            self.release_held(task_id)  # unless the store of a cancelled job's state released it
             raise
         except Exception:
-            raise  # Celery stores the failure, then task_postrun releases the lease
+            raise  # Celery stores the failure (and the lease with it), or task_postrun releases it
         except BaseException:
             self.release(task_id)
             raise
@@ -207,12 +283,30 @@ class LeaseKeeper(PeriodicThread):
     def tick(self) -> None:
         with self._lock:
             held = dict(self._held)
+            finishing = set(self._finishing)
         for task_id, value in held.items():
+            restore = "" if task_id in finishing else "1"
             try:
-                if not self._renew(keys=[keys.lease(task_id), keys.LEASES], args=[value, self._ttl_ms, task_id]):
+                if not self._renew(keys=[keys.lease(task_id), keys.LEASES],
+                                   args=[value, self._ttl_ms, task_id, restore]):
                     logger.error("the lease of job %s was taken over by another worker", task_id)
             except redis.RedisError as exc:  # Redis restarting: renew on the next beat
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
+
+
+def started_meta(task: Any) -> Started | None:
+    """The STARTED state Celery's ``track_started`` would store for ``task``'s request, made by
+    its result backend (``None`` if the backend is not a key-value store)."""
+    backend = task.backend
+    if not hasattr(backend, "get_key_for_task"):
+        return None
+    request = task.request
+    meta = backend._get_result_meta(result={"pid": os.getpid(), "hostname": request.hostname},
+                                    state=STARTED, traceback=None, request=request)
+    meta["task_id"] = str(request.id)
+    key = backend.get_key_for_task(str(request.id))
+    return Started(key=key.decode() if isinstance(key, bytes) else str(key),
+                   value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
 
 
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:

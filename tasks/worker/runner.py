@@ -24,7 +24,7 @@ from celery.worker.request import Request
 from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
-from ..core.backend import attach_entry
+from ..core.backend import FINISH_ATTR, JobFinish, attach_entry
 from ..core.devices import host_name
 from ..core.errors import (
     DeviceFleetError,
@@ -87,6 +87,8 @@ class JobTask(Task):  # type: ignore[misc]
     typing = False
     Strategy = "tasks.worker.strategy:guarded_strategy"
     Request = "tasks.worker.runner:JobRequest"
+    #: The lease's take script stores STARTED (LeaseKeeper.hold), in the same round trip.
+    track_started = False
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
         return execute(self.device_worker, self, self.definition, kwargs)
@@ -183,7 +185,7 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
         # The same message (id, chord, options) back on the queue: it runs again later.
         raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
     finished = time.time()
-    _count(worker, definition, job_id, failure is None, started, finished, output)
+    _finish_with_result(worker, task, definition, failure is None, started, finished, output)
     recycle_if_needed(recycle, device)
     entry = Entry.make(device=device, worker=worker.nodename, output=output,
                        error=ErrorInfo.of(failure) if failure is not None else None,
@@ -235,19 +237,23 @@ def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:
     raise Ignore()
 
 
-def _count(worker: DeviceWorker, definition: JobDefinition, job_id: str, ok: bool, started: float,
-           finished: float, output: dict[str, Any] | None) -> None:
-    """Count the finished job for the fleet's metrics (best effort)."""
+def _finish_with_result(worker: DeviceWorker, task: Task, definition: JobDefinition, ok: bool,
+                        started: float, finished: float, output: dict[str, Any] | None) -> None:
+    """Hand the result backend what goes with the job's stored result: its lease, released, and
+    its counts for the fleet's metrics (:class:`~tasks.core.backend.JobFinish`): one round trip."""
     if worker.heartbeat is None:
         return
-    try:
-        accounting.record_job(
-            worker.heartbeat.client, worker.device.name, worker.nodename, job_id=job_id, ok=ok,
-            started=started, finished=finished, metrics=definition.metric_values(output),
-            gpu_memory_bytes=accounting.gpu_memory_in_use(),
-        )
-    except Exception as exc:
-        logger.warning("%s: could not record job metrics: %s", worker.device, exc)
+    task_id = str(task.request.id)
+    leases = worker.leases
+    setattr(task.request, FINISH_ATTR, JobFinish(
+        device=worker.device.name,
+        lease=leases.finishing(task_id) if leases is not None else None,
+        count=accounting.job_count(
+            worker.device.name, worker.nodename, ok=ok, started=started, finished=finished,
+            metrics=definition.metric_values(output), gpu_memory_bytes=accounting.gpu_memory_in_use(),
+        ),
+        on_stored=(lambda: leases.forget(task_id)) if leases is not None else None,
+    ))
 
 
 def collect(entries: list[dict[str, Any]], devices: list[str]) -> dict[str, dict[str, Any]]:
