@@ -45,6 +45,10 @@ def test_goals() -> None:
     assert report.goal_met("dispatch.fanout_ms_p50", 4.0) is True
     assert report.goal_met("dispatch.jobs_per_s", 999.0) is False
     assert report.goal_met("fanout.epochs", 3) is None
+    # The fleet against plain Celery in the same run: its fan-out no slower, its rate no lower.
+    assert report.goal_met("dispatch.fanout_vs_plain", 0.9) is True
+    assert report.goal_met("dispatch.fanout_vs_plain", 1.1) is False
+    assert report.goal_met("dispatch.jobs_vs_plain", 0.9) is False
 
 
 @pytest.mark.timeout(240)

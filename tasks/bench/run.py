@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..core.devices import cpu_model_name, usable_cores
+from ..core.devices import Device, cpu_model_name, usable_cores
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
+from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
 from . import ddp, dispatch, efficiency, gpu, pipeline, sweep
 
@@ -50,7 +51,11 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> d
             devices = list(fleet.workers)
             cpus = [d for d in devices if d.startswith("cpu")]
             figures["devices"] = devices
-            figures["dispatch"] = dispatch.measure(app, cpus, quick=quick)
+            # The plain Celery workers of the dispatch baseline: the same cores and log level.
+            figures["dispatch"] = dispatch.measure(
+                app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus],
+                loglevel=load_worker_config(settings.worker_configs_path, Device.parse(cpus[0])).loglevel,
+            )
             figures["sweep"] = sweep.measure(app, cpus, quick=quick, jobs_per_s=figures["dispatch"]["jobs_per_s"])
             figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
             ddp_figures = ddp.measure(app, cpus, quick=quick)
