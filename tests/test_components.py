@@ -475,6 +475,21 @@ def test_one_reaper_at_a_time(client, app):
     assert client.exists(keys.REAPER_LOCK) == 0, "the reaper kept the lock after its round"
 
 
+def test_a_reaper_round_with_nothing_expired_is_one_script_call(client, app):
+    keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
+    assert keeper.acquire("job-9", None)  # a live lease, its key in place: not a candidate
+    reaper = Reaper(client, app, interval_s=0.5)
+    reaper.tick()  # loads the script
+    client.config_resetstat()
+    connections = client.info("stats")["total_connections_received"]
+    reaper.tick()
+    calls = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in client.info("commandstats").items()
+             if not name.startswith(("cmdstat_config", "cmdstat_info"))}  # this test's own
+    assert calls == {"evalsha": 1, "hgetall": 1, "exists": 1}  # the script; no lock, no broker connection
+    assert client.info("stats")["total_connections_received"] == connections
+    assert client.hexists(keys.LEASES, "job-9")
+
+
 def test_the_reaper_thread_gives_back_jobs(client, app):
     reaper = Reaper(client, app, interval_s=0.1)
     reaper.start()
@@ -528,6 +543,35 @@ def test_heartbeat_thread_refreshes_the_ttl(client):
     try:
         client.pexpire(keys.worker("cpu7"), 1000)
         wait_for(lambda: client.pttl(keys.worker("cpu7")) > 1000, 5, "a beat to refresh the TTL")
+    finally:
+        beat.stop(timeout=5)
+
+
+def test_heartbeat_updates_closer_than_after_s_go_out_in_one_write(client):
+    class CountingHeartbeat(Heartbeat):
+        writes = 0
+
+        def write(self) -> None:
+            super().write()
+            self.writes += 1
+
+    beat = CountingHeartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0)
+    beat.start()  # one write
+    try:
+        asked = time.monotonic()
+        # A short job: busy, then idle, then the next job's busy, all within after_s.
+        beat.update(busy=BusyInfo(job="noop", job_id="j-1", since=time.time()), after_s=0.3)
+        beat.update(busy=None, jobs_done=1, after_s=0.3)
+        beat.update(busy=BusyInfo(job="noop", job_id="j-2", since=time.time()), after_s=0.3)
+        record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 1 and r,
+                          5, "the coalesced write")
+        written = time.monotonic()
+        assert record.busy is not None and record.busy.job_id == "j-2"  # the latest fields
+        assert beat.writes == 2  # the start's, and one for all three updates
+        assert written - asked >= 0.3  # not before the first update's after_s
+        beat.update(busy=None, jobs_done=2)  # after_s=0: at once (the interval is 30 s)
+        wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 2, 5, "an immediate write")
+        assert beat.writes == 3
     finally:
         beat.stop(timeout=5)
 

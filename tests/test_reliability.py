@@ -101,7 +101,17 @@ def _pids(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 
 def _jobs_done(app) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    return {d: r.jobs_done for d, r in tasks.live_devices(app).items()}
+    """Each worker's count of the jobs it ran, from registry records written after this call:
+    the heartbeat folds a job's updates into its next write (within moments), so a record written
+    earlier may not count the jobs that just ended yet."""
+    asked = time.time()
+
+    def current() -> dict[str, int] | None:
+        live = tasks.live_devices(app)
+        fresh = all(r.heartbeat_at is not None and r.heartbeat_at > asked for r in live.values())
+        return {d: r.jobs_done for d, r in live.items()} if live and fresh else None
+
+    return wait_for(current, 30, "registry records written after the count was asked for")
 
 
 def _lease(client: redis.Redis, task_id: str) -> LeaseRecord | None:
@@ -253,13 +263,12 @@ def test_a_copy_whose_lease_a_live_worker_holds_is_not_run(rfleet, rapp, client)
                         task_id=task_id, since=time.time())
     client.set(keys.lease(task_id), lease.to_json(), px=60_000)
     try:
-        done_before = live["cpu0"].jobs_done
+        done_before = _jobs_done(rapp)["cpu0"]
         result = rapp.send_task(task_name("echo"), kwargs={"value": "copy"}, queue="device.cpu0",
                                 task_id=task_id)
         wait_for(lambda: _consumed(client, "device.cpu0"), 30, "cpu0 to take and drop the copy")
         fan_out("echo", ["cpu0"], kwargs={"value": 1}, app=rapp).get(timeout=30)
-        after = tasks.live_devices(rapp)["cpu0"]
-        assert after.jobs_done == done_before + 1  # the echo only
+        assert _jobs_done(rapp)["cpu0"] == done_before + 1  # the echo only
         assert result.state not in states.READY_STATES, result.state  # no outcome stored
         # The holder's lease is untouched: the dropped copy neither took it nor released it.
         assert client.get(keys.lease(task_id)) == lease.to_json()
@@ -577,11 +586,7 @@ def test_load_burst_every_job_has_exactly_one_result(rfleet, rapp, tmp_path):
     assert seen == expected, f"lost: {sorted(expected - seen)[:5]}"
     assert all(status == "ok" for _, _, status, _ in entries)
     # Executions, counted by the workers: exactly one per job, so nothing ran twice.
-    def counted() -> dict[str, int] | None:
-        now = _jobs_done(rapp)
-        return now if sum(now.values()) - sum(done_before.values()) >= total else None
-
-    done_after = wait_for(counted, 30, "job counts")
+    done_after = _jobs_done(rapp)  # every job's result is in: counted in the next write
     executed = sum(done_after.values()) - sum(done_before.values())
     print(f"\nLOAD {total} jobs from {PRODUCERS} producers in {elapsed:.1f} s "
           f"({total / elapsed:.0f} jobs/s); lost {len(expected - seen)}, executions {executed}, "

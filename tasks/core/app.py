@@ -70,9 +70,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_pool": "threads",
         "worker_consumer": CONSUMER,
         "worker_concurrency": 1,
-        # Events feed Flower; extended results keep the task name, args and worker.
+        # Events feed Flower (producers' task-sent only if asked); extended results keep the
+        # task name, args and worker.
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "task_send_sent_event": settings.sent_events,
         "result_extended": True,
         "task_track_started": True,
         "result_expires": settings.result_expires_s,

@@ -62,15 +62,27 @@ def read_worker(client: redis.Redis, device: str) -> WorkerRecord | None:
     return _parse(device, client.get(keys.worker(device)))  # type: ignore[arg-type]
 
 
+#: The registry in one round trip. KEYS[1]: ``keys.WORKERS``; ARGV[1]: the record keys' prefix
+#: (``keys.worker("")``). Returns ``[device, record or '', ...]``.
+_READ_REGISTRY = """
+local out = {}
+for _, device in ipairs(redis.call('smembers', KEYS[1])) do
+  out[#out + 1] = device
+  out[#out + 1] = redis.call('get', ARGV[1] .. device) or ''
+end
+return out
+"""
+
+
 def live_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
-    """``{device: record}`` of every worker whose heartbeat has not expired, by device name."""
-    devices = sorted(str(d) for d in client.smembers(keys.WORKERS))  # type: ignore[union-attr]
-    if not devices:
-        return {}
-    raws = client.mget([keys.worker(device) for device in devices])
+    """``{device: record}`` of every worker whose heartbeat has not expired, by device name
+    (one round trip: the index and the records in one script call)."""
+    reply = client.register_script(_READ_REGISTRY)(keys=[keys.WORKERS], args=[keys.worker("")])
+    pairs = sorted(zip(reply[::2], reply[1::2], strict=True))  # type: ignore[index]
     live: dict[str, WorkerRecord] = {}
-    for device, raw in zip(devices, raws, strict=True):  # type: ignore[arg-type]
-        record = _parse(device, raw)
+    for name, raw in pairs:
+        device = name.decode() if isinstance(name, bytes) else str(name)
+        record = _parse(device, raw or None)
         if record is not None:
             live[device] = record
     return live

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(default=1.0, gt=0, le=60)
     #: How long results stay in Redis.
     result_expires_s: int = Field(default=86_400, ge=60)
+    #: Producers send Celery's ``task-sent`` event for each job, so Flower lists a queued job as
+    #: SENT before a worker takes it. Off by default: one more publish per job on the producer's
+    #: path, and workers' events (received, started, succeeded) show every job anyway.
+    sent_events: bool = False
     #: Port of the embedded redis-server; 0 picks a free one.
     embedded_redis_port: int = Field(default=0, ge=0, le=65535)
     #: Port of Flower, which ``devicefleet up`` starts on loopback; 0 picks a free one.

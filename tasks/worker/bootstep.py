@@ -67,7 +67,8 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
                 "__module__": definition.module, "__doc__": definition.func.__doc__,
             })
             app.register_task(task_cls())
-        app.task(name=COLLECT_TASK, shared=False)(collect)
+        # The collect step is quick and on every fan-out's path: no STARTED state of its own.
+        app.task(name=COLLECT_TASK, shared=False, track_started=False)(collect)
         # Exactly the device's queues, whatever -Q said.
         app.amqp.queues.select(device_worker.queues)
         # A job's lease is released once Celery has stored its result (LeaseKeeper.hold).

@@ -1,9 +1,16 @@
-"""The device worker's consumer: Celery's, with a task it does not know answered as UnknownJob.
+"""The device worker's consumer: Celery's, with a task it does not know answered as UnknownJob,
+and task events sent on a short timer.
 
 Celery stores ``NotRegistered`` for a task no worker registered, but without the message's chord:
 a fan-out that names a job outside the allowlist would then wait for its collect step forever.
 :class:`FleetConsumer` stores :class:`~tasks.core.errors.UnknownJob` instead, with the device's
 error entry and the message's chord and group, so the chord collects it like any failed job.
+
+Celery buffers a worker's task events and flushes the buffer on the event loop's next turn: about
+one publish per event (received, started, succeeded: three per job). :class:`FleetConsumer`
+flushes it :data:`EVENT_FLUSH_S` after the first event that came into an empty buffer, so a job's
+events, and those of the jobs around it, go out in one ``task.multi`` publish; the buffer is
+flushed once more when the consumer shuts down, so the last events are not lost.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from . import accounting
 
 logger = logging.getLogger(__name__)
 
+#: How long a task event waits in the worker's buffer for others to go out with it (Flower and
+#: the monitor see events this much later; a job's result is never delayed by it).
+EVENT_FLUSH_S = 0.1
+
 
 def _embed(message: Any) -> dict[str, Any]:
     """The callbacks, errbacks, chain and chord of a protocol 2 message body (``{}`` if none)."""
@@ -36,7 +47,30 @@ def _embed(message: Any) -> dict[str, Any]:
 
 
 class FleetConsumer(Consumer):  # type: ignore[misc]
-    """Celery's consumer; a message for a task this worker does not run ends in UnknownJob."""
+    """Celery's consumer; a message for a task this worker does not run ends in UnknownJob, and
+    task events go out on a timer (see the module's docstring)."""
+
+    #: A flush of the event buffer is scheduled (set by any thread, cleared by the loop's timer).
+    _event_flush_due = False
+
+    def on_send_event_buffered(self) -> None:
+        # Called by the thread that buffered an event (a pool thread, or the loop's): hub.call_soon
+        # is how other threads hand work to the loop; the loop's own timer schedules the flush.
+        if self.hub and not self._event_flush_due:
+            self._event_flush_due = True
+            self.hub.call_soon(self._schedule_event_flush)
+
+    def _schedule_event_flush(self) -> None:
+        self.hub.call_later(EVENT_FLUSH_S, self._flush_buffered_events)
+
+    def _flush_buffered_events(self) -> None:
+        # Cleared first: an event buffered during the flush schedules the next one.
+        self._event_flush_due = False
+        self._flush_events()
+
+    def shutdown(self) -> None:
+        self._flush_events()  # the events the timer still holds: the last jobs'
+        super().shutdown()
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
         device_worker = getattr(self.controller, "device_worker", None)

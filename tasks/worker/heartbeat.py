@@ -3,7 +3,8 @@
 The record (:class:`~tasks.core.records.WorkerRecord`) lives at ``keys.worker(device)`` with a
 TTL of ``heartbeat_ttl_s`` and is written every ``heartbeat_interval_s``; :meth:`Heartbeat.update`
 changes fields (the job running now, its progress) and wakes the thread, which writes them at
-once, so producers see the change without the job's own thread waiting on Redis.
+once or after a short delay that folds close updates into one write (:data:`COALESCE_S`), so
+producers see the change without the job's own thread waiting on Redis.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from ..core.records import WorkerRecord
 from .periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
+
+#: A running job's updates (busy, progress, idle) are written at most this late: a job shorter
+#: than this costs no registry write of its own, and a stream of short jobs one write per period.
+COALESCE_S = 0.05
 
 
 class Heartbeat(PeriodicThread):
@@ -43,12 +48,14 @@ class Heartbeat(PeriodicThread):
         self.write()
         super().start()
 
-    def update(self, **fields: Any) -> None:
-        """Change fields of the record; the heartbeat thread writes them within moments."""
+    def update(self, *, after_s: float = 0.0, **fields: Any) -> None:
+        """Change fields of the record; the heartbeat thread writes them at once, or within
+        ``after_s`` seconds: updates that come closer together than that (a short job's "busy"
+        and "idle", a run of short jobs) go out in one write, the latest fields."""
         with self._lock:
             self._record = self._record.model_copy(update=fields)
         if self.alive:
-            self.wake()
+            self.wake(after_s)
         else:
             self.write()
 

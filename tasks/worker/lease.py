@@ -309,27 +309,50 @@ def started_meta(task: Any) -> Started | None:
                    value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
 
 
+#: The leases left without their key (expired, or lost): KEYS[1] ``keys.LEASES``; ARGV[1] the
+#: lease keys' prefix (``keys.lease("")``). Returns ``[task id, lease record, ...]``.
+_EXPIRED_LEASES = """
+local out = {}
+local all = redis.call('hgetall', KEYS[1])
+for i = 1, #all, 2 do
+  if redis.call('exists', ARGV[1] .. all[i]) == 0 then
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  end
+end
+return out
+"""
+
+
+def expired_leases(client: redis.Redis) -> dict[str, str]:
+    """``{task id: lease record}`` of the leases whose key is gone (one round trip): the
+    candidates of :func:`reap_once`, whose owner may still be alive (late to renew)."""
+    reply = client.register_script(_EXPIRED_LEASES)(keys=[keys.LEASES], args=[keys.lease("")])
+    return {
+        (task_id.decode() if isinstance(task_id, bytes) else str(task_id)):
+            (raw.decode() if isinstance(raw, bytes) else str(raw))
+        for task_id, raw in zip(reply[::2], reply[1::2], strict=True)  # type: ignore[index]
+    }
+
+
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:
     """Give back to their queues the jobs whose lease expired with their owner dead.
 
-    Returns the task ids given back.
+    A broker connection is opened only when there is such a job. Returns the task ids given back.
     """
     restored: list[str] = []
-    leases = client.hgetall(keys.LEASES)
-    if not leases:
-        return restored
-    with app.connection_for_write() as conn:
-        qos = conn.default_channel.qos
-        for task_id, raw in leases.items():  # type: ignore[union-attr]
-            task_id = str(task_id)
-            if client.exists(keys.lease(task_id)):
-                continue
+    conn = None
+    try:
+        for task_id, raw in expired_leases(client).items():
             record = _parse(raw)
             if record is None:
                 client.hdel(keys.LEASES, task_id)
                 continue
             if owner_alive(client, record):
                 continue  # alive but late to renew (Redis was away): it renews on its next beat
+            if conn is None:
+                conn = app.connection_for_write()
+            qos = conn.default_channel.qos
             tag = record.delivery_tag
             if tag and client.hexists(qos.unacked_key, tag):
                 # Back to the front of its queue, and out of kombu's unacked hash and index.
@@ -346,6 +369,9 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
             logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
                            task_id, record.worker, record.pid)
             restored.append(task_id)
+    finally:
+        if conn is not None:
+            conn.release()
     return restored
 
 
@@ -359,7 +385,8 @@ def resend_job(app: Celery, task_id: str, resend: ResendRecord) -> None:
 
 
 class Reaper(PeriodicThread):
-    """Runs :func:`reap_once` every ``interval_s``; redis-py's ``Lock`` keeps it to one reaper at a time."""
+    """Looks for expired leases every ``interval_s`` and, when there are some, runs
+    :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time."""
 
     name = "devicefleet-reaper"
 
@@ -371,6 +398,9 @@ class Reaper(PeriodicThread):
         self._lock_timeout_s = max(1.0, interval_s * 5)
 
     def tick(self) -> None:
+        # One round trip in the usual case, with nothing to reap: the lock only when there is.
+        if not expired_leases(self._client):
+            return
         lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)
         if not lock.acquire():
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ class PeriodicThread:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._asked_lock = threading.Lock()
+        self._asked_at: float | None = None  # monotonic time of the earliest tick a wake asked for
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
     @property
@@ -29,8 +32,13 @@ class PeriodicThread:
     def start(self) -> None:
         self._thread.start()
 
-    def wake(self) -> None:
-        """Run the next tick now instead of at the end of the interval."""
+    def wake(self, after_s: float = 0.0) -> None:
+        """Run the next tick now, or ``after_s`` seconds from now, instead of at the end of the
+        interval. Of several wakes before a tick the earliest wins: one tick serves them all."""
+        at = time.monotonic() + max(0.0, after_s)
+        with self._asked_lock:
+            if self._asked_at is None or at < self._asked_at:
+                self._asked_at = at
         self._wake.set()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -45,11 +53,21 @@ class PeriodicThread:
         raise NotImplementedError
 
     def _run(self) -> None:
+        next_at = time.monotonic() + self.interval_s
         while True:
-            self._wake.wait(self.interval_s)
+            # Cleared before the asked time is read: a wake after this line sets the event
+            # again, so the wait below returns at once and the loop reads what it asked for.
             self._wake.clear()
+            with self._asked_lock:
+                if self._asked_at is not None:
+                    next_at = min(next_at, self._asked_at)
+                    self._asked_at = None
             if self._stop.is_set():
                 return
+            wait_s = next_at - time.monotonic()
+            if wait_s > 0 and self._wake.wait(wait_s):
+                continue  # woken: stopping, or an earlier tick asked for
+            next_at = time.monotonic() + self.interval_s
             try:
                 self.tick()
             except Exception as exc:  # Redis away, a bad record: try again next round

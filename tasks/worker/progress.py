@@ -39,6 +39,7 @@ from typing import Any, TypeGuard
 
 from ..core import keys
 from ..core.job import PROGRESS_EVENT, PROGRESS_STATE
+from .heartbeat import COALESCE_S
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,6 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
         logger.debug("progress event failed: %s", exc)
     if heartbeat is not None:
         try:
-            heartbeat.update(progress=meta)
+            heartbeat.update(progress=meta, after_s=COALESCE_S)
         except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to the registry failed: %s", exc)

@@ -38,7 +38,7 @@ from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.keys import OPTIONS_HEADER
 from ..core.records import BusyInfo, Entry, ErrorInfo, GangSpec, JobOptions
 from ..core.validation import describe_validation_error
-from . import accounting, progress
+from . import accounting, heartbeat, progress
 from .device import DeviceWorker
 from .distributed import GIVE_WAY_S, GiveWay, Rendezvous, run_rank
 from .jobs import validate_kwargs
@@ -132,7 +132,8 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
     give_way: GiveWay | None = None
     recycle = False
     if worker.heartbeat is not None:
-        worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started))
+        worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started),
+                                after_s=heartbeat.COALESCE_S)
     fan_out_id = str(getattr(task.request, "group", None) or job_id)
     scalar_log = ScalarLog(run_dir(worker.settings.tensorboard_path, definition.name, fan_out_id, device))
     reports = progress.ProgressPublisher(
@@ -180,7 +181,8 @@ def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs
         scalar_log.close()
         worker.jobs_done += give_way is None
         if worker.heartbeat is not None:
-            worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done)
+            worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done,
+                                    after_s=heartbeat.COALESCE_S)
     if give_way is not None:
         # The same message (id, chord, options) back on the queue: it runs again later.
         raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
