@@ -208,6 +208,21 @@ class FleetBackend(RedisBackend):
                   json.dumps(finish.count) if finish is not None and finish.count is not None else ""],
         ))
 
+    def metas(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
+        """Each task's stored meta (``status``, ``result``...), ``None`` where none is stored or
+        it cannot be read: one ``MGET`` for all of them."""
+        if not task_ids:
+            return []
+        raw = self.ensure(self.client.mget, ([self.get_key_for_task(task_id) for task_id in task_ids],))
+        out: list[dict[str, Any] | None] = []
+        for value in raw:
+            try:
+                meta = self.decode(value) if value is not None else None
+            except Exception:  # noqa: BLE001  (a malformed value reads as not there)
+                meta = None
+            out.append(meta if isinstance(meta, dict) else None)
+        return out
+
     def set_chord_size(self, group_id: Any, chord_size: int) -> None:
         """Celery's two writes (the counter's reset, the size) in one round trip."""
         def write() -> None:

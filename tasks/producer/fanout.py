@@ -36,6 +36,7 @@ import redis
 from celery import Celery, chord
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
+from celery.states import PENDING, READY_STATES
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
@@ -233,13 +234,15 @@ class FanOut:
         return dict(self._jobs)
 
     def ready(self) -> bool:
-        """Whether every device's job has finished."""
-        return all(res.ready() for res in self._jobs.values())
+        """Whether every device's job has finished (one Redis round trip)."""
+        return all(state in READY_STATES for state in self.states().values())
 
     def states(self) -> dict[str, str]:
         """Celery state of each device's job (``PENDING``, ``STARTED``, ``PROGRESS``, ``SUCCESS``,
-        ``FAILURE``...)."""
-        return {device: str(res.state) for device, res in self._jobs.items()}
+        ``FAILURE``...): one Redis round trip for every device."""
+        metas = self.app.backend.metas([str(res.id) for res in self._jobs.values()])
+        return {device: str(meta["status"]) if meta and "status" in meta else PENDING
+                for device, meta in zip(self._jobs, metas, strict=True)}
 
     def progress(self) -> dict[str, dict[str, Any]]:
         """The latest progress each device's job reported: ``{}`` until it reports, and its
@@ -251,7 +254,7 @@ class FanOut:
         """Cancel the fan-out: a job not started yet never starts, a running one stops at its
         next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
         Their entries say ``cancelled``; :meth:`get` still returns every device."""
-        pending = [str(res.id) for res in self._jobs.values() if not res.ready()]
+        pending = [str(self._jobs[d].id) for d, state in self.states().items() if state not in READY_STATES]
         if pending:
             self.app.control.revoke(pending)
             logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
@@ -266,7 +269,7 @@ class FanOut:
             # A failed device is an error entry in the collected dict, not an error of the call.
             collected = self._result.get(timeout=timeout, follow_parents=False)
         except CeleryTimeoutError:
-            pending = [d for d, res in self._jobs.items() if not res.ready()]
+            pending = [d for d, state in self.states().items() if state not in READY_STATES]
             raise FanOutTimeout(timeout or 0.0, pending) from None
         return {device: collected[device] for device in self.plan}
 

@@ -148,12 +148,9 @@ class TrialQueue:
 
     def metas(self, task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
         """``{task id: stored meta or None}``: one ``MGET`` for those not final yet."""
-        backend = self.app.backend
         todo = [tid for tid in task_ids if tid not in self._final]
         if todo:
-            raw = backend.client.mget([backend.get_key_for_task(tid) for tid in todo])
-            for tid, value in zip(todo, raw, strict=True):
-                meta = _decode(backend, value)
+            for tid, meta in zip(todo, self.app.backend.metas(todo), strict=True):
                 if meta is not None and meta.get("status") in states.READY_STATES:
                     self._final[tid] = meta
                     self._running_meta.pop(tid, None)
@@ -198,17 +195,6 @@ class TrialQueue:
                 self.app.backend.mark_as_revoked(tid, reason=reason)
         logger.info("%s: cancelled (%s queued trials purged, %d unfinished revoked)", self.queue, purged,
                     len(unfinished))
-
-
-def _decode(backend: Any, value: bytes | None) -> dict[str, Any] | None:
-    """A stored result meta as JSON (a failure's exception stays a dict with its entry)."""
-    if value is None:
-        return None
-    try:
-        meta = backend.decode(value)
-    except Exception:  # noqa: BLE001  (a malformed value reads as not there)
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 def entry_of(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
