@@ -253,6 +253,27 @@ def test_a_redelivered_copy_of_a_job_runs_only_once(rfleet, rapp, client, tmp_pa
     assert _lease(client, job_id) is None
 
 
+@pytest.mark.timeout(120)
+def test_a_copy_sent_to_an_idle_device_as_its_original_finishes_never_runs(rfleet, rapp, client, tmp_path):
+    """A copy of a job's message reaches another, idle worker the moment the original's function
+    ends (a redelivery racing the finish): it finds the lease held or the result stored, never
+    neither, so it is dropped. Five rounds, the copy sent as soon as each run's end is seen."""
+    for round_ in range(5):
+        marker = tmp_path / f"round{round_}"
+        marker.mkdir()
+        kwargs = {"seconds": 0.2, "marker": str(marker)}
+        handle = fan_out({"cpu1": ("sleepy", kwargs)}, app=rapp)
+        job_id = handle.task_ids["cpu1"]
+        wait_for(lambda: any(e["event"] == "end" for e in read_markers(marker / job_id)), 60, "the run's end")
+        rapp.send_task(task_name("sleepy"), kwargs=kwargs, task_id=job_id, queue="device.cpu0")
+        assert handle.get(timeout=60)["cpu1"]["status"] == "ok"
+        wait_for(lambda: _consumed(client, "device.cpu0"), 30, "cpu0 to take and drop the copy")
+        fan_out("echo", ["cpu0"], kwargs={"value": 1}, app=rapp).get(timeout=30)  # after the copy
+        assert [e["event"] for e in read_markers(marker / job_id)] == ["start", "end"], f"round {round_}"
+        assert handle.states() == {"cpu1": "SUCCESS"}
+        assert _lease(client, job_id) is None
+
+
 def test_a_copy_whose_lease_a_live_worker_holds_is_not_run(rfleet, rapp, client):
     """The lease is a mutex: a message for a job whose lease another live worker holds is
     acknowledged and dropped, not run at the same time."""
