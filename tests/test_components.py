@@ -674,6 +674,24 @@ def test_malformed_messages_never_stop_a_worker(client, settings, tmp_path, monk
     assert not any(thread.alive for thread in background), "a background thread outlived its worker"
 
 
+def test_a_jobs_message_is_acknowledged_by_the_script_that_stores_its_result(client, settings, tmp_path, monkeypatch):
+    with in_process_worker(client, settings, tmp_path, monkeypatch) as (app, worker, device):
+        app.send_task("devicefleet.noop", queue=f"device.{device}").get(timeout=30)  # warm: scripts loaded
+        client.config_resetstat()
+        jobs = 5
+        for _ in range(jobs):
+            assert app.send_task("devicefleet.noop", queue=f"device.{device}").get(timeout=30)["status"] == "ok"
+        wait_for(lambda: client.hlen("unacked") == 0 and client.zcard("unacked_index") == 0, 10,
+                 "every message out of kombu's unacked hash and index")
+        calls = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in client.info("commandstats").items()}
+        # One MULTI per job: kombu's at delivery (the message into unacked). Its acknowledgement
+        # (a second MULTI: ZREM, HDEL) is made by the store script instead.
+        assert calls.get("multi") == jobs, calls
+        # kombu's bookkeeping was done all the same: nothing for the channel to give back on close.
+        qos = worker.consumer.task_consumer.channel.qos
+        assert set(qos._delivered) <= set(qos._dirty), "a delivered message kombu still thinks is unacked"
+
+
 # -- the out-of-memory guard ------------------------------------------------------------------------
 
 

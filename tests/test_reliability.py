@@ -264,12 +264,13 @@ def test_a_copy_sent_to_an_idle_device_as_its_original_finishes_never_runs(rflee
         kwargs = {"seconds": 0.2, "marker": str(marker)}
         handle = fan_out({"cpu1": ("sleepy", kwargs)}, app=rapp)
         job_id = handle.task_ids["cpu1"]
-        wait_for(lambda: any(e["event"] == "end" for e in read_markers(marker / job_id)), 60, "the run's end")
+        markers = marker / job_id
+        wait_for(lambda markers=markers: any(e["event"] == "end" for e in read_markers(markers)), 60, "the run's end")
         rapp.send_task(task_name("sleepy"), kwargs=kwargs, task_id=job_id, queue="device.cpu0")
         assert handle.get(timeout=60)["cpu1"]["status"] == "ok"
         wait_for(lambda: _consumed(client, "device.cpu0"), 30, "cpu0 to take and drop the copy")
         fan_out("echo", ["cpu0"], kwargs={"value": 1}, app=rapp).get(timeout=30)  # after the copy
-        assert [e["event"] for e in read_markers(marker / job_id)] == ["start", "end"], f"round {round_}"
+        assert [e["event"] for e in read_markers(markers)] == ["start", "end"], f"round {round_}"
         assert handle.states() == {"cpu1": "SUCCESS"}
         assert _lease(client, job_id) is None
 

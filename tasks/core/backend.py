@@ -15,7 +15,9 @@ then a MULTI: a state is never stored over a finished one (SUCCESS, FAILURE, REV
 worker finishing a job hands the backend a :class:`JobFinish` on the task's request; the same
 script then also releases the job's lease and counts the job in the fleet's metrics, so the
 lease goes only together with the stored result (a copy of the message redelivered at any moment
-finds the lease held or the result stored) and a job's end costs one round trip.
+finds the lease held or the result stored) and a job's end costs one round trip. With the job's
+message (:class:`StoredAck`), the script acknowledges it too: it takes it out of kombu's unacked
+hash and index, as kombu's own acknowledgement would, right after the result is stored.
 """
 
 from __future__ import annotations
@@ -69,13 +71,19 @@ local store = function(key, value, expires)
 end
 """
 
-#: Store a task's state unless a finished one is stored; with a job's finish, release its lease
-#: and count it. KEYS: the task's meta key, its lease key, ``keys.LEASES``, the device's stats
-#: hash, ``keys.STATS_DEVICES``, the device's finished set. ARGV: the encoded meta, expiry in
-#: seconds (0: none), the lease value ('' if none), the task id, the count as JSON ('' if none).
-#: Returns 1 if stored, 0 if a finished state was there already (nothing stored or counted).
+#: Store a task's state unless a finished one is stored; with a job's finish, release its lease,
+#: count it and acknowledge its message. KEYS: the task's meta key, its lease key,
+#: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
+#: kombu's unacked hash and its index. ARGV: the encoded meta, expiry in seconds (0: none), the
+#: lease value ('' if none), the task id, the count as JSON ('' if none), the message's delivery
+#: tag ('' if none). Returns 1 if stored, 0 if a finished state was there already (nothing
+#: stored or counted; the lease is released and the message acknowledged all the same).
 _STORE = LUA_STATE_FUNCTIONS + """
 local release = function()
+  if ARGV[6] ~= '' then
+    redis.call('zrem', KEYS[8], ARGV[6])
+    redis.call('hdel', KEYS[7], ARGV[6])
+  end
   if ARGV[3] == '' then return end
   if redis.call('get', KEYS[2]) == ARGV[3] then redis.call('del', KEYS[2]) end
   if redis.call('hget', KEYS[3], ARGV[4]) == ARGV[3] then redis.call('hdel', KEYS[3], ARGV[4]) end
@@ -100,6 +108,18 @@ return 1
 
 
 @dataclass
+class StoredAck:
+    """A job's message, acknowledged by the script that stores the job's result: kombu's
+    unacked hash and index (the channel's names) and the message's delivery tag. ``done`` is
+    set once the script ran; the worker's request then skips kombu's own round trip."""
+
+    unacked_key: str
+    unacked_index_key: str
+    delivery_tag: str
+    done: bool = False
+
+
+@dataclass
 class JobFinish:
     """What a device worker asks the backend to do with a job's finished state, in the same
     script call that stores it (``setattr(task.request, FINISH_ATTR, finish)``).
@@ -108,12 +128,14 @@ class JobFinish:
         lease: the job's lease value, released if it is still ours; ``None``: no lease.
         count: the job's counters for the fleet's metrics
             (:func:`tasks.worker.accounting.job_count`); ``None``: not counted.
+        ack: the job's message, acknowledged in the same call; ``None``: Celery acknowledges it.
         on_stored: called once the script has run (the worker forgets the lease).
     """
 
     device: str
     lease: str | None = None
     count: dict[str, Any] | None = None
+    ack: StoredAck | None = None
     on_stored: Callable[[], None] | None = None
 
 
@@ -195,17 +217,21 @@ class FleetBackend(RedisBackend):
         finish = getattr(request, FINISH_ATTR, None) if state in states.READY_STATES else None
         expires = (self.failure_expires if state == states.FAILURE else None) or self.expires or 0
         self.ensure(self._store, (bytes_to_str(task_id), value, int(expires), finish))
-        if finish is not None and finish.on_stored is not None:
-            finish.on_stored()
+        if finish is not None:
+            if finish.ack is not None:
+                finish.ack.done = True
+            if finish.on_stored is not None:
+                finish.on_stored()
         return result
 
     def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None) -> int:
-        device = finish.device if finish is not None else ""
+        finish = finish or JobFinish(device="")
+        ack = finish.ack or StoredAck(unacked_key="", unacked_index_key="", delivery_tag="")
         return int(self._store_script(
-            keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(device),
-                  keys.STATS_DEVICES, keys.finished(device)],
-            args=[value, expires, (finish.lease or "") if finish else "", task_id,
-                  json.dumps(finish.count) if finish is not None and finish.count is not None else ""],
+            keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(finish.device),
+                  keys.STATS_DEVICES, keys.finished(finish.device), ack.unacked_key, ack.unacked_index_key],
+            args=[value, expires, finish.lease or "", task_id,
+                  json.dumps(finish.count) if finish.count is not None else "", ack.delivery_tag],
         ))
 
     def metas(self, task_ids: list[str]) -> list[dict[str, Any] | None]:

@@ -71,8 +71,10 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         app.task(name=COLLECT_TASK, shared=False, track_started=False)(collect)
         # Exactly the device's queues, whatever -Q said.
         app.amqp.queues.select(device_worker.queues)
-        # A job's lease is released once Celery has stored its result (LeaseKeeper.hold).
-        # Connected before the consumer builds its tracers, which read the receivers.
+        # A job's lease goes with its stored result (the store script releases it); one still
+        # held after Celery stored the outcome (the store failed, or stored no finish) is
+        # released here (LeaseKeeper.hold). Connected before the consumer builds its tracers,
+        # which read the receivers.
         signals.task_postrun.connect(self._release_lease, weak=False)
 
     def _release_lease(self, sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:

@@ -4,11 +4,15 @@ Celery's Redis transport returns an unacknowledged message only after ``visibili
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
 long timeout and adds a lease per running job:
 
-- when a worker starts a job it takes the lease ``keys.lease(task_id)`` with ``SET NX``
-  and a TTL (``lease_ttl_s``), and records ``{task id: owner, delivery tag}`` in the hash
-  ``keys.LEASES``. The key doubles as a mutex: a second copy of the same message (a
+- when a worker starts a job it takes the lease ``keys.lease(task_id)`` with a TTL
+  (``lease_ttl_s``), records ``{task id: owner, delivery tag}`` in the hash ``keys.LEASES`` and
+  stores the job's STARTED state, in one script call that first checks the job has no finished
+  result stored. The key doubles as a mutex: a second copy of the same message (a
   visibility-timeout restore while the first still runs) finds it held by a live owner and is
   dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
+- the lease is released by the script call that stores the job's result
+  (:class:`tasks.core.backend.JobFinish`), so a copy arriving at any moment finds the lease or
+  the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
 - a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
   recorded lease whose key has expired and whose owner is not alive in the fleet registry, and

@@ -21,10 +21,11 @@ from celery.exceptions import Ignore, TaskRevokedError
 from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
+from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
-from ..core.backend import FINISH_ATTR, JobFinish, attach_entry
+from ..core.backend import FINISH_ATTR, JobFinish, StoredAck, attach_entry
 from ..core.devices import host_name
 from ..core.errors import (
     DeviceFleetError,
@@ -47,8 +48,31 @@ from .scalars import ScalarLog, run_dir
 
 logger = logging.getLogger(__name__)
 
+#: Attribute of a job's task request that carries its :class:`~tasks.core.backend.StoredAck`.
+STORED_ACK_ATTR = "devicefleet_stored_ack"
+
+
+def stored_ack(message: Any) -> StoredAck | None:
+    """What the result store needs to acknowledge ``message`` (kombu's Redis channel only, with
+    no key prefix: the store script names the keys itself); ``None`` otherwise."""
+    channel: Any = getattr(message, "channel", None)
+    qos: Any = getattr(channel, "qos", None)
+    tag = getattr(message, "delivery_tag", None)
+    unacked, index = getattr(qos, "unacked_key", None), getattr(qos, "unacked_index_key", None)
+    if not (isinstance(tag, str) and isinstance(unacked, str) and isinstance(index, str)) \
+            or getattr(channel, "global_keyprefix", None):
+        return None
+    return StoredAck(unacked_key=unacked, unacked_index_key=index, delivery_tag=tag)
+
+
 class JobRequest(Request):  # type: ignore[misc]
-    """Celery's request of a job task, except that a job's MemoryError is a failure like any other.
+    """Celery's request of a job task, with the acknowledgement folded into the result's store,
+    and a job's MemoryError a failure like any other.
+
+    The request hands its message's :class:`~tasks.core.backend.StoredAck` to the task (in the
+    request's ``properties``, which the thread pool passes as they are): the script that stores the job's
+    result acknowledges the message in Redis, and :meth:`acknowledge` then does only kombu's
+    in-memory bookkeeping, not a second round trip.
 
     Celery takes a MemoryError out of a task for the worker process's own: it raises it again and
     leaves the message unacknowledged, so the device would hold its one prefetch slot and take
@@ -56,6 +80,27 @@ class JobRequest(Request):  # type: ignore[misc]
     its failure and error entry stored by the trace (``return_ok``): acknowledge it as any failed
     job is.
     """
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        self._stored_ack = stored_ack(message)
+        if self._stored_ack is not None:
+            # Beside the message's properties, in a copy (the message keeps its own): the task's
+            # request has them, and nothing sends them on (a retry copies headers, not these).
+            properties = self._request_dict.get("properties") or {}
+            self._request_dict["properties"] = {**properties, STORED_ACK_ATTR: self._stored_ack}
+
+    def acknowledge(self) -> None:
+        ack = self._stored_ack
+        if ack is None or not ack.done or self.acknowledged:  # type: ignore[has-type]
+            super().acknowledge()
+            return
+        # The store script took the message out of kombu's unacked hash and index: what is
+        # left is kombu's bookkeeping (so the channel does not give the message back on close).
+        message = self.message
+        VirtualQoS.ack(message.channel.qos, message.delivery_tag)
+        message._state = "ACK"  # kombu's Message.ack sets this after its basic_ack
+        self.acknowledged = True
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
@@ -250,6 +295,7 @@ def _finish_with_result(worker: DeviceWorker, task: Task, definition: JobDefinit
     setattr(task.request, FINISH_ATTR, JobFinish(
         device=worker.device.name,
         lease=leases.finishing(task_id) if leases is not None else None,
+        ack=(getattr(task.request, "properties", None) or {}).get(STORED_ACK_ATTR),
         count=accounting.job_count(
             worker.device.name, worker.nodename, ok=ok, started=started, finished=finished,
             metrics=definition.metric_values(output), gpu_memory_bytes=accounting.gpu_memory_in_use(),
