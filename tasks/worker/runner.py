@@ -21,7 +21,6 @@ from celery.exceptions import Ignore, TaskRevokedError
 from celery.utils.serialization import get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
-from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
@@ -38,6 +37,7 @@ from ..core.errors import (
 from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.keys import OPTIONS_HEADER
 from ..core.records import BusyInfo, Entry, ErrorInfo, GangSpec, JobOptions
+from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
 from . import accounting, heartbeat, progress
 from .device import DeviceWorker
@@ -53,16 +53,15 @@ STORED_ACK_ATTR = "devicefleet_stored_ack"
 
 
 def stored_ack(message: Any) -> StoredAck | None:
-    """What the result store needs to acknowledge ``message`` (kombu's Redis channel only, with
-    no key prefix: the store script names the keys itself); ``None`` otherwise."""
+    """What the result store needs to acknowledge ``message``: on devicefleet's Redis channel
+    (:class:`tasks.core.transport.QoS`, which then skips its own round trip) with no key prefix
+    (the store script names the keys itself); ``None`` otherwise."""
     channel: Any = getattr(message, "channel", None)
     qos: Any = getattr(channel, "qos", None)
     tag = getattr(message, "delivery_tag", None)
-    unacked, index = getattr(qos, "unacked_key", None), getattr(qos, "unacked_index_key", None)
-    if not (isinstance(tag, str) and isinstance(unacked, str) and isinstance(index, str)) \
-            or getattr(channel, "global_keyprefix", None):
+    if not isinstance(qos, FleetQoS) or not isinstance(tag, str) or getattr(channel, "global_keyprefix", None):
         return None
-    return StoredAck(unacked_key=unacked, unacked_index_key=index, delivery_tag=tag)
+    return StoredAck(unacked_key=qos.unacked_key, unacked_index_key=qos.unacked_index_key, delivery_tag=tag)
 
 
 class JobRequest(Request):  # type: ignore[misc]
@@ -71,7 +70,8 @@ class JobRequest(Request):  # type: ignore[misc]
 
     The request hands its message's :class:`~tasks.core.backend.StoredAck` to the task (in the
     request's ``properties``, which the thread pool passes as they are): the script that stores the job's
-    result acknowledges the message in Redis, and :meth:`acknowledge` then does only kombu's
+    result acknowledges the message in Redis, and :meth:`acknowledge` marks it on the channel's
+    :class:`~tasks.core.transport.QoS`, so Celery's acknowledgement that follows is only kombu's
     in-memory bookkeeping, not a second round trip.
 
     Celery takes a MemoryError out of a task for the worker process's own: it raises it again and
@@ -92,15 +92,12 @@ class JobRequest(Request):  # type: ignore[misc]
 
     def acknowledge(self) -> None:
         ack = self._stored_ack
-        if ack is None or not ack.done or self.acknowledged:  # type: ignore[has-type]
-            super().acknowledge()
-            return
-        # The store script took the message out of kombu's unacked hash and index: what is
-        # left is kombu's bookkeeping (so the channel does not give the message back on close).
-        message = self.message
-        VirtualQoS.ack(message.channel.qos, message.delivery_tag)
-        message._state = "ACK"  # kombu's Message.ack sets this after its basic_ack
-        self.acknowledged = True
+        if ack is not None and ack.done and not self.acknowledged:  # type: ignore[has-type]
+            # The store script took the message out of kombu's unacked hash and index: the
+            # acknowledgement below, on Celery's usual path (the event loop's turn, which also
+            # lets it fetch the next message), is only kombu's bookkeeping.
+            self.message.channel.qos.acked_in_redis(ack.delivery_tag)
+        super().acknowledge()
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
