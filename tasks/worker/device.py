@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import redis
 from celery import Celery
 
 from ..core.devices import (
@@ -94,6 +95,8 @@ class DeviceWorker:
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
         self.reaper: Reaper | None = None
+        #: The registry's Redis client the background threads share (owned here: closed on leave).
+        self._client: redis.Redis | None = None
         self.jobs_done = 0
         #: Where the other ranks of a distributed job reach this worker (set by :meth:`join`).
         self.address = settings.advertise_address or "127.0.0.1"
@@ -172,7 +175,7 @@ class DeviceWorker:
     def join(self, app: Celery) -> None:
         """Join the fleet: the registry heartbeat, the lease keeper and the reaper."""
         url = self.settings.resolve_redis_url()
-        client = connect(url)
+        client = self._client = connect(url)
         self.address = self.settings.advertise_address or route_address(url)
         self.check_unique(client)
         self.heartbeat = Heartbeat(client, self.record(), self.settings.heartbeat_interval_s,
@@ -190,3 +193,6 @@ class DeviceWorker:
             if thread is not None:
                 thread.stop()
         self.heartbeat = self.leases = self.reaper = None
+        if self._client is not None:  # after the threads that used it: its sockets close now
+            self._client.close()
+            self._client = None
