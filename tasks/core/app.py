@@ -13,6 +13,7 @@ components, so that producers that import this module never load the worker side
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from celery import Celery
@@ -136,6 +137,7 @@ class FleetCelery(Celery):
     def __init__(self, settings: Settings | None = None, *, main: str = "devicefleet") -> None:
         super().__init__(main, set_as_current=settings is None)
         self._fleet_settings = settings
+        self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
         if settings is None:
             # A promise: evaluated when the configuration is first read, not at import.
             self.add_defaults(lambda: lazy_celery_config(self.fleet_settings))
@@ -155,12 +157,19 @@ class FleetCelery(Celery):
             self._fleet_settings = Settings.load()
         return self._fleet_settings
 
+    def _get_backend(self) -> Any:
+        # Celery makes a result backend per thread: the app keeps track of them for close().
+        backend = super()._get_backend()
+        self._backends.add(backend)
+        return backend
+
     def close(self) -> None:
-        """Celery's clean-up, and this thread's result-backend connections closed now rather
-        than whenever the garbage collector finds them."""
-        backend = self._backend  # this thread's, if one was made: never makes one
-        if backend is not None and "client" in vars(backend):
-            backend.client.connection_pool.disconnect()
+        """Celery's clean-up, with the Redis connections of every result backend this app made
+        (one per thread that used it) closed now, rather than whenever the garbage collector
+        finds them."""
+        for backend in list(self._backends):
+            if "client" in vars(backend):
+                backend.client.connection_pool.disconnect()
         super().close()
 
 
