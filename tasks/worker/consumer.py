@@ -68,6 +68,12 @@ class FleetConsumer(Consumer):  # type: ignore[misc]
         self._event_flush_due = False
         self._flush_events()
 
+    def on_close(self) -> None:
+        # The connection is going: a flush the loop's timer loses with it must not leave the
+        # flag set, or no flush would be scheduled again (a second flush is harmless).
+        self._event_flush_due = False
+        super().on_close()
+
     def shutdown(self) -> None:
         self._flush_events()  # the events the timer still holds: the last jobs'
         super().shutdown()

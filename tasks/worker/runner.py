@@ -96,7 +96,9 @@ class JobRequest(Request):  # type: ignore[misc]
             # The store script took the message out of kombu's unacked hash and index: the
             # acknowledgement below, on Celery's usual path (the event loop's turn, which also
             # lets it fetch the next message), is only kombu's bookkeeping.
-            self.message.channel.qos.acked_in_redis(ack.delivery_tag)
+            qos = getattr(self.message.channel, "qos", None)  # no channel: Celery's ack says so
+            if isinstance(qos, FleetQoS):
+                qos.acked_in_redis(ack.delivery_tag)
         super().acknowledge()
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
@@ -283,8 +285,9 @@ def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:
 
 def _finish_with_result(worker: DeviceWorker, task: Task, definition: JobDefinition, ok: bool,
                         started: float, finished: float, output: dict[str, Any] | None) -> None:
-    """Hand the result backend what goes with the job's stored result: its lease, released, and
-    its counts for the fleet's metrics (:class:`~tasks.core.backend.JobFinish`): one round trip."""
+    """Hand the result backend what goes with the job's stored result: its lease, released, its
+    counts for the fleet's metrics and its message's acknowledgement
+    (:class:`~tasks.core.backend.JobFinish`): one round trip."""
     if worker.heartbeat is None:
         return
     task_id = str(task.request.id)
