@@ -342,7 +342,9 @@ def test_redis_restart_loses_no_queued_or_running_job(rfleet, rapp, client, tmp_
         rfleet.redis.stop()
         wait_for(lambda: all(b"devicefleet-heartbeat: " in log.read_bytes()[offset:]
                              for log, offset in logs.values()), 60, "every worker to find Redis gone")
-        assert rfleet.redis_down() and rfleet.redis_restarts > restarts  # tried, failed, backing off
+        # The supervisor's own round (every 0.5 s) may come just after the workers' heartbeats.
+        wait_for(lambda: rfleet.redis_restarts > restarts, 30, "the supervisor to try to start Redis")
+        assert rfleet.redis_down()  # tried, failed, backing off
     finally:
         rfleet.redis.binary = binary
     wait_for(lambda: not rfleet.redis_down(), 30, "the supervisor to start Redis again")
