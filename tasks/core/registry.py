@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redis
+from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
 
 from . import keys
@@ -81,7 +82,7 @@ def live_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
     pairs = sorted(zip(reply[::2], reply[1::2], strict=True))  # type: ignore[index]
     live: dict[str, WorkerRecord] = {}
     for name, raw in pairs:
-        device = name.decode() if isinstance(name, bytes) else str(name)
+        device = bytes_to_str(name)
         record = _parse(device, raw or None)
         if record is not None:
             live[device] = record

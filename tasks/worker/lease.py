@@ -40,6 +40,7 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore
 from celery.states import STARTED
+from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
 from redis.exceptions import LockError
 
@@ -309,7 +310,7 @@ def started_meta(task: Any) -> Started | None:
                                     state=STARTED, traceback=None, request=request)
     meta["task_id"] = str(request.id)
     key = backend.get_key_for_task(str(request.id))
-    return Started(key=key.decode() if isinstance(key, bytes) else str(key),
+    return Started(key=bytes_to_str(key),
                    value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
 
 
@@ -332,11 +333,8 @@ def expired_leases(client: redis.Redis) -> dict[str, str]:
     """``{task id: lease record}`` of the leases whose key is gone (one round trip): the
     candidates of :func:`reap_once`, whose owner may still be alive (late to renew)."""
     reply = client.register_script(_EXPIRED_LEASES)(keys=[keys.LEASES], args=[keys.lease("")])
-    return {
-        (task_id.decode() if isinstance(task_id, bytes) else str(task_id)):
-            (raw.decode() if isinstance(raw, bytes) else str(raw))
-        for task_id, raw in zip(reply[::2], reply[1::2], strict=True)  # type: ignore[index]
-    }
+    return {bytes_to_str(task_id): bytes_to_str(raw)
+            for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}  # type: ignore[index]
 
 
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:
