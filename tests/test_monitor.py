@@ -414,7 +414,35 @@ def test_progress_reaches_producers_status_and_flower(
 
 
 def test_dashboard_and_alerts_use_only_exported_metrics(monitored: Monitored) -> None:
-    monitored.run("echo")  # so that every per-task series exists
+    # Flower's runtime histogram has no series until it has processed a finished task, so the test
+    # runs its own job on every device and waits until Flower has counted it (not relying on jobs
+    # that other tests may or may not have run before it).
+    echo = task_name("echo")
+
+    def runtimes() -> dict[str, float]:
+        """Each device's count of ``echo`` runtimes in Flower's histogram; -1 without its buckets."""
+        got = scrape(monitored.flower_url + "/metrics", monitored.auth)
+        bucketed = {dict(labels).get("worker") for name, labels in got
+                    if name == "flower_task_runtime_seconds_bucket" and dict(labels).get("task") == echo}
+        return {d: sample(got, "flower_task_runtime_seconds_count", worker=monitored.worker(d), task=echo)
+                if monitored.worker(d) in bucketed else -1.0 for d in DEVICES}
+
+    before = runtimes()
+    results = monitored.run("echo")  # so that every per-task series exists
+    assert set(results) == set(DEVICES) and all(e["status"] == "ok" for e in results.values()), results
+    seen: list[dict[str, float]] = []
+
+    def flower_saw_the_job() -> bool:
+        seen.append(runtimes())
+        return all(seen[-1][d] >= max(before[d], 0) + 1 for d in DEVICES)
+
+    try:
+        wait_for(flower_saw_the_job, 60,
+                 f"Flower's /metrics recording the runtime of {echo} on each device "
+                 "(flower_task_runtime_seconds_bucket and _count)")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: flower_task_runtime_seconds_count before the job {before}, "
+                             f"last scraped {seen[-1] if seen else None}") from None
     exported = exported_names(monitored.metrics_url)
     exported |= exported_names(monitored.flower_url + "/metrics", monitored.auth)
     deploy = ROOT / "deploy"
