@@ -46,10 +46,10 @@ from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker import accounting
 from tasks.worker import lease as lease_module
-from tasks.worker.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
+from tasks.jobproc.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
-from tasks.worker.oom import run_guarded
+from tasks.jobproc.oom import run_guarded
 from tasks.worker.progress import VALUES_KEPT, ProgressPublisher, summary
 from tests.conftest import wait_for
 

@@ -14,7 +14,8 @@ from tasks.core.queues import worker_queues
 from tasks.core.worker_config import WorkerConfig, load_worker_config
 from tasks.producer.fanout import select_devices
 from tasks.worker.device import device_from_nodename
-from tasks.worker.jobs import JobRegistry, validate_kwargs
+from tasks.jobproc.registry import JobRegistry, validate_kwargs
+from tasks.worker.jobs import JobCatalog
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -177,9 +178,12 @@ def test_job_registry_only_knows_allowlisted_modules():
     assert registry.names == ["noop", "probe", "train"]
     assert [d.task_name for d in registry.definitions()] == ["devicefleet.noop", "devicefleet.probe",
                                                              "devicefleet.train"]
-    # What a worker answers for a task outside its allowlist (tasks.worker.consumer).
-    refused = registry.unknown("forbidden")
+    # What a job process and a worker answer for a job outside the allowlist (tasks.worker.consumer).
+    with pytest.raises(UnknownJob) as raised:
+        registry.get("forbidden")
+    refused = raised.value
     assert type(refused) is UnknownJob
+    assert str(JobCatalog(registry.infos(), ["tasks.jobs"]).unknown("forbidden")) == str(refused)
     assert "unknown job 'forbidden'" in str(refused) and "probe, train" in str(refused)
     assert "tasks.jobs" in str(refused)
     with pytest.raises(ConfigError, match="no_such_module"):

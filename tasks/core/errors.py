@@ -20,6 +20,10 @@ The tree, by area::
         ├── TrainingDiverged      the loss became NaN or infinite
         ├── OutOfMemory           the device ran out of memory
         ├── GangFailed            a distributed job's ranks could not form or gave up
+        ├── JobCrashed            the job's process died (a signal, an exit status)
+        ├── JobTimeout            the job ran past its time limit and was ended
+        ├── WorkerLost            the job's workers died with it too often: not run again
+        ├── WorkerStopped         the worker stopped and the job did not end within its stop timeout
         └── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
 
 Every message says what was wrong, with the offending value, and what to do.
@@ -134,3 +138,25 @@ class GangFailed(JobError):
 class JobCancelled(JobError):
     """The job was cancelled while it ran: raised by ``ctx.progress()`` (cooperative, at the
     job's next report), so the job's own ``finally`` blocks and context managers run."""
+
+
+class JobCrashed(JobError):
+    """The job's process died while it ran (a signal such as SIGSEGV or SIGKILL, ``os._exit``,
+    the kernel's out-of-memory killer): the message names the signal or exit status and ends
+    with the last lines the job printed. The worker lives on; the job is not run again."""
+
+
+class JobTimeout(JobError, TimeoutError):
+    """The job ran past its time limit (the job option ``time_limit_s``, else the worker
+    config's ``max_job_seconds``) and was stopped: at its next ``ctx.progress()``, or by ending
+    its process when it did not report within the grace period."""
+
+
+class WorkerLost(JobError):
+    """Each of the job's last ``max_attempts`` runs took its whole worker down (the worker
+    died holding it); it is not run again, and is kept in the dead-letter record."""
+
+
+class WorkerStopped(JobError):
+    """The worker was asked to stop (``systemctl stop``, Ctrl-C on ``up``) and the job did not
+    end within the worker's stop timeout; its process was ended."""

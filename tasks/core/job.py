@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from .errors import JobCancelled
+from .errors import JobCancelled, JobError, UnknownJob
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,16 @@ TASK_PREFIX = "devicefleet."
 #: The chord body of a fan-out: folds the entries into ``{device: entry}`` (no job may be
 #: called ``collect``).
 COLLECT_TASK = f"{TASK_PREFIX}collect"
+
+
+def unknown_job(name: str, names: list[str], modules: list[str]) -> UnknownJob:
+    """The error for a job ``name`` that a worker whose allowlist (``modules``) defines only
+    ``names`` does not run (a message naming another task)."""
+    return UnknownJob(
+        f"unknown job {name!r}: this worker runs only {', '.join(names) or 'no jobs'} "
+        f"(from the allowlisted modules {', '.join(modules) or 'none'}); add the module "
+        "that defines it to DEVICEFLEET_JOB_MODULES on the workers"
+    )
 
 
 def task_name(job: str) -> str:
@@ -100,8 +110,11 @@ class JobContext:
     fallback_from: str | None = None
     #: Called by :meth:`log` with ``(step, scalars)``; the worker buffers them for TensorBoard.
     scalar_sink: Callable[[int, dict[str, Any]], None] | None = None
-    #: True once the producer cancelled this run (``handle.cancel()``, a pruned trial).
+    #: True once the producer cancelled this run (``handle.cancel()``, a pruned trial), or
+    #: the worker asked it to stop (its time limit, the worker's stop).
     cancelled: Callable[[], bool] | None = None
+    #: The error :meth:`progress` raises once ``cancelled`` is true (default: JobCancelled).
+    interruption: Callable[[], JobError] | None = None
     #: Set when this run is one rank of a distributed job (``fan_out(..., distributed=True)``).
     distributed: DistributedInfo | None = None
 
@@ -138,8 +151,11 @@ class JobContext:
         Raises:
             JobCancelled: the run was cancelled or its trial pruned; let it propagate (the
                 job's ``finally`` blocks run) and the device takes its next job.
+            JobTimeout: the run is past its time limit (likewise).
         """
         if self.cancelled is not None and self.cancelled():
+            if self.interruption is not None:
+                raise self.interruption()
             raise JobCancelled(f"job {self.job_id} on {self.device} was cancelled; it stopped at ctx.progress()")
         if self.reporter is not None:
             self.reporter(fields)

@@ -27,8 +27,8 @@ class EntryStatus(str, Enum):
     CANCELLED = "cancelled"
 
 
-#: Error types that mean "cancelled", not "failed": the job's own stop at ``ctx.progress()``, and
-#: Celery's for a revoked message that never started.
+#: Error types that mean "cancelled", not "failed": the job's own stop at ``ctx.progress()`` (or
+#: its process ended after the grace period), and Celery's for a revoked message that never started.
 CANCELLED_ERRORS = frozenset({"JobCancelled", "TaskRevokedError"})
 
 
@@ -192,6 +192,12 @@ class JobOptions(_Record):
     fallback: Literal["cpu"] | None = None
     #: Set on each rank of a distributed job (``fan_out(..., distributed=True)``).
     gang: GangSpec | None = None
+    #: End the job as ``JobTimeout`` after this many seconds (None: the worker config's
+    #: ``max_job_seconds``).
+    time_limit_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
+    #: Runs of the job that may take their whole worker down before it ends as ``WorkerLost``
+    #: (a crash of the job's own process is an error entry at once, not an attempt).
+    max_attempts: int = Field(default=3, ge=1, le=100)
 
     @property
     def is_default(self) -> bool:
@@ -239,6 +245,8 @@ class WorkerRecord(_Record):
     progress: dict[str, JsonValue] | None = None
     jobs_done: int = 0
     heartbeat_at: float | None = None
+    #: The worker's job processes alive now (the one running a job first), where its jobs run.
+    job_pids: list[int] = Field(default_factory=list)
 
     def same_process(self, host: str, pid: int) -> bool:
         return self.host == host and self.pid == pid

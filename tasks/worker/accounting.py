@@ -9,7 +9,6 @@ name this module knows.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,10 +54,3 @@ def job_count(
         "finished": repr(finished), "keep_after": repr(finished - KEEP_S),
     }
 
-
-def gpu_memory_in_use() -> int | None:
-    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.memory_reserved())

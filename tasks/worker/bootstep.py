@@ -5,11 +5,13 @@ of a devicefleet app (:class:`tasks.core.app.FleetCelery`), whose blueprint incl
 :class:`DeviceWorkerStep`. Following Celery's own components (``celery.worker.components``):
 
 - ``__init__``, while the worker is built: the device from the node name, its config, its
-  visibility (``CUDA_VISIBLE_DEVICES`` before torch loads), cores and torch threads, the jobs of
-  the allowlist registered as ``devicefleet.<job>`` tasks, and the device's queues;
+  cores, its job processes (started with the device's visibility; the first one's hello names
+  the allowlist's jobs, registered here as ``devicefleet.<job>`` tasks), and the device's queues;
 - ``start``, after Celery installed its signal handlers: join the registry (heartbeat, leases,
   reaper) and the stop-at-once handlers (:mod:`tasks.worker.shutdown`);
-- ``stop``/``shutdown``: leave the registry.
+- ``stop``: a running job gets its stop timeout (Celery stops this step before its pool, so
+  the wait is here, while the heartbeat and the lease keeper still run), then leave the
+  registry and end the job processes; ``terminate`` (a cold shutdown) ends them at once.
 
 :class:`ConsumerReadyStep` marks the registry record ready once the consumer takes tasks.
 A configuration error stops the worker with exit status 2 (systemd does not restart it).
@@ -24,7 +26,7 @@ from typing import Any
 from celery import bootsteps, signals
 
 from ..core.errors import ConfigError, DeviceFleetError
-from ..core.job import COLLECT_TASK
+from ..core.job import COLLECT_TASK, task_name
 from .device import DeviceWorker
 from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
@@ -61,10 +63,10 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         self.device_worker = device_worker
         # Celery's components hang their state on the worker (w.pool, w.timer): so does this one.
         parent.device_worker = device_worker
-        for definition in device_worker.jobs.definitions():
-            task_cls = type(f"JobTask[{definition.name}]", (JobTask,), {
-                "name": definition.task_name, "definition": definition, "device_worker": device_worker,
-                "__module__": definition.module, "__doc__": definition.func.__doc__,
+        for info in device_worker.jobs.infos():
+            task_cls = type(f"JobTask[{info.name}]", (JobTask,), {
+                "name": task_name(info.name), "job": info, "device_worker": device_worker,
+                "__module__": info.module, "__doc__": info.doc,
             })
             app.register_task(task_cls())
         # The collect step is quick and on every fan-out's path: no STARTED state of its own.
@@ -87,14 +89,17 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
             self.device_worker.join(parent.app)
         except DeviceFleetError as exc:
             raise _refuse(str(parent.hostname), exc) from None
-        install_stop_handlers()
+        supervisor = self.device_worker.supervisor
+        install_stop_handlers(on_exit=supervisor.kill_all_now if supervisor is not None else None)
 
     def stop(self, parent: Any) -> None:
+        self.device_worker.begin_stop()
+        self.device_worker.drain()
         self.device_worker.leave()
 
     def terminate(self, parent: Any) -> None:
         # A cold shutdown sends the steps 'terminate', not 'stop' (StartStopStep's default
-        # does nothing without an obj): leave the registry then too.
+        # does nothing without an obj): leave the registry, and end a running job, at once.
         self.device_worker.leave()
 
     def shutdown(self, parent: Any) -> None:

@@ -1,44 +1,51 @@
 """The device worker: the state of a Celery worker process that owns one device.
 
-Created and driven by its bootstep (:mod:`tasks.worker.bootstep`), in two phases:
-:meth:`DeviceWorker.prepare` (visibility, cores, torch threads, the job allowlist; before anything
-imports torch) and :meth:`DeviceWorker.join` (registry heartbeat, leases, reaper), undone by
-:meth:`DeviceWorker.leave`.
+Created and driven by its bootstep (:mod:`tasks.worker.bootstep`), in phases:
+:meth:`DeviceWorker.prepare` (cores, and the job processes that will run its jobs, started with
+the device's visibility: the first one's hello names the allowlist's jobs and what torch sees),
+:meth:`DeviceWorker.join` (registry heartbeat, leases, reaper), :meth:`DeviceWorker.drain` (a
+stopping worker's running job ends, by itself or by its stop timeout) and
+:meth:`DeviceWorker.leave`. The worker process itself never imports torch, never initialises
+CUDA and never imports a job module.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 import redis
 from celery import Celery
 
+import tasks
+
 from ..core.devices import (
     Device,
     DeviceKind,
     DeviceNames,
-    apply_visibility,
-    check_visibility,
     format_core_list,
     host_name,
     parse_core_list,
     pid_alive,
     plan_cores,
+    route_address,
     usable_cores,
 )
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, DeviceVisibilityError, FleetError, NoFleetError
 from ..core.queues import worker_queues
 from ..core.records import Visibility, WorkerRecord
 from ..core.registry import connect, read_worker
 from ..core.settings import Settings, redact_url
+from ..core.wire import ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
-from .distributed import route_address
 from .heartbeat import Heartbeat
-from .jobs import JobRegistry
+from .jobprocess import ProcessGone
+from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
+from .supervisor import ProcessPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +97,12 @@ class DeviceWorker:
         self.artifacts_path = Path(settings.artifacts_path)
         self.cores: list[int] = []
         self.visibility: dict[str, object] = {}
-        #: The allowlist's jobs, loaded by :meth:`prepare` (job modules may import torch).
-        self.jobs: JobRegistry = JobRegistry([])
+        #: The allowlist's jobs, as the first job process found them (:meth:`prepare`).
+        self.jobs = JobCatalog([], settings.job_modules)
+        #: The job processes that run this device's jobs (started by :meth:`prepare`).
+        self.supervisor: Supervisor | None = None
+        #: When the worker was asked to stop (monotonic), for running jobs' stop timeout.
+        self.stopping_since: float | None = None
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
         self.reaper: Reaper | None = None
@@ -114,29 +125,57 @@ class DeviceWorker:
             device_name=self.visibility.get("device_name"),  # type: ignore[arg-type]
         )
 
+    @property
+    def torch_threads(self) -> int:
+        return len(self.cores) if self.config.torch_threads == "auto" else self.config.torch_threads
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long a running job may go on once the worker is asked to stop."""
+        return float(self.config.stop_timeout_s or self.config.max_job_seconds)
+
     def prepare(self) -> None:
-        """Visibility, cores, torch threads, then the allowlist's jobs; before anything imports torch.
+        """Cores, then the job processes: the first one's hello names the jobs and what torch sees.
 
         Raises:
-            DeviceVisibilityError: the device is not visible as it should be.
             ConfigError: a job module cannot be imported.
+            DeviceVisibilityError: the device is not visible as it should be.
+            FleetError: the first job process did not start.
         """
-        apply_visibility(self.device)
         self.cores = worker_cores(self.settings, self.device, self.config)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self.cores)
-        # torch is imported here for the first time, with the visibility above.
-        self.visibility = check_visibility(self.device)
-        import torch
-
-        threads = len(self.cores) if self.config.torch_threads == "auto" else self.config.torch_threads
-        torch.set_num_threads(threads)
-        self.visibility["torch_threads"] = threads
-        self.jobs = JobRegistry(self.settings.job_modules)
+        try:
+            url: str | None = self.settings.resolve_redis_url()
+        except NoFleetError:
+            url = None  # join() says so; an in-process check of the jobs needs no fleet
+        if url is not None:
+            self.address = self.settings.advertise_address or route_address(url)
+        spec = ProcessSpec(
+            device=self.device.name, torch_device=self.torch_device, cores=self.cores,
+            torch_threads=self.torch_threads, job_modules=self.settings.job_modules, redis_url=url,
+            artifacts_dir=str(self.artifacts_path), tensorboard_dir=str(self.settings.tensorboard_path),
+            result_expires_s=self.settings.result_expires_s, address=self.address, parent_pid=os.getpid(),
+        )
+        policy = ProcessPolicy(
+            jobs_per_process=self.config.jobs_per_process,
+            max_memory_growth_bytes=self.config.max_memory_growth_mib * 2**20,
+            cancel_grace_s=self.config.cancel_grace_s,
+        )
+        self.supervisor = Supervisor(spec, job_environment(self.device, self.torch_threads), Path.cwd(),
+                                     policy, label=self.device.name)
+        try:
+            hello = self.supervisor.start()
+        except ProcessGone as exc:
+            self.supervisor.close()
+            raise _start_error(self.device, exc) from None
+        self.visibility = dict(hello.visibility)
+        self.jobs = JobCatalog(hello.jobs, self.settings.job_modules)
         logger.info(
-            "%s: CUDA_VISIBLE_DEVICES=%s, cores %s, %d torch threads, device %s",
-            self.device, self.visibility["cuda_visible_devices"], format_core_list(self.cores),
-            threads, self.visibility["device_name"],
+            "%s: CUDA_VISIBLE_DEVICES=%s, cores %s, %d torch threads, device %s; job process %d ready "
+            "with jobs %s", self.device, self.visibility["cuda_visible_devices"],
+            format_core_list(self.cores), self.torch_threads, self.visibility["device_name"],
+            hello.pid, ", ".join(self.jobs.names),
         )
 
     def record(self) -> WorkerRecord:
@@ -153,6 +192,7 @@ class DeviceWorker:
             total_memory=v.get("total_memory"),  # type: ignore[arg-type]
             torch_version=v.get("torch_version"),  # type: ignore[arg-type]
             torch_threads=v.get("torch_threads"),  # type: ignore[arg-type]
+            job_pids=self.supervisor.pids if self.supervisor is not None else [],
         )
 
     def check_unique(self, client: object) -> None:
@@ -176,19 +216,35 @@ class DeviceWorker:
         """Join the fleet: the registry heartbeat, the lease keeper and the reaper."""
         url = self.settings.resolve_redis_url()
         client = self._client = connect(url)
-        self.address = self.settings.advertise_address or route_address(url)
         self.check_unique(client)
         self.heartbeat = Heartbeat(client, self.record(), self.settings.heartbeat_interval_s,
                                    self.settings.heartbeat_ttl_s)
         self.heartbeat.start()
+        if self.supervisor is not None:
+            heartbeat = self.heartbeat
+            supervisor = self.supervisor
+            supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids)
+            supervisor.on_change()  # a spare that got ready before the hook was there
         self.leases = LeaseKeeper(client, self.device.name, self.nodename, self.settings.lease_ttl_s)
         self.leases.start()
         self.reaper = Reaper(client, app, self.settings.reaper_interval_s)
         self.reaper.start()
         logger.info("%s joined the fleet at %s", self.device, redact_url(url))
 
+    def begin_stop(self) -> None:
+        """The worker was asked to stop: a running job's stop timeout starts now."""
+        if self.stopping_since is None:
+            self.stopping_since = time.monotonic()
+
+    def drain(self) -> None:
+        """Wait until no job runs (a stopping worker's job ends by itself, or its watch ends it
+        after the stop timeout and the grace period; this waits a little longer than both)."""
+        supervisor = self.supervisor
+        if supervisor is not None:
+            supervisor.wait_idle(self.stop_timeout_s + self.config.cancel_grace_s + 5.0)
+
     def leave(self) -> None:
-        """Stop the background threads and remove the registry record."""
+        """Stop the background threads, remove the registry record, end the job processes."""
         for thread in (self.reaper, self.leases, self.heartbeat):
             if thread is not None:
                 thread.stop()
@@ -196,3 +252,33 @@ class DeviceWorker:
         if self._client is not None:  # after the threads that used it: its sockets close now
             self._client.close()
             self._client = None
+        if self.supervisor is not None:
+            self.supervisor.close()
+
+
+def job_environment(device: Device, threads: int) -> dict[str, str]:
+    """The environment every job process of ``device`` starts with (and every job in it): this
+    worker's, with the device's visibility, and the folders this worker imports from first."""
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = device.cuda_visible_devices
+    # numpy and friends follow OpenMP's setting, torch its own (set by the job process).
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    # Prints reach the worker's log (and a crash report's last lines) as they happen.
+    env["PYTHONUNBUFFERED"] = "1"
+    # The same devicefleet as this worker's, and the job modules it could import from its
+    # working directory (`celery -A tasks worker` run from a project folder).
+    package_root = str(Path(tasks.__file__).resolve().parent.parent)
+    paths = [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), os.getcwd()]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _start_error(device: Device, exc: ProcessGone) -> FleetError | ConfigError:
+    refused = exc.refused
+    if refused is None:
+        return FleetError(f"{device}: its first job process did not start: {exc} (python {sys.executable})")
+    if refused.config:
+        return ConfigError(refused.error.message)
+    if refused.error.type == "DeviceVisibilityError":
+        return DeviceVisibilityError(refused.error.message)
+    return FleetError(f"{device}: its job process refused to start: {refused.error.type}: {refused.error.message}")

@@ -18,7 +18,7 @@ import redis
 
 from ..core import keys
 from ..core.records import WorkerRecord
-from .periodic import PeriodicThread
+from ..core.periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 

@@ -1,85 +1,31 @@
-"""The jobs one device worker may run: those defined by the modules of its allowlist.
+"""The jobs a device worker runs: the ones its job processes loaded from the allowlist.
 
-A worker imports the allowlisted modules (``Settings.job_modules``) when it starts and keeps the
-jobs they define with :func:`tasks.core.job.job`; the bootstep registers each as the Celery task
-``devicefleet.<name>``. A message only names a task, so it can never make a worker import code.
+The worker never imports a job module itself (they import torch, and whatever else a job's
+author wrote at module level): its first job process does (:mod:`tasks.jobproc.registry`) and
+names them in its hello; the bootstep registers each as the Celery task ``devicefleet.<name>``.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Iterable
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
-
-from ..core.errors import ConfigError, InvalidJobArguments, UnknownJob
-from ..core.job import DEFINED, JobDefinition
-from ..core.validation import describe_validation_error
-
-logger = logging.getLogger(__name__)
-
-#: Job names the fleet keeps for itself (their Celery task names are the fleet's own tasks).
-RESERVED = frozenset({"collect"})
+from ..core.errors import UnknownJob
+from ..core.job import unknown_job
+from ..core.wire import JobInfo
 
 
-def _allowed(module: str, allowlist: Iterable[str]) -> bool:
-    return any(module == allowed or module.startswith(allowed + ".") for allowed in allowlist)
+class JobCatalog:
+    """The jobs of a worker's allowlist ``modules``, as its job process found them."""
 
-
-class JobRegistry:
-    """The jobs defined by the allowlisted ``modules``.
-
-    Raises:
-        ConfigError: a module cannot be imported, or defines a job with a reserved name.
-    """
-
-    def __init__(self, modules: Iterable[str]) -> None:
+    def __init__(self, jobs: list[JobInfo], modules: list[str]) -> None:
+        self._jobs = {info.name: info for info in jobs}
         self.modules = list(modules)
-        for module in self.modules:
-            try:
-                importlib.import_module(module)
-            except ImportError as exc:
-                raise ConfigError(
-                    f"job module {module!r} of the allowlist (DEVICEFLEET_JOB_MODULES) cannot be "
-                    f"imported: {exc}; make it importable on the worker (PYTHONPATH or an "
-                    "installed package) or take it off the list"
-                ) from exc
-        self._jobs = {name: d for name, d in DEFINED.items() if _allowed(d.module, self.modules)}
-        clash = RESERVED & set(self._jobs)
-        if clash:
-            raise ConfigError(f"job name(s) {', '.join(sorted(clash))} are reserved by the fleet; rename the job")
-        if self.modules:  # the empty registry a worker holds before it loads its allowlist says nothing
-            logger.info("jobs allowed: %s (from %s)", ", ".join(sorted(self._jobs)), ", ".join(self.modules))
 
     @property
     def names(self) -> list[str]:
         return sorted(self._jobs)
 
-    def definitions(self) -> list[JobDefinition]:
+    def infos(self) -> list[JobInfo]:
         return [self._jobs[name] for name in self.names]
 
     def unknown(self, name: str) -> UnknownJob:
         """The error for a job ``name`` that is not one of these (a message naming another task)."""
-        return UnknownJob(
-            f"unknown job {name!r}: this worker runs only {', '.join(self.names) or 'no jobs'} "
-            f"(from the allowlisted modules {', '.join(self.modules) or 'none'}); add the module "
-            "that defines it to DEVICEFLEET_JOB_MODULES on the workers"
-        )
-
-
-def validate_kwargs(definition: JobDefinition, kwargs: Any) -> BaseModel:
-    """``kwargs`` checked against the job's schema.
-
-    Raises:
-        InvalidJobArguments: the kwargs do not fit; the message names each bad field.
-    """
-    if not isinstance(kwargs, dict):
-        raise InvalidJobArguments(
-            f"{definition.name}: kwargs must be a JSON object, got {type(kwargs).__name__} {kwargs!r}"
-        )
-    try:
-        return definition.params.model_validate(kwargs)
-    except ValidationError as exc:
-        raise InvalidJobArguments(f"{definition.name}: {describe_validation_error(exc)}") from None
+        return unknown_job(name, self.names, self.modules)

@@ -49,7 +49,7 @@ from ..core.backend import LUA_STATE_FUNCTIONS
 from ..core.devices import host_name
 from ..core.records import LeaseRecord, ResendRecord
 from ..core.registry import read_worker
-from .periodic import PeriodicThread
+from ..core.periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 

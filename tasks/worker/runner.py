@@ -3,14 +3,20 @@
 Each allowlisted job is a :class:`JobTask` registered by the bootstep. Sent to ``cpu``, ``gpu``
 or ``fleet`` it runs on whichever device of that kind takes it; sent to ``device.<name>`` on
 exactly that device. It returns the device's :class:`~tasks.core.records.Entry` as a dict. When
-the job fails (it raises, its kwargs or options are invalid, it runs out of memory) the task
-ends in FAILURE with the job's own exception, and the error entry rides along with it
-(:func:`tasks.core.backend.attach_entry`) so that a fan-out's chord still collects every device.
+the job fails (it raises, its kwargs or options are invalid, it runs out of memory, its process
+crashes, it runs past its time limit) the task ends in FAILURE with the job's own exception
+type, and the error entry rides along with it (:func:`tasks.core.backend.attach_entry`) so
+that a fan-out's chord still collects every device.
+
+The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is a
+short chain (:func:`execute`): take its lease, read its options, run it in a job process while
+a :class:`JobWatch` publishes its progress and asks for its stop, then store its end with the
+lease, the counts and the acknowledgement (:class:`JobRun`).
 """
 
 from __future__ import annotations
 
-import json
+import builtins
 import logging
 import time
 from typing import Any
@@ -18,33 +24,24 @@ from typing import Any
 from billiard.einfo import ExceptionWithTraceback
 from celery import Task, states
 from celery.exceptions import Ignore, TaskRevokedError
-from celery.utils.serialization import get_pickled_exception
+from celery.utils.serialization import create_exception_cls, get_pickled_exception
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
+from ..core import errors
 from ..core.backend import FINISH_ATTR, JobFinish, StoredAck, attach_entry
-from ..core.devices import host_name
-from ..core.errors import (
-    DeviceFleetError,
-    GangFailed,
-    InvalidJobArguments,
-    JobCancelled,
-    JobError,
-    OutOfMemory,
-)
-from ..core.job import JobContext, JobDefinition, JobFunc
+from ..core.errors import InvalidJobArguments, OutOfMemory
+from ..core.job import JobMetric
 from ..core.keys import OPTIONS_HEADER
-from ..core.records import BusyInfo, Entry, ErrorInfo, GangSpec, JobOptions
+from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
+from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, heartbeat, progress
 from .device import DeviceWorker
-from .distributed import GIVE_WAY_S, GiveWay, Rendezvous, run_rank
-from .jobs import validate_kwargs
-from .oom import recycle_if_needed, release_memory, run_guarded
-from .scalars import ScalarLog, run_dir
+from .supervisor import Ended
 
 logger = logging.getLogger(__name__)
 
@@ -119,15 +116,20 @@ class JobRequest(Request):  # type: ignore[misc]
         return None
 
 
+#: A distributed job's rank that gave its device to an older gang comes back after this long.
+GIVE_WAY_S = 0.5
+
+
 class JobTask(Task):  # type: ignore[misc]
     """The Celery task of one job on one device worker (made by the bootstep per job)."""
 
     #: Set per job by the bootstep.
-    definition: JobDefinition
+    job: JobInfo
     device_worker: DeviceWorker
-    #: A job's own failures are expected: logged without Celery's traceback dump.
-    throws = (JobError,)
-    #: Kwargs are checked against the job's schema, not the function's signature.
+    #: A job's failures are expected: its job process logged its traceback; Celery logs the
+    #: failure without a worker-side traceback dump, which would show only this module.
+    throws = (Exception,)
+    #: Kwargs are checked against the job's schema (in the job process), not a signature.
     typing = False
     Strategy = "tasks.worker.strategy:guarded_strategy"
     Request = "tasks.worker.runner:JobRequest"
@@ -135,7 +137,7 @@ class JobTask(Task):  # type: ignore[misc]
     track_started = False
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
-        return execute(self.device_worker, self, self.definition, kwargs)
+        return execute(self.device_worker, self, self.job, kwargs)
 
 
 def job_options(request: Any) -> JobOptions:
@@ -153,7 +155,7 @@ def job_options(request: Any) -> JobOptions:
         raise InvalidJobArguments(f"job options ({OPTIONS_HEADER} header): {describe_validation_error(exc)}") from None
 
 
-def execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs: Any) -> dict[str, Any]:
+def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict[str, Any]:
     """Run one job under its lease and return its entry.
 
     Raises:
@@ -162,114 +164,156 @@ def execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs:
         Exception: the job failed; the exception carries its error entry.
     """
     if worker.leases is None or task.request.id is None:
-        return _execute(worker, task, definition, kwargs)
+        return _execute(worker, task, job, kwargs)
     with worker.leases.hold(task):
-        return _execute(worker, task, definition, kwargs)
+        return _execute(worker, task, job, kwargs)
 
 
-def _execute(worker: DeviceWorker, task: Task, definition: JobDefinition, kwargs: Any) -> dict[str, Any]:
-    started = time.time()
-    job_id = str(task.request.id or f"local-{started}")
-    device = worker.device.name
-    output: dict[str, Any] | None = None
-    failure: BaseException | None = None
-    give_way: GiveWay | None = None
-    recycle = False
-    if worker.heartbeat is not None:
-        worker.heartbeat.update(busy=BusyInfo(job=definition.name, job_id=job_id, since=started),
-                                after_s=heartbeat.COALESCE_S)
-    fan_out_id = str(getattr(task.request, "group", None) or job_id)
-    scalar_log = ScalarLog(run_dir(worker.settings.tensorboard_path, definition.name, fan_out_id, device))
-    reports = progress.ProgressPublisher(
-        task, device, worker.heartbeat, worker.heartbeat.client if worker.heartbeat is not None else None,
-        expires_s=worker.settings.result_expires_s,
-    )
+def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict[str, Any]:
+    run = JobRun(worker, task, job)
     try:
         options = job_options(task.request)
-        params = validate_kwargs(definition, kwargs)
-        ctx = JobContext(
-            device=device,
-            torch_device=worker.torch_device,
-            job_id=job_id,
-            artifacts_dir=worker.artifacts_path / job_id,
-            cores=worker.cores,
-            reporter=reports.report,
-            scalar_sink=scalar_log.log,
-            # Celery's revoke command adds the id to this set in the worker (the consumer
-            # runs beside the job's pool thread): a set lookup per ctx.progress() call.
-            cancelled=lambda: job_id in worker_state.revoked,
-        )
-        func = definition.func if options.gang is None else rank_of_gang(worker, definition, options.gang)
-        result, recycle = run_guarded(func, ctx, params, options.fallback)
-        if not isinstance(result, dict):
-            raise JobError(f"job {definition.name!r} returned {type(result).__name__}, not a dict")
-        json.dumps(result)  # results travel as JSON: fail here, in the entry, not in Celery
-        output = result
-    except OutOfMemory as exc:
-        logger.warning("%s: job %s ran out of memory: %s", device, definition.name, exc)
-        failure, recycle = exc, exc.recycle
-    except JobCancelled as exc:
-        logger.info("%s: job %s %s: %s", device, definition.name, job_id, exc)
-        failure = exc
-    except GiveWay as exc:
-        logger.info("%s: job %s %s: %s", device, definition.name, job_id, exc)
-        give_way = exc
-    except DeviceFleetError as exc:
-        logger.warning("%s: job %s failed: %s", device, definition.name, exc)
-        failure = exc
-    except Exception as exc:  # a job's own failure: reported, never fatal to the worker
-        logger.exception("%s: job %s raised", device, definition.name)
-        failure = exc
-    finally:
-        reports.flush()  # the last report always goes out: the finished bar shows 10/10
-        scalar_log.close()
-        worker.jobs_done += give_way is None
-        if worker.heartbeat is not None:
-            worker.heartbeat.update(busy=None, progress=None, jobs_done=worker.jobs_done,
-                                    after_s=heartbeat.COALESCE_S)
-    if give_way is not None:
+    except InvalidJobArguments as exc:
+        return run.end(failed=exc)
+    ended = run_in_process(worker, run.job_message(kwargs, options), JobWatch(worker, task, run.job_id, options),
+                           restarts=options.gang.max_restarts if options.gang is not None else 0)
+    if ended.outcome is Outcome.GIVE_WAY:
+        run.idle(done=False)
         # The same message (id, chord, options) back on the queue: it runs again later.
         raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
-    finished = time.time()
-    _finish_with_result(worker, task, definition, failure is None, started, finished, output)
-    recycle_if_needed(recycle, device)
-    entry = Entry.make(device=device, worker=worker.nodename, output=output,
-                       error=ErrorInfo.of(failure) if failure is not None else None,
-                       started=started, finished=finished, visibility=worker.seen)
-    if isinstance(failure, JobCancelled):
-        # Out of the except block, so the job's tensors are unreachable: the device's memory
-        # is back at its baseline before the next job (a pruned trial's GPU memory included).
-        release_memory(worker.torch_device)
-        store_cancelled(task, failure, entry)
-    if failure is not None:
-        raise attach_entry(failure, entry)
-    return entry.to_dict()
+    return run.end(ended=ended)
 
 
-def rank_of_gang(worker: DeviceWorker, definition: JobDefinition, spec: GangSpec) -> JobFunc:
-    """The job as one rank of the distributed job ``spec`` (:mod:`tasks.worker.distributed`).
+def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, restarts: int = 0) -> Ended:
+    """Run ``job`` in one of the worker's job processes. A rank of a distributed job whose
+    process crashed runs again in a fresh one, up to its gang's ``restarts``: its peers lost it,
+    and its fresh run moves the gang to its next generation (:mod:`tasks.jobproc.distributed`)."""
+    supervisor = worker.supervisor
+    assert supervisor is not None, "the device worker has no job processes: prepare() was not called"
+    ended = supervisor.run(job, watch)
+    for _ in range(restarts):
+        if not ended.crashed:
+            break
+        logger.warning("%s: rank %s lost its process (%s); running it again in a fresh one",
+                       worker.device, job.job_id, ended.error.message if ended.error else "")
+        ended = supervisor.run(job, watch)
+    return ended
 
-    Raises:
-        GangFailed: this worker is not joined to a fleet, or its device is not one of the gang's.
+
+class JobWatch:
+    """What a running job's supervisor asks of the worker: publish a report; stop it now?
+
+    A job stops when the producer cancelled it (Celery's revoke adds its id to the worker's
+    ``revoked`` set), when it is past its time limit, or when the worker is stopping and the
+    job has had its stop timeout.
     """
-    client = worker.heartbeat.client if worker.heartbeat is not None else None
-    if client is None:
-        raise GangFailed(f"{worker.device.name} is not joined to a fleet: a distributed job needs its Redis")
-    if worker.device.name not in spec.devices:
-        raise GangFailed(f"{worker.device.name} took a rank of {spec.id}, which runs on "
-                         f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)")
-    rdv = Rendezvous(client, spec, worker.device.name, host_name(), worker.settings.result_expires_s)
 
-    def rank(ctx: JobContext, params: Any) -> dict[str, Any]:
-        return run_rank(definition.func, ctx, params, rdv, worker.address)
+    def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions) -> None:
+        self.worker = worker
+        self.task = task
+        # Celery's task.request is per thread: keep this job's.
+        self.request = task.request
+        self.job_id = job_id
+        self.time_limit_s = options.time_limit_s or float(worker.config.max_job_seconds)
+        self.deadline = time.monotonic() + self.time_limit_s
+        self._client = worker.heartbeat.client if worker.heartbeat is not None else None
 
-    return rank
+    def report(self, fields: dict[str, Any]) -> None:
+        progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
+                         self.worker.settings.result_expires_s)
+
+    def stop(self) -> StopJob | None:
+        where = f"job {self.job_id} on {self.worker.device}"
+        if self.job_id in worker_state.revoked:
+            return StopJob(job_id=self.job_id, reason=StopReason.CANCEL, message=f"{where} was cancelled")
+        now = time.monotonic()
+        if now > self.deadline:
+            return StopJob(job_id=self.job_id, reason=StopReason.TIMEOUT,
+                           message=f"{where} ran past its time limit of {self.time_limit_s:g} s")
+        if worker_state.should_stop is not None or worker_state.should_terminate is not None:
+            self.worker.begin_stop()  # a signal's warm shutdown, before the bootstep hears of it
+        if self.worker.stopping_since is not None:
+            timeout = self.worker.stop_timeout_s
+            if now - self.worker.stopping_since > timeout:
+                return StopJob(job_id=self.job_id, reason=StopReason.SHUTDOWN,
+                               message=f"{where}: the worker is stopping and the job did not end "
+                                       f"within its stop timeout of {timeout:g} s")
+        return None
 
 
-def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:
-    """End a job that stopped at ``ctx.progress()`` as Celery ends a revoked one: state
-    ``REVOKED`` (what Flower and ``AsyncResult.state`` show), its chord part counted, a
-    ``task-revoked`` event, and the device's cancelled entry kept with it.
+class JobRun:
+    """One job's life on this worker, apart from running it: busy in the registry, its entry,
+    its stored end."""
+
+    def __init__(self, worker: DeviceWorker, task: Task, job: JobInfo) -> None:
+        self.worker = worker
+        self.task = task
+        self.job = job
+        self.started = time.time()
+        self.job_id = str(task.request.id or f"local-{self.started}")
+        if worker.heartbeat is not None:
+            worker.heartbeat.update(busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
+                                    after_s=heartbeat.COALESCE_S)
+
+    def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
+        request = self.task.request
+        return RunJob(job_id=self.job_id, job=self.job.name, kwargs=kwargs, options=options.to_dict(),
+                      fan_out_id=str(getattr(request, "group", None) or self.job_id))
+
+    def idle(self, done: bool = True) -> None:
+        self.worker.jobs_done += done
+        if self.worker.heartbeat is not None:
+            self.worker.heartbeat.update(busy=None, progress=None, jobs_done=self.worker.jobs_done,
+                                         after_s=heartbeat.COALESCE_S)
+
+    def end(self, ended: Ended | None = None, failed: BaseException | None = None) -> dict[str, Any]:
+        """Store the job's end and return its entry.
+
+        Raises:
+            celery.exceptions.Ignore: it was cancelled (REVOKED is stored here).
+            Exception: it failed; the exception carries its error entry.
+        """
+        self.idle()
+        finished = time.time()
+        result = ended.finished if ended is not None else None
+        output = result.output if result is not None and ended is not None and ended.outcome is Outcome.OK else None
+        error = ErrorInfo.of(failed) if failed is not None else (ended.error if ended is not None else None)
+        _finish_with_result(self.worker, self.task, error is None, self.started, finished,
+                            metrics=result.metrics if result is not None else {},
+                            gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None)
+        entry = Entry.make(device=self.worker.device.name, worker=self.worker.nodename, output=output,
+                           error=error, started=self.started, finished=finished, visibility=self.worker.seen)
+        if error is None:
+            return entry.to_dict()
+        exc = failed or exception_of(error, ended.error_module if ended is not None else None)
+        if ended is not None and ended.outcome is Outcome.CANCELLED:
+            store_cancelled(self.task, exc, entry)
+        raise attach_entry(exc, entry)
+
+
+def exception_of(error: ErrorInfo, module: str | None) -> BaseException:
+    """An exception of the type the job process named (devicefleet's own, a builtin, else a class
+    of that name and module, as Celery makes for a type it cannot import), to store as the
+    task's failure."""
+    own = getattr(errors, error.type, None)
+    if isinstance(own, type) and issubclass(own, errors.JobError):
+        if own is OutOfMemory:
+            return OutOfMemory(error.message, memory=error.memory)
+        return own(error.message)
+    builtin = getattr(builtins, error.type, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        try:
+            return builtin(error.message)
+        except TypeError:  # a builtin whose constructor takes more (UnicodeDecodeError)
+            pass
+    cls: type[BaseException] = create_exception_cls(error.type, module or "builtins")
+    return cls(error.message)
+
+
+def store_cancelled(task: Task, failure: BaseException, entry: Entry) -> None:
+    """End a cancelled job as Celery ends a revoked one: state ``REVOKED`` (what Flower and
+    ``AsyncResult.state`` show), its chord part counted, a ``task-revoked`` event, and the
+    device's cancelled entry kept with it.
 
     Raises:
         celery.exceptions.Ignore: always; the state is stored, Celery must store nothing more.
@@ -283,8 +327,9 @@ def store_cancelled(task: Task, failure: JobCancelled, entry: Entry) -> None:
     raise Ignore()
 
 
-def _finish_with_result(worker: DeviceWorker, task: Task, definition: JobDefinition, ok: bool,
-                        started: float, finished: float, output: dict[str, Any] | None) -> None:
+def _finish_with_result(worker: DeviceWorker, task: Task, ok: bool, started: float, finished: float,
+                        metrics: dict[str, float],
+                        gpu_memory_bytes: int | None) -> None:
     """Hand the result backend what goes with the job's stored result: its lease, released, its
     counts for the fleet's metrics and its message's acknowledgement
     (:class:`~tasks.core.backend.JobFinish`): one round trip."""
@@ -298,7 +343,8 @@ def _finish_with_result(worker: DeviceWorker, task: Task, definition: JobDefinit
         ack=(getattr(task.request, "properties", None) or {}).get(STORED_ACK_ATTR),
         count=accounting.job_count(
             worker.device.name, worker.nodename, ok=ok, started=started, finished=finished,
-            metrics=definition.metric_values(output), gpu_memory_bytes=accounting.gpu_memory_in_use(),
+            metrics={JobMetric(name): value for name, value in metrics.items()},
+            gpu_memory_bytes=gpu_memory_bytes,
         ),
         on_stored=(lambda: leases.forget(task_id)) if leases is not None else None,
     ))

@@ -1,12 +1,14 @@
 """How a device worker stops: warm on the first SIGTERM, at once on a second one or SIGQUIT.
 
 - First ``SIGTERM`` (``systemctl stop``, the launcher's stop): Celery's warm shutdown. The
-  worker takes no new job, finishes the running one, stores its result, and exits 0.
+  worker takes no new job, lets the running one finish within its stop timeout (the worker
+  config's ``stop_timeout_s``, default ``max_job_seconds``; then its process is ended and a
+  ``WorkerStopped`` entry stored), stores its result, and exits 0.
 - A second ``SIGTERM``, or ``SIGQUIT``: stop now. Celery alone cannot do that with the
   ``threads`` pool (a running thread cannot be cancelled, and its cold shutdown waits for it),
   and by default ignores a second SIGTERM. So this module puts every job the worker holds
-  back on its queue (they are acknowledged late, so Redis still has them), then
-  exits the process with status 1. The device's next worker, such as the one systemd's
+  back on its queue (they are acknowledged late, so Redis still has them), kills the job
+  processes, then exits the process with status 1. The device's next worker, such as the one systemd's
   ``Restart=on-failure`` starts, runs those jobs again from the start.
 
 A ``SIGKILL`` (systemd's last resort after ``TimeoutStopSec``) leaves the message unacknowledged
@@ -19,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 logger = logging.getLogger(__name__)
@@ -50,8 +53,9 @@ def requeue_active() -> list[str]:
     return done
 
 
-def force_stop(signum: int) -> None:
-    """Requeue the running jobs (bounded by :data:`REQUEUE_TIMEOUT_S`) and exit at once."""
+def force_stop(signum: int, on_exit: Callable[[], None] | None = None) -> None:
+    """Requeue the running jobs (bounded by :data:`REQUEUE_TIMEOUT_S`), call ``on_exit`` (which
+    ends the job processes), and exit at once."""
     name = signal.Signals(signum).name
     requeued: list[str] = []
     # Redis I/O from a thread, never from the signal handler's frame: the interrupted main
@@ -63,14 +67,17 @@ def force_stop(signum: int) -> None:
         "%s: stopping at once; requeued %d running job(s): %s", name, len(requeued),
         ", ".join(requeued) or "none",
     )
+    if on_exit is not None:
+        on_exit()
     for handler in logging.getLogger().handlers:
         handler.flush()
     # os._exit: interpreter shutdown would wait for the job's (non-daemon) pool thread.
     os._exit(FORCED_EXIT_STATUS)
 
 
-def install_stop_handlers() -> None:
-    """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler.
+def install_stop_handlers(on_exit: Callable[[], None] | None = None) -> None:
+    """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler;
+    a forced stop calls ``on_exit`` before the process exits.
 
     Call it after Celery installed its own handlers (the bootstep's ``start``); outside the main
     thread (an in-process test worker) signals cannot be handled, and nothing is installed.
@@ -82,14 +89,14 @@ def install_stop_handlers() -> None:
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         if seen.is_set():
-            force_stop(signum)
+            force_stop(signum, on_exit)
         seen.set()
         logger.warning("SIGTERM: warm shutdown, finishing the running job (again to stop at once)")
         if callable(celery_term):
             celery_term(signum, frame)
 
     def on_quit(signum: int, frame: FrameType | None) -> None:
-        force_stop(signum)
+        force_stop(signum, on_exit)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGQUIT, on_quit)

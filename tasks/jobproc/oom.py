@@ -1,13 +1,12 @@
-"""Device faults: a job that runs out of memory gives an entry that says so, and the worker stays.
+"""Device faults: a job that runs out of memory gives an entry that says so.
 
-:func:`run_guarded` runs a job; on ``torch.OutOfMemoryError`` it records the memory figures,
-releases what it can (``torch.cuda.empty_cache``) and, where the job's options ask for it
-(``fallback="cpu"``, :class:`~tasks.core.records.JobOptions`, sent beside the kwargs), runs the
-job again on the CPU in the same worker. Otherwise it raises
-:class:`~tasks.core.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory is
-still held after the release, :func:`recycle_if_needed` asks the worker for a warm shutdown
-(Celery's stop flag, exit status 1: the job's entry is stored and acknowledged first); the
-launcher or systemd (``Restart=on-failure``) restarts it.
+:func:`run_guarded` runs a job in its job process; on ``torch.OutOfMemoryError`` it records the
+memory figures, releases what it can (``torch.cuda.empty_cache``) and, where the job's options
+ask for it (``fallback="cpu"``, :class:`~tasks.core.records.JobOptions`, sent beside the kwargs),
+runs the job again on the CPU in the same process. Otherwise it raises
+:class:`~tasks.core.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory
+is still held after the release, the job process says so and the worker retires it (a fresh one
+takes the next job); the worker itself never held that memory.
 """
 
 from __future__ import annotations
@@ -106,19 +105,3 @@ def run_guarded(
         ) from None
     output = {**output, "fallback": {"from": ctx.torch_device, "to": "cpu", "memory": before}}
     return output, still_held
-
-
-def recycle_if_needed(recycle: bool, device: str) -> None:
-    """Ask this worker for a warm shutdown when device memory could not be released.
-
-    Through Celery's own stop flag, with exit status 1: the running job's entry is stored and
-    acknowledged first, and the launcher or systemd (``Restart=on-failure``) starts a fresh
-    process. No signal is used, so a later ``systemctl stop`` is still a warm stop.
-    """
-    if recycle:
-        from celery.platforms import EX_FAILURE
-        from celery.worker import state
-
-        logger.warning("%s: device memory still held after out-of-memory; recycling the worker "
-                       "(warm shutdown, exit %d, restarted by the launcher or systemd)", device, EX_FAILURE)
-        state.should_stop = EX_FAILURE

@@ -25,7 +25,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .periodic import PeriodicThread
+from ..core.periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,103 @@
+"""The job process's end of its pipe to the worker: jobs in, reports and outcomes out.
+
+A reader thread takes what the worker sends: jobs go to a queue the main thread runs them from,
+a stop request is kept for the running job's next ``ctx.progress()``. When the pipe closes (the
+worker is gone, however it went), the thread ends this process and everything it started:
+nothing a job began may outlive the worker that supervised it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+from multiprocessing.connection import Connection
+
+from pydantic import ValidationError
+
+from ..core.errors import JobCancelled, JobError, JobTimeout, WorkerStopped
+from ..core.wire import (
+    Finished,
+    Hello,
+    Refused,
+    Report,
+    RunJob,
+    StopJob,
+    StopReason,
+    decode_from_worker,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The error ``ctx.progress()`` raises for each reason the worker gives.
+INTERRUPTIONS: dict[StopReason, type[JobError]] = {
+    StopReason.CANCEL: JobCancelled,
+    StopReason.TIMEOUT: JobTimeout,
+    StopReason.SHUTDOWN: WorkerStopped,
+}
+
+
+class Channel:
+    """Both directions of the pipe; :meth:`send` may be called from any thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._jobs: queue.Queue[RunJob | None] = queue.Queue()
+        self._stop: StopJob | None = None
+
+    def receive_first(self) -> bytes:
+        """The first frame (the process spec), read before the reader thread starts."""
+        return self._conn.recv_bytes()
+
+    def send(self, message: Hello | Refused | Report | Finished) -> None:
+        with self._send_lock:
+            self._conn.send_bytes(message.encode())
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name="devicefleet-jobproc-reader", daemon=True).start()
+
+    def next_job(self) -> RunJob | None:
+        """The next job to run (blocks); None once the worker has closed the pipe."""
+        return self._jobs.get()
+
+    def stop_requested(self, job_id: str) -> bool:
+        """Whether the worker asked job ``job_id`` to stop (cheap: one attribute read)."""
+        stop = self._stop
+        return stop is not None and stop.job_id == job_id
+
+    def interruption(self, job_id: str) -> JobError:
+        """The error ``ctx.progress()`` raises for the stop the worker asked of ``job_id``."""
+        stop = self._stop
+        if stop is None or stop.job_id != job_id:
+            return JobCancelled(f"job {job_id} was cancelled; it stopped at ctx.progress()")
+        return INTERRUPTIONS[stop.reason](stop.message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._conn.recv_bytes()
+            except (EOFError, OSError):
+                self._orphaned()
+                return
+            try:
+                message = decode_from_worker(data)
+            except ValidationError as exc:
+                logger.error("ignoring a message the worker did not send: %s", exc)
+                continue
+            if isinstance(message, RunJob):
+                self._jobs.put(message)
+            elif isinstance(message, StopJob):
+                self._stop = message
+
+    def _orphaned(self) -> None:
+        """The worker closed the pipe or died: end this process group (the job process leads
+        it: DataLoader workers and subprocesses a job started go too)."""
+        self._jobs.put(None)
+        logger.info("the worker is gone: ending job process %d and its process group", os.getpid())
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        except OSError:
+            os._exit(1)

@@ -1,0 +1,246 @@
+"""Running jobs in a job process: each from the state the process started in, to a :class:`Finished`.
+
+:meth:`JobRuntime.prepare` pins the process to its cores, imports torch and the allowlist's job
+modules and checks what torch sees, then remembers the environment, working directory,
+``sys.path``, core affinity and torch threads. :meth:`JobRuntime.run` puts all of those back
+before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVICES"] = ...``,
+``os.chdir("/")``), then runs it (:func:`run_job`) and says how it ended, and whether this
+process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300) or
+an out-of-memory whose device memory could not be released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.devices import Device, check_visibility
+from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory
+from ..core.job import JobContext, JobDefinition, JobFunc
+from ..core.records import ErrorInfo, GangSpec, JobOptions
+from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob
+from .channel import Channel
+from .distributed import GiveWay, Rendezvous, run_rank
+from .oom import release_memory, run_guarded
+from .progress import ProgressThrottle
+from .registry import JobRegistry, validate_kwargs
+from .scalars import ScalarLog, run_dir
+
+logger = logging.getLogger(__name__)
+
+#: Words in a job's error that mean CUDA's context may be unusable for the rest of the process
+#: (a device-side assert, an illegal memory access: there is no reset, pytorch#2300).
+CUDA_POISON_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cublas_status",
+                       "cudnn_status", "unspecified launch failure")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``: no psutil import on the hot path)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def gpu_memory_in_use() -> int | None:
+    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_reserved())
+
+
+def poisons_cuda(exc: BaseException) -> bool:
+    """Whether ``exc`` says CUDA failed in a way that may have poisoned this process's context."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return type(exc).__name__ == "AcceleratorError" or any(marker in text for marker in CUDA_POISON_MARKERS)
+
+
+@dataclass
+class _Baseline:
+    """What every job starts from."""
+
+    environ: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+    cores: list[int]
+    threads: int
+
+
+@dataclass
+class JobRuntime:
+    """One job process's jobs and the state each of them starts from."""
+
+    spec: ProcessSpec
+    registry: JobRegistry
+    visibility: dict[str, Any]
+    baseline: _Baseline
+    _redis: Any = field(default=None, repr=False)
+
+    @classmethod
+    def prepare(cls, spec: ProcessSpec) -> JobRuntime:
+        """Pin the cores, load torch and the jobs, check the device.
+
+        Raises:
+            ConfigError: a job module cannot be imported.
+            DeviceVisibilityError: the device is not visible as it should be.
+        """
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, spec.cores)
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+        registry = JobRegistry(spec.job_modules)
+        seen = check_visibility(Device.parse(spec.device))
+        seen["torch_threads"] = spec.torch_threads
+        baseline = _Baseline(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path),
+                             cores=list(spec.cores), threads=spec.torch_threads)
+        return cls(spec=spec, registry=registry, visibility=seen, baseline=baseline)
+
+    def hello(self) -> Hello:
+        return Hello(pid=os.getpid(), jobs=self.registry.infos(), visibility=self.visibility, rss_bytes=rss_bytes())
+
+    def reset(self) -> None:
+        """Put back the environment, working directory, ``sys.path``, cores and threads."""
+        base = self.baseline
+        if os.environ != base.environ:
+            os.environ.clear()
+            os.environ.update(base.environ)
+        if os.getcwd() != base.cwd:
+            os.chdir(base.cwd)
+        if sys.path != base.sys_path:
+            sys.path[:] = base.sys_path
+        if hasattr(os, "sched_getaffinity") and sorted(os.sched_getaffinity(0)) != base.cores:
+            os.sched_setaffinity(0, base.cores)
+        import torch
+
+        if torch.get_num_threads() != base.threads:
+            torch.set_num_threads(base.threads)
+
+    def run(self, job: RunJob, channel: Channel) -> Finished:
+        """Run ``job`` from the baseline state; never raises (the outcome says how it ended)."""
+        self.reset()
+        return run_job(self, job, channel)
+
+    def redis(self) -> Any:
+        """The fleet's Redis, for distributed jobs' rendezvous (connected on first use)."""
+        if self._redis is None:
+            if self.spec.redis_url is None:
+                return None
+            from ..core.registry import connect
+
+            self._redis = connect(self.spec.redis_url)
+        return self._redis
+
+    def rank_of_gang(self, definition: JobDefinition, spec: GangSpec) -> JobFunc:
+        """The job as one rank of the distributed job ``spec`` (:mod:`tasks.jobproc.distributed`).
+
+        Raises:
+            GangFailed: this worker is not joined to a fleet, or its device is not one of the gang's.
+        """
+        from ..core.devices import host_name
+        from ..core.errors import GangFailed
+
+        device = self.spec.device
+        client = self.redis()
+        if client is None:
+            raise GangFailed(f"{device} is not joined to a fleet: a distributed job needs its Redis")
+        if device not in spec.devices:
+            raise GangFailed(f"{device} took a rank of {spec.id}, which runs on "
+                             f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)")
+        rdv = Rendezvous(client, spec, device, host_name(), self.spec.result_expires_s)
+
+        def rank(ctx: JobContext, params: Any) -> dict[str, Any]:
+            return run_rank(definition.func, ctx, params, rdv, self.spec.address)
+
+        return rank
+
+
+@dataclass
+class _Ending:
+    """How one job ended, gathered while it runs."""
+
+    outcome: Outcome = Outcome.OK
+    output: dict[str, Any] | None = None
+    error: BaseException | None = None
+    retire: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def failed(self, exc: BaseException, outcome: Outcome = Outcome.ERROR) -> None:
+        self.outcome, self.error = outcome, exc
+
+
+def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
+    """Run one job: its context, its progress and curves, its out-of-memory guard; the outcome."""
+    spec = runtime.spec
+    throttle = ProgressThrottle(spec.device, send=lambda meta: channel.send(Report(fields=meta)))
+    scalars = ScalarLog(run_dir(Path(spec.tensorboard_dir), job.job, job.fan_out_id, spec.device))
+    ending = _Ending()
+    try:
+        definition = runtime.registry.get(job.job)
+        options = JobOptions.model_validate(job.options)
+        params = validate_kwargs(definition, job.kwargs)
+        ctx = JobContext(
+            device=spec.device, torch_device=spec.torch_device, job_id=job.job_id,
+            artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=list(spec.cores),
+            reporter=throttle.report, scalar_sink=scalars.log,
+            cancelled=lambda: channel.stop_requested(job.job_id),
+            interruption=lambda: channel.interruption(job.job_id),
+        )
+        func = definition.func if options.gang is None else runtime.rank_of_gang(definition, options.gang)
+        output, still_held = run_guarded(func, ctx, params, options.fallback)
+        if not isinstance(output, dict):
+            raise JobError(f"job {definition.name!r} returned {type(output).__name__}, not a dict")
+        json.dumps(output)  # results travel as JSON: fail here, in the entry, not in Celery
+        ending.output, ending.metrics = output, {m.value: v for m, v in definition.metric_values(output).items()}
+        if still_held:
+            ending.retire = "device memory still held after an out-of-memory the job fell back from"
+    except OutOfMemory as exc:
+        logger.warning("%s: job %s ran out of memory: %s", spec.device, job.job, exc)
+        ending.failed(exc)
+        if exc.recycle:
+            ending.retire = "device memory still held after an out-of-memory"
+    except JobCancelled as exc:
+        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
+        ending.failed(exc, Outcome.CANCELLED)
+    except GiveWay as exc:
+        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
+        ending.outcome = Outcome.GIVE_WAY
+    except DeviceFleetError as exc:
+        logger.warning("%s: job %s failed: %s", spec.device, job.job, exc)
+        ending.failed(exc)
+    except Exception as exc:  # a job's own failure: reported, never fatal to the process
+        logger.exception("%s: job %s raised", spec.device, job.job)
+        ending.failed(exc)
+        if spec.torch_device.startswith("cuda") and poisons_cuda(exc):
+            ending.retire = f"CUDA error, the context may be poisoned: {type(exc).__name__}"
+    except BaseException as exc:  # sys.exit() or KeyboardInterrupt inside the job
+        logger.warning("%s: job %s raised %s", spec.device, job.job, type(exc).__name__)
+        ending.failed(exc)
+        ending.retire = f"the job raised {type(exc).__name__}"
+    finally:
+        throttle.flush()  # the last report always goes out: the finished bar shows 10/10
+        scalars.close()
+    return _finished(runtime, ending)
+
+
+def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
+    exc = ending.error
+    if ending.outcome is Outcome.CANCELLED:
+        # Out of the except block, so the job's tensors are unreachable: the device's memory is
+        # back at its baseline before the next job (a pruned trial's GPU memory included).
+        release_memory(runtime.spec.torch_device)
+    return Finished(
+        outcome=ending.outcome, output=ending.output,
+        error=ErrorInfo.of(exc) if exc is not None else None,
+        error_module=type(exc).__module__ if exc is not None else None,
+        metrics=ending.metrics, gpu_memory_bytes=gpu_memory_in_use(), rss_bytes=rss_bytes(),
+        retire=ending.retire,
+    )
+

@@ -1,0 +1,351 @@
+"""The owner of a device's job processes: one runs the job, a spare waits, a thread spawns.
+
+A device worker never runs a job itself. :class:`Supervisor` keeps :data:`WARM_PROCESSES` job
+processes (:mod:`tasks.worker.jobprocess`) alive and ready (torch and the job modules imported),
+hands the running job to one of them (:meth:`Supervisor.run`) and watches it:
+
+- a report is handed to the job's :class:`Watch` (which publishes it);
+- a stop the watch asks for (a cancel, the time limit, the worker's stop) is sent to the job,
+  which raises at its next ``ctx.progress()``; a job that has not ended ``cancel_grace_s`` later
+  has its process group ended (SIGTERM, then SIGKILL) and its entry says why;
+- a process that dies ends its job as ``JobCrashed``, naming the signal or exit status and the
+  job's last lines.
+
+A process is retired (ended, and a fresh one spawned in the background while the spare takes
+the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
+poisoned its context, device memory it could not release), when it grew past the memory
+threshold, or after ``jobs_per_process`` jobs. Otherwise it runs the next job too, from the
+environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
+
+Every spawn happens on the spawner thread (or, for the first process, the thread that starts
+the supervisor, the worker's main thread): Linux's parent-death signal, which ends a job
+process when its worker dies, watches the thread that started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ..core.records import ErrorInfo
+from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
+from .jobprocess import JobProcess, ProcessGone
+
+logger = logging.getLogger(__name__)
+
+#: Job processes kept alive: the one that runs the next job and a spare for when it is retired.
+WARM_PROCESSES = 2
+#: How often a running job's watch is asked whether to stop it (also the longest a cancel waits
+#: before its stop request goes out).
+POLL_S = 0.05
+#: Back-off between failed spawns (doubling, up to the maximum).
+RESPAWN_MIN_S, RESPAWN_MAX_S = 0.5, 30.0
+
+#: The error type and outcome of a job whose process was ended, by the reason it was stopped.
+_KILLED: dict[StopReason, tuple[str, Outcome]] = {
+    StopReason.CANCEL: ("JobCancelled", Outcome.CANCELLED),
+    StopReason.TIMEOUT: ("JobTimeout", Outcome.ERROR),
+    StopReason.SHUTDOWN: ("WorkerStopped", Outcome.ERROR),
+}
+
+
+@dataclass(frozen=True)
+class ProcessPolicy:
+    """When job processes are retired, and how long a stopped job has."""
+
+    #: Jobs one process runs before it is retired; 0: no limit.
+    jobs_per_process: int = 0
+    #: Retire a process whose resident memory grew by more than this since it was ready; 0: never.
+    max_memory_growth_bytes: int = 0
+    #: Seconds a job has to stop at ``ctx.progress()`` once asked, before its process is ended.
+    cancel_grace_s: float = 5.0
+    #: Seconds a new process has to import torch and the job modules and say hello.
+    start_timeout_s: float = 120.0
+
+
+class Watch(Protocol):
+    """What the supervisor asks of the job it runs (implemented by the runner)."""
+
+    def report(self, fields: dict[str, object]) -> None:
+        """Publish a progress report."""
+
+    def stop(self) -> StopJob | None:
+        """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a job ended, as the supervisor saw it."""
+
+    outcome: Outcome
+    #: The job process's own account; None when the process died or was ended.
+    finished: Finished | None
+    error: ErrorInfo | None
+    #: The module of the error's exception type, where the job raised it.
+    error_module: str | None
+    pid: int
+    #: Why its process was retired after this job; None: it runs the next one.
+    retired: str | None
+
+    @property
+    def crashed(self) -> bool:
+        return self.error is not None and self.error.type == "JobCrashed"
+
+
+class NoJobProcess(Exception):
+    """No job process became ready in time; the message says what the last spawn said."""
+
+
+class Supervisor:
+    """The job processes of one device worker."""
+
+    def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, policy: ProcessPolicy,
+                 label: str) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.label = label
+        self._env = env
+        self._cwd = cwd
+        self._cond = threading.Condition()
+        self._idle: list[JobProcess] = []
+        self._busy: set[JobProcess] = set()
+        self._spawning = 0
+        self._closed = False
+        self._last_failure: str | None = None
+        self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
+        #: Processes retired so far, by reason (for logs and tests).
+        self.retired: dict[str, int] = {}
+        #: Called (outside the lock) when a process was started or ended: the registry shows them.
+        self.on_change: Callable[[], None] | None = None
+
+    # -- life --------------------------------------------------------------------------------
+
+    def start(self) -> Hello:
+        """Start the first job process and wait for its hello, then keep a spare warm.
+
+        Raises:
+            ProcessGone: the process refused (a job module does not import, the device is not
+                visible: see its ``refused``) or did not get ready in time.
+        """
+        first = self._spawn()
+        hello = first.wait_hello(self.policy.start_timeout_s)
+        with self._cond:
+            self._idle.append(first)
+        self._thread.start()
+        return hello
+
+    def close(self) -> None:
+        """End every job process (a running job's too) and stop spawning."""
+        with self._cond:
+            self._closed = True
+            processes = [*self._idle, *self._busy]
+            self._idle.clear()
+            self._cond.notify_all()
+        for process in processes:
+            process.kill("the worker is leaving")
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def kill_all_now(self) -> None:
+        """SIGKILL every job process group at once (a worker that must exit now; called from a
+        signal handler, so it takes no lock and waits for nothing)."""
+        for process in [*list(self._idle), *list(self._busy)]:
+            process.kill_now("the worker is exiting now")
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no job runs; False if one still did after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    @property
+    def pids(self) -> list[int]:
+        """The job processes alive now (running a job first)."""
+        with self._cond:
+            return [p.pid for p in [*self._busy, *self._idle] if p.alive]
+
+    # -- running a job -----------------------------------------------------------------------
+
+    def run(self, job: RunJob, watch: Watch) -> Ended:
+        """Run ``job`` in a ready job process and watch it to its end.
+
+        Raises:
+            NoJobProcess: none became ready within the start timeout.
+        """
+        process = self._take()
+        ended = _Run(process, job, watch, self.policy.cancel_grace_s).wait()
+        retire = ended.retired or self._retire_reason(process, ended.finished)
+        self._give_back(process, retire)
+        return ended if retire == ended.retired else _with_retired(ended, retire)
+
+    def _retire_reason(self, process: JobProcess, finished: Finished | None) -> str | None:
+        if finished is None:
+            return "its job was not finished by it"
+        if finished.retire:
+            return finished.retire
+        growth = process.rss_growth_bytes(finished.rss_bytes)
+        if self.policy.max_memory_growth_bytes and growth > self.policy.max_memory_growth_bytes:
+            return (f"its memory grew by {growth / 2**20:.0f} MiB, past the threshold of "
+                    f"{self.policy.max_memory_growth_bytes / 2**20:.0f} MiB")
+        if self.policy.jobs_per_process and process.jobs_run >= self.policy.jobs_per_process:
+            return f"it ran jobs_per_process={self.policy.jobs_per_process} jobs"
+        return None
+
+    def _take(self) -> JobProcess:
+        deadline = time.monotonic() + self.policy.start_timeout_s
+        with self._cond:
+            while True:
+                while self._idle:
+                    process = self._idle.pop(0)
+                    if process.alive:
+                        self._busy.add(process)
+                        return process
+                    logger.warning("%s: idle job process %d died (%s); replacing it", self.label,
+                                   process.pid, process.exit_text())
+                    self._cond.notify_all()
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    raise NoJobProcess(
+                        f"{self.label}: no job process became ready in {self.policy.start_timeout_s:g} s"
+                        + (f"; the last start failed: {self._last_failure}" if self._last_failure else ""))
+                self._cond.wait(left)
+
+    def _give_back(self, process: JobProcess, retire: str | None) -> None:
+        with self._cond:
+            self._busy.discard(process)
+            if retire is None and not self._closed:
+                self._idle.insert(0, process)  # the warm one first: its caches are hot
+            self._cond.notify_all()
+        if retire is not None:
+            key = retire.split(":")[0]
+            self.retired[key] = self.retired.get(key, 0) + 1
+            logger.info("%s: retiring job process %d: %s", self.label, process.pid, retire)
+            process.kill(retire)
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception as exc:  # noqa: BLE001  (the registry's view is best effort)
+                logger.debug("%s: on_change failed: %s", self.label, exc)
+
+    # -- spawning ----------------------------------------------------------------------------
+
+    def _spawn(self) -> JobProcess:
+        return JobProcess(self.spec, self._env, self._cwd, self.label)
+
+    def _keep_warm(self) -> None:
+        backoff = RESPAWN_MIN_S
+        while True:
+            with self._cond:
+                while not self._closed and len(self._idle) + len(self._busy) + self._spawning >= WARM_PROCESSES:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._spawning += 1
+            process: JobProcess | None = None
+            try:
+                process = self._spawn()
+                process.wait_hello(self.policy.start_timeout_s)
+                failure = None
+            except (ProcessGone, OSError) as exc:
+                failure = str(exc)
+                logger.error("%s: a job process failed to start: %s", self.label, failure)
+            with self._cond:
+                self._spawning -= 1
+                self._last_failure = failure
+                if failure is None and process is not None and not self._closed:
+                    self._idle.append(process)
+                    process = None
+                self._cond.notify_all()
+                if failure is not None:
+                    self._cond.wait(backoff)
+            if process is not None and failure is None:
+                process.kill("the worker is leaving")  # spawned while the supervisor closed
+            elif failure is None:
+                self._changed()
+            backoff = RESPAWN_MIN_S if failure is None else min(RESPAWN_MAX_S, backoff * 2)
+
+
+def _with_retired(ended: Ended, retired: str | None) -> Ended:
+    return Ended(outcome=ended.outcome, finished=ended.finished, error=ended.error,
+                 error_module=ended.error_module, pid=ended.pid, retired=retired)
+
+
+class _Run:
+    """One job in one process, from :class:`RunJob` to its end."""
+
+    def __init__(self, process: JobProcess, job: RunJob, watch: Watch, grace_s: float) -> None:
+        self.process = process
+        self.job = job
+        self.watch = watch
+        self.grace_s = grace_s
+        self.stop: StopJob | None = None
+        self._stop_sent_at = 0.0
+
+    def wait(self) -> Ended:
+        self.process.send(self.job)
+        while True:
+            try:
+                message = self.process.receive(POLL_S)
+            except ProcessGone as gone:
+                if self.process.killed_because is not None:  # the worker ended it: it is leaving
+                    return self._stopped(self.process.killed_because)
+                return self._crashed(str(gone))
+            if isinstance(message, Report):
+                self.watch.report(message.fields)
+            elif isinstance(message, Finished):
+                return Ended(outcome=message.outcome, finished=message, error=message.error,
+                             error_module=message.error_module, pid=self.process.pid, retired=None)
+            elif self._should_end():
+                return self._ended()
+
+    def _should_end(self) -> bool:
+        """Ask the watch; send its stop once; True once the grace after it has run out."""
+        now = time.monotonic()
+        if self.stop is None:
+            stop = self.watch.stop()
+            if stop is not None:
+                self.stop, self._stop_sent_at = stop, now
+                self.process.send(stop)
+            return False
+        return now - self._stop_sent_at > self.grace_s
+
+    def _ended(self) -> Ended:
+        assert self.stop is not None
+        stop = self.stop
+        self.process.kill(f"{stop.reason.value}: no stop at ctx.progress() within {self.grace_s:g} s")
+        error_type, outcome = _KILLED[stop.reason]
+        message = (f"{stop.message}; it did not stop at ctx.progress() within {self.grace_s:g} s, so "
+                   f"its process {self.process.pid} and everything it started were ended "
+                   f"({self.process.exit_text()})")
+        return Ended(outcome=outcome, finished=None, error=ErrorInfo(type=error_type, message=message),
+                     error_module="tasks.core.errors", pid=self.process.pid,
+                     retired=f"ended after {stop.reason.value}")
+
+    def _stopped(self, because: str) -> Ended:
+        message = (f"job {self.job.job_id} ({self.job.job}) was ended with its process {self.process.pid}: "
+                   f"{because}")
+        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo(type="WorkerStopped", message=message),
+                     error_module="tasks.core.errors", pid=self.process.pid, retired=because)
+
+    def _crashed(self, how: str) -> Ended:
+        process = self.process
+        tail = process.tail_text()
+        process.kill("its job crashed it")
+        message = (f"the job process {process.pid} running {self.job.job} ({self.job.job_id}) died: "
+                   f"{how}; its last lines: {tail}")
+        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo(type="JobCrashed", message=message),
+                     error_module="tasks.core.errors", pid=process.pid, retired=f"crashed: {how}")
+
