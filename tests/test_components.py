@@ -9,6 +9,7 @@ in-process Celery worker with the device-worker bootstep), the out-of-memory gua
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -22,14 +23,16 @@ from typing import Any
 
 import pytest
 from celery.app.task import Context
+from rich.console import Console
 from celery.exceptions import Ignore
 from kombu import Exchange
 
+import tasks
 from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
 from tasks.core.backend import FINISH_ATTR, FleetBackend, JobFinish, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
-from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory
+from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory, WorkerLost
 from tasks.core.job import JobContext, JobMetric
 from tasks.core.records import (
     BusyInfo,
@@ -43,14 +46,17 @@ from tasks.core.records import (
 )
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
+from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
+from tasks.ops.status import render, report
 from tasks.worker import accounting
 from tasks.worker import lease as lease_module
 from tasks.jobproc.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
-from tasks.worker.lease import LeaseKeeper, Reaper, reap_once
+from tasks.worker.lease import LeaseKeeper, Reaper, Take, reap_once
 from tasks.jobproc.oom import run_guarded
-from tasks.worker.progress import VALUES_KEPT, ProgressPublisher, summary
+from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
+from tasks.worker.progress import publish, summary
 from tests.conftest import wait_for
 
 OTHER_HOST = "host-of-another-worker"
@@ -848,12 +854,19 @@ def test_a_stored_failure_keeps_its_entry(client, app):
 # -- progress: throttled, and the latest report always published -------------------------------
 
 
+def _throttle(task, client, min_interval_s: float) -> ProgressThrottle:  # type: ignore[no-untyped-def]
+    """A job process's throttle whose reports the worker publishes at once (as the pipe does)."""
+    request = task.request
+    return ProgressThrottle("cpu9", send=lambda meta: publish(task, request, meta, client=client, expires_s=60),
+                            min_interval_s=min_interval_s)
+
+
 def test_progress_is_throttled_and_the_latest_report_always_goes_out(client, app):
     task_id = str(uuid.uuid4())
     task = _job_task(app, task_id)
     key = keys.progress(task_id)
     try:
-        publisher = ProgressPublisher(task, "cpu9", client=client, expires_s=60, min_interval_s=0.2)
+        publisher = _throttle(task, client, min_interval_s=0.2)
         started = time.monotonic()
         for step in range(1, 1001):
             publisher.report({"step": step, "total": 1000})
@@ -883,7 +896,7 @@ def test_intermediate_values_ride_along_every_report_so_none_is_folded_away(clie
     task = _job_task(app, task_id)
     key = keys.progress(task_id)
     try:
-        publisher = ProgressPublisher(task, "cpu9", client=client, expires_s=60, min_interval_s=60)
+        publisher = _throttle(task, client, min_interval_s=60)
         for step in range(1, 301):  # all but the first folded into the last by the throttle
             publisher.report({"step": step, "value": step / 10})
         publisher.report({"epoch": 3})  # a report without a value keeps the pairs too
@@ -971,3 +984,142 @@ def test_peer_lost_tells_a_lost_collective_from_a_jobs_own_error():
     assert peer_lost(PeerLost("the gang moved on while this rank joined its group"))
     assert not peer_lost(ValueError("bad value"))
     assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+# -- bounded attempts: a job that takes its worker down -----------------------------------------
+
+
+def _held_by_dead(client, task_id: str, pid: int, *, key: bool = True) -> LeaseRecord:  # type: ignore[no-untyped-def]
+    """The lease of a worker (cpu5 on another host, not in the registry: dead) that died running
+    ``task_id``: its key still there (``key``), or expired with its record left in the hash."""
+    record = LeaseRecord(device="cpu5", worker=f"cpu5@{OTHER_HOST}", pid=pid, host=OTHER_HOST,
+                         task_id=task_id, since=time.time(), resend=NOOP_RESEND)
+    if key:
+        client.set(keys.lease(task_id), record.to_json(), px=60_000)
+    client.hset(keys.LEASES, task_id, record.to_json())
+    return record
+
+
+def _deaths(client, task_id: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return client.lrange(keys.worker_deaths(task_id), 0, -1)
+
+
+@pytest.mark.parametrize("key", [True, False], ids=["lease key held", "lease key expired"])
+def test_taking_over_a_dead_owners_lease_counts_its_death(client, key):
+    task_id = str(uuid.uuid4())
+    _held_by_dead(client, task_id, pid=4_000_001, key=key)
+    successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert successor.take(task_id, "tag-b", keep_s=60).outcome is Take.TAKEN
+    assert _deaths(client, task_id) == [f"cpu5@{OTHER_HOST} pid 4000001"]
+    assert 0 < client.ttl(keys.worker_deaths(task_id)) <= 60
+    assert lease_of(client, task_id).device == "cpu2"  # type: ignore[union-attr]
+    assert client.hget(keys.LEASES, task_id) == client.get(keys.lease(task_id))
+
+
+def test_copies_of_a_job_whose_worker_lives_count_no_death(client, app, monkeypatch):
+    # A copy refused by the live owner (a visibility-timeout restore), whose key expired or not.
+    task_id = str(uuid.uuid4())
+    owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
+    with on_other_host(monkeypatch):
+        assert owner.acquire(task_id, "tag-a")
+    register(client, worker_record("cpu1", host=OTHER_HOST))
+    copy = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    assert copy.take(task_id, "tag-b", max_attempts=1).outcome is Take.RUNNING_ELSEWHERE
+    client.delete(keys.lease(task_id))  # late to renew: the reaper leaves it alone, and so does a copy
+    assert copy.take(task_id, "tag-b", max_attempts=1).outcome is Take.RUNNING_ELSEWHERE
+    assert reap_once(client, app) == []
+    # A lease this process left behind (its release failed), taken again.
+    mine = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
+    left = str(uuid.uuid4())
+    assert mine.acquire(left, None)
+    with mine._lock:
+        mine._held.clear()  # as if the release had happened here but not in Redis
+    assert mine.take(left, None, max_attempts=1).outcome is Take.TAKEN
+    # Sent again after its lease was released (a distributed rank giving way retries so).
+    mine.release(left)
+    assert mine.take(left, None, max_attempts=1).outcome is Take.TAKEN
+    assert _deaths(client, task_id) == [] and _deaths(client, left) == []
+
+
+def test_the_reaper_counts_the_death_of_the_owner_it_gives_a_job_back_from(client, app, monkeypatch):
+    task_id = str(uuid.uuid4())
+    record = _dead_lease(client, task_id, resend=NOOP_RESEND)
+    assert reap_once(client, app) == [task_id]
+    assert _deaths(client, task_id) == [f"{record.worker} pid {record.pid}"]
+    assert client.ttl(keys.worker_deaths(task_id)) > 0  # kept as long as the results
+
+    # A worker that takes the given-back job over before the reaper's count is done counts the
+    # death itself: once, not twice.
+    raced = str(uuid.uuid4())
+    _dead_lease(client, raced, resend=NOOP_RESEND)
+    successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    taken: list[Take] = []
+    real_resend = lease_module.resend_job
+
+    def resend_and_taken_at_once(*args: Any) -> None:
+        real_resend(*args)
+        taken.append(successor.take(raced, None).outcome)
+
+    monkeypatch.setattr(lease_module, "resend_job", resend_and_taken_at_once)
+    assert reap_once(client, app) == [raced]
+    assert taken == [Take.TAKEN]
+    assert len(_deaths(client, raced)) == 1
+    assert client.hget(keys.LEASES, raced) == client.get(keys.lease(raced))  # the successor's, kept
+
+
+def test_a_job_that_took_its_worker_down_max_attempts_times_is_not_run_again(client):
+    task_id = str(uuid.uuid4())
+    keeper = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    _held_by_dead(client, task_id, pid=4_000_001)
+    assert keeper.take(task_id, None, max_attempts=2).outcome is Take.TAKEN  # 1 death of 2
+    keeper.release(task_id)
+    _held_by_dead(client, task_id, pid=4_000_002)
+    lost = keeper.take(task_id, None, max_attempts=2)
+    assert lost.outcome is Take.LOST
+    assert lost.lost_to == (f"cpu5@{OTHER_HOST} pid 4000001", f"cpu5@{OTHER_HOST} pid 4000002")
+    # The lease is the refusing worker's, to be released with the stored failure: a copy
+    # arriving meanwhile is dropped.
+    assert keeper.held() == [task_id] and lease_of(client, task_id).device == "cpu2"  # type: ignore[union-attr]
+    keeper.release(task_id)
+    # Given back by the reaper (no lease left to take over): refused all the same.
+    assert keeper.take(task_id, None, max_attempts=2).outcome is Take.LOST
+    keeper.release(task_id)
+    assert keeper.take(task_id, None, max_attempts=3).outcome is Take.TAKEN  # a higher bound runs it
+    keeper.release(task_id)
+    assert len(_deaths(client, task_id)) == 2
+
+
+def test_hold_ends_a_lost_job_as_worker_lost_and_keeps_a_dead_letter(client, app, redis_server):
+    keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
+    task_id = str(uuid.uuid4())
+    for pid in (4_000_001, 4_000_002):
+        client.rpush(keys.worker_deaths(task_id), f"cpu9@{OTHER_HOST} pid {pid}")
+    task = _job_task(app, task_id)
+    try:
+        with pytest.raises(WorkerLost) as lost, keeper.hold(task, max_attempts=2):
+            pytest.fail("a job that took its worker down max_attempts times ran again")
+    finally:
+        task.pop_request()
+    message = str(lost.value)
+    assert f"job {task_id} (components.job) took its worker down 2 times" in message
+    assert f"cpu9@{OTHER_HOST} pid 4000001, cpu9@{OTHER_HOST} pid 4000002" in message
+    assert "max_attempts=2" in message
+    assert keeper.held() == [task_id]  # the failure's store releases it (runner.execute)
+    keeper.release_held(task_id)
+    assert client.get(app.backend.get_key_for_task(task_id)) is None  # not STARTED: it never ran
+
+    letters = tasks.dead_letters(app)
+    assert [(d.task_id, d.job, d.device, d.queue, d.kwargs, d.max_attempts) for d in letters] == [
+        (task_id, "components.job", "cpu9", "device.cpu9", {"epochs": 1}, 2)]
+    assert letters[0].workers == [f"cpu9@{OTHER_HOST} pid 4000001", f"cpu9@{OTHER_HOST} pid 4000002"]
+    rep = report(redis_server.url)
+    assert [d["task_id"] for d in rep["dead_letters"]] == [task_id]
+    out = io.StringIO()
+    Console(file=out, width=200).print(render(rep))
+    assert "1 dead letter(s)" in out.getvalue() and task_id in out.getvalue()
+    assert fleet_snapshot(client)["dead_letters"] == 1
+
+    assert tasks.forget_dead_letter(task_id, app=app)
+    assert tasks.dead_letters(app) == [] and _deaths(client, task_id) == []
+    assert not tasks.forget_dead_letter(task_id, app=app)
+    assert report(redis_server.url)["dead_letters"] == []
