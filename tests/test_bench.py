@@ -10,9 +10,15 @@ import sys
 
 import pytest
 
-from tasks.bench import report
+from tasks.bench import isolation, report
 from tasks.bench.dispatch import percentile
+from tasks.bench.run import run_bench
 from tasks.bench.sweep import ideal_makespan, trial_lengths
+from tasks.core.devices import Device
+from tasks.core.errors import ConfigError
+from tasks.core.settings import Settings
+from tasks.core.worker_config import load_worker_config
+from tasks.jobproc.registry import JobRegistry
 
 from . import conftest
 
@@ -49,6 +55,34 @@ def test_goals() -> None:
     assert report.goal_met("dispatch.fanout_vs_plain", 0.9) is True
     assert report.goal_met("dispatch.fanout_vs_plain", 1.1) is False
     assert report.goal_met("dispatch.jobs_vs_plain", 0.9) is False
+    # A crash: its entry, and the device's next job, within a second of it.
+    assert report.goal_met("isolation.crash_to_entry_s", 0.2) is True
+    assert report.goal_met("isolation.next_job_after_crash_s", 1.5) is False
+    assert report.goal_met("isolation.cancel_grace_s", 1.0) is None
+
+
+def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    source = tmp_path / "source"
+    source.mkdir()
+    packaged = Settings.load().worker_configs_path
+    for path in packaged.glob("*.toml"):
+        (source / path.name).write_text(path.read_text())
+    (source / "cpu1.toml").write_text('kind = "cpu"\ncancel_grace_s = 30.0\n')  # its own value goes
+    configs = isolation.write_worker_configs(source, tmp_path / "bench", 0.5)
+    for name in ("cpu0", "cpu1", "gpu0"):
+        assert load_worker_config(configs, Device.parse(name)).cancel_grace_s == 0.5
+    assert load_worker_config(configs, Device.parse("cpu0")).max_job_seconds == \
+        load_worker_config(packaged, Device.parse("cpu0")).max_job_seconds  # the rest is the copy's
+
+
+def test_misbehaving_jobs_are_only_in_the_bench_allowlist() -> None:
+    assert not {"segfault", "hang", "stamp"} & set(JobRegistry(["tasks.jobs"]).names)
+    assert {"segfault", "hang", "stamp"} <= set(JobRegistry(["tasks.jobs", isolation.JOB_MODULE]).names)
+
+
+def test_unknown_bench_section_is_refused_before_anything_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="unknown bench section.*isolaton.*choose from"):
+        run_bench(Settings.load(state_dir=tmp_path), sections=["isolaton"])
 
 
 @pytest.mark.timeout(240)
@@ -68,3 +102,8 @@ def test_bench_quick_prints_every_key(tmp_path) -> None:  # type: ignore[no-unty
     assert set(figures["devices"]) >= {"cpu0", "cpu1"}
     if not gpu:
         assert "gpu" not in figures
+    # One round of each misbehaving job; the figures are there, not judged.
+    assert figures["isolation"]["rounds"] == 1
+    for key in ("crash_to_entry_s", "next_job_after_crash_s", "cancel_to_free_s", "cancel_grace_s"):
+        value = figures["isolation"][key]
+        assert isinstance(value, (int, float)) and value > 0, (key, value)

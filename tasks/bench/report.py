@@ -7,6 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
+from ..core.worker_config import DEFAULT_CANCEL_GRACE_S
+
 #: Every key ``devicefleet bench --json`` prints on any host; GPU_KEYS only where a GPU is.
 KEYS = (
     "dispatch.fanout_ms_p50",
@@ -26,6 +28,10 @@ KEYS = (
     "pipeline.wait_s_sequential",
     "pipeline.wait_s_mp_queue",
     "pipeline.wait_s_fleet",
+    "isolation.crash_to_entry_s",
+    "isolation.next_job_after_crash_s",
+    "isolation.cancel_to_free_s",
+    "isolation.cancel_grace_s",
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 #: Keys only some hosts print: Ray's (with the ``bench`` extra, in full runs), the GPU loader's.
@@ -54,6 +60,9 @@ GOALS = {
     "ddp.vs_native": ("<=", 1.05),
     "pipeline.wait_s_fleet": ("<=", 0.01),
     "gpu.busy_fraction": (">=", 0.9),
+    # A crashed job's error entry, and the device taking its next job, within a second.
+    "isolation.crash_to_entry_s": ("<=", 1.0),
+    "isolation.next_job_after_crash_s": ("<=", 1.0),
 }
 
 
@@ -92,7 +101,7 @@ def _fmt(key: str, value: float) -> str:
         return f"{value:.1f} ms"
     if key.endswith("jobs_per_s") or key.endswith("trials_per_s"):
         return f"{value:.0f}/s"
-    if ".wait_s" in key:
+    if ".wait_s" in key or key.startswith("isolation."):
         return f"{value:.3f} s"
     return f"{value:.3f}"
 
@@ -129,6 +138,13 @@ def table(figures: dict[str, Any]) -> Table:
     if "pipeline.wait_s_ray" in flat:
         extra["pipeline.wait_s_fleet"] = f"Ray, this run: {flat['pipeline.wait_s_ray']:.3f} s; " + \
             PUBLISHED["pipeline.wait_s_fleet"]
+    if "isolation.respawn_s" in flat:
+        extra["isolation.next_job_after_crash_s"] = (f"a warm spare again {flat['isolation.respawn_s']:.2f} s "
+                                                     "after the crash")
+    if "isolation.cancel_to_entry_s" in flat:
+        extra["isolation.cancel_to_free_s"] = (f"a job that never reports; its entry "
+                                               f"{flat['isolation.cancel_to_entry_s']:.2f} s after the cancel")
+    extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {DEFAULT_CANCEL_GRACE_S:g} s)"
     host = figures.get("host", {})
     out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "
                       f"{host.get('cores')} cores, {host.get('cpu')}, load {host.get('load_avg_1m', 0):.2f}")

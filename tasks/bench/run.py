@@ -7,14 +7,19 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from ..core.devices import Device, cpu_model_name, usable_cores
+from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import ddp, dispatch, efficiency, gpu, pipeline, sweep
+from . import ddp, dispatch, efficiency, gpu, isolation, pipeline, sweep
+
+#: The sections of a bench run, in the order they run (``pipeline`` needs no fleet).
+SECTIONS = ("dispatch", "sweep", "fanout", "ddp", "gpu", "isolation", "pipeline")
 
 logger = logging.getLogger(__name__)
 
@@ -34,37 +39,65 @@ def host_info() -> dict[str, Any]:
     }
 
 
-def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2) -> dict[str, Any]:
+def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
+              sections: Collection[str] | None = None) -> dict[str, Any]:
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
-    Returns ``{"host", "quick", "dispatch", "sweep", "fanout", "ddp", "pipeline", "gpu"?}``; ``gpu``
-    only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
+    ``sections`` picks some of :data:`SECTIONS` (default: all). Returns ``{"host", "quick",
+    "dispatch", "sweep", "fanout", "ddp", "isolation", "pipeline", "gpu"?}`` (those picked);
+    ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
+
+    The fleet also runs the misbehaving jobs of :mod:`.misbehave` and a short ``cancel_grace_s``
+    (:data:`.isolation.CANCEL_GRACE_S`), for the ``isolation`` section.
+
+    Raises:
+        ConfigError: a section that is not one of :data:`SECTIONS`.
     """
+    chosen = set(SECTIONS if sections is None else sections)
+    unknown = sorted(chosen - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown bench section(s) {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
     started = time.perf_counter()
     figures: dict[str, Any] = {"host": host_info(), "quick": quick}
+    modules = [*base.job_modules, *([] if isolation.JOB_MODULE in base.job_modules else [isolation.JOB_MODULE])]
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-") as tmp:
+        configs = isolation.write_worker_configs(base.worker_configs_path, Path(tmp) / "worker_configs")
         settings = base.model_copy(update={
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
+            "worker_configs_dir": configs, "job_modules": modules,
         })
-        with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
-            app = fleet.app()
-            devices = list(fleet.workers)
-            cpus = [d for d in devices if d.startswith("cpu")]
-            figures["devices"] = devices
-            # The plain Celery workers of the dispatch baseline: the same cores and log level.
-            figures["dispatch"] = dispatch.measure(
-                app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus],
-                loglevel=load_worker_config(settings.worker_configs_path, Device.parse(cpus[0])).loglevel,
-            )
-            figures["sweep"] = sweep.measure(app, cpus, quick=quick, jobs_per_s=figures["dispatch"]["jobs_per_s"])
-            figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
-            ddp_figures = ddp.measure(app, cpus, quick=quick)
-            if ddp_figures is not None:
-                figures["ddp"] = ddp_figures
-            gpu_figures = gpu.measure(app, devices, quick=quick)
-            if gpu_figures is not None:
-                figures["gpu"] = gpu_figures
-    figures["pipeline"] = pipeline.measure(quick=quick)
+        if chosen - {"pipeline"}:
+            with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
+                _measure_fleet(fleet, settings, chosen, quick, figures)
+    if "pipeline" in chosen:
+        figures["pipeline"] = pipeline.measure(quick=quick)
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
     figures["elapsed_s"] = time.perf_counter() - started
     return figures
+
+
+def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bool,
+                   figures: dict[str, Any]) -> None:
+    app = fleet.app()
+    devices = list(fleet.workers)
+    cpus = [d for d in devices if d.startswith("cpu")]
+    figures["devices"] = devices
+    config = load_worker_config(settings.worker_configs_path, Device.parse(cpus[0]))
+    if "dispatch" in chosen:
+        # The plain Celery workers of the dispatch baseline: the same cores and log level.
+        figures["dispatch"] = dispatch.measure(
+            app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus], loglevel=config.loglevel,
+        )
+    if "sweep" in chosen:
+        figures["sweep"] = sweep.measure(app, cpus, quick=quick,
+                                         jobs_per_s=figures.get("dispatch", {}).get("jobs_per_s"))
+    if "fanout" in chosen:
+        figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
+    ddp_figures = ddp.measure(app, cpus, quick=quick) if "ddp" in chosen else None
+    if ddp_figures is not None:
+        figures["ddp"] = ddp_figures
+    gpu_figures = gpu.measure(app, devices, quick=quick) if "gpu" in chosen else None
+    if gpu_figures is not None:
+        figures["gpu"] = gpu_figures
+    if "isolation" in chosen:  # last: it crashes and kills job processes
+        figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)

@@ -1,0 +1,163 @@
+"""Job isolation: how fast a device recovers from a job that crashes its process or hangs.
+
+Each job runs in a supervised job process, with a warm spare beside it. Measured on one device
+of the bench fleet, with the misbehaving jobs of :mod:`.misbehave` (allowlisted there only):
+
+- ``crash_to_entry_s``: a ``segfault`` job records ``time.time()`` and kills its own process with
+  SIGSEGV; from then until the producer has its ``JobCrashed`` entry (``handle.get()`` returns);
+- ``next_job_after_crash_s``: from the same crash until the next job, queued behind the crashing
+  one on the same device (which waits :data:`CRASH_DELAY_S` before it crashes, so the next job
+  is queued by then), starts (the ``stamp`` job records its start);
+- ``cancel_to_free_s``: a ``hang`` job sleeps and never calls ``ctx.progress()``; from
+  ``handle.cancel()`` until the next job, queued behind it, starts. The fleet's
+  ``cancel_grace_s`` (:data:`CANCEL_GRACE_S` in the bench's worker configs, reported as
+  ``cancel_grace_s``) is part of it: the job cannot stop by itself, so its process is ended;
+- ``respawn_s``: from the crash until the device has a warm spare again (its registry record
+  lists two live job processes), which it waits for before each round.
+
+Each figure is the median over the rounds, with every round's own beside it (``*_rounds``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from ..producer.fanout import FanOut, fan_out, live_devices
+from ..worker.supervisor import WARM_PROCESSES
+
+logger = logging.getLogger(__name__)
+
+#: The module of the misbehaving jobs, allowlisted in the bench fleet only.
+JOB_MODULE = "tasks.bench.misbehave"
+#: The bench fleet's ``cancel_grace_s``: short, so ``cancel_to_free_s`` is about the mechanism
+#: (stop request, process group ended, entry, next job) rather than the default 5 s wait.
+CANCEL_GRACE_S = 1.0
+#: Seconds any one step may take before the bench gives up (a fresh job process imports torch).
+STEP_TIMEOUT_S = 120.0
+POLL_S = 0.02
+#: How long the ``segfault`` job waits before it crashes, so that the next job is queued behind
+#: it by then: ``next_job_after_crash_s`` is the device's recovery, not the producer's send.
+CRASH_DELAY_S = 0.2
+
+
+def write_worker_configs(source: Path, dest: Path, cancel_grace_s: float = CANCEL_GRACE_S) -> Path:
+    """Copy every ``*.toml`` of ``source`` into ``dest`` with ``cancel_grace_s`` set; returns ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.glob("*.toml")):
+        text = re.sub(r"(?m)^[ \t]*cancel_grace_s[ \t]*=.*\n?", "", path.read_text())
+        # A top-level key before the file's own content is valid TOML whatever tables follow.
+        (dest / path.name).write_text(
+            f"# devicefleet bench: a short grace, so isolation.cancel_to_free_s is about the mechanism\n"
+            f"cancel_grace_s = {cancel_grace_s!r}\n\n{text}")
+    return dest
+
+
+def _wait(check: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT_S) -> Any:
+    """Poll ``check`` until it returns something truthy; raise naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"isolation bench: {what} did not happen within {timeout:g} s")
+        time.sleep(POLL_S)
+
+
+def wait_warm(app: Celery, device: str, gone: Collection[int] = ()) -> float:
+    """Wait until ``device`` lists :data:`WARM_PROCESSES` live job processes, none of them in
+    ``gone`` (processes that were ended); returns ``time.time()`` then."""
+    def warm() -> float | None:
+        record = live_devices(app).get(device)
+        if record is None or len(record.job_pids) < WARM_PROCESSES or set(record.job_pids) & set(gone):
+            return None
+        return time.time()
+
+    return float(_wait(warm, f"{device} getting a warm spare job process again"))
+
+
+def _marker(directory: Path, handle: FanOut, device: str) -> dict[str, Any] | None:
+    """What the job of ``handle`` on ``device`` wrote before it misbehaved, or None yet."""
+    try:
+        return dict(json.loads((directory / f"{handle.task_ids[device]}.json").read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def _entry(handle: FanOut, device: str) -> dict[str, Any]:
+    return handle.get(timeout=STEP_TIMEOUT_S)[device]
+
+
+def _started(handle: FanOut, device: str) -> float:
+    entry = _entry(handle, device)
+    if entry["status"] != "ok":
+        raise RuntimeError(f"isolation bench: the stamp job after a misbehaving one failed: {entry['error']}")
+    return float(entry["output"]["started"])
+
+
+def crash_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
+    """One ``segfault`` job and a ``stamp`` queued behind it: the crash's figures."""
+    crash = fan_out(("segfault", {"marker_dir": str(markers), "delay_s": CRASH_DELAY_S}), [device], app=app)
+    following = fan_out("stamp", [device], app=app)
+    queued_at = time.time()
+    entry = _entry(crash, device)
+    entry_at = time.time()
+    if entry["status"] != "error" or (entry["error"] or {}).get("type") != "JobCrashed":
+        raise RuntimeError(f"isolation bench: the segfault job did not end as JobCrashed: {entry}")
+    mark = _marker(markers, crash, device)
+    if mark is None:
+        raise RuntimeError(f"isolation bench: the segfault job crashed before writing its time: {entry['error']}")
+    if queued_at > mark["t"]:
+        logger.warning("isolation: the next job was queued %.3f s after the crash (a slow host): "
+                       "next_job_after_crash_s includes its send", queued_at - mark["t"])
+    started = _started(following, device)
+    warm_at = wait_warm(app, device, gone=[int(mark["pid"])])
+    return {"crash_to_entry_s": entry_at - mark["t"], "next_job_after_crash_s": started - mark["t"],
+            "respawn_s": warm_at - mark["t"]}
+
+
+def cancel_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
+    """One ``hang`` job, cancelled once it runs, and a ``stamp`` queued behind it."""
+    hung = fan_out(("hang", {"marker_dir": str(markers)}), [device], app=app)
+    following = fan_out("stamp", [device], app=app)
+    mark = _wait(lambda: _marker(markers, hung, device), f"the hang job starting on {device}")
+    cancelled_at = time.time()
+    hung.cancel()
+    entry = _entry(hung, device)
+    entry_at = time.time()
+    if entry["status"] != "cancelled":
+        raise RuntimeError(f"isolation bench: the cancelled hang job's entry is not 'cancelled': {entry}")
+    started = _started(following, device)
+    wait_warm(app, device, gone=[int(mark["pid"])])
+    return {"cancel_to_entry_s": entry_at - cancelled_at, "cancel_to_free_s": started - cancelled_at}
+
+
+def measure(app: Celery, device: str, *, quick: bool, cancel_grace_s: float) -> dict[str, Any]:
+    """``{"crash_to_entry_s", "next_job_after_crash_s", "cancel_to_free_s", "cancel_grace_s", ...}``
+    on ``device``, whose workers run with ``cancel_grace_s`` (the figure reports it)."""
+    rounds = 1 if quick else 5
+    samples: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="devicefleet-bench-isolation-") as tmp:
+        markers = Path(tmp)
+        wait_warm(app, device)
+        _started(fan_out("stamp", [device], app=app), device)  # warm: the first job's costs
+        for _ in range(rounds):
+            # Each step starts from the steady state (a warm spare) that the last one waited for.
+            for figures in (crash_round(app, device, markers), cancel_round(app, device, markers)):
+                for key, value in figures.items():
+                    samples.setdefault(key, []).append(value)
+    out: dict[str, Any] = {key: statistics.median(values) for key, values in samples.items()}
+    out.update({f"{key}_rounds": values for key, values in samples.items()})
+    out.update(rounds=rounds, device=device, cancel_grace_s=cancel_grace_s)
+    logger.info("isolation: %s", out)
+    return out
