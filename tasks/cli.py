@@ -53,6 +53,10 @@ class _ForceStop(Exception):
     """A second Ctrl-C or SIGTERM while stopping."""
 
 
+class _StopWhileStarting(Exception):
+    """A first Ctrl-C or SIGTERM while ``up`` still starts the fleet."""
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="devicefleet")
@@ -80,17 +84,23 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
     settings = _settings(state_dir=state_dir)
     fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout, flower=flower)
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():
             raise _ForceStop
         console.print(f"\n{signal.Signals(signum).name}: stopping the fleet (again to kill at once)")
         stop.set()
+        if starting:
+            # Starting waits for every worker to be ready (minutes for a GPU worker that loads
+            # CUDA); a stop must not wait for that first.
+            raise _StopWhileStarting
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
         fleet.start()
+        starting = False
         info = fleet.describe()
         console.print(f"[bold green]fleet up[/]: redis {info['redis_url']}, state {info['state_dir']}")
         if info.get("flower_url"):
@@ -102,6 +112,8 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
         console.print("`devicefleet run probe` or `devicefleet status` in another terminal; Ctrl-C to stop.")
         fleet.supervise(stop)
         fleet.stop()
+    except _StopWhileStarting:
+        fleet.stop()  # a no-op if start() was interrupted: it stopped what it had started
     except _ForceStop:
         fleet.kill()
     except DeviceFleetError as exc:

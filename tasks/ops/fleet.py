@@ -4,7 +4,9 @@
 real process started as users start one (``python -m tasks worker cpu0``), in its own session
 so that a Ctrl-C in the terminal reaches only the launcher, which then stops the workers in
 order: SIGTERM (Celery's warm shutdown: finish the running job, take no new one), then SIGKILL
-after ``stop_timeout``.
+to the worker's whole process group after ``stop_timeout``, so that a hung job cannot hold the
+launcher's stop for longer. If the launcher dies without stopping them (even by SIGKILL), the
+kernel kills every child it started (:func:`.proc.spawn_child`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
 from ..core.worker_config import DEFAULT_LOADER_CORES, load_worker_config
 from .monitor import FleetMonitor
-from .proc import log_tail, wait_until
+from .proc import kill_group, log_tail, spawn_child, wait_until
 from .redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,9 @@ class Fleet:
     redis_url: str = ""
     monitor: FleetMonitor | None = None
     _stopping: bool = False
+    #: Set once a stop has run to its end, so that stopping again (the CLI after start() failed
+    #: and stopped the fleet itself) does not restart the embedded Redis it just stopped.
+    _stopped: bool = False
     redis_restarts: int = 0
     _redis_retry_at: float = 0.0
     _redis_backoff_s: float = REDIS_RESTART_BACKOFF_S[0]
@@ -175,13 +180,12 @@ class Fleet:
     def _spawn(self, worker: WorkerProcess) -> None:
         with open(worker.log, "ab") as log:
             worker.log_offset = log.seek(0, os.SEEK_END)
-            worker.process = subprocess.Popen(
+            worker.process = spawn_child(
                 [sys.executable, "-m", "tasks", "worker", worker.name],
                 env=self._env(worker),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
             )
         worker.started_at = time.time()
         logger.info("started %s (pid %d, cores %s)", worker.name, worker.process.pid,
@@ -301,7 +305,10 @@ class Fleet:
     # -- stop ----------------------------------------------------------------------------------
 
     def stop(self, timeout: float | None = None) -> None:
-        """Warm-stop every worker (SIGTERM), kill those still running after ``timeout``, stop Redis."""
+        """Warm-stop every worker (SIGTERM), kill those still running after ``timeout`` (SIGKILL to
+        the worker's process group), then stop Flower and Redis. Once stopped, a no-op."""
+        if self._stopped:
+            return
         self._stopping = True
         timeout = self.stop_timeout if timeout is None else timeout
         # Running jobs need Redis to store their results: bring a dead embedded one back first,
@@ -318,8 +325,7 @@ class Fleet:
                 worker.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("%s still running after %g s; killing it", worker.name, timeout)
-                worker.process.kill()
-                worker.process.wait()
+                kill_group(worker.process)
         if self.monitor is not None:
             self.monitor.stop()
         if self.redis is not None:
@@ -327,12 +333,13 @@ class Fleet:
         info = read_fleet_file(self.settings.fleet_file)
         if info is not None and info.pid == os.getpid():
             self.settings.fleet_file.unlink(missing_ok=True)
+        self._stopped = True
 
     def kill(self) -> None:
         """Stop everything at once (a second Ctrl-C)."""
         for worker in self.workers.values():
             if worker.alive:
-                worker.process.kill()  # type: ignore[union-attr]
+                kill_group(worker.process)  # type: ignore[arg-type]
         self.stop(timeout=5)
 
     def __enter__(self) -> Fleet:

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from ..core.errors import FlowerError
-from .proc import free_port, log_tail, stop_process, wait_until
+from .proc import free_port, log_tail, spawn_child, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class FlowerProcess:
                 # Flower forgets workers that stay offline this long (seconds).
                 "--purge_offline_workers=3600"]
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+            self.process = spawn_child(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)
         try:
             wait_until(self._answers, timeout, f"flower to answer at {self.url}/healthcheck", poll=0.2,
                        proc=self.process, error=FlowerError,

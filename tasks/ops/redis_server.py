@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from ..core.errors import RedisServerError
-from .proc import free_port, log_tail, stop_process, wait_until
+from .proc import free_port, log_tail, spawn_child, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,8 @@ class EmbeddedRedis:
                 f"logfile {log}",
             ]) + "\n"
         )
-        self.process = subprocess.Popen(
-            [str(self.binary), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.process = spawn_child([str(self.binary), str(conf)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
                              socket_connect_timeout=1)
 
