@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -60,10 +61,33 @@ def gpu_count() -> int:
     return count_gpus()
 
 
+def worker_configs(folder: Path, **values: object) -> Path:
+    """The packaged worker configs copied into ``folder`` with ``values`` in place of their own
+    (e.g. ``cancel_grace_s=2.0``; a key the files leave unset is added)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in (ROOT / "worker_configs").glob("*.toml"):
+        text = source.read_text()
+        for key, value in values.items():
+            line = re.search(rf"^{key} = .*$", text, flags=re.MULTILINE)
+            setting = f"{key} = {json.dumps(value)}"
+            text = text.replace(line.group(0), setting) if line else f"{text.rstrip()}\n{setting}\n"
+        (folder / source.name).write_text(text)
+    return folder
+
+
+#: The session fleet's worker configs: a short grace for jobs asked to stop, and a memory
+#: threshold a test's leaking job crosses in two runs (tests/test_isolation.py).
+FLEET_CANCEL_GRACE_S = 2.0
+FLEET_MEMORY_GROWTH_MIB = 300
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two CPU devices (and each visible GPU) on an embedded redis-server."""
-    settings = make_settings(tmp_path_factory.mktemp("fleet"))
+    state = tmp_path_factory.mktemp("fleet")
+    configs = worker_configs(state / "worker_configs", cancel_grace_s=FLEET_CANCEL_GRACE_S,
+                             max_memory_growth_mib=FLEET_MEMORY_GROWTH_MIB)
+    settings = make_settings(state, worker_configs_dir=configs)
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
         yield running
 
@@ -130,4 +154,4 @@ def read_markers(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-__all__ = ["ROOT", "http_status", "read_markers", "make_settings", "test_env", "sys", "wait_for"]
+__all__ = ["ROOT", "http_status", "read_markers", "make_settings", "test_env", "sys", "wait_for", "worker_configs"]

@@ -146,3 +146,81 @@ def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
             writes[path] = errno.errorcode.get(exc.errno or 0, str(exc))
     pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
     return {"writes": writes, "visible_pids": pids, "uid": os.getuid(), "pid": os.getpid()}
+
+
+# -- jobs that misbehave the way research code does (tests/test_isolation.py) -----------------
+
+
+class CrashParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: ``segv``: die as a native extension dies; ``exit``: ``os._exit(status)``.
+    how: str = "segv"
+    status: int = 3
+
+
+@job("crash", params=CrashParams)
+def crash(ctx: JobContext, params: CrashParams) -> dict[str, Any]:
+    """Print a line, then kill the job's process (SIGSEGV, or ``os._exit``)."""
+    import signal
+
+    print(f"about to crash ({params.how}) in {os.getpid()}", flush=True)
+    if params.how == "exit":
+        os._exit(params.status)
+    os.kill(os.getpid(), signal.SIGSEGV)
+    return {}
+
+
+class HangParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A file the job writes its pid and its subprocess's pid to once it hangs.
+    marker: str
+
+
+@job("hang", params=HangParams)
+def hang(ctx: JobContext, params: HangParams) -> dict[str, Any]:
+    """Start a subprocess (as a DataLoader starts workers), then hang without ever reporting."""
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(params.marker, "w") as handle:
+        handle.write(f"{os.getpid()} {child.pid}\n")
+    while True:  # a deadlocked data loader: no ctx.progress(), ever
+        time.sleep(0.05)
+
+
+#: What :func:`leak` keeps alive across jobs in its process, as research code keeps a cache.
+_LEAKED: list[bytearray] = []
+
+
+class LeakParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mib: int = 200
+
+
+@job("leak", params=LeakParams)
+def leak(ctx: JobContext, params: LeakParams) -> dict[str, Any]:
+    """Keep ``mib`` MiB more in a module global (touched, so it is resident)."""
+    _LEAKED.append(bytearray(b"x" * (params.mib * 2**20)))
+    return {"pid": os.getpid(), "held_mib": len(_LEAKED) * params.mib}
+
+
+class RewriteParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rewrite: bool = True
+
+
+@job("environment", params=RewriteParams)
+def environment(ctx: JobContext, params: RewriteParams) -> dict[str, Any]:
+    """Report what the job sees (visible devices, a variable, the working directory, sys.path's
+    head); with ``rewrite``, then change all of them, as a careless script does."""
+    import sys
+
+    seen = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "marker": os.environ.get("JOB_MARKER"),
+            "cwd": os.getcwd(), "sys_path_0": sys.path[0], "pid": os.getpid()}
+    if params.rewrite:
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0,1,2,3"
+        os.environ["JOB_MARKER"] = "left behind"
+        os.chdir("/")
+        sys.path.insert(0, "/nonexistent")
+    return seen

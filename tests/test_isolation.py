@@ -1,0 +1,167 @@
+"""A job can no longer take its device down: each way research code misbehaves, on real workers.
+
+Every job runs in a job process its worker supervises (tasks/worker/supervisor.py). The session
+fleet's workers give a job asked to stop ``FLEET_CANCEL_GRACE_S`` to stop at ``ctx.progress()``
+and retire a job process grown by ``FLEET_MEMORY_GROWTH_MIB`` (tests/conftest.py); the jobs are
+in tests/fleet_jobs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+import tasks
+from tasks import fan_out
+from tasks.core.registry import connect, live_workers
+
+from .conftest import FLEET_CANCEL_GRACE_S, FLEET_MEMORY_GROWTH_MIB, test_env, wait_for, worker_configs
+
+MiB = 2**20
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _crashed_pid(message: str) -> int:
+    match = re.search(r"job process (\d+)", message)
+    assert match is not None, message
+    return int(match.group(1))
+
+
+def _hanging(marker: Path) -> tuple[int, int]:
+    """Wait until the ``hang`` job wrote its pid and its subprocess's; return both."""
+    text = wait_for(lambda: marker.exists() and marker.read_text().strip(), 60, "the job to hang")
+    job_pid, sub_pid = (int(p) for p in str(text).split())
+    return job_pid, sub_pid
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_segfaults_or_exits_is_an_error_entry_and_the_next_job_runs(fleet, app):
+    before = tasks.live_devices(app)
+    handle = fan_out({"cpu0": ("crash", {"how": "segv"}), "cpu1": ("crash", {"how": "exit", "status": 3})}, app=app)
+    results = handle.get(timeout=60)
+    # The task ends in FAILURE (what Flower shows) and the chord completed.
+    assert handle.states() == {"cpu0": "FAILURE", "cpu1": "FAILURE"}
+    segv, exited = results["cpu0"]["error"], results["cpu1"]["error"]
+    assert segv["type"] == "JobCrashed" and "killed by SIGSEGV" in segv["message"]
+    assert exited["type"] == "JobCrashed" and "exit status 3" in exited["message"]
+    # The entry ends with the last lines the job printed.
+    assert "about to crash (segv)" in segv["message"] and "about to crash (exit)" in exited["message"]
+
+    after = fan_out("echo", ["cpu0", "cpu1"], kwargs={"value": 1}, app=app).get(timeout=60)
+    live = tasks.live_devices(app)
+    for device, error in (("cpu0", segv), ("cpu1", exited)):
+        crashed = _crashed_pid(error["message"])
+        assert after[device]["status"] == "ok", after[device]
+        assert after[device]["output"]["pid"] != crashed and _gone(crashed)
+        assert live[device].pid == before[device].pid, f"{device}'s worker was restarted"
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_job_cancelled_has_its_process_group_ended_and_the_device_takes_the_next(fleet, app, tmp_path):
+    marker = tmp_path / "hang"
+    handle = fan_out("hang", ["cpu0"], kwargs={"marker": str(marker)}, app=app)
+    job_pid, sub_pid = _hanging(marker)
+    handle.cancel()
+    entry = handle.get(timeout=60)["cpu0"]
+    assert entry["status"] == "cancelled" and entry["error"]["type"] == "JobCancelled"
+    assert f"did not stop at ctx.progress() within {FLEET_CANCEL_GRACE_S:g} s" in entry["error"]["message"]
+    assert handle.states() == {"cpu0": "REVOKED"}
+    # The job's process and the subprocess it started (as a DataLoader starts its workers).
+    assert _gone(job_pid) and _gone(sub_pid)
+    nxt = fan_out("echo", ["cpu0"], kwargs={"value": 2}, app=app).get(timeout=60)["cpu0"]
+    assert nxt["status"] == "ok" and nxt["output"]["pid"] != job_pid
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_job_past_its_time_limit_ends_as_job_timeout(fleet, app, tmp_path):
+    marker = tmp_path / "hang"
+    handle = fan_out("hang", ["cpu1"], kwargs={"marker": str(marker)}, options={"time_limit_s": 1}, app=app)
+    job_pid, sub_pid = _hanging(marker)
+    entry = handle.get(timeout=60)["cpu1"]
+    assert entry["status"] == "error" and entry["error"]["type"] == "JobTimeout"
+    assert "ran past its time limit of 1 s" in entry["error"]["message"]
+    assert handle.states() == {"cpu1": "FAILURE"}
+    assert _gone(job_pid) and _gone(sub_pid)
+    assert fan_out("echo", ["cpu1"], app=app).get(timeout=60)["cpu1"]["status"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_a_leaking_job_costs_its_process_not_the_worker(fleet, app):
+    worker = tasks.live_devices(app)["cpu1"].pid
+    worker_rss = psutil.Process(worker).memory_info().rss
+    mib = FLEET_MEMORY_GROWTH_MIB * 2 // 3  # the second run crosses the threshold
+    outputs = [fan_out("leak", ["cpu1"], kwargs={"mib": mib}, app=app).get(timeout=60)["cpu1"]["output"]
+               for _ in range(3)]
+    first, second, third = outputs
+    # The same warm process ran the first two (its global kept growing), then it was retired
+    # and a fresh one, with nothing left over, ran the third.
+    assert first["pid"] == second["pid"] and second["held_mib"] == 2 * mib
+    assert third["pid"] != second["pid"] and third["held_mib"] == mib
+    assert _gone(second["pid"])
+    # The worker never held any of it.
+    assert psutil.Process(worker).memory_info().rss < worker_rss + mib * MiB // 2
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_rewrites_its_environment_does_not_change_the_next_jobs(fleet, app):
+    first = fan_out("environment", ["cpu0"], kwargs={"rewrite": True}, app=app).get(timeout=60)["cpu0"]["output"]
+    second = fan_out("environment", ["cpu0"], kwargs={"rewrite": False}, app=app).get(timeout=60)["cpu0"]["output"]
+    assert second["pid"] == first["pid"]  # the same process: it was put back between the jobs
+    assert second == first
+    assert first["cuda_visible_devices"] == "-1" and first["marker"] is None and first["cwd"] != "/"
+
+
+def test_the_worker_process_never_loads_torch_its_job_processes_do(fleet, app):
+    for device, record in tasks.live_devices(app).items():
+        maps = Path(f"/proc/{record.pid}/maps").read_text()
+        assert "libtorch" not in maps, f"{device}'s worker loaded torch"
+        assert record.job_pids, f"{device} lists no job process"
+        assert all("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in record.job_pids if not _gone(pid))
+
+
+@pytest.mark.timeout(120)
+def test_a_stopping_worker_ends_a_hung_job_after_its_stop_timeout(fleet, app, tmp_path):
+    configs = worker_configs(tmp_path / "configs", cancel_grace_s=1.0, stop_timeout_s=1)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}, **test_env(),
+           "DEVICEFLEET_REDIS_URL": fleet.redis_url, "DEVICEFLEET_WORKER_CONFIGS_DIR": str(configs),
+           "DEVICEFLEET_CORES": "0", "DEVICEFLEET_JOB_MODULES": "tasks.jobs,tests.fleet_jobs",
+           "DEVICEFLEET_STATE_DIR": str(tmp_path / "state")}
+    log = (tmp_path / "cpu8.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "tasks", "worker", "cpu8"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    client = connect(fleet.redis_url)
+    try:
+        record = wait_for(lambda: (r := live_workers(client).get("cpu8")) is not None and r.ready and r, 90,
+                          "cpu8 to join", proc=proc)
+        marker = tmp_path / "hang"
+        handle = fan_out("hang", ["cpu8"], kwargs={"marker": str(marker)}, app=app)
+        job_pid, sub_pid = _hanging(marker)
+        job_processes = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGTERM)  # systemctl stop
+        entry = handle.get(timeout=60)["cpu8"]
+        assert entry["status"] == "error" and entry["error"]["type"] == "WorkerStopped"
+        assert "stop timeout of 1 s" in entry["error"]["message"]
+        assert proc.wait(60) == 0
+        # Nothing the worker started outlives it.
+        assert _gone(job_pid) and _gone(sub_pid) and all(_gone(p.pid) for p in job_processes)
+        assert record.pid == proc.pid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        client.close()
