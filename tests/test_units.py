@@ -12,9 +12,9 @@ from tasks.core.devices import Device, DeviceKind, format_core_list, parse_core_
 from tasks.core.errors import DeviceUnavailable, InvalidJobArguments, NoFleetError, UnknownJob
 from tasks.core.queues import worker_queues
 from tasks.core.worker_config import WorkerConfig, load_worker_config
+from tasks.jobproc.registry import JobRegistry, validate_kwargs
 from tasks.producer.fanout import select_devices
 from tasks.worker.device import device_from_nodename
-from tasks.jobproc.registry import JobRegistry, validate_kwargs
 from tasks.worker.jobs import JobCatalog
 
 ROOT = Path(__file__).resolve().parent.parent

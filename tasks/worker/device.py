@@ -20,8 +20,6 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-import tasks
-
 from ..core.devices import (
     Device,
     DeviceKind,
@@ -267,7 +265,7 @@ def job_environment(device: Device, threads: int) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     # The same devicefleet as this worker's, and the job modules it could import from its
     # working directory (`celery -A tasks worker` run from a project folder).
-    package_root = str(Path(tasks.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds tasks/
     paths = [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), os.getcwd()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

@@ -17,8 +17,8 @@ from typing import Any
 import redis
 
 from ..core import keys
-from ..core.records import WorkerRecord
 from ..core.periodic import PeriodicThread
+from ..core.records import WorkerRecord
 
 logger = logging.getLogger(__name__)
 

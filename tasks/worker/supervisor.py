@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
@@ -71,7 +71,7 @@ class ProcessPolicy:
 class Watch(Protocol):
     """What the supervisor asks of the job it runs (implemented by the runner)."""
 
-    def report(self, fields: dict[str, object]) -> None:
+    def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
     def stop(self) -> StopJob | None:
