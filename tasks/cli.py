@@ -184,6 +184,10 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result dict as JSON.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar per device (on stderr).")
 @click.option("--fallback", type=click.Choice(["cpu"]), help="On out-of-memory, run the job again on the CPU.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a job may run; then it ends as JobTimeout [default: the worker config's max_job_seconds].")
+@click.option("--max-attempts", type=click.IntRange(1, 100),
+              help="Runs that may take their whole worker down before the job ends as WorkerLost [default: 3].")
 @click.option("--distributed", is_flag=True,
               help="Run JOB once over all DEVICES as the ranks of one torch.distributed group (DDP).")
 @click.option("--backend", type=click.Choice([b.value for b in DistBackend]),
@@ -194,8 +198,8 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
               help="With --distributed: seconds a rank waits for the others to start [default: 120].")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool,
-        fallback: str | None, distributed: bool, backend: str | None, max_restarts: int | None,
-        join_timeout: float | None, redis_url: str | None) -> None:
+        fallback: str | None, time_limit: float | None, max_attempts: int | None, distributed: bool,
+        backend: str | None, max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
     Ctrl-C (which cancels the fan-out)."""
     from .producer.fanout import fan_out
@@ -208,7 +212,9 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
         raise click.UsageError("--backend, --max-restarts and --join-timeout go with --distributed")
     try:
         app = _producer_app(settings)
-        handle = fan_out(job, devices, kwargs=kwargs, options={"fallback": fallback}, distributed=gang, app=app)
+        options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
+        handle = fan_out(job, devices, kwargs=kwargs, options={k: v for k, v in options.items() if v is not None},
+                         distributed=gang, app=app)
         results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout,
                                              (lambda: _watch_progress(handle, timeout)) if progress else None)
     except DeviceFleetError as exc:
@@ -252,7 +258,8 @@ def _say_on_interrupt(what: str) -> Iterator[None]:
     """Ctrl-C says that ``what`` is being cancelled, then raises KeyboardInterrupt as usual."""
     def interrupted(signum: int, frame: Any) -> None:
         err_console.print(f"[bold yellow]interrupted:[/] cancelling {what}: queued jobs never start, "
-                          "running ones stop at their next ctx.progress()", highlight=False)
+                          "running ones stop at their next ctx.progress() or are ended after the workers' "
+                          "grace period (Ctrl-C again to stop waiting)", highlight=False)
         signal.signal(signal.SIGINT, previous)  # a second Ctrl-C stops at once
         raise KeyboardInterrupt
 

@@ -8,6 +8,7 @@ in tests/fleet_jobs.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -165,3 +166,25 @@ def test_a_stopping_worker_ends_a_hung_job_after_its_stop_timeout(fleet, app, tm
             proc.wait()
         log.close()
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_run_cancels_a_hung_job_and_exits(fleet, app, tmp_path):
+    marker = tmp_path / "hang"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}, **test_env(),
+           "DEVICEFLEET_REDIS_URL": fleet.redis_url}
+    run = subprocess.Popen([sys.executable, "-m", "tasks", "run", "hang", "--devices", "cpu1", "--no-progress",
+                            "--json", "--kwargs", f'{{"marker": "{marker}"}}'], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job_pid, sub_pid = _hanging(marker)
+        run.send_signal(signal.SIGINT)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, err
+    assert "cancelling the fan-out" in err
+    entry = json.loads(out)["cpu1"]
+    assert entry["status"] == "cancelled" and _gone(job_pid) and _gone(sub_pid)
+    assert fan_out("echo", ["cpu1"], app=app).get(timeout=60)["cpu1"]["status"] == "ok"
