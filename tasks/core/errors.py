@@ -21,6 +21,7 @@ The tree, by area::
         ├── OutOfMemory           the device ran out of memory
         ├── GangFailed            a distributed job's ranks could not form or gave up
         ├── JobCrashed            the job's process died (a signal, an exit status)
+        ├── NoJobProcess          no job process became ready to run the job
         ├── JobTimeout            the job ran past its time limit and was ended
         ├── WorkerLost            the job's workers died with it too often: not run again
         ├── WorkerStopped         the worker stopped and the job did not end within its stop timeout
@@ -144,6 +145,11 @@ class JobCrashed(JobError):
     """The job's process died while it ran (a signal such as SIGSEGV or SIGKILL, ``os._exit``,
     the kernel's out-of-memory killer): the message names the signal or exit status and ends
     with the last lines the job printed. The worker lives on; the job is not run again."""
+
+
+class NoJobProcess(JobError):
+    """No job process of the worker became ready in time to run the job (the message says what
+    the last start said: a job module that stopped importing, a device that went away)."""
 
 
 class JobTimeout(JobError, TimeoutError):

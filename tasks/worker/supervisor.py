@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..core.errors import NoJobProcess
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
 from .jobprocess import JobProcess, ProcessGone
@@ -95,10 +96,6 @@ class Ended:
     @property
     def crashed(self) -> bool:
         return self.error is not None and self.error.type == "JobCrashed"
-
-
-class NoJobProcess(Exception):
-    """No job process became ready in time; the message says what the last spawn said."""
 
 
 class Supervisor:
