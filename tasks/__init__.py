@@ -38,12 +38,24 @@ from .core.errors import (
     OutOfMemory,
     SweepConflict,
     UnknownJob,
+    WorkerLost,
 )
 from .core.job import JobContext, JobMetric, job
 from .core.queues import QueueName
-from .core.records import ENTRY_KEYS, Entry, EntryStatus, JobOptions, WorkerRecord
+from .core.records import ENTRY_KEYS, DeadLetter, Entry, EntryStatus, JobOptions, WorkerRecord
 from .core.settings import Settings
-from .producer import FanOut, JobSpec, Sweep, SweepSummary, fan_out, grid, live_devices, sweep
+from .producer import (
+    FanOut,
+    JobSpec,
+    Sweep,
+    SweepSummary,
+    dead_letters,
+    fan_out,
+    forget_dead_letter,
+    grid,
+    live_devices,
+    sweep,
+)
 
 if TYPE_CHECKING:
     from .ops.fleet import Fleet
@@ -52,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY_KEYS",
     "ConfigError",
+    "DeadLetter",
     "Device",
     "DeviceFleetError",
     "DeviceKind",
@@ -79,10 +92,13 @@ __all__ = [
     "SweepConflict",
     "SweepSummary",
     "UnknownJob",
+    "WorkerLost",
     "WorkerRecord",
     "app",
     "create_app",
+    "dead_letters",
     "fan_out",
+    "forget_dead_letter",
     "grid",
     "job",
     "live_devices",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,21 @@ def oom(ctx: JobContext, params: OomParams) -> dict[str, Any]:
             return {"allocated": block.numel()}
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
     return {"torch_device": ctx.torch_device, "fallback_from": ctx.fallback_from, "pid": os.getpid()}
+
+
+class KillWorkerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A folder where each run appends a line (with its worker's pid) before it kills the worker.
+    marker: str
+
+
+@job("kill_worker", params=KillWorkerParams)
+def kill_worker(ctx: JobContext, params: KillWorkerParams) -> dict[str, Any]:
+    """Take the whole worker down, as a job that makes the machine OOM-kill its worker would:
+    SIGKILL the worker (the job process's parent), after a line in ``marker/<job id>``."""
+    worker = os.getppid()
+    with open(Path(params.marker) / ctx.job_id, "a") as handle:
+        handle.write(json.dumps({"event": "start", "pid": os.getpid(), "worker_pid": worker, "t": time.time()}) + "\n")
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(60)  # the job process dies with its worker (PR_SET_PDEATHSIG)
+    return {"survived": True}

@@ -299,6 +299,44 @@ def test_a_copy_whose_lease_a_live_worker_holds_is_not_run(rfleet, rapp, client)
         client.delete(keys.lease(task_id))
 
 
+@pytest.mark.timeout(180)
+def test_a_job_that_kills_its_worker_ends_as_worker_lost_after_max_attempts(rfleet, rapp, client, tmp_path):
+    """A job that SIGKILLs its own worker runs ``max_attempts`` times (its worker restarted and
+    the job given back each time), then ends as a ``WorkerLost`` entry naming the workers it took
+    down, kept as a dead letter, instead of looping; the other device's jobs go on meanwhile."""
+    victim = rfleet.workers["cpu1"]
+    restarts_before = victim.restarts
+    handle = fan_out("kill_worker", ["cpu1"], kwargs={"marker": str(tmp_path)}, options={"max_attempts": 2},
+                     app=rapp)
+    job_id = handle.task_ids["cpu1"]
+    marker = tmp_path / job_id
+    wait_for(marker.is_file, 60, "the job's first run")
+    echoes = [fan_out("echo", ["cpu0"], kwargs={"value": i}, app=rapp) for i in range(3)]
+    assert [e.get(timeout=60)["cpu0"]["output"]["value"] for e in echoes] == [0, 1, 2]
+
+    entry = handle.get(timeout=120)["cpu1"]
+    runs = read_markers(marker)
+    assert len(runs) == 2, runs  # exactly max_attempts runs, each one killing its worker
+    dead_pids = [run["worker_pid"] for run in runs]
+    assert len(set(dead_pids)) == 2 and victim.restarts >= restarts_before + 2
+    assert (entry["status"], entry["error"]["type"]) == ("error", "WorkerLost"), entry
+    message = entry["error"]["message"]
+    assert "took its worker down 2 times" in message and "max_attempts=2" in message
+    assert all(f"pid {pid}" in message for pid in dead_pids), message
+    assert handle.states() == {"cpu1": "FAILURE"}
+    assert _lease(client, job_id) is None  # released with the stored failure
+    wait_for(lambda: client.hlen("unacked") == 0, 30, "every message acknowledged")
+
+    letters = {letter.task_id: letter for letter in tasks.dead_letters(rapp)}
+    assert job_id in letters
+    letter = letters[job_id]
+    assert (letter.job, letter.device, letter.kwargs, letter.max_attempts) == (
+        "kill_worker", "cpu1", {"marker": str(tmp_path)}, 2)
+    assert [w.rsplit(" pid ", 1)[1] for w in letter.workers] == [str(pid) for pid in dead_pids]
+    assert tasks.forget_dead_letter(job_id, app=rapp)
+    rfleet.wait_ready(60)
+
+
 # -- 2. Redis restarted mid-run --------------------------------------------------------------------
 
 

@@ -36,6 +36,19 @@ def lease(task_id: str) -> str:
     return f"{PREFIX}lease:{task_id}"
 
 
+def worker_deaths(task_id: str) -> str:
+    """List of the workers that died holding a job's lease (``"<worker> pid <pid>"``, oldest
+    first), pushed by the reaper or the worker that takes over; it bounds the job's runs
+    (:attr:`tasks.core.records.JobOptions.max_attempts`). Expires with the results."""
+    return f"{PREFIX}deaths:{task_id}"
+
+
+#: Hash ``{task id: dead letter}`` (:class:`tasks.core.records.DeadLetter`, JSON) of the jobs
+#: that took their worker down ``max_attempts`` times and are not run again. Kept until forgotten
+#: (``tasks.forget_dead_letter``).
+DEAD_LETTERS = f"{PREFIX}dead-letters"
+
+
 def progress(task_id: str) -> str:
     """A job's latest progress report (JSON), kept after the job ends (expires with its result)."""
     return f"{PREFIX}progress:{task_id}"

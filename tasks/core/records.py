@@ -6,6 +6,7 @@
   receives it;
 - :class:`WorkerRecord`: a device worker's entry in the fleet registry;
 - :class:`LeaseRecord`: the lease of a running job, with what the reaper needs to send it again;
+- :class:`DeadLetter`: a job that took its worker down too often and is not run again;
 - :class:`FleetFile`: what ``devicefleet up`` writes for producers on the same host.
 
 Where each lives in Redis is in :mod:`tasks.core.keys`.
@@ -282,6 +283,28 @@ class LeaseRecord(_Record):
     delivery_tag: str | None = None
     since: float
     resend: ResendRecord | None = None
+
+
+class DeadLetter(_Record):
+    """A job that took its whole worker down ``max_attempts`` times: it ended as ``WorkerLost``
+    and is not run again (``keys.DEAD_LETTERS``; ``tasks.dead_letters()`` lists them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task_id: str
+    #: The job's name (``train``), not its Celery task's.
+    job: str
+    #: The device whose worker refused to run it again, and the queue it came from.
+    device: str
+    queue: str | None = None
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict)
+    #: The workers it took down, oldest first: ``"<worker> pid <pid>"``.
+    workers: list[str]
+    max_attempts: int
+    #: When it was given up (seconds since the epoch).
+    at: float
+    #: Its fan-out (the chord's group), to find the rest of it.
+    group_id: str | None = None
 
 
 # -- sweeps ----------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ in Redis, so the fleet exports it itself, from one exporter thread the launcher 
 - queue depth is ``LLEN`` of kombu's Redis lists (one per priority step), and the oldest waiting
   message's age comes from the send-time header every producer stamps
   (:mod:`tasks.producer.sent_at`);
+- the dead letters (jobs that took their worker down ``max_attempts`` times, not run again) are
+  ``HLEN`` of ``keys.DEAD_LETTERS``;
 - :class:`FleetCollector` reads all of that on each scrape; :class:`MetricsExporter` serves it
   with prometheus_client on loopback. :func:`fleet_snapshot` gives the same figures as a dict,
   for ``devicefleet status``.
@@ -99,7 +101,8 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         a device appears while its worker is live or once it has run a job. Its fields:
         ``live``, ``worker``, ``busy`` (the running job, or None), ``progress``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
-        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``.
+        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``. Also
+        ``"dead_letters"``: how many jobs are kept as dead letters.
     """
     now = time.time() if now is None else now
     live = live_workers(client)
@@ -109,7 +112,9 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
     for device in devices:
         pipe.hgetall(keys.stats(device))
         pipe.zcount(keys.finished(device), now - RATE_WINDOW_S, "+inf")
+    pipe.hlen(keys.DEAD_LETTERS)
     replies = pipe.execute()
+    dead_letters = int(replies.pop())
     out: dict[str, dict[str, Any]] = {}
     for i, device in enumerate(devices):
         stats: dict[str, str] = replies[2 * i]
@@ -137,7 +142,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
     for name in fleet_queues(live, devices):
         depth, age = queue_depth(client, name, now)
         queues[name] = {"depth": depth, "oldest_age_s": age}
-    return {"at": now, "devices": out, "queues": queues}
+    return {"at": now, "devices": out, "queues": queues, "dead_letters": dead_letters}
 
 
 def _float(value: str | None) -> float | None:
@@ -206,7 +211,11 @@ class FleetCollector(Collector):
         for name, q in snap["queues"].items():
             depth.add_metric([name], q["depth"])
             age.add_metric([name], q["oldest_age_s"] or 0.0)
-        yield from (jobs, busy_s, samples, online, busy, rate, sps, wait, gpu, depth, age)
+        dead = GaugeMetricFamily("devicefleet_dead_letters",
+                                 "Jobs given up after taking their worker down max_attempts times "
+                                 "(kept until forgotten: tasks.forget_dead_letter)")
+        dead.add_metric([], snap["dead_letters"])
+        yield from (jobs, busy_s, samples, online, busy, rate, sps, wait, gpu, depth, age, dead)
 
     def close(self) -> None:
         self._client.close()

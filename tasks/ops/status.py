@@ -1,7 +1,8 @@
 """``devicefleet status``: the live fleet at a glance, as a dict (``--json``) or rich tables.
 
 :func:`report` reads the registry and the throughput counters (:func:`tasks.ops.exporter.fleet_snapshot`)
-and adds the Flower and metrics URLs from the fleet file; :func:`render` draws it.
+and the dead letters (:mod:`tasks.producer.dead_letters`), and adds the Flower and metrics URLs
+from the fleet file; :func:`render` draws it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-from ..core.records import FleetFile
+from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
+from ..producer.dead_letters import read_dead_letters
 from .exporter import fleet_snapshot
 from .progress_view import describe, fraction
 
@@ -24,10 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
-    """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "at"}``.
+    """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "dead_letters", "at"}``.
 
     ``workers`` are the registry records (as JSON); ``devices`` the throughput figures of
-    :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue's depth and oldest age.
+    :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue's depth and oldest age;
+    ``dead_letters`` the jobs given up after taking their worker down (as JSON, oldest first).
 
     Raises:
         FleetError: Redis cannot be read.
@@ -35,6 +38,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     with reading(url) as client:
         live = live_workers(client)
         snap = fleet_snapshot(client)
+        letters = read_dead_letters(client) if snap["dead_letters"] else []
     return {
         "redis_url": redact_url(url),
         "flower_url": fleet_info.flower_url if fleet_info else None,
@@ -44,6 +48,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "workers": {device: record.to_dict() for device, record in live.items()},
         "devices": snap["devices"],
         "queues": snap["queues"],
+        "dead_letters": [letter.to_dict() for letter in letters],
     }
 
 
@@ -79,7 +84,8 @@ def table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
 
 def render(rep: dict[str, Any]) -> Group:
     """Rich tables: devices (state, jobs, jobs/s, samples/s...), then queues, then each
-    worker's process and what it sees (as lines, which wrap, rather than two wide columns)."""
+    worker's process and what it sees (as lines, which wrap, rather than two wide columns), then
+    the dead letters if there are any."""
     now = float(rep.get("at") or time.time())
     live = sum(1 for d in rep["devices"].values() if d["live"])
     # GPU memory only on a fleet with a GPU: the column would be all dashes on a CPU host.
@@ -107,6 +113,14 @@ def render(rep: dict[str, Any]) -> Group:
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
     parts: list[Any] = [devices, *seen, "", queues]
+    letters = rep.get("dead_letters") or []
+    if letters:
+        dead = table(f"{len(letters)} dead letter(s): jobs that took their worker down, not run again",
+                     ["job id", "job", "device", "workers it took down", "given up at"])
+        for letter in letters:
+            dead.add_row(letter["task_id"], letter["job"], letter["device"], ", ".join(letter["workers"]),
+                         iso(letter["at"]) or "-")
+        parts.extend(["", dead, "tasks.dead_letters() lists them; tasks.forget_dead_letter(job_id) removes one."])
     links = []
     if rep.get("flower_url"):
         where = rep.get("flower_auth_file") or "FLOWER_BASIC_AUTH"

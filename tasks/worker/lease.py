@@ -22,6 +22,19 @@ long timeout and adds a lease per running job:
 
 Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
 reaper_interval_s``, whatever the job's length.
+
+A job that takes its whole worker down (it kills it, or the machine's OOM killer does) would
+then run again for ever, its worker restarted each time. So each such death is counted where it
+is seen: by the reaper when it gives back a dead owner's lease, or by the take script when a
+worker takes over a dead owner's lease; either pushes the dead worker's name onto
+``keys.worker_deaths(task_id)`` in the same script call that removes the dead lease (so one death
+is counted once, whoever sees it first). A job refused by a live owner, or sent again by a
+distributed rank that gave way, is no death. The take script refuses to run a job that has
+``max_attempts`` deaths (:attr:`tasks.core.records.JobOptions.max_attempts`): it takes the lease
+and says :attr:`Take.LOST`, and :meth:`LeaseKeeper.hold` records a
+:class:`~tasks.core.records.DeadLetter` (``keys.DEAD_LETTERS``) and raises
+:class:`~tasks.core.errors.WorkerLost`, which the runner stores as the job's failure (its
+lease released and its message acknowledged with it).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from typing import Any
 
@@ -47,27 +61,50 @@ from redis.exceptions import LockError
 from ..core import keys
 from ..core.backend import LUA_STATE_FUNCTIONS
 from ..core.devices import host_name
-from ..core.records import LeaseRecord, ResendRecord
-from ..core.registry import read_worker
+from ..core.errors import WorkerLost
+from ..core.job import TASK_PREFIX
 from ..core.periodic import PeriodicThread
+from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord
+from ..core.registry import read_worker
+from ..core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+#: How long a job's count of worker deaths is kept by :meth:`LeaseKeeper.take` when the caller
+#: does not say (the default expiry of results; :func:`deaths_kept_s` reads an app's).
+DEATHS_KEPT_S: int = Settings.model_fields["result_expires_s"].default
+
 #: Take a job: one round trip. KEYS: the job's result meta key ('' to skip that check), its lease
-#: key, ``keys.LEASES``. ARGV: our lease value, TTL ms, task id, the STARTED meta to store ('' for
-#: none), its expiry in seconds, the lease value we expect to replace ('' takes a free lease only).
+#: key, ``keys.LEASES``, ``keys.worker_deaths(task_id)``. ARGV: our lease value, TTL ms, task id,
+#: the STARTED meta to store ('' for none), its expiry in seconds, the lease we expect to replace
+#: ('' takes a free lease only; else the lease key's value or, when that key has expired, the
+#: value recorded in ``keys.LEASES``), the dead owner of that lease to count ('' for none), the
+#: job's ``max_attempts`` (0: no bound), how long the deaths are kept in seconds (0: for ever).
 #: Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
-#: lease is there), ``{'changed'}`` (the lease is not the one we read) or ``{'ok'}`` (taken).
+#: lease is there), ``{'expired', value}`` (another lease is recorded, its key expired: its
+#: owner is dead or late to renew), ``{'changed'}`` (the lease is not the one we read),
+#: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
+#: times: do not run it, end it) or ``{'ok'}`` (taken).
 _TAKE = LUA_STATE_FUNCTIONS + """
 if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
 local lease = redis.call('get', KEYS[2])
 if ARGV[6] == '' then
   if lease then return {'held', lease} end
-elseif lease ~= ARGV[6] then
+  local recorded = redis.call('hget', KEYS[3], ARGV[3])
+  if recorded then return {'expired', recorded} end
+elseif (lease or redis.call('hget', KEYS[3], ARGV[3])) ~= ARGV[6] then
   return {'changed'}
+end
+if ARGV[7] ~= '' then
+  redis.call('rpush', KEYS[4], ARGV[7])
+  if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[4], ARGV[9]) end
 end
 redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('hset', KEYS[3], ARGV[3], ARGV[1])
+local bound = tonumber(ARGV[8])
+if bound > 0 and redis.call('llen', KEYS[4]) >= bound then
+  return {'lost', redis.call('lrange', KEYS[4], 0, -1)}
+end
 if ARGV[4] ~= '' then store(KEYS[1], ARGV[4], ARGV[5]) end
 return {'ok'}
 """
@@ -98,6 +135,18 @@ class Take(str, Enum):
     RUNNING_ELSEWHERE = "running elsewhere"
     #: The job's result is stored: drop this copy.
     FINISHED = "finished"
+    #: The lease is ours, but the job has taken its worker down ``max_attempts`` times: end it
+    #: as :class:`~tasks.core.errors.WorkerLost` instead of running it.
+    LOST = "lost"
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What :meth:`LeaseKeeper.take` did, and with :attr:`Take.LOST` the workers the job took
+    down (``"<worker> pid <pid>"``, oldest first)."""
+
+    outcome: Take
+    lost_to: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +171,19 @@ def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
     """Whether the lease's owner is still the live worker of its device."""
     record = read_worker(client, lease.device)
     return record is not None and record.same_process(lease.host, lease.pid)
+
+
+def death_note(lease: LeaseRecord) -> str:
+    """How a dead owner is named in a job's deaths and its :class:`~tasks.core.errors.WorkerLost`."""
+    return f"{lease.worker} pid {lease.pid}"
+
+
+def deaths_kept_s(app: Celery) -> int:
+    """How long a job's count of worker deaths is kept: as long as its result (0: for ever)."""
+    expires = app.conf.result_expires
+    if isinstance(expires, timedelta):
+        return int(expires.total_seconds())
+    return int(expires or 0)
 
 
 class LeaseKeeper(PeriodicThread):
@@ -155,58 +217,72 @@ class LeaseKeeper(PeriodicThread):
 
     def acquire(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None) -> bool:
         """Take the lease of ``task_id``; False if another live worker holds it (see :meth:`take`)."""
-        return self.take(task_id, delivery_tag, resend) is Take.TAKEN
+        return self.take(task_id, delivery_tag, resend).outcome is Take.TAKEN
 
     def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
-             started: Started | None = None) -> Take:
+             started: Started | None = None, max_attempts: int | None = None,
+             keep_s: int = DEATHS_KEPT_S) -> Taken:
         """Take the lease of ``task_id`` and, with ``started``, store the job's STARTED state:
         one script call, which first checks that the job's result is not stored yet.
 
-        A lease left by a dead owner (its key not yet expired) is taken over (a second call, only
-        then). ``resend`` is what the reaper needs to send the job again when its message is no
-        longer in Redis.
+        A lease left by a dead owner (its key not yet expired, or expired and not yet reaped) is
+        taken over (a second call, only then), and the owner's death is counted with it (kept
+        ``keep_s`` seconds). A job whose runs took their worker down ``max_attempts`` times
+        (``None``: no bound) is not to be run: its lease is taken all the same (a copy arriving
+        meanwhile is dropped; the store of its failure releases it) and the outcome is
+        :attr:`Take.LOST`. ``resend`` is what the reaper needs to send the job again when its
+        message is no longer in Redis.
         """
         record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
                              task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
         value = record.to_json()
 
-        def call(expect: str) -> list[Any]:
+        def call(expect: str, dead: str) -> list[Any]:
             return list(self._take(
-                keys=[started.key if started else "", keys.lease(task_id), keys.LEASES],
+                keys=[started.key if started else "", keys.lease(task_id), keys.LEASES,
+                      keys.worker_deaths(task_id)],
                 args=[value, self._ttl_ms, task_id, started.value if started else "",
-                      started.expires_s if started else 0, expect],
+                      started.expires_s if started else 0, expect, dead, max_attempts or 0, keep_s],
             ))
 
-        reply = call("")
-        if reply[0] == "held":
-            raw = str(reply[1])
+        reply = call("", "")
+        if bytes_to_str(reply[0]) in ("held", "expired"):
+            raw = bytes_to_str(reply[1])
             holder = _parse(raw)
+            dead = ""
             if holder is not None and holder.pid == os.getpid() and holder.host == host_name():
                 with self._lock:
                     running_here = task_id in self._held
                 if running_here:  # a copy reached another thread of this process: not twice at once
                     logger.warning("job %s already runs in this worker; not running this copy", task_id)
-                    return Take.RUNNING_ELSEWHERE
+                    return Taken(Take.RUNNING_ELSEWHERE)
                 # else a lease this process left behind (its release failed): take it again
             elif holder is not None and owner_alive(self._client, holder):
+                # Its key expired ('expired'): the owner is late to renew (Redis was away), and
+                # the reaper leaves it alone for that reason too.
                 logger.warning("job %s already runs on %s (pid %s); not running this copy",
                                task_id, holder.worker, holder.pid)
-                return Take.RUNNING_ELSEWHERE
+                return Taken(Take.RUNNING_ELSEWHERE)
             else:
                 logger.warning("taking over the lease of job %s from dead %s", task_id,
                                holder.worker if holder else "owner")
-            # Only if it still holds what we read: two workers cannot both take it over.
-            reply = call(raw)
-        if reply[0] == "finished":
+                dead = death_note(holder) if holder is not None else ""
+            # Only if it still holds what we read: two workers cannot both take it over, nor
+            # count its owner's death twice (nor once more after the reaper did).
+            reply = call(raw, dead)
+        status = bytes_to_str(reply[0])
+        if status == "finished":
             logger.warning("job %s has already finished; not running this copy", task_id)
-            return Take.FINISHED
-        if reply[0] != "ok":
+            return Taken(Take.FINISHED)
+        if status not in ("ok", "lost"):
             logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
-            return Take.RUNNING_ELSEWHERE
+            return Taken(Take.RUNNING_ELSEWHERE)
         with self._lock:
             self._held[task_id] = value
             self._finishing.discard(task_id)
-        return Take.TAKEN
+        if status == "lost":
+            return Taken(Take.LOST, tuple(bytes_to_str(name) for name in reply[1]))
+        return Taken(Take.TAKEN)
 
     def release(self, task_id: str) -> None:
         with self._lock:
@@ -235,7 +311,7 @@ class LeaseKeeper(PeriodicThread):
             self._finishing.discard(task_id)
 
     @contextmanager
-    def hold(self, task: Any) -> Iterator[None]:
+    def hold(self, task: Any, max_attempts: int | None = None) -> Iterator[None]:
         """Take ``task``'s lease and store its STARTED state (one round trip) for the block, and
         keep the lease until the job's result is stored.
 
@@ -251,10 +327,16 @@ class LeaseKeeper(PeriodicThread):
         The job task stores no STARTED state of its own (``track_started`` is off for it): this
         is Celery's STARTED meta, made by the task's result backend, stored by the take script.
 
+        ``max_attempts`` is the job's bound on runs that take their worker down (default: the
+        :class:`~tasks.core.records.JobOptions` default).
+
         Raises:
             celery.exceptions.Ignore: another live worker runs this job now, or it has already
                 finished (its result is stored); this copy is acknowledged and dropped, with
                 no result stored.
+            WorkerLost: the job took its worker down ``max_attempts`` times; it is recorded in
+                ``keys.DEAD_LETTERS``, its lease is held (to go with its stored failure) and the
+                block does not run.
         """
         request = task.request
         task_id = str(request.id)
@@ -265,7 +347,12 @@ class LeaseKeeper(PeriodicThread):
             headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
             group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
         )
-        if self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task)) is not Take.TAKEN:
+        bound = max_attempts if max_attempts is not None else JobOptions().max_attempts
+        taken = self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task),
+                          max_attempts=bound, keep_s=deaths_kept_s(task.app))
+        if taken.outcome is Take.LOST:
+            raise self._lost(task_id, resend, taken.lost_to, bound)
+        if taken.outcome is not Take.TAKEN:
             raise Ignore()
         try:
             yield
@@ -277,6 +364,23 @@ class LeaseKeeper(PeriodicThread):
         except BaseException:
             self.release(task_id)
             raise
+
+    def _lost(self, task_id: str, resend: ResendRecord, workers: tuple[str, ...], max_attempts: int) -> WorkerLost:
+        """Record a job given up as a dead letter; returns its error."""
+        letter = DeadLetter(task_id=task_id, job=resend.name.removeprefix(TASK_PREFIX), device=self.device,
+                            queue=resend.queue, kwargs=resend.kwargs, workers=list(workers),
+                            max_attempts=max_attempts, at=time.time(), group_id=resend.group_id)
+        try:
+            self._client.hset(keys.DEAD_LETTERS, task_id, letter.to_json())
+        except redis.RedisError as exc:  # the job still ends: its stored failure says why
+            logger.error("could not record job %s as a dead letter: %s", task_id, exc)
+        logger.error("job %s (%s) took its worker down %d times (%s); not running it again",
+                     task_id, letter.job, len(workers), ", ".join(workers))
+        return WorkerLost(
+            f"job {task_id} ({letter.job}) took its worker down {len(workers)} times ({', '.join(workers)}); "
+            f"not running it again (max_attempts={max_attempts}). It is kept as a dead letter "
+            "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
+        )
 
     def release_held(self, task_id: str) -> None:
         """Release ``task_id``'s lease if this process holds it (a no-op, no round trip, if not)."""
@@ -337,13 +441,31 @@ def expired_leases(client: redis.Redis) -> dict[str, str]:
             for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}  # type: ignore[index]
 
 
+#: The reaper gave back (or could not give back) a dead owner's job. KEYS: ``keys.LEASES``,
+#: ``keys.REAPER_STATS``, ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read,
+#: the dead owner to count, how long the deaths are kept in seconds (0: for ever). Counts the
+#: owner's death only if the lease is still the one read: a worker that took it over meanwhile
+#: has counted it. Returns 1 if counted.
+_REAPED = """
+redis.call('hincrby', KEYS[2], 'restored', 1)
+if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('hdel', KEYS[1], ARGV[1])
+redis.call('rpush', KEYS[3], ARGV[3])
+if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
+return 1
+"""
+
+
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:
-    """Give back to their queues the jobs whose lease expired with their owner dead.
+    """Give back to their queues the jobs whose lease expired with their owner dead, and count
+    each owner's death against its job (:data:`_REAPED`).
 
     A broker connection is opened only when there is such a job. Returns the task ids given back.
     """
     restored: list[str] = []
     conn = None
+    reaped = client.register_script(_REAPED)
+    keep_s = deaths_kept_s(app)
     try:
         for task_id, raw in expired_leases(client).items():
             record = _parse(raw)
@@ -366,8 +488,9 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
             else:
                 logger.error("job %s of dead worker %s cannot be given back: its message is gone",
                              task_id, record.worker)
-            client.hdel(keys.LEASES, task_id)
-            client.hincrby(keys.REAPER_STATS, "restored", 1)
+            # After the message is back (a round cut short gives it back again, never loses it).
+            reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id)],
+                   args=[task_id, raw, death_note(record), keep_s])
             logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
                            task_id, record.worker, record.pid)
             restored.append(task_id)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -32,7 +33,7 @@ from pydantic import ValidationError
 
 from ..core import errors
 from ..core.backend import FINISH_ATTR, JobFinish, StoredAck, attach_entry
-from ..core.errors import InvalidJobArguments, OutOfMemory
+from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.keys import OPTIONS_HEADER
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
@@ -161,12 +162,27 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     Raises:
         celery.exceptions.Ignore: this job already runs on another live worker, or has finished
             (see :mod:`tasks.worker.lease`); this copy is dropped.
+        WorkerLost: the job took its worker down ``max_attempts`` times; it is not run, and its
+            failure is stored with its error entry like any other (its message acknowledged).
         Exception: the job failed; the exception carries its error entry.
     """
     if worker.leases is None or task.request.id is None:
         return _execute(worker, task, job, kwargs)
-    with worker.leases.hold(task):
+    with ExitStack() as held:
+        try:
+            held.enter_context(worker.leases.hold(task, max_attempts=_max_attempts(task.request)))
+        except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
+            return JobRun(worker, task, job).end(failed=exc)
         return _execute(worker, task, job, kwargs)
+
+
+def _max_attempts(request: Any) -> int:
+    """The job's ``max_attempts``; the default when its options are invalid (it then fails on
+    them in :func:`_execute`, once)."""
+    try:
+        return job_options(request).max_attempts
+    except InvalidJobArguments:
+        return JobOptions().max_attempts
 
 
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict[str, Any]:
@@ -190,7 +206,12 @@ def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, restarts:
     and its fresh run moves the gang to its next generation (:mod:`tasks.jobproc.distributed`)."""
     supervisor = worker.supervisor
     assert supervisor is not None, "the device worker has no job processes: prepare() was not called"
-    ended = supervisor.run(job, watch)
+    try:
+        ended = supervisor.run(job, watch)
+    except NoJobProcess as exc:
+        logger.error("%s: %s", worker.device, exc)
+        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo.of(exc),
+                     error_module=type(exc).__module__, pid=0, retired=None)
     for _ in range(restarts):
         if not ended.crashed:
             break
@@ -298,7 +319,7 @@ def exception_of(error: ErrorInfo, module: str | None) -> BaseException:
     own = getattr(errors, error.type, None)
     if isinstance(own, type) and issubclass(own, errors.JobError):
         if own is OutOfMemory:
-            return OutOfMemory(error.message, memory=error.memory)
+            return OutOfMemory(error.message, memory=dict(error.memory or {}))
         return own(error.message)
     builtin = getattr(builtins, error.type, None)
     if isinstance(builtin, type) and issubclass(builtin, Exception):
