@@ -45,6 +45,39 @@ def test_env() -> dict[str, str]:
 test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a command the tests run as users do: this one's without its own
+    ``DEVICEFLEET_*`` settings, plus :func:`test_env` and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}
+    env.update(test_env())
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def standalone_worker(fleet: Fleet, device: str, argv: list[str], log_path: Path,
+                      **extra: str) -> Iterator[tuple[subprocess.Popen[bytes], Any]]:
+    """A worker for ``device`` started with ``argv`` (as a user starts one) on ``fleet``'s Redis,
+    on core 0 with the test jobs; yields it and its registry record once it is ready, and
+    kills it on the way out if it is still running."""
+    from tasks.core.registry import connect, live_workers
+
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url, DEVICEFLEET_CORES="0",
+                  DEVICEFLEET_JOB_MODULES=",".join(TEST_JOB_MODULES), **extra)
+    client = connect(fleet.redis_url)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            record = wait_for(lambda: (r := live_workers(client).get(device)) is not None and r.ready and r,
+                              90, f"{device} to join", proc=proc)
+            yield proc, record
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            client.close()
+
+
 def make_settings(state_dir: Path, **overrides: object) -> Settings:
     values: dict[str, object] = {
         "state_dir": state_dir,
@@ -154,4 +187,5 @@ def read_markers(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-__all__ = ["ROOT", "http_status", "read_markers", "make_settings", "test_env", "sys", "wait_for", "worker_configs"]
+__all__ = ["ROOT", "cli_env", "http_status", "read_markers", "make_settings", "standalone_worker", "test_env", "sys",
+           "wait_for", "worker_configs"]

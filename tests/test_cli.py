@@ -19,16 +19,9 @@ from tasks.core.devices import count_gpus
 from tasks.core.registry import connect, live_workers
 from tasks.core.settings import Settings
 
-from .conftest import test_env, wait_for
+from .conftest import cli_env, standalone_worker, wait_for
 
 CLI = [sys.executable, "-m", "tasks"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}
-    env.update(test_env())
-    env.update(extra)
-    return env
 
 
 def _ready_workers(env: dict[str, str]) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -49,7 +42,7 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.timeout(180)
 def test_up_run_status_and_clean_stop(tmp_path):
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -108,7 +101,7 @@ def test_up_restarts_its_killed_redis_and_a_fan_out_in_flight_completes(tmp_path
     redis-server. `up` reaps and restarts it on the same port from its append-only file, the
     producer and the workers ride through and the results arrive; then, with Redis killed again,
     one SIGTERM stops `up` within its stop timeout."""
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path))
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", "--stop-timeout", "30"],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -145,7 +138,7 @@ def test_up_restarts_its_killed_redis_and_a_fan_out_in_flight_completes(tmp_path
 
 @pytest.mark.skipif(count_gpus() > 0, reason="this host has a GPU")
 def test_gpu_worker_refuses_to_start_without_its_gpu(fleet):
-    proc = subprocess.run([*CLI, "worker", "gpu0"], env=_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
+    proc = subprocess.run([*CLI, "worker", "gpu0"], env=cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
@@ -154,27 +147,16 @@ def test_gpu_worker_refuses_to_start_without_its_gpu(fleet):
 
 
 def test_worker_with_a_bad_name_says_so(fleet):
-    proc = subprocess.run([*CLI, "worker", "tpu0"], env=_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
+    proc = subprocess.run([*CLI, "worker", "tpu0"], env=cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "'tpu0' is not a device name" in proc.stderr
 
 
 @pytest.mark.timeout(120)
 def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
-    env = _env(DEVICEFLEET_REDIS_URL=fleet.redis_url, DEVICEFLEET_CORES="0",
-               DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
-    log = (tmp_path / "cpu7.log").open("w")
     # The README's command, with no pool options: the app's settings choose the threads pool.
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    client = connect(fleet.redis_url)
-
-    def joined():  # type: ignore[no-untyped-def]
-        record = live_workers(client).get("cpu7")
-        return record if record is not None and record.ready else None
-
-    try:
-        record = wait_for(joined, 90, "cpu7 to join", proc=proc)
+    argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu7@%h"]
+    with standalone_worker(fleet, "cpu7", argv, tmp_path / "cpu7.log") as (proc, record):
         assert record.queues == ["device.cpu7", "cpu", "fleet"]
         assert record.cuda_visible_devices == "-1"
         assert record.pid == proc.pid and record.pool == "threads"
@@ -185,18 +167,14 @@ def test_plain_celery_worker_command_joins_the_fleet(fleet, app, tmp_path):
         assert entry["output"]["env"]["CUDA_VISIBLE_DEVICES"] == "-1"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0  # a warm shutdown
+        client = connect(fleet.redis_url)
         assert "cpu7" not in live_workers(client)  # left the registry on shutdown
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
         client.close()
 
 
 @pytest.mark.timeout(240)
 def test_demo_json_prints_two_ok_devices_that_learned(tmp_path):
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
     proc = subprocess.run([*CLI, "demo", "--json"], env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)
@@ -214,7 +192,7 @@ def test_sigterm_to_demo_stops_its_fleet(tmp_path):
     redis-server and workers stop with it instead of being orphaned."""
     import psutil
 
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
     log = tmp_path / "demo.log"
     with open(log, "wb") as out:
         demo = subprocess.Popen([*CLI, "demo", "--epochs", "1000"], env=env, stdout=out,
@@ -280,7 +258,7 @@ CELERY = [sys.executable, "-m", "celery", "-A", "tasks"]
 def test_celery_commands_load_the_app_without_a_fleet(tmp_path):
     """With no fleet and no DEVICEFLEET_REDIS_URL, `celery -A tasks report` works offline and a
     command that needs the broker fails with the one-line NoFleetError, not a traceback."""
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path))
     report = subprocess.run([*CELERY, "report"], env=env, capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "software -> celery:" in report.stdout and "Traceback" not in report.stderr
@@ -300,7 +278,7 @@ def test_up_with_an_unimportable_job_module_exits_2_showing_this_starts_log(tmp_
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "cpu0.log").write_text("A LINE FROM THE PREVIOUS RUN\n")
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,nonexistent_mod")
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,nonexistent_mod")
     up = subprocess.run([*CLI, "up", "--cpu-workers", "1", "--gpus", "0", "--no-flower"], env=env,
                         capture_output=True, text=True, timeout=100)
     assert up.returncode == 2, up.stdout + up.stderr
@@ -318,7 +296,7 @@ def test_up_with_an_unimportable_job_module_exits_2_showing_this_starts_log(tmp_
 def test_status_and_run_tables_fit_80_columns_and_never_truncate(fleet):
     """Piped (not a terminal) at 80 columns: every line fits, nothing ends in an ellipsis, and
     the long values wrap instead of being cut."""
-    env = _env(DEVICEFLEET_REDIS_URL=fleet.redis_url, COLUMNS="80")
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url, COLUMNS="80")
     status = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     run = subprocess.run([*CLI, "run", "probe", "--devices", "cpu0,cpu1", "--no-progress"], env=env,

@@ -9,7 +9,6 @@ in tests/fleet_jobs.py.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -21,9 +20,15 @@ import pytest
 
 import tasks
 from tasks import fan_out
-from tasks.core.registry import connect, live_workers
 
-from .conftest import FLEET_CANCEL_GRACE_S, FLEET_MEMORY_GROWTH_MIB, test_env, wait_for, worker_configs
+from .conftest import (
+    FLEET_CANCEL_GRACE_S,
+    FLEET_MEMORY_GROWTH_MIB,
+    cli_env,
+    standalone_worker,
+    wait_for,
+    worker_configs,
+)
 
 MiB = 2**20
 
@@ -137,17 +142,9 @@ def test_the_worker_process_never_loads_torch_its_job_processes_do(fleet, app):
 @pytest.mark.timeout(120)
 def test_a_stopping_worker_ends_a_hung_job_after_its_stop_timeout(fleet, app, tmp_path):
     configs = worker_configs(tmp_path / "configs", cancel_grace_s=1.0, stop_timeout_s=1)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}, **test_env(),
-           "DEVICEFLEET_REDIS_URL": fleet.redis_url, "DEVICEFLEET_WORKER_CONFIGS_DIR": str(configs),
-           "DEVICEFLEET_CORES": "0", "DEVICEFLEET_JOB_MODULES": "tasks.jobs,tests.fleet_jobs",
-           "DEVICEFLEET_STATE_DIR": str(tmp_path / "state")}
-    log = (tmp_path / "cpu8.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "tasks", "worker", "cpu8"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    client = connect(fleet.redis_url)
-    try:
-        record = wait_for(lambda: (r := live_workers(client).get("cpu8")) is not None and r.ready and r, 90,
-                          "cpu8 to join", proc=proc)
+    argv = [sys.executable, "-m", "tasks", "worker", "cpu8"]
+    with standalone_worker(fleet, "cpu8", argv, tmp_path / "cpu8.log", DEVICEFLEET_WORKER_CONFIGS_DIR=str(configs),
+                           DEVICEFLEET_STATE_DIR=str(tmp_path / "state")) as (proc, record):
         marker = tmp_path / "hang"
         handle = fan_out("hang", ["cpu8"], kwargs={"marker": str(marker)}, app=app)
         job_pid, sub_pid = _hanging(marker)
@@ -160,19 +157,12 @@ def test_a_stopping_worker_ends_a_hung_job_after_its_stop_timeout(fleet, app, tm
         # Nothing the worker started outlives it.
         assert _gone(job_pid) and _gone(sub_pid) and all(_gone(p.pid) for p in job_processes)
         assert record.pid == proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-        client.close()
 
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_on_run_cancels_a_hung_job_and_exits(fleet, app, tmp_path):
     marker = tmp_path / "hang"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}, **test_env(),
-           "DEVICEFLEET_REDIS_URL": fleet.redis_url}
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url)
     run = subprocess.Popen([sys.executable, "-m", "tasks", "run", "hang", "--devices", "cpu1", "--no-progress",
                             "--json", "--kwargs", f'{{"marker": "{marker}"}}'], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,13 +14,13 @@ import pytest
 
 from tasks.ops.proc import spawn_child
 
-from .conftest import wait_for
-from .test_cli import CLI, _env, _ready_workers
+from .conftest import cli_env, wait_for
+from .test_cli import CLI, _ready_workers
 
 
 def _start_up(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
     """`devicefleet up` with one CPU worker in ``tmp_path``, its output in a file (returned)."""
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"),
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"),
                DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
     log = tmp_path / "up.log"
     with open(log, "wb") as out:
@@ -72,7 +72,7 @@ def test_sigterm_to_up_with_a_hung_job_ends_within_the_stop_timeout(tmp_path):
     process group after --stop-timeout and is done a few seconds later, leaving nothing."""
     stop_timeout = 2.0
     up, log = _start_up(tmp_path, "--no-flower", "--stop-timeout", str(stop_timeout))
-    env = _env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"))
     children: list[psutil.Process] = []
     run: subprocess.Popen[bytes] | None = None
     try:

@@ -17,9 +17,9 @@ import pytest
 
 from tasks import Fleet, fan_out
 from tasks.core.errors import MissingExtra
+from tasks.jobproc.scalars import ScalarLog
 from tasks.ops import tensorboard as tb_server
 from tasks.ops.proc import free_port, stop_process
-from tasks.jobproc.scalars import ScalarLog
 
 from .browser import chromium, screenshot
 from .conftest import test_env, wait_for
