@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 from celery.app.task import Context
-from rich.console import Console
 from celery.exceptions import Ignore
 from kombu import Exchange
+from rich.console import Console
 
 import tasks
 from tasks.core import keys
@@ -46,16 +46,16 @@ from tasks.core.records import (
 )
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
+from tasks.jobproc.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
+from tasks.jobproc.oom import run_guarded
+from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
 from tasks.worker import accounting
 from tasks.worker import lease as lease_module
-from tasks.jobproc.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, Take, reap_once
-from tasks.jobproc.oom import run_guarded
-from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.worker.progress import publish, summary
 from tests.conftest import wait_for
 
