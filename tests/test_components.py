@@ -30,10 +30,11 @@ from rich.console import Console
 import tasks
 from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
-from tasks.core.backend import FINISH_ATTR, FleetBackend, JobFinish, attach_entry, entry_of_failure
+from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
 from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory, WorkerLost
 from tasks.core.job import JobContext, JobMetric
+from tasks.core.jobstate import FINISH_ATTR, JobFinish
 from tasks.core.records import (
     BusyInfo,
     Entry,

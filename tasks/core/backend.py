@@ -10,13 +10,13 @@ A chord whose header task failed normally fails its body with a ``ChordError``. 
 part is unpacked into its error entry instead, so the chord's collect step always runs and
 collects ``{device: entry}`` for every device, failed ones included.
 
-Storing a state is one script call (:data:`_STORE`), not Celery's GET of the stored state and
+Storing a state is one script call (:data:`tasks.core.jobstate.STORE`), not Celery's GET of the stored state and
 then a MULTI: a state is never stored over a finished one (SUCCESS, FAILURE, REVOKED). A device
-worker finishing a job hands the backend a :class:`JobFinish` on the task's request; the same
+worker finishing a job hands the backend a :class:`~tasks.core.jobstate.JobFinish` on the task's request; the same
 script then also releases the job's lease and counts the job in the fleet's metrics, so the
 lease goes only together with the stored result (a copy of the message redelivered at any moment
 finds the lease held or the result stored) and a job's end costs one round trip. With the job's
-message (:class:`StoredAck`), the script acknowledges it too: it takes it out of kombu's unacked
+message (:class:`~tasks.core.jobstate.StoredAck`), the script acknowledges it too: it takes it out of kombu's unacked
 hash and index, as kombu's own acknowledgement would, right after the result is stored.
 """
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -38,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import keys
 from .errors import NoFleetError
+from .jobstate import FINISH_ATTR, STORE, JobFinish, StoredAck
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
 from .transport import NO_FLEET_OPTION
@@ -46,98 +45,6 @@ logger = logging.getLogger(__name__)
 
 #: Attribute of an exception that carries the failed job's entry (a JSON dict).
 _ENTRY_ATTR = "devicefleet_entry"
-#: Attribute of a task's request that carries its :class:`JobFinish`.
-FINISH_ATTR = "devicefleet_finish"
-
-#: Lua functions the state-storing scripts share (here and in :mod:`tasks.worker.lease`):
-#: ``finished(key)``, whether the meta stored under ``key`` is a finished state (SUCCESS, FAILURE,
-#: REVOKED); ``store(key, value, expires)``, Celery's write of a state: SETEX (SET when
-#: ``expires`` is 0) and a PUBLISH for the producers waiting on it.
-LUA_STATE_FUNCTIONS = """
-local finished = function(key)
-  local current = redis.call('get', key)
-  if not current then return false end
-  local ok, meta = pcall(cjson.decode, current)
-  return ok and type(meta) == 'table' and (meta.status == 'SUCCESS' or meta.status == 'FAILURE'
-    or meta.status == 'REVOKED')
-end
-local store = function(key, value, expires)
-  if tonumber(expires) > 0 then
-    redis.call('setex', key, expires, value)
-  else
-    redis.call('set', key, value)
-  end
-  redis.call('publish', key, value)
-end
-"""
-
-#: Store a task's state unless a finished one is stored; with a job's finish, release its lease,
-#: count it and acknowledge its message. KEYS: the task's meta key, its lease key,
-#: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
-#: kombu's unacked hash and its index. ARGV: the encoded meta, expiry in seconds (0: none), the
-#: lease value ('' if none), the task id, the count as JSON ('' if none), the message's delivery
-#: tag ('' if none). Returns 1 if stored, 0 if a finished state was there already (nothing
-#: stored or counted; the lease is released and the message acknowledged all the same).
-_STORE = LUA_STATE_FUNCTIONS + """
-local release = function()
-  if ARGV[6] ~= '' then
-    redis.call('zrem', KEYS[8], ARGV[6])
-    redis.call('hdel', KEYS[7], ARGV[6])
-  end
-  if ARGV[3] == '' then return end
-  if redis.call('get', KEYS[2]) == ARGV[3] then redis.call('del', KEYS[2]) end
-  if redis.call('hget', KEYS[3], ARGV[4]) == ARGV[3] then redis.call('hdel', KEYS[3], ARGV[4]) end
-end
-if finished(KEYS[1]) then
-  release()
-  return 0
-end
-store(KEYS[1], ARGV[1], ARGV[2])
-release()
-if ARGV[5] ~= '' then
-  local count = cjson.decode(ARGV[5])
-  redis.call('sadd', KEYS[5], count.device)
-  redis.call('hincrby', KEYS[4], count.outcome, 1)
-  for field, value in pairs(count.add) do redis.call('hincrbyfloat', KEYS[4], field, value) end
-  for field, value in pairs(count.set) do redis.call('hset', KEYS[4], field, value) end
-  redis.call('zadd', KEYS[6], count.finished, ARGV[4])
-  redis.call('zremrangebyscore', KEYS[6], '-inf', count.keep_after)
-end
-return 1
-"""
-
-
-@dataclass
-class StoredAck:
-    """A job's message, acknowledged by the script that stores the job's result: kombu's
-    unacked hash and index (the channel's names) and the message's delivery tag. ``done`` is
-    set once the script ran; the worker's request then skips kombu's own round trip."""
-
-    unacked_key: str
-    unacked_index_key: str
-    delivery_tag: str
-    done: bool = False
-
-
-@dataclass
-class JobFinish:
-    """What a device worker asks the backend to do with a job's finished state, in the same
-    script call that stores it (``setattr(task.request, FINISH_ATTR, finish)``).
-
-    Attributes:
-        lease: the job's lease value, released if it is still ours; ``None``: no lease.
-        count: the job's counters for the fleet's metrics
-            (:func:`tasks.worker.accounting.job_count`); ``None``: not counted.
-        ack: the job's message, acknowledged in the same call; ``None``: Celery acknowledges it.
-        on_stored: called once the script has run (the worker forgets the lease).
-    """
-
-    device: str
-    lease: str | None = None
-    count: dict[str, Any] | None = None
-    ack: StoredAck | None = None
-    on_stored: Callable[[], None] | None = None
-
 
 def attach_entry(exc: BaseException, entry: Entry) -> BaseException:
     """Make ``exc`` carry ``entry`` into the stored failure; returns ``exc``."""
@@ -198,7 +105,7 @@ class FleetBackend(RedisBackend):
     @cached_property
     def _store_script(self) -> Any:
         # Called by hash (EVALSHA): the script's text is sent once per connection pool.
-        return self.client.register_script(_STORE)
+        return self.client.register_script(STORE)
 
     def _store_result(self, task_id: Any, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:

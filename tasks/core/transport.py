@@ -7,7 +7,7 @@ out of that loop and stops the whole worker. This transport catches those errors
 message, logs them, and keeps consuming. Celery uses it through ``broker_transport``.
 
 Its QoS lets a job's acknowledgement be made by the script that stores the job's result
-(:class:`tasks.core.backend.StoredAck`): :meth:`QoS.acked_in_redis` marks the message, and the
+(:class:`tasks.core.jobstate.StoredAck`): :meth:`QoS.acked_in_redis` marks the message, and the
 acknowledgement that follows (on Celery's usual path, in the event loop) is then only kombu's
 in-memory bookkeeping, not a second round trip.
 

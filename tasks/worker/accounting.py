@@ -32,7 +32,7 @@ def job_count(
     gpu_memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One finished job's counts, as the result backend's store script adds them
-    (:class:`tasks.core.backend.JobFinish`): in the same round trip as the job's stored result.
+    (:class:`tasks.core.jobstate.JobFinish`): in the same round trip as the job's stored result.
 
     Args:
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).

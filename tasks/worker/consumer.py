@@ -23,8 +23,9 @@ from celery import signals
 from celery.app.task import Context
 from celery.worker.consumer import Consumer
 
-from ..core.backend import FINISH_ATTR, JobFinish, attach_entry
+from ..core.backend import attach_entry
 from ..core.job import TASK_PREFIX
+from ..core.jobstate import FINISH_ATTR, JobFinish
 from ..core.records import Entry, ErrorInfo
 from . import accounting
 

@@ -1,5 +1,8 @@
 """Leases: a running job is owned by one live worker, and a dead worker's job runs again fast.
 
+The threads and calls of a worker's side of a job's protocol in Redis; the scripts themselves,
+and the whole sequence (take, renew, finish, reap, deaths), are in :mod:`tasks.core.jobstate`.
+
 Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
 long timeout and adds a lease per running job:
@@ -11,7 +14,7 @@ long timeout and adds a lease per running job:
   visibility-timeout restore while the first still runs) finds it held by a live owner and is
   dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
 - the lease is released by the script call that stores the job's result
-  (:class:`tasks.core.backend.JobFinish`), so a copy arriving at any moment finds the lease or
+  (:class:`tasks.core.jobstate.JobFinish`), so a copy arriving at any moment finds the lease or
   the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
 - a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
@@ -59,10 +62,10 @@ from pydantic import ValidationError
 from redis.exceptions import LockError
 
 from ..core import keys
-from ..core.backend import LUA_STATE_FUNCTIONS
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
+from ..core.jobstate import EXPIRED_LEASES, REAPED, RELEASE, RENEW, TAKE
 from ..core.periodic import PeriodicThread
 from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord
 from ..core.registry import read_worker
@@ -73,58 +76,6 @@ logger = logging.getLogger(__name__)
 #: How long a job's count of worker deaths is kept by :meth:`LeaseKeeper.take` when the caller
 #: does not say (the default expiry of results; :func:`deaths_kept_s` reads an app's).
 DEATHS_KEPT_S: int = Settings.model_fields["result_expires_s"].default
-
-#: Take a job: one round trip. KEYS: the job's result meta key ('' to skip that check), its lease
-#: key, ``keys.LEASES``, ``keys.worker_deaths(task_id)``. ARGV: our lease value, TTL ms, task id,
-#: the STARTED meta to store ('' for none), its expiry in seconds, the lease we expect to replace
-#: ('' takes a free lease only; else the lease key's value or, when that key has expired, the
-#: value recorded in ``keys.LEASES``), the dead owner of that lease to count ('' for none), the
-#: job's ``max_attempts`` (0: no bound), how long the deaths are kept in seconds (0: for ever).
-#: Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
-#: lease is there), ``{'expired', value}`` (another lease is recorded, its key expired: its
-#: owner is dead or late to renew), ``{'changed'}`` (the lease is not the one we read),
-#: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
-#: times: do not run it, end it) or ``{'ok'}`` (taken).
-_TAKE = LUA_STATE_FUNCTIONS + """
-if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
-local lease = redis.call('get', KEYS[2])
-if ARGV[6] == '' then
-  if lease then return {'held', lease} end
-  local recorded = redis.call('hget', KEYS[3], ARGV[3])
-  if recorded then return {'expired', recorded} end
-elseif (lease or redis.call('hget', KEYS[3], ARGV[3])) ~= ARGV[6] then
-  return {'changed'}
-end
-if ARGV[7] ~= '' then
-  redis.call('rpush', KEYS[4], ARGV[7])
-  if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[4], ARGV[9]) end
-end
-redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[2])
-redis.call('hset', KEYS[3], ARGV[3], ARGV[1])
-local bound = tonumber(ARGV[8])
-if bound > 0 and redis.call('llen', KEYS[4]) >= bound then
-  return {'lost', redis.call('lrange', KEYS[4], 0, -1)}
-end
-if ARGV[4] ~= '' then store(KEYS[1], ARGV[4], ARGV[5]) end
-return {'ok'}
-"""
-#: KEYS: lease key, leases hash; ARGV: our value, TTL ms, task id, '1' to restore a lost lease.
-#: Renew our lease (or restore it after a Redis restart lost it); leave another worker's alone.
-_RENEW = """
-local v = redis.call('get', KEYS[1])
-if v ~= false and v ~= ARGV[1] then return 0 end
-if v == false and ARGV[4] ~= '1' then return 1 end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
-return 1
-"""
-#: KEYS: lease key, leases hash; ARGV: our value, task id. Delete only what is ours.
-_RELEASE = """
-if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
-if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[1] then redis.call('hdel', KEYS[2], ARGV[2]) end
-return 1
-"""
-
 
 class Take(str, Enum):
     """What :meth:`LeaseKeeper.take` found."""
@@ -190,7 +141,7 @@ class LeaseKeeper(PeriodicThread):
     """Takes, renews and releases the leases of the jobs this worker process runs.
 
     A job's lease goes with its stored result: :meth:`finishing` hands it to the result backend
-    (:class:`tasks.core.backend.JobFinish`), whose store script releases it in the same call.
+    (:class:`tasks.core.jobstate.JobFinish`), whose store script releases it in the same call.
     Until then it is renewed (never restored once finishing: the store may have deleted it).
     """
 
@@ -206,9 +157,9 @@ class LeaseKeeper(PeriodicThread):
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
         # Called by hash (EVALSHA): the script text is sent once.
-        self._take = client.register_script(_TAKE)
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
+        self._take = client.register_script(TAKE)
+        self._renew = client.register_script(RENEW)
+        self._release = client.register_script(RELEASE)
 
     def held(self) -> list[str]:
         """The task ids whose leases this process holds now."""
@@ -418,53 +369,23 @@ def started_meta(task: Any) -> Started | None:
                    value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
 
 
-#: The leases left without their key (expired, or lost): KEYS[1] ``keys.LEASES``; ARGV[1] the
-#: lease keys' prefix (``keys.lease("")``). Returns ``[task id, lease record, ...]``.
-_EXPIRED_LEASES = """
-local out = {}
-local all = redis.call('hgetall', KEYS[1])
-for i = 1, #all, 2 do
-  if redis.call('exists', ARGV[1] .. all[i]) == 0 then
-    out[#out + 1] = all[i]
-    out[#out + 1] = all[i + 1]
-  end
-end
-return out
-"""
-
-
 def expired_leases(client: redis.Redis) -> dict[str, str]:
     """``{task id: lease record}`` of the leases whose key is gone (one round trip): the
     candidates of :func:`reap_once`, whose owner may still be alive (late to renew)."""
-    reply = client.register_script(_EXPIRED_LEASES)(keys=[keys.LEASES], args=[keys.lease("")])
+    reply = client.register_script(EXPIRED_LEASES)(keys=[keys.LEASES], args=[keys.lease("")])
     return {bytes_to_str(task_id): bytes_to_str(raw)
             for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}  # type: ignore[index]
 
 
-#: The reaper gave back (or could not give back) a dead owner's job. KEYS: ``keys.LEASES``,
-#: ``keys.REAPER_STATS``, ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read,
-#: the dead owner to count, how long the deaths are kept in seconds (0: for ever). Counts the
-#: owner's death only if the lease is still the one read: a worker that took it over meanwhile
-#: has counted it. Returns 1 if counted.
-_REAPED = """
-redis.call('hincrby', KEYS[2], 'restored', 1)
-if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('hdel', KEYS[1], ARGV[1])
-redis.call('rpush', KEYS[3], ARGV[3])
-if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
-return 1
-"""
-
-
 def reap_once(client: redis.Redis, app: Celery) -> list[str]:
     """Give back to their queues the jobs whose lease expired with their owner dead, and count
-    each owner's death against its job (:data:`_REAPED`).
+    each owner's death against its job (:data:`REAPED`).
 
     A broker connection is opened only when there is such a job. Returns the task ids given back.
     """
     restored: list[str] = []
     conn = None
-    reaped = client.register_script(_REAPED)
+    reaped = client.register_script(REAPED)
     keep_s = deaths_kept_s(app)
     try:
         for task_id, raw in expired_leases(client).items():

@@ -32,9 +32,10 @@ from kombu.utils.encoding import safe_repr
 from pydantic import ValidationError
 
 from ..core import errors
-from ..core.backend import FINISH_ATTR, JobFinish, StoredAck, attach_entry
+from ..core.backend import attach_entry
 from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
+from ..core.jobstate import FINISH_ATTR, JobFinish, StoredAck
 from ..core.keys import OPTIONS_HEADER
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
@@ -46,7 +47,7 @@ from .supervisor import Ended
 
 logger = logging.getLogger(__name__)
 
-#: Attribute of a job's task request that carries its :class:`~tasks.core.backend.StoredAck`.
+#: Attribute of a job's task request that carries its :class:`~tasks.core.jobstate.StoredAck`.
 STORED_ACK_ATTR = "devicefleet_stored_ack"
 
 
@@ -66,7 +67,7 @@ class JobRequest(Request):  # type: ignore[misc]
     """Celery's request of a job task, with the acknowledgement folded into the result's store,
     and a job's MemoryError a failure like any other.
 
-    The request hands its message's :class:`~tasks.core.backend.StoredAck` to the task (in the
+    The request hands its message's :class:`~tasks.core.jobstate.StoredAck` to the task (in the
     request's ``properties``, which the thread pool passes as they are): the script that stores the job's
     result acknowledges the message in Redis, and :meth:`acknowledge` marks it on the channel's
     :class:`~tasks.core.transport.QoS`, so Celery's acknowledgement that follows is only kombu's
@@ -353,7 +354,7 @@ def _finish_with_result(worker: DeviceWorker, task: Task, ok: bool, started: flo
                         gpu_memory_bytes: int | None) -> None:
     """Hand the result backend what goes with the job's stored result: its lease, released, its
     counts for the fleet's metrics and its message's acknowledgement
-    (:class:`~tasks.core.backend.JobFinish`): one round trip."""
+    (:class:`~tasks.core.jobstate.JobFinish`): one round trip."""
     if worker.heartbeat is None:
         return
     task_id = str(task.request.id)
