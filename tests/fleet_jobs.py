@@ -93,6 +93,8 @@ class RankedParams(BaseModel):
     seconds: float = 0.0
     #: This rank raises ValueError at its first step: a rank's own error.
     fail_rank: int | None = None
+    #: This rank's process dies (``os._exit(7)``) at its first step of the gang's first run.
+    crash_rank: int | None = None
     #: A folder where each run appends a line to ``<marker>/<device>``: the tests count runs.
     marker: str | None = None
 
@@ -114,6 +116,8 @@ def ranked(ctx: JobContext, params: RankedParams) -> dict[str, Any]:
     for step in range(1, params.steps + 1):
         if params.fail_rank == ctx.rank:
             raise ValueError(f"rank {ctx.rank} fails on purpose")
+        if params.crash_rank == ctx.rank and ctx.distributed is not None and ctx.distributed.restarts == 0:
+            os._exit(7)
         value = torch.tensor([float(ctx.rank + 1)])
         dist.all_reduce(value, group=ctx.process_group)
         total = float(value.item())

@@ -197,6 +197,20 @@ def test_a_ranks_own_error_fails_the_gang_at_once_naming_it(dapp):
     assert "rank 1 on cpu1 failed: ValueError: rank 1 fails on purpose" in results["cpu0"]["error"]["message"]
 
 
+@pytest.mark.timeout(90)
+def test_a_rank_whose_process_crashes_is_a_lost_peer_and_its_gang_restarts(dapp, tmp_path):
+    before = tasks.live_devices(dapp)
+    results = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 3, "crash_rank": 1, "marker": str(tmp_path)},
+                      distributed=True, app=dapp).get(timeout=80)
+    _ok(results)
+    assert {e["output"]["restarts"] for e in results.values()} == {1}  # the whole gang ran again, once
+    assert {e["output"]["sum"] for e in results.values()} == {3.0}
+    # Rank 1 ran twice, in two job processes of the same worker: its worker never went down.
+    runs = [line.split() for line in (tmp_path / "cpu1").read_text().splitlines()]
+    assert [restarts for _, restarts in runs] == ["0", "1"] and runs[0][0] != runs[1][0]
+    assert tasks.live_devices(dapp)["cpu1"].pid == before["cpu1"].pid
+
+
 @pytest.mark.timeout(180)
 def test_a_killed_ranks_gang_restarts_from_its_checkpoint_and_completes(dfleet, dapp):
     handle = fan_out("train", "cpu0,cpu1", kwargs={"epochs": 40, "checkpoint_every_s": 0, "num_workers": 0},
