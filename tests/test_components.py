@@ -1068,6 +1068,31 @@ def test_the_reaper_counts_the_death_of_the_owner_it_gives_a_job_back_from(clien
     assert client.hget(keys.LEASES, raced) == client.get(keys.lease(raced))  # the successor's, kept
 
 
+def test_a_copy_whose_dead_owner_the_reaper_gives_back_meanwhile_runs_the_job(client, app, monkeypatch):
+    # The reaper's given-back copy reached a worker at once: the worker read the dead owner's
+    # expired lease, and the reaper counted the death and cleared the lease before the worker's
+    # take-over. The copy takes the job (it is the one given back: dropping it would lose the
+    # job) and the death is counted once.
+    task_id = str(uuid.uuid4())
+    _dead_lease(client, task_id, resend=NOOP_RESEND)
+    successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
+    real_owner_alive = lease_module.owner_alive
+    reaped: list[list[str]] = []
+
+    def reaped_meanwhile(c: Any, lease: LeaseRecord) -> bool:
+        if not reaped:  # the worker's check of the owner; the reaper's own goes through
+            reaped.append([])
+            reaped[0] = reap_once(client, app)
+        return real_owner_alive(c, lease)
+
+    monkeypatch.setattr(lease_module, "owner_alive", reaped_meanwhile)
+    assert successor.take(task_id, None).outcome is Take.TAKEN
+    assert reaped == [[task_id]]
+    assert len(_deaths(client, task_id)) == 1
+    assert client.hget(keys.LEASES, task_id) == client.get(keys.lease(task_id))  # the successor's
+    successor.release(task_id)
+
+
 def test_a_job_that_took_its_worker_down_max_attempts_times_is_not_run_again(client):
     task_id = str(uuid.uuid4())
     keeper = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)

@@ -63,21 +63,27 @@ end
 #: job's ``max_attempts`` (0: no bound), how long the deaths are kept in seconds (0: for ever).
 #: Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
 #: lease is there), ``{'expired', value}`` (another lease is recorded, its key expired: its
-#: owner is dead or late to renew), ``{'changed'}`` (the lease is not the one we read),
+#: owner is dead or late to renew), ``{'changed'}`` (another lease replaced the one we read; a
+#: lease gone altogether, which a reaper gave back, is taken without counting the death again),
 #: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
 #: times: do not run it, end it) or ``{'ok'}`` (taken).
 TAKE = LUA_STATE_FUNCTIONS + """
 if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
 local lease = redis.call('get', KEYS[2])
+local dead = ARGV[7]
 if ARGV[6] == '' then
   if lease then return {'held', lease} end
   local recorded = redis.call('hget', KEYS[3], ARGV[3])
   if recorded then return {'expired', recorded} end
-elseif (lease or redis.call('hget', KEYS[3], ARGV[3])) ~= ARGV[6] then
-  return {'changed'}
+else
+  local current = lease or redis.call('hget', KEYS[3], ARGV[3])
+  if current and current ~= ARGV[6] then return {'changed'} end
+  -- Gone altogether: a reaper gave the dead owner's job back meanwhile and counted its death
+  -- (this copy may be the one it gave back): the job is free, and the death counted once.
+  if not current then dead = '' end
 end
-if ARGV[7] ~= '' then
-  redis.call('rpush', KEYS[4], ARGV[7])
+if dead ~= '' then
+  redis.call('rpush', KEYS[4], dead)
   if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[4], ARGV[9]) end
 end
 redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[2])
