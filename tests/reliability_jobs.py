@@ -36,7 +36,7 @@ def sleepy(ctx: JobContext, params: SleepParams) -> dict[str, Any]:
         handle.write(json.dumps({"event": "end", "pid": os.getpid(), "t": time.time()}) + "\n")
     if params.fail is not None:
         raise ValueError(params.fail)
-    return {"pid": os.getpid()}
+    return {"pid": os.getpid(), "worker_pid": os.getppid()}
 
 
 class OomParams(BaseModel):

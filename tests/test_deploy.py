@@ -97,8 +97,9 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     gpu1 = load_unit(plan.unit_dir, "devicefleet-worker@gpu1.service")
     assert cpu["Service.KillSignal"] == ["SIGTERM"] and cpu["Service.KillMode"] == ["mixed"]
     assert cpu["Service.Restart"] == ["on-failure"]
-    assert cpu["Service.TimeoutStopSec"][-1] == str(3600 + 90)
-    assert gpu1["Service.TimeoutStopSec"][-1] == str(7200 + 90)
+    # The worker's stop timeout (max_job_seconds here), its cancel grace (5 s), the margin.
+    assert cpu["Service.TimeoutStopSec"][-1] == str(3600 + 5 + 90)
+    assert gpu1["Service.TimeoutStopSec"][-1] == str(7200 + 5 + 90)
     assert cpu["Service.User"] == ["devicefleet"]
     for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes"),
                        ("SystemCallArchitectures", "native"), ("ProtectProc", "invisible")]:
@@ -212,7 +213,7 @@ def test_cli_root_renders_for_review_and_prints_commands(tmp_path: Path) -> None
     assert read_env_value((root / "etc/devicefleet/devicefleet.env").read_text(), "DEVICEFLEET_REDIS_URL") == url
     assert "max_job_seconds = 100" in edited.read_text()
     timeout = (system / "devicefleet-worker@cpu0.service.d/10-stop-timeout.conf").read_text()
-    assert "TimeoutStopSec=160" in timeout
+    assert "TimeoutStopSec=165" in timeout  # 100 s, the 5 s grace and the 60 s margin
 
 
 def test_deploy_refuses_to_join_a_remote_redis_without_password(tmp_path: Path) -> None:
@@ -373,11 +374,11 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
             if uncollected is not None:  # the fan-out's collect step ran on this worker
                 entry = uncollected.get(timeout=60)["cpu0"]
                 assert entry["status"] == "ok" and entry["output"]["busy_s"] == 3
-                assert entry["output"]["pid"] == warm_pid
+                assert entry["output"]["worker_pid"] == warm_pid
                 uncollected = None
             entry = handle.get(timeout=90)["cpu0"]
             assert entry["status"] == "ok", entry
-            assert entry["output"]["pid"] == again.process.pid  # it ran again, on the new worker
+            assert entry["output"]["worker_pid"] == again.process.pid  # it ran again, on the new worker
             again.process.send_signal(signal.SIGTERM)
             assert again.wait(60) == 0
     finally:
@@ -540,7 +541,7 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
         results = fan_out("probe", "all", app=app).get(timeout=90)
         assert set(results) == {"cpu0@hosta", "cpu0@hostb"}
         assert all(entry["status"] == "ok" for entry in results.values()), results
-        pids = {entry["output"]["pid"] for entry in results.values()}
+        pids = {entry["output"]["worker_pid"] for entry in results.values()}
         assert pids == {w.process.pid for w in workers}  # each host's own worker ran its device's job
 
         # The two hosts' devices as the ranks of one DDP job: one gloo group, rendezvous

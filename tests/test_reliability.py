@@ -216,7 +216,7 @@ def test_a_dead_workers_job_whose_message_is_gone_is_sent_again(rfleet, rapp, cl
     victim.process.kill()
     entry = handle.get(timeout=120)["cpu1"]
     assert entry["status"] == "ok", entry
-    assert entry["output"]["pid"] != record.pid  # it ran again, on the restarted worker
+    assert entry["output"]["worker_pid"] != record.pid  # it ran again, on the restarted worker
     assert handle.states() == {"cpu1": "SUCCESS"}
     events = [e["event"] for e in read_markers(marker)]
     assert events == ["start", "start", "end"], events

@@ -162,9 +162,10 @@ def test_target_starts_redis_workers_flower_and_exporter_under_systemd(fleet_hos
     for device, entry in results.items():
         unit = f"devicefleet-worker@{device}.service"
         pid = fleet_host.main_pid(unit)
-        assert entry["output"]["pid"] == pid  # the job ran in the unit's own main process
-        user = box.run("ps", "-o", "user=", "-p", str(pid)).stdout.strip()
-        assert user == "devicefleet"
+        # The job ran in a job process of the unit's own main process, as the unit's user.
+        assert entry["output"]["worker_pid"] == pid
+        for process in (pid, entry["output"]["pid"]):
+            assert box.run("ps", "-o", "user=", "-p", str(process)).stdout.strip() == "devicefleet"
         assert entry["visibility"]["cuda_visible_devices"] == "-1"
         status = box.run("cat", f"/proc/{pid}/status").stdout
         assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status  # the filter is on

@@ -46,6 +46,8 @@ def probe(ctx: JobContext, params: ProbeParams) -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        # The job runs in a job process; its parent is the device's worker.
+        "worker_pid": os.getppid(),
         "device": ctx.device,
         "torch_device": ctx.torch_device,
         "env": {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")},

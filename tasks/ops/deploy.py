@@ -22,6 +22,7 @@ Paths in the plan are where files live on the target system; :func:`render` writ
 from __future__ import annotations
 
 import logging
+import math
 import re
 import secrets
 import shutil
@@ -34,7 +35,7 @@ from urllib.parse import quote
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
-from ..core.worker_config import DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
+from ..core.worker_config import DEFAULT_CANCEL_GRACE_S, DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -272,10 +273,18 @@ def _reuse_secrets(plan: HostPlan, root: Path) -> None:
             plan.flower_auth = match[1]
 
 
-def stop_timeout(configs_dir: Path, device: Device, margin_s: int) -> tuple[int, Path, int]:
-    """``(TimeoutStopSec, config file, max_job_seconds)`` of ``device``'s worker."""
+def stop_timeout(configs_dir: Path, device: Device, margin_s: int) -> tuple[int, Path, int, int]:
+    """``(TimeoutStopSec, config file, the worker's own stop timeout, its cancel grace)`` of
+    ``device``'s worker.
+
+    A stopping worker gives its running job its ``stop_timeout_s`` (default ``max_job_seconds``),
+    then ``cancel_grace_s`` to stop at ``ctx.progress()`` before it ends the job's process group
+    and stores its entry; systemd waits that long, plus the margin, before its SIGKILL.
+    """
     config = load_worker_config(configs_dir, device)
-    return config.max_job_seconds + margin_s, config_file(configs_dir, device), config.max_job_seconds
+    worker_stop = config.stop_timeout_s or config.max_job_seconds
+    grace = math.ceil(config.cancel_grace_s)
+    return worker_stop + grace + margin_s, config_file(configs_dir, device), worker_stop, grace
 
 
 def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
@@ -326,7 +335,8 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "artifacts_dir": _check_safe("artifacts dir", str(plan.artifacts)),
         "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
         "celery_bin": _check_safe("celery binary", str(plan.celery_bin)),
-        "timeout_stop_s": max([t for t, _, _ in timeouts.values()], default=DEFAULT_MAX_JOB_SECONDS + margin),
+        "timeout_stop_s": max([t for t, _, _, _ in timeouts.values()],
+                              default=DEFAULT_MAX_JOB_SECONDS + math.ceil(DEFAULT_CANCEL_GRACE_S) + margin),
         "flower_address": plan.flower_address,
         "flower_port": plan.flower_port,
         "metrics_port": plan.metrics_port,
@@ -346,11 +356,12 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     units = plan.unit_dir
     write(units / WORKER_UNIT, template(WORKER_UNIT))
     for device in plan.devices:
-        timeout, cfg, max_job = timeouts[device]
+        timeout, cfg, worker_stop, grace = timeouts[device]
         dropins = units / f"devicefleet-worker@{device}.service.d"
         write(dropins / "10-stop-timeout.conf", template("worker-stop-timeout.conf", {
             "device": device, "timeout_stop_s": timeout, "margin_s": margin,
-            "max_job_seconds": max_job, "config_file": plan.config_dir / "worker_configs" / cfg.name,
+            "worker_stop_s": worker_stop, "cancel_grace_s": grace,
+            "config_file": plan.config_dir / "worker_configs" / cfg.name,
         }))
         parsed = Device.parse(device)
         if parsed.kind is DeviceKind.GPU:
