@@ -6,7 +6,7 @@ modules and checks what torch sees, then remembers the environment, working dire
 before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVICES"] = ...``,
 ``os.chdir("/")``), then runs it (:func:`run_job`) and says how it ended, and whether this
 process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300) or
-an out-of-memory whose device memory could not be released.
+an out-of-memory.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.devices import Device, check_visibility
-from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory
+from ..core.devices import Device, check_visibility, host_name
+from ..core.errors import DeviceFleetError, GangFailed, JobCancelled, JobError, OutOfMemory
 from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.records import ErrorInfo, GangSpec, JobOptions
+from ..core.registry import connect
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob
 from .channel import Channel
 from .distributed import GiveWay, Rendezvous, run_rank
@@ -133,8 +134,6 @@ class JobRuntime:
         if self._redis is None:
             if self.spec.redis_url is None:
                 return None
-            from ..core.registry import connect
-
             self._redis = connect(self.spec.redis_url)
         return self._redis
 
@@ -144,9 +143,6 @@ class JobRuntime:
         Raises:
             GangFailed: this worker is not joined to a fleet, or its device is not one of the gang's.
         """
-        from ..core.devices import host_name
-        from ..core.errors import GangFailed
-
         device = self.spec.device
         client = self.redis()
         if client is None:
@@ -204,8 +200,8 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
     except OutOfMemory as exc:
         logger.warning("%s: job %s ran out of memory: %s", spec.device, job.job, exc)
         ending.failed(exc)
-        if exc.recycle:
-            ending.retire = "device memory still held after an out-of-memory"
+        # The allocator's state after an out-of-memory is not worth trusting with the next job.
+        ending.retire = "out of memory" + (", device memory still held" if exc.recycle else "")
     except JobCancelled as exc:
         logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
         ending.failed(exc, Outcome.CANCELLED)

@@ -106,8 +106,9 @@ def render(rep: dict[str, Any]) -> Group:
         )
         if rec:
             sees = f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else "")
-            seen.append(f"{name}: {dev.get('worker') or rec.get('worker')} pid {rec.get('pid')}, "
-                        f"CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}")
+            jobs = ",".join(str(pid) for pid in rec.get("job_pids") or []) or "none"
+            seen.append(f"{name}: {dev.get('worker') or rec.get('worker')} pid {rec.get('pid')} (job processes "
+                        f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}")
     queues = table("queues", ["queue", "waiting", "oldest"], right=("waiting", "oldest"))
     for name, q in rep["queues"].items():
         age = q.get("oldest_age_s")

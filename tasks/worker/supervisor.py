@@ -13,7 +13,7 @@ hands the running job to one of them (:meth:`Supervisor.run`) and watches it:
 
 A process is retired (ended, and a fresh one spawned in the background while the spare takes
 the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
-poisoned its context, device memory it could not release), when it grew past the memory
+poisoned its context, an out-of-memory, a job that raised SystemExit), when it grew past the memory
 threshold, or after ``jobs_per_process`` jobs. Otherwise it runs the next job too, from the
 environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
 
