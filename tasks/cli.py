@@ -567,7 +567,9 @@ def tensorboard(logdir: Path | None, port: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--quick", is_flag=True, help="Smoke mode (CI): few runs, small batches, short jobs.")
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
-def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
+@click.option("--section", "sections", multiple=True, metavar="NAME",
+              help="Measure only this section (repeatable): dispatch, sweep, fanout, ddp, gpu, isolation, pipeline.")
+def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...]) -> None:
     """Measure a throwaway fleet against what users would do instead; print a table."""
     from .bench import report
     from .bench.run import run_bench
@@ -576,7 +578,7 @@ def bench(as_json: bool, quick: bool, cpu_workers: int) -> None:
     say = err_console.print if as_json else console.print
     say("benchmarking an embedded fleet" + (" (quick)" if quick else "") + "...")
     try:
-        figures = run_bench(_settings(), quick=quick, cpu_workers=cpu_workers)
+        figures = run_bench(_settings(), quick=quick, cpu_workers=cpu_workers, sections=list(sections) or None)
     except DeviceFleetError as exc:
         _fail(exc)
     if as_json:
