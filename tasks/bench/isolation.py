@@ -32,6 +32,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..ops.proc import wait_until
 from ..producer.fanout import FanOut, fan_out, live_devices
 from ..worker.supervisor import WARM_PROCESSES
 
@@ -62,16 +63,9 @@ def write_worker_configs(source: Path, dest: Path, cancel_grace_s: float = CANCE
     return dest
 
 
-def _wait(check: Callable[[], Any], what: str, timeout: float = STEP_TIMEOUT_S) -> Any:
-    """Poll ``check`` until it returns something truthy; raise naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"isolation bench: {what} did not happen within {timeout:g} s")
-        time.sleep(POLL_S)
+def _wait(check: Callable[[], Any], what: str) -> Any:
+    """Poll ``check`` until it returns something truthy (:func:`tasks.ops.proc.wait_until`)."""
+    return wait_until(check, STEP_TIMEOUT_S, f"isolation bench: {what}", poll=POLL_S)
 
 
 def wait_warm(app: Celery, device: str, gone: Collection[int] = ()) -> float:
