@@ -115,8 +115,6 @@ class Supervisor:
         self._closed = False
         self._last_failure: str | None = None
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
-        #: Processes retired so far, by reason (for logs and tests).
-        self.retired: dict[str, int] = {}
         #: Called (outside the lock) when a process was started or ended: the registry shows them.
         self.on_change: Callable[[], None] | None = None
 
@@ -209,6 +207,7 @@ class Supervisor:
                         return process
                     logger.warning("%s: idle job process %d died (%s); replacing it", self.label,
                                    process.pid, process.exit_text())
+                    process.kill("it died while idle")  # reaped, its group and pipe closed
                     self._cond.notify_all()
                 left = deadline - time.monotonic()
                 if self._closed or left <= 0:
@@ -224,8 +223,6 @@ class Supervisor:
                 self._idle.insert(0, process)  # the warm one first: its caches are hot
             self._cond.notify_all()
         if retire is not None:
-            key = retire.split(":")[0]
-            self.retired[key] = self.retired.get(key, 0) + 1
             logger.info("%s: retiring job process %d: %s", self.label, process.pid, retire)
             process.kill(retire)
             self._changed()
