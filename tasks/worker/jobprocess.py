@@ -60,7 +60,10 @@ class JobProcess:
         ours, theirs = socket.socketpair()
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tasks.jobproc", str(theirs.fileno())],
+                # -P: no working directory first on sys.path, so a user's own tasks.py there
+                # cannot shadow devicefleet's package (PYTHONPATH names it first; the working
+                # directory comes after it, for job modules).
+                [sys.executable, "-P", "-m", "tasks.jobproc", str(theirs.fileno())],
                 env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 # Its own session and process group: kill() reaches everything the job starts,
