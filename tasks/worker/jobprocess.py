@@ -85,7 +85,10 @@ class JobProcess:
         self.jobs_run = 0
         #: Why the worker ended it, once it did (``kill``): its exit is then no crash.
         self.killed_because: str | None = None
-        self._conn.send_bytes(spec.encode())
+        try:
+            self._conn.send_bytes(spec.encode())
+        except OSError as exc:  # it died at once: wait_hello says how, with its output
+            logger.debug("%s: could not send the spec: %s", label, exc)
 
     # -- talking -----------------------------------------------------------------------------
 
@@ -97,7 +100,13 @@ class JobProcess:
         """
         deadline = time.monotonic() + timeout
         while True:
-            message = self.receive(max(0.0, deadline - time.monotonic()))
+            try:
+                message = self.receive(max(0.0, deadline - time.monotonic()))
+            except ProcessGone as gone:
+                tail = self.tail_text()
+                self.kill("it exited before it was ready")
+                raise ProcessGone(f"{self.label}: the job process exited before it was ready ({gone}); "
+                                  f"its output: {tail}") from None
             if isinstance(message, Hello):
                 self.hello = message
                 return message
