@@ -217,3 +217,58 @@ def test_kwargs_that_are_not_a_mapping_are_named_in_the_error():
         JobSpec.of("probe", "epochs=3")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"kwargs='epochs=3': Input should be a valid dictionary"):
         JobSpec.of(("probe", "epochs=3"))  # type: ignore[arg-type]
+
+
+# -- the job process's pipe and what the worker makes of it -------------------------------------
+
+
+def test_the_pipe_carries_typed_json_messages_and_refuses_anything_else():
+    from pydantic import ValidationError
+
+    from tasks.core.records import ErrorInfo
+    from tasks.core.wire import Finished, Outcome, StopJob, StopReason, decode_from_job_process, decode_from_worker
+
+    stop = StopJob(job_id="j1", reason=StopReason.TIMEOUT, message="past its time limit")
+    assert decode_from_worker(stop.encode()) == stop
+    done = Finished(outcome=Outcome.ERROR, error=ErrorInfo(type="ValueError", message="boom"), rss_bytes=1)
+    assert decode_from_job_process(done.encode()) == done
+    # JSON only (a pickle is not JSON), known kinds only, no unknown fields, and each direction
+    # takes only its own kinds: a job process cannot send the worker a job to run.
+    for data in (b"\x80\x04K\x01.", b'{"kind": "exec", "argv": ["sh"]}',
+                 b'{"kind": "done", "outcome": "ok", "rss_bytes": 1, "extra": 1}'):
+        with pytest.raises(ValidationError):
+            decode_from_job_process(data)
+    with pytest.raises(ValidationError):
+        decode_from_job_process(b'{"kind": "run", "job_id": "x", "job": "noop", "kwargs": {}, "fan_out_id": "x"}')
+
+
+def test_a_job_process_error_becomes_an_exception_of_the_type_it_named():
+    from tasks.core.errors import JobCrashed, OutOfMemory
+    from tasks.core.records import ErrorInfo
+    from tasks.worker.runner import exception_of
+
+    crashed = exception_of(ErrorInfo(type="JobCrashed", message="killed by SIGSEGV"), "tasks.core.errors")
+    assert type(crashed) is JobCrashed and str(crashed) == "killed by SIGSEGV"
+    oom = exception_of(ErrorInfo(type="OutOfMemory", message="out", memory={"device": "cuda:0"}), None)
+    assert isinstance(oom, OutOfMemory) and oom.memory == {"device": "cuda:0"}
+    assert type(exception_of(ErrorInfo(type="ValueError", message="boom"), "builtins")) is ValueError
+    # A job's own exception type: a class of that name and module, as Celery makes for one it
+    # cannot import; a builtin whose constructor takes more than a message, likewise.
+    own = exception_of(ErrorInfo(type="DataLoaderStalled", message="stalled"), "my_jobs")
+    assert (type(own).__name__, type(own).__module__, str(own)) == ("DataLoaderStalled", "my_jobs", "stalled")
+    odd = exception_of(ErrorInfo(type="UnicodeDecodeError", message="bad byte"), "builtins")
+    assert type(odd).__name__ == "UnicodeDecodeError" and str(odd) == "bad byte"
+    # A devicefleet error that is not a job error is not built as ours: the job process names a
+    # type for the stored failure, it does not pick one of the worker's classes.
+    assert type(exception_of(ErrorInfo(type="ConfigError", message="x"), "tasks.core.errors")).__name__ == "ConfigError"
+    assert not isinstance(exception_of(ErrorInfo(type="ConfigError", message="x"), None), ValueError)
+
+
+def test_cuda_errors_that_poison_a_context_are_told_from_a_jobs_own():
+    from tasks.jobproc.runtime import poisons_cuda
+
+    assert poisons_cuda(RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors ..."))
+    assert poisons_cuda(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert poisons_cuda(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm"))
+    assert not poisons_cuda(ValueError("boom"))
+    assert not poisons_cuda(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)"))
