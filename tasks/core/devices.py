@@ -1,8 +1,8 @@
 """Devices: their names, what a worker process may see, and how cores are shared.
 
 A device is named ``<kind><index>``: ``cpu0``, ``cpu1``, ``gpu0``. The worker that owns a
-device runs with ``CUDA_VISIBLE_DEVICES`` set before torch is imported: ``-1`` for a CPU
-device, the GPU's index for a GPU device.
+device starts its job processes with ``CUDA_VISIBLE_DEVICES`` set (``-1`` for a CPU device, the
+GPU's index for a GPU device), so torch in them sees that device and no other.
 
 In a fleet of several hosts (``DEVICEFLEET_DEVICE_NAMES=host``) a device's name also carries its
 host, ``cpu0@hosta``, equal to its worker's Celery node name, so every device of every host has
@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import socket
-import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -102,26 +101,6 @@ class Device:
 
     def __str__(self) -> str:
         return self.name
-
-
-def apply_visibility(device: Device) -> None:
-    """Set ``CUDA_VISIBLE_DEVICES`` for ``device`` in this process, before torch loads.
-
-    Raises:
-        DeviceVisibilityError: torch is already imported with another visibility, so the
-            setting would have no effect.
-    """
-    wanted = device.cuda_visible_devices
-    current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if current == wanted:
-        return
-    if "torch" in sys.modules:
-        raise DeviceVisibilityError(
-            f"{device}: torch was imported before CUDA_VISIBLE_DEVICES was set to {wanted!r} "
-            f"(it is {current!r}); start the worker with `devicefleet worker {device}` or set "
-            "CUDA_VISIBLE_DEVICES in its environment"
-        )
-    os.environ["CUDA_VISIBLE_DEVICES"] = wanted
 
 
 def visibility() -> dict[str, Any]:
