@@ -52,7 +52,8 @@ def rss_bytes() -> int:
 def gpu_memory_in_use() -> int | None:
     """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    # is_initialized first: a flag, where is_available asks the driver (after every job).
+    if torch is None or not torch.cuda.is_initialized() or not torch.cuda.is_available():
         return None
     return int(torch.cuda.memory_reserved())
 

@@ -163,35 +163,26 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     Raises:
         celery.exceptions.Ignore: this job already runs on another live worker, or has finished
             (see :mod:`tasks.worker.lease`); this copy is dropped.
-        WorkerLost: the job took its worker down ``max_attempts`` times; it is not run, and its
-            failure is stored with its error entry like any other (its message acknowledged).
-        Exception: the job failed; the exception carries its error entry.
+        Exception: the job failed (its options are invalid, it took its worker down
+            ``max_attempts`` times: ``WorkerLost``, or it ran and failed); the exception carries
+            its error entry, and its failure is stored with its message acknowledged.
     """
-    if worker.leases is None or task.request.id is None:
-        return _execute(worker, task, job, kwargs)
-    with ExitStack() as held:
-        try:
-            held.enter_context(worker.leases.hold(task, max_attempts=_max_attempts(task.request)))
-        except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
-            return JobRun(worker, task, job).end(failed=exc)
-        return _execute(worker, task, job, kwargs)
-
-
-def _max_attempts(request: Any) -> int:
-    """The job's ``max_attempts``; the default when its options are invalid (it then fails on
-    them in :func:`_execute`, once)."""
-    try:
-        return job_options(request).max_attempts
-    except InvalidJobArguments:
-        return JobOptions().max_attempts
-
-
-def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict[str, Any]:
-    run = JobRun(worker, task, job)
     try:
         options = job_options(task.request)
-    except InvalidJobArguments as exc:
-        return run.end(failed=exc)
+    except InvalidJobArguments as exc:  # refused before it takes anything: there is nothing to run
+        return JobRun(worker, task, job).end(failed=exc)
+    if worker.leases is None or task.request.id is None:
+        return _execute(worker, task, job, kwargs, options)
+    with ExitStack() as held:
+        try:
+            held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
+        except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
+            return JobRun(worker, task, job).end(failed=exc)
+        return _execute(worker, task, job, kwargs, options)
+
+
+def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
+    run = JobRun(worker, task, job)
     ended = run_in_process(worker, run.job_message(kwargs, options), JobWatch(worker, task, run.job_id, options),
                            restarts=options.gang.max_restarts if options.gang is not None else 0)
     if ended.outcome is Outcome.GIVE_WAY:
