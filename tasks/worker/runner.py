@@ -202,8 +202,7 @@ def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, restarts:
         ended = supervisor.run(job, watch)
     except NoJobProcess as exc:
         logger.error("%s: %s", worker.device, exc)
-        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo.of(exc),
-                     error_module=type(exc).__module__, pid=0, retired=None)
+        return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
     for _ in range(restarts):
         if not ended.crashed:
             break

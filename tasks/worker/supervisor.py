@@ -24,6 +24,7 @@ process when its worker dies, watches the thread that started it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..core.errors import NoJobProcess
+from ..core.errors import JobCancelled, JobCrashed, JobTimeout, NoJobProcess, WorkerStopped
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
 from .jobprocess import JobProcess, ProcessGone
@@ -47,11 +48,11 @@ POLL_S = 0.05
 #: Back-off between failed spawns (doubling, up to the maximum).
 RESPAWN_MIN_S, RESPAWN_MAX_S = 0.5, 30.0
 
-#: The error type and outcome of a job whose process was ended, by the reason it was stopped.
-_KILLED: dict[StopReason, tuple[str, Outcome]] = {
-    StopReason.CANCEL: ("JobCancelled", Outcome.CANCELLED),
-    StopReason.TIMEOUT: ("JobTimeout", Outcome.ERROR),
-    StopReason.SHUTDOWN: ("WorkerStopped", Outcome.ERROR),
+#: The error and outcome of a job whose process was ended, by the reason it was stopped.
+_KILLED: dict[StopReason, tuple[type[Exception], Outcome]] = {
+    StopReason.CANCEL: (JobCancelled, Outcome.CANCELLED),
+    StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
+    StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
 }
 
 
@@ -96,6 +97,13 @@ class Ended:
     @property
     def crashed(self) -> bool:
         return self.error is not None and self.error.type == "JobCrashed"
+
+    @classmethod
+    def by_worker(cls, error: type[Exception], message: str, pid: int, retired: str | None,
+                  outcome: Outcome = Outcome.ERROR) -> Ended:
+        """A job the worker ended (or found ended), with one of devicefleet's job errors."""
+        return cls(outcome=outcome, finished=None, error=ErrorInfo(type=error.__name__, message=message),
+                   error_module=error.__module__, pid=pid, retired=retired)
 
 
 class Supervisor:
@@ -181,7 +189,7 @@ class Supervisor:
         ended = _Run(process, job, watch, self.policy.cancel_grace_s).wait()
         retire = ended.retired or self._retire_reason(process, ended.finished)
         self._give_back(process, retire)
-        return ended if retire == ended.retired else _with_retired(ended, retire)
+        return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
 
     def _retire_reason(self, process: JobProcess, finished: Finished | None) -> str | None:
         if finished is None:
@@ -272,11 +280,6 @@ class Supervisor:
             backoff = RESPAWN_MIN_S if failure is None else min(RESPAWN_MAX_S, backoff * 2)
 
 
-def _with_retired(ended: Ended, retired: str | None) -> Ended:
-    return Ended(outcome=ended.outcome, finished=ended.finished, error=ended.error,
-                 error_module=ended.error_module, pid=ended.pid, retired=retired)
-
-
 class _Run:
     """One job in one process, from :class:`RunJob` to its end."""
 
@@ -320,19 +323,16 @@ class _Run:
         assert self.stop is not None
         stop = self.stop
         self.process.kill(f"{stop.reason.value}: no stop at ctx.progress() within {self.grace_s:g} s")
-        error_type, outcome = _KILLED[stop.reason]
+        error, outcome = _KILLED[stop.reason]
         message = (f"{stop.message}; it did not stop at ctx.progress() within {self.grace_s:g} s, so "
                    f"its process {self.process.pid} and everything it started were ended "
                    f"({self.process.exit_text()})")
-        return Ended(outcome=outcome, finished=None, error=ErrorInfo(type=error_type, message=message),
-                     error_module="tasks.core.errors", pid=self.process.pid,
-                     retired=f"ended after {stop.reason.value}")
+        return Ended.by_worker(error, message, self.process.pid, f"ended after {stop.reason.value}", outcome)
 
     def _stopped(self, because: str) -> Ended:
         message = (f"job {self.job.job_id} ({self.job.job}) was ended with its process {self.process.pid}: "
                    f"{because}")
-        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo(type="WorkerStopped", message=message),
-                     error_module="tasks.core.errors", pid=self.process.pid, retired=because)
+        return Ended.by_worker(WorkerStopped, message, self.process.pid, because)
 
     def _crashed(self, how: str) -> Ended:
         process = self.process
@@ -340,6 +340,4 @@ class _Run:
         process.kill("its job crashed it")
         message = (f"the job process {process.pid} running {self.job.job} ({self.job.job_id}) died: "
                    f"{how}; its last lines: {tail}")
-        return Ended(outcome=Outcome.ERROR, finished=None, error=ErrorInfo(type="JobCrashed", message=message),
-                     error_module="tasks.core.errors", pid=process.pid, retired=f"crashed: {how}")
-
+        return Ended.by_worker(JobCrashed, message, process.pid, f"crashed: {how}")
