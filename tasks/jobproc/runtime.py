@@ -170,6 +170,9 @@ class _Ending:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def failed(self, exc: BaseException, outcome: Outcome = Outcome.ERROR) -> None:
+        # Only its type and message are kept: its traceback's frames (and any exception it was
+        # raised from) would hold the job's tensors past the memory release after a cancel.
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         self.outcome, self.error = outcome, exc
 
 
