@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.ops.proc import spawn_child
+from tasks.core.children import spawn_child
 
 from .conftest import cli_env, wait_for
 from .test_cli import CLI, _ready_workers

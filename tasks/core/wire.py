@@ -61,8 +61,6 @@ class ProcessSpec(_Message):
     result_expires_s: int
     #: Where a distributed job's rank 0 is reached by the other ranks.
     address: str = "127.0.0.1"
-    #: The worker's process id: a job process whose parent is not this one exits at once.
-    parent_pid: int
 
 
 class JobInfo(BaseModel):

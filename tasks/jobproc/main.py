@@ -1,11 +1,12 @@
-"""The job process's life: get its spec, prepare, say hello, run jobs until the worker is gone."""
+"""The job process's life: get its spec, prepare, say hello, run jobs until the worker is gone.
+
+It dies with its worker: the worker starts it with Linux's parent-death signal
+(:func:`tasks.core.children.spawn_child`), and its pipe's reader ends it when the pipe closes.
+"""
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 import sys
 from multiprocessing.connection import Connection
 
@@ -19,29 +20,13 @@ from .runtime import JobRuntime
 
 logger = logging.getLogger(__name__)
 
-#: ``prctl`` option: the signal this process gets when the thread that started it exits.
-PR_SET_PDEATHSIG = 1
 #: Exit statuses: the worker could not be reached or sent no spec; a setting is at fault.
 EXIT_NO_WORKER = 1
 EXIT_CONFIG = 2
 
 
-def die_with_parent() -> None:
-    """Ask Linux for SIGKILL when the worker dies (even by SIGKILL, when the pipe's reader thread
-    would be too late: a job holding the GIL in native code). The worker starts job processes
-    from one long-lived thread, whose exit is what the kernel watches."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError) as exc:  # no prctl: the pipe's EOF still ends this process
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    die_with_parent()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     channel = Channel(Connection(int(args[0])))
@@ -50,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except (EOFError, OSError, ValidationError) as exc:
         print(f"devicefleet job process: no spec from the worker ({exc})", file=sys.stderr)
         return EXIT_NO_WORKER
-    if not isinstance(spec, ProcessSpec) or os.getppid() != spec.parent_pid:
-        return EXIT_NO_WORKER  # the worker died before the death signal was set: nothing to do
+    if not isinstance(spec, ProcessSpec):
+        return EXIT_NO_WORKER
     try:
         runtime = JobRuntime.prepare(spec)
     except DeviceFleetError as exc:

@@ -6,7 +6,7 @@ so that a Ctrl-C in the terminal reaches only the launcher, which then stops the
 order: SIGTERM (Celery's warm shutdown: finish the running job, take no new one), then SIGKILL
 to the worker's whole process group after ``stop_timeout``, so that a hung job cannot hold the
 launcher's stop for longer. If the launcher dies without stopping them (even by SIGKILL), the
-kernel kills every child it started (:func:`.proc.spawn_child`).
+kernel kills every child it started (:func:`tasks.core.children.spawn_child`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.app import create_app
+from ..core.children import spawn_child
 from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from ..core.errors import ConfigError, FleetError, RedisServerError
 from ..core.records import FleetDevice, FleetFile
@@ -32,7 +33,7 @@ from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
 from ..core.worker_config import DEFAULT_LOADER_CORES, load_worker_config
 from .monitor import FleetMonitor
-from .proc import kill_group, log_tail, spawn_child, wait_until
+from .proc import kill_group, log_tail, wait_until
 from .redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..core.children import spawn_child
 from ..core.errors import FlowerError
-from .proc import free_port, log_tail, spawn_child, stop_process, wait_until
+from .proc import free_port, log_tail, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import redis
 
+from ..core.children import spawn_child
 from ..core.errors import RedisServerError
-from .proc import free_port, log_tail, spawn_child, stop_process, wait_until
+from .proc import free_port, log_tail, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
 

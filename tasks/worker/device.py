@@ -153,7 +153,7 @@ class DeviceWorker:
             device=self.device.name, torch_device=self.torch_device, cores=self.cores,
             torch_threads=self.torch_threads, job_modules=self.settings.job_modules, redis_url=url,
             artifacts_dir=str(self.artifacts_path), tensorboard_dir=str(self.settings.tensorboard_path),
-            result_expires_s=self.settings.result_expires_s, address=self.address, parent_pid=os.getpid(),
+            result_expires_s=self.settings.result_expires_s, address=self.address,
         )
         policy = ProcessPolicy(
             jobs_per_process=self.config.jobs_per_process,

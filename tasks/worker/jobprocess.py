@@ -24,6 +24,7 @@ from typing import IO
 
 from pydantic import ValidationError
 
+from ..core.children import spawn_child
 from ..core.wire import (
     Finished,
     Hello,
@@ -59,16 +60,16 @@ class JobProcess:
         self.label = label
         ours, theirs = socket.socketpair()
         try:
-            self.popen = subprocess.Popen(
+            # Its own session and process group (kill() reaches everything the job starts, and a
+            # Ctrl-C on the worker's terminal reaches the worker, which decides), and SIGKILL
+            # when the worker dies, however it dies.
+            self.popen = spawn_child(
                 # -P: no working directory first on sys.path, so a user's own tasks.py there
                 # cannot shadow devicefleet's package (PYTHONPATH names it first; the working
                 # directory comes after it, for job modules).
                 [sys.executable, "-P", "-m", "tasks.jobproc", str(theirs.fileno())],
                 env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                # Its own session and process group: kill() reaches everything the job starts,
-                # and a Ctrl-C on the worker's terminal reaches the worker, which decides.
-                start_new_session=True,
             )
         finally:
             theirs.close()

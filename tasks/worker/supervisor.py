@@ -17,9 +17,8 @@ poisoned its context, an out-of-memory, a job that raised SystemExit), when it g
 threshold, or after ``jobs_per_process`` jobs. Otherwise it runs the next job too, from the
 environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
 
-Every spawn happens on the spawner thread (or, for the first process, the thread that starts
-the supervisor, the worker's main thread): Linux's parent-death signal, which ends a job
-process when its worker dies, watches the thread that started it.
+Job processes are started by :func:`tasks.core.children.spawn_child`: each leads its own process
+group and gets SIGKILL from the kernel when its worker dies, however the worker dies.
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""Child processes that must not outlive the process that starts them.
+
+The launcher's children (redis-server, workers, Flower: :mod:`tasks.ops.proc`) and a worker's
+job processes (:mod:`tasks.worker.jobprocess`) are started by :func:`spawn_child`: each leads its
+own session, and on Linux asks the kernel for ``SIGKILL`` when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``, see prctl(2)), however the parent ends: a ``SIGKILL`` runs none of
+its cleanup. The signal is asked for between fork and exec: a caught signal coming in that
+window would be lost while the child still runs its parent's Python handlers; an uncatchable one
+cannot be.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: From <linux/prctl.h>.
+PR_SET_PDEATHSIG = 1
+#: What a child gets when its parent dies: nobody is left to escalate a signal it could ignore.
+PARENT_DEATH_SIGNAL = signal.SIGKILL
+
+
+def spawn_child(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **popen_kwargs)`` for a child that must not outlive this process.
+
+    The child leads its own session (``start_new_session``), so that a Ctrl-C in the terminal
+    reaches only this process, which stops its children in order, and so that a signal to the
+    child's process group reaches everything the child started in it. On Linux it also gets
+    :data:`PARENT_DEATH_SIGNAL` when this process dies.
+
+    Raises:
+        OSError, subprocess.SubprocessError: as ``subprocess.Popen`` does.
+    """
+    preexec = _die_with_parent()
+    if preexec is None:  # not Linux: only this process's own stop ends the child
+        return subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+    return _on_lasting_thread(
+        lambda: subprocess.Popen(argv, start_new_session=True, preexec_fn=preexec, **popen_kwargs))
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """The ``preexec_fn`` that ties a child to this process, or None off Linux.
+
+    It runs in the child between fork and exec, where another thread of the parent may have held
+    any lock at fork time (the reason subprocess's documentation calls ``preexec_fn`` unsafe with
+    threads). So it only calls what the parent prepared: a ctypes function looked up here (the
+    lookup takes the dynamic loader's lock), ``os.getppid`` and ``os._exit``; no import, no logging.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def tie_to_parent() -> None:
+        if prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        # The parent may have died before prctl took effect: then no signal ever comes.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return tie_to_parent
+
+
+@functools.cache
+def _prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process (prctl(2):
+# "the signal will be sent when that thread terminates"). The main thread lasts as long as the
+# process; a supervisor thread (Fleet.supervise on a thread, as the tests run it) does not, and
+# the workers it restarted would die with it. So children are forked on the main thread, or on
+# one daemon thread that lives as long as the process.
+_spawner: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _on_lasting_thread(start: Callable[[], T]) -> T:
+    """``start()``, on a thread that ends only with the process."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_spawner,), name="devicefleet-spawner", daemon=True).start()
+        requests = _spawner
+    done: Future[T] = Future()
+    requests.put((start, done))
+    return done.result()
+
+
+def _serve(requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
+    while True:
+        start, done = requests.get()
+        try:
+            done.set_result(start())
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            done.set_exception(exc)
