@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from .core.app import FleetCelery, app, create_app
 from .core.devices import Device, DeviceKind
 from .core.errors import (
+    CommandFailed,
+    CommandRefused,
     ConfigError,
     DeviceFleetError,
     DeviceUnavailable,
@@ -51,10 +53,13 @@ from .core.settings import Settings
 from .producer import (
     FanOut,
     JobSpec,
+    LogFollower,
     Sweep,
     SweepSummary,
+    command,
     dead_letters,
     fan_out,
+    follow_logs,
     forget_dead_letter,
     grid,
     live_devices,
@@ -67,6 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENTRY_KEYS",
+    "CommandFailed",
+    "CommandRefused",
     "ConfigError",
     "DeadLetter",
     "Device",
@@ -90,6 +97,7 @@ __all__ = [
     "JobOptions",
     "JobSpec",
     "JobTimeout",
+    "LogFollower",
     "NoFleetError",
     "NoJobProcess",
     "OutOfMemory",
@@ -103,9 +111,11 @@ __all__ = [
     "WorkerRecord",
     "WorkerStopped",
     "app",
+    "command",
     "create_app",
     "dead_letters",
     "fan_out",
+    "follow_logs",
     "forget_dead_letter",
     "grid",
     "job",

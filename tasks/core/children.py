@@ -31,22 +31,24 @@ PR_SET_PDEATHSIG = 1
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 
 
-def spawn_child(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+def spawn_child(argv: Sequence[str], *, new_session: bool = True, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **popen_kwargs)`` for a child that must not outlive this process.
 
     The child leads its own session (``start_new_session``), so that a Ctrl-C in the terminal
     reaches only this process, which stops its children in order, and so that a signal to the
     child's process group reaches everything the child started in it. On Linux it also gets
-    :data:`PARENT_DEATH_SIGNAL` when this process dies.
+    :data:`PARENT_DEATH_SIGNAL` when this process dies. ``new_session=False`` keeps the child in
+    this process's group instead (a job process's command: a signal to the job process's group
+    reaches the command too).
 
     Raises:
         OSError, subprocess.SubprocessError: as ``subprocess.Popen`` does.
     """
     preexec = _die_with_parent()
     if preexec is None:  # not Linux: only this process's own stop ends the child
-        return subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
+        return subprocess.Popen(argv, start_new_session=new_session, **popen_kwargs)
     return _on_lasting_thread(
-        lambda: subprocess.Popen(argv, start_new_session=True, preexec_fn=preexec, **popen_kwargs))
+        lambda: subprocess.Popen(argv, start_new_session=new_session, preexec_fn=preexec, **popen_kwargs))
 
 
 def _die_with_parent() -> Callable[[], None] | None:

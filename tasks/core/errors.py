@@ -21,6 +21,8 @@ The tree, by area::
         ├── OutOfMemory           the device ran out of memory
         ├── GangFailed            a distributed job's ranks could not form or gave up
         ├── JobCrashed            the job's process died (a signal, an exit status)
+        ├── CommandRefused        a command's program or folder is not in the worker's config
+        ├── CommandFailed         a command exited with a non-zero status or a signal
         ├── NoJobProcess          no job process became ready to run the job
         ├── JobTimeout            the job ran past its time limit and was ended
         ├── WorkerLost            the job's workers died with it too often: not run again
@@ -134,6 +136,20 @@ class OutOfMemory(JobError, MemoryError):
 class GangFailed(JobError):
     """A distributed job failed as a whole: a rank did not join within the join timeout (the
     message names its device), a rank's job raised, or the gang used up its restarts."""
+
+
+class CommandRefused(JobError, PermissionError):
+    """A command names a program or a working directory its device's worker config does not
+    allow (``[commands]``), or the device runs no commands; refused before it starts."""
+
+
+class CommandFailed(JobError):
+    """A command exited with a non-zero status, or was ended by a signal; ``command`` holds
+    the figures (``exit_code``, ``signal``, ``tail``: its last lines, ``log``: its log folder)."""
+
+    def __init__(self, message: str, *, command: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.command = command or {}
 
 
 class JobCancelled(JobError):

@@ -49,6 +49,13 @@ def worker_deaths(task_id: str) -> str:
 DEAD_LETTERS = f"{PREFIX}dead-letters"
 
 
+def command_log(task_id: str) -> str:
+    """Stream of a command's output as it runs (``tasks.jobproc.command`` adds, a producer's
+    ``LogFollower`` reads): one entry per batch of lines, field ``lines`` = JSON
+    ``[[stream, line], ...]``; capped in length, expires with the job's result."""
+    return f"{PREFIX}log:{task_id}"
+
+
 def progress(task_id: str) -> str:
     """A job's latest progress report (JSON), kept after the job ends (expires with its result)."""
     return f"{PREFIX}progress:{task_id}"

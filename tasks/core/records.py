@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from .commands import CommandRules
+
 
 class EntryStatus(str, Enum):
     OK = "ok"
@@ -55,12 +57,17 @@ class ErrorInfo(_Record):
     message: str
     #: Memory figures when the device ran out of memory (:class:`tasks.core.errors.OutOfMemory`).
     memory: dict[str, JsonValue] | None = None
+    #: How a command ended when it failed (:class:`tasks.core.errors.CommandFailed`):
+    #: ``exit_code``, ``signal``, ``tail`` (its last lines), ``log`` (its log folder).
+    command: dict[str, JsonValue] | None = None
 
     @classmethod
     def of(cls, exc: BaseException) -> ErrorInfo:
         memory = getattr(exc, "memory", None)
+        command = getattr(exc, "command", None)
         return cls(type=type(exc).__name__, message=str(exc),
-                   memory=memory if isinstance(memory, dict) else None)
+                   memory=memory if isinstance(memory, dict) else None,
+                   command=command if isinstance(command, dict) else None)
 
 
 class Visibility(_Record):
@@ -106,8 +113,9 @@ class Entry(_Record):
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
-        if out["error"] is not None and out["error"]["memory"] is None:
-            del out["error"]["memory"]  # {type, message}, plus memory only on OOM
+        for extra in ("memory", "command"):  # {type, message}, plus memory only on OOM, command
+            if out["error"] is not None and out["error"][extra] is None:  # only for a command
+                del out["error"][extra]
         return out
 
 
@@ -248,6 +256,9 @@ class WorkerRecord(_Record):
     heartbeat_at: float | None = None
     #: The worker's job processes alive now (the one running a job first), where its jobs run.
     job_pids: list[int] = Field(default_factory=list)
+    #: The programs and folders commands may use here (its worker config's ``[commands]``,
+    #: resolved when it started); None: it runs no commands.
+    commands: CommandRules | None = None
 
     def same_process(self, host: str, pid: int) -> bool:
         return self.host == host and self.pid == pid

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
+from .commands import CommandRules
 from .records import ErrorInfo
 
 
@@ -61,6 +62,11 @@ class ProcessSpec(_Message):
     result_expires_s: int
     #: Where a distributed job's rank 0 is reached by the other ranks.
     address: str = "127.0.0.1"
+    #: The programs and folders commands may use (the worker config's ``[commands]``,
+    #: resolved); None: this device runs no commands.
+    commands: CommandRules | None = None
+    #: Seconds a job asked to stop has before the worker ends its process group.
+    cancel_grace_s: float = 5.0
 
 
 class JobInfo(BaseModel):

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .commands import CommandPolicy
 from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
 from .validation import describe_validation_error
@@ -72,6 +73,9 @@ class WorkerConfig(BaseModel):
     #: Replace a job process whose resident memory grew by more than this (MiB) since it was
     #: ready; 0: never.
     max_memory_growth_mib: int = Field(default=DEFAULT_MAX_MEMORY_GROWTH_MIB, ge=0)
+    #: The ``[commands]`` table: the programs and folders commands may use on this device
+    #: (``devicefleet run -- CMD``); empty: the device runs no commands.
+    commands: CommandPolicy = Field(default_factory=CommandPolicy)
 
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, InvalidJobArguments
 from ..core.job import DEFINED, JobDefinition, unknown_job
 from ..core.validation import describe_validation_error
@@ -23,7 +24,7 @@ from ..core.wire import JobInfo
 logger = logging.getLogger(__name__)
 
 #: Job names the fleet keeps for itself (their Celery task names are the fleet's own tasks).
-RESERVED = frozenset({"collect"})
+RESERVED = frozenset({"collect", COMMAND_JOB})
 
 
 def _allowed(module: str, allowlist: Iterable[str]) -> bool:
@@ -37,7 +38,7 @@ class JobRegistry:
         ConfigError: a module cannot be imported, or defines a job with a reserved name.
     """
 
-    def __init__(self, modules: Iterable[str]) -> None:
+    def __init__(self, modules: Iterable[str], builtins: Iterable[JobDefinition] = ()) -> None:
         self.modules = list(modules)
         for module in self.modules:
             try:
@@ -52,6 +53,8 @@ class JobRegistry:
         clash = RESERVED & set(self._jobs)
         if clash:
             raise ConfigError(f"job name(s) {', '.join(sorted(clash))} are reserved by the fleet; rename the job")
+        for definition in builtins:  # the fleet's own (the command job, where commands are allowed)
+            self._jobs[definition.name] = definition
         if self.modules:  # the empty registry a worker holds before it loads its allowlist says nothing
             logger.info("jobs allowed: %s (from %s)", ", ".join(sorted(self._jobs)), ", ".join(self.modules))
 

@@ -26,6 +26,7 @@ from ..core.records import ErrorInfo, GangSpec, JobOptions
 from ..core.registry import connect
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob
 from .channel import Channel
+from .command import CommandJob, become_subreaper, run_command_rank
 from .distributed import GiveWay, Rendezvous, run_rank
 from .oom import release_memory, run_guarded
 from .progress import ProgressThrottle
@@ -98,12 +99,18 @@ class JobRuntime:
         import torch
 
         torch.set_num_threads(spec.torch_threads)
-        registry = JobRegistry(spec.job_modules)
         seen = check_visibility(Device.parse(spec.device))
         seen["torch_threads"] = spec.torch_threads
         baseline = _Baseline(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path),
                              cores=list(spec.cores), threads=spec.torch_threads)
-        return cls(spec=spec, registry=registry, visibility=seen, baseline=baseline)
+        runtime = cls(spec=spec, registry=JobRegistry([]), visibility=seen, baseline=baseline)
+        builtins = []
+        if spec.commands is not None and spec.commands.programs:
+            # What a command leaves behind is re-parented here, and ended with the command.
+            become_subreaper()
+            builtins.append(CommandJob(spec, spec.commands, runtime.redis, baseline.environ).definition())
+        runtime.registry = JobRegistry(spec.job_modules, builtins=builtins)
+        return runtime
 
     def hello(self) -> Hello:
         return Hello(pid=os.getpid(), jobs=self.registry.infos(), visibility=self.visibility, rss_bytes=rss_bytes())
@@ -152,6 +159,13 @@ class JobRuntime:
             raise GangFailed(f"{device} took a rank of {spec.id}, which runs on "
                              f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)")
         rdv = Rendezvous(client, spec, device, host_name(), self.spec.result_expires_s)
+        if isinstance(definition.func, CommandJob):
+            command = definition.func
+
+            def command_rank(ctx: JobContext, params: Any) -> dict[str, Any]:
+                return run_command_rank(command, ctx, params, rdv, self.spec.address)
+
+            return command_rank
 
         def rank(ctx: JobContext, params: Any) -> dict[str, Any]:
             return run_rank(definition.func, ctx, params, rdv, self.spec.address)

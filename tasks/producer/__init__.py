@@ -1,6 +1,7 @@
 """The producer side: sending jobs to the fleet and collecting their entries."""
 
 from . import sent_at  # noqa: F401  (stamps each published message with its send time)
+from .commands import LogFollower, command, follow_logs
 from .dead_letters import dead_letters, forget_dead_letter
 from .fanout import FanOut, JobSpec, fan_out, live_devices
 from .sweep import Sweep, SweepSummary, grid, sweep
@@ -8,10 +9,13 @@ from .sweep import Sweep, SweepSummary, grid, sweep
 __all__ = [
     "FanOut",
     "JobSpec",
+    "LogFollower",
     "Sweep",
     "SweepSummary",
+    "command",
     "dead_letters",
     "fan_out",
+    "follow_logs",
     "forget_dead_letter",
     "grid",
     "live_devices",

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
 from ..core.app import redis_url_of
+from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, task_name
@@ -180,9 +181,13 @@ def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) ->
 
     Raises:
         UnknownJob: a device's worker does not run that job; the message suggests a close name.
+        CommandRefused: a command's program or folder is not one its device allows.
+        ConfigError: a command's kwargs are malformed.
     """
     missing: dict[str, list[str]] = {}
     for device, spec in plan.items():
+        if spec.name == COMMAND_JOB:  # the device's rules say more than its list of jobs
+            check_command(command_params(spec.kwargs), device, live[device].commands)
         if spec.name not in live[device].jobs:
             missing.setdefault(spec.name, []).append(device)
     if not missing:

@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from ..core.commands import CommandRules
 from ..core.devices import (
     Device,
     DeviceKind,
@@ -154,6 +155,7 @@ class DeviceWorker:
             torch_threads=self.torch_threads, job_modules=self.settings.job_modules, redis_url=url,
             artifacts_dir=str(self.artifacts_path), tensorboard_dir=str(self.settings.tensorboard_path),
             result_expires_s=self.settings.result_expires_s, address=self.address,
+            commands=self.command_rules(), cancel_grace_s=self.config.cancel_grace_s,
         )
         policy = ProcessPolicy(
             jobs_per_process=self.config.jobs_per_process,
@@ -176,6 +178,20 @@ class DeviceWorker:
             hello.pid, ", ".join(self.jobs.names),
         )
 
+    def command_rules(self) -> CommandRules | None:
+        """The worker config's ``[commands]``, each program found on this worker's PATH; None
+        when it allows none."""
+        if not self.config.commands.enabled:
+            return None
+        rules = self.config.commands.rules()
+        if rules.missing:
+            logger.warning("%s: commands.programs %s not found on PATH; commands cannot run them",
+                           self.device, ", ".join(rules.missing))
+        logger.info("%s: commands may run %s in %s", self.device,
+                    ", ".join(f"{k} ({v})" for k, v in rules.programs.items()) or "nothing",
+                    ", ".join(rules.workdirs))
+        return rules
+
     def record(self) -> WorkerRecord:
         """This worker's registry record."""
         v = self.visibility
@@ -191,6 +207,7 @@ class DeviceWorker:
             torch_version=v.get("torch_version"),  # type: ignore[arg-type]
             torch_threads=v.get("torch_threads"),  # type: ignore[arg-type]
             job_pids=self.supervisor.pids if self.supervisor is not None else [],
+            commands=self.supervisor.spec.commands if self.supervisor is not None else None,
         )
 
     def check_unique(self, client: object) -> None:

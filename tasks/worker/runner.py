@@ -311,6 +311,8 @@ def exception_of(error: ErrorInfo, module: str | None) -> BaseException:
     if isinstance(own, type) and issubclass(own, errors.JobError):
         if own is OutOfMemory:
             return OutOfMemory(error.message, memory=dict(error.memory or {}))
+        if own is errors.CommandFailed:
+            return errors.CommandFailed(error.message, command=dict(error.command or {}))
         return own(error.message)
     builtin = getattr(builtins, error.type, None)
     if isinstance(builtin, type) and issubclass(builtin, Exception):

@@ -1,0 +1,273 @@
+"""Commands as jobs: an existing program (``python train.py --lr 0.1``) run on a device.
+
+A command is the built-in job :data:`COMMAND_JOB`, whose kwargs are :class:`CommandParams`:
+the argv, a working directory, extra environment variables, and any other field, which is a
+parameter filled into ``{name}`` placeholders of the argv (a sweep's trial, an Optuna trial).
+
+A message can never make a worker run a program its configuration does not name. A worker runs
+commands only when its worker config has a ``[commands]`` table (:class:`CommandPolicy`) naming
+the programs it may start and the folders commands may run in; the worker resolves the programs
+when it starts and publishes the rules in its registry record (:class:`CommandRules`), so a
+producer refuses a command before sending it (:func:`check_command`), and the job process
+checks it again before it starts anything (:func:`resolve_command`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+
+from .errors import CommandRefused, ConfigError, InvalidJobArguments
+from .validation import describe_validation_error
+
+#: The built-in job that runs a command (the Celery task ``devicefleet.command``).
+COMMAND_JOB = "command"
+
+#: Variables the fleet sets for a command, which a producer's ``env`` may not change: the device
+#: a command sees, its rank in a distributed job, and the fleet's own.
+FLEET_VARIABLES = frozenset({
+    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+})
+#: Prefixes of variables a producer's ``env`` may not set: the fleet's, torchrun's agent's, and
+#: the dynamic loader's (``LD_PRELOAD`` would load any library into an allowed program).
+FLEET_PREFIXES = ("DEVICEFLEET_", "TORCHELASTIC_", "LD_")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class CommandParams(BaseModel):
+    """The kwargs of the command job. Fields other than these are the command's parameters:
+    ``{"argv": ["python", "train.py", "--lr", "{lr}"], "lr": 0.1}`` runs ``--lr 0.1``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    #: The program and its arguments; ``{name}`` is replaced by the parameter ``name``
+    #: (``{{`` and ``}}`` are literal braces).
+    argv: list[str] = Field(min_length=1)
+    #: Working directory: absolute, or relative to the worker's first allowed folder
+    #: (default: that folder).
+    cwd: str | None = None
+    #: Variables added to the command's environment.
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("argv")
+    @classmethod
+    def _program_named(cls, argv: list[str]) -> list[str]:
+        if not argv[0].strip():
+            raise ValueError("argv[0] is empty: name the program to run")
+        return argv
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _NAME.match(name):
+                raise ValueError(f"env name {name!r} is not a variable name")
+            if name in FLEET_VARIABLES or name.startswith(FLEET_PREFIXES):
+                raise ValueError(f"env {name} is set by the fleet for every command and cannot be given")
+        return env
+
+    @model_validator(mode="after")
+    def _params_are_json(self) -> CommandParams:
+        for name, value in (self.model_extra or {}).items():
+            if not _NAME.match(name):
+                raise ValueError(f"parameter {name!r} is not a name a placeholder can use")
+            if isinstance(value, (dict, list)):
+                raise ValueError(f"parameter {name}={value!r} is not a number, string or bool")
+        return self
+
+    @property
+    def params(self) -> dict[str, JsonValue]:
+        """The parameters (the fields besides argv, cwd and env)."""
+        return dict(self.model_extra or {})
+
+    def formatted_argv(self) -> list[str]:
+        """The argv with every ``{name}`` replaced by its parameter.
+
+        Raises:
+            InvalidJobArguments: a placeholder names no parameter, or is malformed.
+        """
+        params = self.params
+        out = []
+        for arg in self.argv:
+            try:
+                names = [field for _, field, _, _ in string.Formatter().parse(arg) if field is not None]
+            except ValueError as exc:
+                raise InvalidJobArguments(f"command argument {arg!r}: {exc} (write {{{{ for a literal brace)") from None
+            for name in names:
+                if name not in params:
+                    raise InvalidJobArguments(
+                        f"command argument {arg!r} names {{{name}}}, but the command has no parameter "
+                        f"{name!r} (it has {', '.join(sorted(params)) or 'none'}): give it in the "
+                        "sweep's trials or the job's kwargs")
+            out.append(arg.format_map({k: _text(v) for k, v in params.items()}))
+        return out
+
+
+def command_params(kwargs: Any) -> CommandParams:
+    """A producer's kwargs of the command job, checked.
+
+    Raises:
+        ConfigError: they do not fit; the message names each bad field.
+    """
+    try:
+        return CommandParams.model_validate(kwargs)
+    except ValidationError as exc:
+        raise ConfigError(f"command: {describe_validation_error(exc)}") from None
+
+
+def _text(value: Any) -> str:
+    """A parameter as an argument: JSON's spelling for bools and None (``true``), else str."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "" if value is None else str(value)
+
+
+class CommandPolicy(BaseModel):
+    """A worker config's ``[commands]`` table: what commands its device may run. Empty: none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Programs a command may start: absolute paths, or names looked up on the worker's PATH
+    #: when it starts. An interpreter (``python``, ``bash``) runs whatever script it is given.
+    programs: list[str] = Field(default_factory=list)
+    #: Folders (absolute) a command may run in, with everything below them; the first is the
+    #: default working directory.
+    workdirs: list[str] = Field(default_factory=list)
+
+    @field_validator("programs")
+    @classmethod
+    def _programs(cls, programs: list[str]) -> list[str]:
+        for program in programs:
+            if not program.strip() or ("/" in program and not os.path.isabs(program)):
+                raise ValueError(f"commands.programs: {program!r} is not a program name or an absolute path")
+        return programs
+
+    @field_validator("workdirs")
+    @classmethod
+    def _workdirs(cls, workdirs: list[str]) -> list[str]:
+        for folder in workdirs:
+            if not os.path.isabs(folder):
+                raise ValueError(f"commands.workdirs: {folder!r} is not an absolute path")
+        return workdirs
+
+    @model_validator(mode="after")
+    def _both(self) -> CommandPolicy:
+        if self.programs and not self.workdirs:
+            raise ValueError("commands.programs is set but commands.workdirs is empty: name the folders "
+                             "commands may run in")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.programs)
+
+    def rules(self, path: str | None = None) -> CommandRules:
+        """The policy with each program resolved on ``path`` (default: this process's PATH);
+        a program that is not found is left out (``missing``)."""
+        programs: dict[str, str] = {}
+        missing: list[str] = []
+        for program in self.programs:
+            found = shutil.which(program, path=path if path is not None else os.environ.get("PATH"))
+            if found is None:
+                missing.append(program)
+            else:
+                programs[program] = os.path.abspath(found)
+        return CommandRules(programs=programs, workdirs=[os.path.realpath(d) for d in self.workdirs],
+                            missing=missing)
+
+
+class CommandRules(BaseModel):
+    """A worker's command policy as resolved when it started (its registry record carries it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: ``{program as configured: the path it was found at}`` (run as found, not as its symlink's
+    #: target: a virtualenv's ``bin/python`` finds its packages by its own path).
+    programs: dict[str, str]
+    workdirs: list[str]
+    #: Configured programs that were not found.
+    missing: list[str] = Field(default_factory=list)
+
+    def allowed_text(self) -> str:
+        return ", ".join(self.programs) or "none"
+
+    def allows(self, path: str) -> bool:
+        """Whether the file at ``path`` is one of the allowed programs (symlinks followed)."""
+        target = os.path.realpath(path)
+        return any(target == os.path.realpath(p) for p in self.programs.values())
+
+    def working_directory(self, cwd: str | None, device: str) -> Path:
+        """The folder a command with ``cwd`` runs in.
+
+        Raises:
+            CommandRefused: it is outside every allowed folder.
+        """
+        if not self.workdirs:
+            raise CommandRefused(f"{device} allows no working directory (commands.workdirs is empty)")
+        base = self.workdirs[0]
+        folder = os.path.realpath(os.path.join(base, cwd) if cwd else base)
+        if not any(folder == d or folder.startswith(d.rstrip("/") + "/") for d in self.workdirs):
+            raise CommandRefused(
+                f"working directory {cwd!r} ({folder}) is outside the folders {device}'s worker config "
+                f"allows (commands.workdirs: {', '.join(self.workdirs)})")
+        return Path(folder)
+
+
+def _refused_program(program: str, device: str, rules: CommandRules) -> CommandRefused:
+    return CommandRefused(
+        f"program {program!r} is not allowed on {device}: its worker config's commands.programs allows "
+        f"{rules.allowed_text()}; add it there (worker_configs/<kind>.toml, [commands]) to run it")
+
+
+def check_command(params: CommandParams, device: str, rules: CommandRules | None) -> None:
+    """The producer's check of a command against a device's published rules (the worker checks
+    again with :func:`resolve_command`).
+
+    Raises:
+        CommandRefused: the device runs no commands, or not this program or folder.
+    """
+    if rules is None or not rules.programs:
+        raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
+    program = params.argv[0]
+    if os.path.isabs(program):
+        known = program in rules.programs or rules.allows(program)
+    else:
+        known = program in rules.programs or any(os.path.basename(p) == program for p in rules.programs.values())
+    if not known:
+        raise _refused_program(program, device, rules)
+    if params.cwd is not None and os.path.isabs(params.cwd):
+        rules.working_directory(params.cwd, device)
+
+
+def resolve_command(params: CommandParams, device: str, rules: CommandRules | None,
+                    path: str | None) -> tuple[list[str], Path]:
+    """The argv to execute (its program resolved to an allowed file, its placeholders filled)
+    and the working directory, as the worker's rules allow them.
+
+    Raises:
+        CommandRefused: the program or the folder is not allowed.
+        InvalidJobArguments: a placeholder names no parameter.
+    """
+    if rules is None or not rules.programs:
+        raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
+    argv = params.formatted_argv()
+    program = argv[0]
+    if program in rules.programs:
+        found: str | None = rules.programs[program]
+    elif os.path.isabs(program):
+        found = program
+    elif "/" in program:  # ./train.sh: a relative path names no configured program
+        found = None
+    else:
+        found = shutil.which(program, path=path)
+    if found is None or not os.path.exists(found) or not rules.allows(found):
+        raise _refused_program(program, device, rules)
+    return [found, *argv[1:]], rules.working_directory(params.cwd, device)
