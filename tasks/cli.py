@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from .core.errors import ConfigError, DeviceFleetError
 from .core.records import DistBackend, WorkerRecord
@@ -33,7 +34,7 @@ err_console = Console(stderr=True)
 
 
 def _fail(exc: BaseException, code: int = 1) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True)
     raise SystemExit(code)
 
 
@@ -164,6 +165,57 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
 # -- run / status / demo -----------------------------------------------------------------------
 
 
+class _TakesCommand(click.Command):
+    """A command whose words after ``--`` are a program to run on the fleet
+    (``devicefleet run -- python train.py --lr 0.1``): kept whole, never parsed as options."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta["devicefleet.argv"] = args[at + 1:]
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+def _command_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--env`` and ``--cwd``, for a command given after ``--``."""
+    func = click.option("--cwd", help="With -- CMD: working directory, absolute or under the workers' first "
+                        "allowed folder (their config's commands.workdirs) [default: that folder].")(func)
+    return click.option("--env", "env_pairs", multiple=True, metavar="NAME=VALUE",
+                        help="With -- CMD: a variable for the command's environment (repeatable).")(func)
+
+
+def _job_or_command(job: str | None, env_pairs: tuple[str, ...], cwd: str | None) -> Any:
+    """JOB, or the command after ``--`` (a :func:`tasks.command` job).
+
+    Raises:
+        click.UsageError: neither or both were given, or --env/--cwd without a command.
+    """
+    argv = click.get_current_context().meta.get("devicefleet.argv")
+    if argv is None:
+        if job is None:
+            raise click.UsageError("give a JOB, or a command after --: devicefleet run -- python train.py")
+        if env_pairs or cwd is not None:
+            raise click.UsageError("--env and --cwd go with a command after --")
+        return job
+    if job is not None:
+        raise click.UsageError(f"give a JOB ({job!r}) or a command after --, not both")
+    if not argv:
+        raise click.UsageError("nothing after --: name the program to run, e.g. -- python train.py")
+    env: dict[str, str] = {}
+    for pair in env_pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
+        env[name] = value
+    from .producer.commands import command
+
+    try:
+        return command(argv, cwd=cwd, env=env)
+    except DeviceFleetError as exc:
+        _fail(exc, 2)
+
+
 def _parse_kwargs(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
@@ -176,8 +228,9 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
-@cli.command()
-@click.argument("job")
+@cli.command(cls=_TakesCommand)
+@click.argument("job", required=False)
+@_command_options
 @click.option("--kwargs", "kwargs_text", help='Job kwargs as a JSON object, e.g. \'{"epochs": 5}\'.')
 @click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for every device.")
@@ -197,14 +250,25 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True),
               help="With --distributed: seconds a rank waits for the others to start [default: 120].")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json: bool, progress: bool,
-        fallback: str | None, time_limit: float | None, max_attempts: int | None, distributed: bool,
-        backend: str | None, max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
+def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
+        timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
+        max_attempts: int | None, distributed: bool, backend: str | None, max_restarts: int | None,
+        join_timeout: float | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
-    Ctrl-C (which cancels the fan-out)."""
+    Ctrl-C (which cancels the fan-out).
+
+    Or run a program: devicefleet run --devices cpu -- python train.py --lr 0.1. Its output is
+    printed as it comes, each line after its device ([cpu0]; on stderr with --json), and kept
+    whole in each device's artifacts folder. The workers' config must allow the program
+    ([commands] in worker_configs/).
+    """
     from .producer.fanout import fan_out
 
-    kwargs = _parse_kwargs(kwargs_text)
+    target = _job_or_command(job, env_pairs, cwd)
+    is_command = not isinstance(target, str)
+    if is_command and kwargs_text:
+        raise click.UsageError("--kwargs goes with a JOB; give a command's arguments after --")
+    kwargs = _parse_kwargs(kwargs_text) if not is_command else None
     settings = _settings(redis_url=redis_url)
     given = {"backend": backend, "max_restarts": max_restarts, "join_timeout_s": join_timeout}
     gang: dict[str, Any] | bool = {k: v for k, v in given.items() if v is not None} if distributed else False
@@ -213,10 +277,14 @@ def run(job: str, kwargs_text: str | None, devices: str, timeout: float, as_json
     try:
         app = _producer_app(settings)
         options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
-        handle = fan_out(job, devices, kwargs=kwargs, options={k: v for k, v in options.items() if v is not None},
+        handle = fan_out(target, devices, kwargs=kwargs,
+                         options={k: v for k, v in options.items() if v is not None} or None,
                          distributed=gang, app=app)
-        results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout,
-                                             (lambda: _watch_progress(handle, timeout)) if progress else None)
+        if is_command:
+            watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
+        else:
+            watch = (lambda: _watch_progress(handle, timeout)) if progress else None
+        results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch)
     except DeviceFleetError as exc:
         _fail(exc)
     _print_results(results, as_json)
@@ -289,8 +357,9 @@ def _read_trials(path: Path) -> list[Any]:
     return trials
 
 
-@cli.command()
-@click.argument("job")
+@cli.command(cls=_TakesCommand)
+@click.argument("job", required=False)
+@_command_options
 @click.option("--trials", "trials_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="JSON Lines: one object of the job's kwargs per line, one trial each.")
 @click.option("--grid", "grid_text", help='Every combination, e.g. \'{"lr": [0.1, 0.01], "seed": [0, 1, 2]}\'.')
@@ -303,13 +372,17 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--timeout", type=float, default=86_400.0, show_default=True, help="Seconds to wait for every trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print every trial's entry as JSON.")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text: str | None, devices: str,
-          name: str | None, max_concurrent: int | None, objective: str | None, direction: str, timeout: float,
+def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
+          grid_text: str | None, kwargs_text: str | None, devices: str, name: str | None,
+          max_concurrent: int | None, objective: str | None, direction: str, timeout: float,
           as_json: bool, redis_url: str | None) -> None:
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
     Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
     failed, 130 after Ctrl-C (which cancels the sweep).
+
+    Or sweep a program, each trial filling its {placeholders}:
+    devicefleet sweep --grid '{"lr": [0.1, 0.01]}' --objective loss -- python train.py --lr {lr}
     """
     from .ops.sweep_view import ranked_table, sweep_rows, watch_sweep
     from .producer.sweep import grid
@@ -321,7 +394,8 @@ def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text
     try:
         trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
         app = _producer_app(settings)
-        handle = start_sweep(job, trials, devices, name=name, max_concurrent=max_concurrent,
+        handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
+                             max_concurrent=max_concurrent,
                              kwargs=_parse_kwargs(kwargs_text), app=app)
         watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
                                      timeout=timeout)) if err_console.is_terminal else None
@@ -335,8 +409,9 @@ def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text
     raise SystemExit(_exit_code([e["status"] for e in entries], cancelled))
 
 
-@cli.command()
-@click.argument("job")
+@cli.command(cls=_TakesCommand)
+@click.argument("job", required=False)
+@_command_options
 @click.option("--space", "space_text", required=True,
               help='Parameters as JSON: {"lr": {"low": 1e-4, "high": 0.1, "log": true}, "model": ["mlp", "cnn"]} '
                    "(or Optuna's distribution JSON).")
@@ -353,13 +428,17 @@ def sweep(job: str, trials_file: Path | None, grid_text: str | None, kwargs_text
 @click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def optimize(job: str, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
+def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
              kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
              timeout: float | None, as_json: bool, redis_url: str | None) -> None:
     """Tune JOB's parameters with Optuna: each trial runs on the next free device.
 
     The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
     the objective. Ctrl-C cancels the running trials (exit 130).
+
+    Or tune a program, each trial filling its {placeholders}:
+    devicefleet optimize --space '{"lr": {"low": 0.001, "high": 0.1}}' --trials 20 --objective loss
+    --direction minimize -- python train.py --lr {lr}
     """
     from .ops.sweep_view import StudyView, ranked_table, study_rows
     from .producer.optimize import optimize as run_study
@@ -373,7 +452,8 @@ def optimize(job: str, space_text: str, n_trials: int, objective: str, direction
         app = _producer_app(settings)
         view = StudyView(err_console, objective) if err_console.is_terminal else None
         with _say_on_interrupt("the study's running trials"), (view or contextlib.nullcontext()):
-            study = run_study(job, _parse_json_option(space_text, "--space"), n_trials, objective,
+            study = run_study(_job_or_command(job, env_pairs, cwd), _parse_json_option(space_text, "--space"),
+                              n_trials, objective,
                               direction=direction, devices=devices, pruner=pruner, name=name,
                               sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
                               kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent,
@@ -620,6 +700,14 @@ def _get_unless_terminated(handle: Any, timeout: float) -> Any:
 
 
 # -- output ------------------------------------------------------------------------------------
+
+
+def _print_logs(handle: Any, timeout: float, as_json: bool) -> None:
+    """Each command's lines as they come, after their device: stdout's on stdout, stderr's on
+    stderr (both on stderr with ``--json``, whose stdout is one JSON document)."""
+    from .ops.log_view import print_logs
+
+    print_logs(handle, timeout, sys.stderr if as_json else sys.stdout, sys.stderr)
 
 
 def _watch_progress(handle: Any, timeout: float) -> None:

@@ -103,6 +103,17 @@ class JobSpec(BaseModel):
             raise ConfigError(f"invalid job spec {job!r}: {describe_validation_error(exc)}") from None
         return spec
 
+    @classmethod
+    def sharing(cls, job: JobLike, kwargs: Mapping[str, Any] | None) -> JobSpec:
+        """``job`` with ``kwargs`` added to its own (a sweep's or a study's shared kwargs: a
+        command keeps its argv).
+
+        Raises:
+            ConfigError: the spec is malformed.
+        """
+        base = cls.of(job)
+        return cls.of(base, {**base.kwargs, **kwargs}) if kwargs else base
+
     def signature(self, app: Celery, queue: str) -> Any:
         """The Celery signature that runs this job from ``queue``."""
         headers = {} if self.options.is_default else {OPTIONS_HEADER: self.options.to_dict()}

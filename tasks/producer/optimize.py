@@ -218,7 +218,7 @@ def optimize(
         raise ConfigError(f"direction={direction!r}: use 'maximize' or 'minimize'")
     if not isinstance(objective, str) or not objective:
         raise ConfigError(f"objective={objective!r}: name the field of the job's output to optimize")
-    base = JobSpec.of(job, kwargs)
+    base = JobSpec.sharing(job, kwargs)
     clash = sorted(set(distributions) & set(base.kwargs))
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")

@@ -242,7 +242,7 @@ def trial_specs(job: JobLike, trials: Sequence[Mapping[str, Any]], kwargs: Mappi
     """
     if isinstance(trials, (str, bytes, Mapping)) or not isinstance(trials, Sequence):
         raise ConfigError(f"trials must be a list of kwargs dicts, got {type(trials).__name__}")
-    base = JobSpec.of(job, kwargs)
+    base = JobSpec.sharing(job, kwargs)
     specs = []
     for i, trial in enumerate(trials):
         if not isinstance(trial, Mapping):
