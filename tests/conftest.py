@@ -94,18 +94,32 @@ def gpu_count() -> int:
     return count_gpus()
 
 
-def worker_configs(folder: Path, **values: object) -> Path:
+def worker_configs(folder: Path, tables: dict[str, dict[str, object]] | None = None, **values: object) -> Path:
     """The packaged worker configs copied into ``folder`` with ``values`` in place of their own
-    (e.g. ``cancel_grace_s=2.0``; a key the files leave unset is added)."""
+    (e.g. ``cancel_grace_s=2.0``; a key the files leave unset is added), and ``tables`` added at
+    their end (e.g. ``{"commands": {"programs": [...], "workdirs": [...]}}``)."""
     folder.mkdir(parents=True, exist_ok=True)
     for source in (ROOT / "worker_configs").glob("*.toml"):
         text = source.read_text()
         for key, value in values.items():
             line = re.search(rf"^{key} = .*$", text, flags=re.MULTILINE)
             setting = f"{key} = {json.dumps(value)}"
-            text = text.replace(line.group(0), setting) if line else f"{text.rstrip()}\n{setting}\n"
+            if line:
+                text = text.replace(line.group(0), setting)
+            else:  # before the first table, where a top-level key must go
+                table = re.search(r"^\[", text, flags=re.MULTILINE)
+                at = table.start() if table else len(text)
+                text = f"{text[:at].rstrip()}\n{setting}\n\n{text[at:]}"
+        for name, table_values in (tables or {}).items():
+            body = "\n".join(f"{key} = {json.dumps(value)}" for key, value in table_values.items())
+            text = f"{text.rstrip()}\n\n[{name}]\n{body}\n"
         (folder / source.name).write_text(text)
     return folder
+
+
+#: Where the session fleet's commands run (tests/scripts) and the programs they may start.
+SCRIPTS = ROOT / "tests" / "scripts"
+FLEET_COMMANDS = {"programs": [sys.executable, "bash"], "workdirs": [str(SCRIPTS)]}
 
 
 #: The session fleet's worker configs: a short grace for jobs asked to stop, and a memory
@@ -118,8 +132,8 @@ FLEET_MEMORY_GROWTH_MIB = 300
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two CPU devices (and each visible GPU) on an embedded redis-server."""
     state = tmp_path_factory.mktemp("fleet")
-    configs = worker_configs(state / "worker_configs", cancel_grace_s=FLEET_CANCEL_GRACE_S,
-                             max_memory_growth_mib=FLEET_MEMORY_GROWTH_MIB)
+    configs = worker_configs(state / "worker_configs", tables={"commands": FLEET_COMMANDS},
+                             cancel_grace_s=FLEET_CANCEL_GRACE_S, max_memory_growth_mib=FLEET_MEMORY_GROWTH_MIB)
     settings = make_settings(state, worker_configs_dir=configs)
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
         yield running

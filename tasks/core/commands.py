@@ -70,6 +70,9 @@ class CommandParams(BaseModel):
         for name in env:
             if not _NAME.match(name):
                 raise ValueError(f"env name {name!r} is not a variable name")
+            if name.startswith("LD_"):
+                raise ValueError(f"env {name} cannot be given: the dynamic loader's variables would load "
+                                 "other code into an allowed program")
             if name in FLEET_VARIABLES or name.startswith(FLEET_PREFIXES):
                 raise ValueError(f"env {name} is set by the fleet for every command and cannot be given")
         return env
