@@ -26,7 +26,8 @@ from ..core.records import ErrorInfo, GangSpec, JobOptions
 from ..core.registry import connect
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob
 from .channel import Channel
-from .command import CommandJob, become_subreaper, run_command_rank
+from .command import CommandJob, run_command_rank
+from .command_process import become_subreaper
 from .distributed import GiveWay, Rendezvous, run_rank
 from .oom import release_memory, run_guarded
 from .progress import ProgressThrottle
