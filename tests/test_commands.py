@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 
@@ -197,3 +198,17 @@ def test_a_command_sees_none_of_the_workers_settings_and_cannot_be_given_the_fle
         tasks.command([PY, "x.py"], env={"CUDA_VISIBLE_DEVICES": "0"})
     with pytest.raises(tasks.ConfigError, match="LD_PRELOAD cannot be given: the dynamic loader"):
         tasks.command([PY, "x.py"], env={"LD_PRELOAD": "/tmp/x.so"})
+
+
+@pytest.mark.timeout(120)
+def test_a_study_of_a_script_prunes_a_poor_trial_by_stopping_its_command(app):
+    # Each trial reports its score 10 times over 3 s; the pruner stops one under 0.5 from step 2.
+    space = {"score": [1.0, 0.1, 0.9]}
+    study = tasks.optimize(tasks.command([PY, "score.py", "--score", "{score}"]), space, 3, "score",
+                           sampler=optuna.samplers.GridSampler(space, seed=0),
+                           pruner=optuna.pruners.ThresholdPruner(lower=0.5, n_warmup_steps=2), app=app)
+    by_score = {t.params["score"]: t for t in study.trials}
+    assert by_score[0.1].state == optuna.trial.TrialState.PRUNED
+    assert 2 <= max(by_score[0.1].intermediate_values) < 10  # its command was stopped early
+    assert {by_score[s].value for s in (1.0, 0.9)} == {1.0, 0.9}
+    assert study.best_params == {"score": 1.0}
