@@ -18,6 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ..core.commands import CommandParams
+
 logger = logging.getLogger(__name__)
 
 #: Rows of the final table (the best ones); the JSON output has every trial.
@@ -146,7 +148,7 @@ def ranked_table(rows: Sequence[Mapping[str, Any]], objective: str | None, direc
 def sweep_rows(entries: Sequence[Mapping[str, Any]], objective: str | None) -> list[dict[str, Any]]:
     """:func:`ranked_table` rows of a sweep's entries."""
     return [{"trial": e["trial"], "status": e["status"], "device": e.get("device"),
-             "objective": objective_of(e, objective), "params": e.get("kwargs") or {},
+             "objective": objective_of(e, objective), "params": _trial_params(e.get("kwargs") or {}),
              "duration_s": e.get("duration_s")} for e in entries]
 
 
@@ -159,7 +161,15 @@ def study_rows(study: Any) -> list[dict[str, Any]]:
 
 
 def _kwargs_text(entry: Mapping[str, Any]) -> str:
-    return _params_text(entry.get("kwargs") or {})
+    return _params_text(_trial_params(entry.get("kwargs") or {}))
+
+
+def _trial_params(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What tells a trial from the others: its kwargs, or a command's parameters only (not the
+    argv, folder and env every trial shares)."""
+    if isinstance(kwargs.get("argv"), list):
+        return {k: v for k, v in kwargs.items() if k not in CommandParams.model_fields}
+    return kwargs
 
 
 def _params_text(params: Mapping[str, Any]) -> str:
