@@ -1,0 +1,138 @@
+"""Unit tests of commands' pure logic: their kwargs, the worker's rules, the output and events
+readers, and the command line's ``--``; no fleet (tests/test_commands.py runs them on one)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import tasks
+from tasks.cli import cli, run
+from tasks.core.commands import CommandParams, CommandPolicy, check_command, resolve_command
+from tasks.core.errors import CommandRefused, ConfigError, InvalidJobArguments
+from tasks.core.job import JobContext
+from tasks.core.worker_config import WorkerConfig
+from tasks.jobproc.command_output import TAIL_LINES, EventReader, LogSink
+
+
+def test_placeholders_are_filled_from_the_parameters_and_an_unknown_one_is_named():
+    params = CommandParams.model_validate({"argv": ["python", "t.py", "--lr", "{lr}", "--tag={tag}-{{x}}",
+                                                    "--flag", "{on}"], "lr": 0.1, "tag": "a", "on": True})
+    assert params.formatted_argv() == ["python", "t.py", "--lr", "0.1", "--tag=a-{x}", "--flag", "true"]
+    assert params.params == {"lr": 0.1, "tag": "a", "on": True}
+    missing = CommandParams.model_validate({"argv": ["python", "--lr", "{lr}"]})
+    with pytest.raises(InvalidJobArguments, match=r"names \{lr\}, but the command has no parameter 'lr'"):
+        missing.formatted_argv()
+    with pytest.raises(InvalidJobArguments, match="literal brace"):
+        CommandParams.model_validate({"argv": ["echo", "{unclosed"]}).formatted_argv()
+
+
+def test_a_producer_command_is_checked_where_it_is_made():
+    assert tasks.command(["python", "t.py"], cwd="runs", env={"A": "1"}).kwargs == {
+        "argv": ["python", "t.py"], "cwd": "runs", "env": {"A": "1"}}
+    with pytest.raises(ConfigError, match="is a string"):
+        tasks.command("python train.py")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="argv"):
+        tasks.command([])
+    with pytest.raises(ConfigError, match="MASTER_PORT is set by the fleet"):
+        tasks.command(["python"], env={"MASTER_PORT": "1"})
+    with pytest.raises(ConfigError, match="DEVICEFLEET_REDIS_URL is set by the fleet"):
+        tasks.command(["python"], env={"DEVICEFLEET_REDIS_URL": "redis://elsewhere"})
+    with pytest.raises(ConfigError, match="is not a number, string or bool"):
+        tasks.command(["python"], grid=[1, 2])
+
+
+def test_a_worker_config_allows_commands_only_with_programs_and_folders():
+    assert WorkerConfig.model_validate({"kind": "cpu"}).commands.enabled is False
+    with pytest.raises(ValueError, match="commands.workdirs is empty"):
+        CommandPolicy(programs=["python"])
+    with pytest.raises(ValueError, match="'bin/python' is not a program name or an absolute path"):
+        CommandPolicy(programs=["bin/python"], workdirs=["/srv"])
+    with pytest.raises(ValueError, match="'runs' is not an absolute path"):
+        CommandPolicy(programs=["python"], workdirs=["runs"])
+
+
+def test_programs_resolve_on_the_workers_path_and_a_symlink_to_an_allowed_one_is_allowed(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    real = bin_dir / "tool"
+    real.write_text("#!/bin/sh\necho hi\n")
+    real.chmod(0o755)
+    (bin_dir / "alias").symlink_to(real)
+    other = bin_dir / "other"
+    other.write_text("#!/bin/sh\n")
+    other.chmod(0o755)
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    rules = CommandPolicy(programs=["tool", "/nowhere/gone"], workdirs=[str(work)]).rules(path=str(bin_dir))
+    assert rules.programs == {"tool": str(real)} and rules.missing == ["/nowhere/gone"]
+
+    argv, cwd = resolve_command(CommandParams(argv=["tool", "x"], cwd="sub"), "cpu0", rules, str(bin_dir))
+    assert argv == [str(real), "x"] and cwd == work / "sub"
+    argv, _ = resolve_command(CommandParams(argv=["alias"]), "cpu0", rules, str(bin_dir))
+    assert argv == [str(bin_dir / "alias")]  # run as found: a virtualenv's python finds its packages so
+    for refused in (["other"], [str(other)], ["./tool"], ["perl"]):
+        with pytest.raises(CommandRefused, match="commands.programs allows tool"):
+            resolve_command(CommandParams(argv=refused), "cpu0", rules, str(bin_dir))
+    for outside in ("..", "/etc", "sub/../../"):
+        with pytest.raises(CommandRefused, match="outside the folders cpu0's worker config allows"):
+            resolve_command(CommandParams(argv=["tool"], cwd=outside), "cpu0", rules, str(bin_dir))
+    # The producer's check needs no PATH: names and the files they resolved to.
+    check_command(CommandParams(argv=["tool"]), "cpu0", rules)
+    check_command(CommandParams(argv=[str(real)]), "cpu0", rules)
+    with pytest.raises(CommandRefused, match="cpu0 runs no commands"):
+        check_command(CommandParams(argv=["tool"]), "cpu0", None)
+
+
+def test_the_log_sink_keeps_every_byte_splits_lines_across_reads_and_keeps_the_tail(tmp_path):
+    batches: list[list[list[str]]] = []
+    sink = LogSink(tmp_path, batches.append)
+    sink.write("stdout", b"par")
+    sink.write("stdout", b"tial\r\nsecond\n")
+    sink.write("stderr", b"\xff bad utf-8\n")
+    for i in range(30):
+        sink.write("stdout", f"n{i}\n".encode())
+    sink.write("stdout", b"no newline at the end")
+    sink.close()
+    lines = [line for batch in batches for line in batch]
+    assert lines[:3] == [["out", "partial"], ["out", "second"], ["err", "\ufffd bad utf-8"]]
+    assert lines[-1] == ["out", "no newline at the end"] and len(lines) == 34 == sink.lines
+    assert len(sink.tail) == TAIL_LINES and sink.tail[-1] == "no newline at the end"
+    assert (tmp_path / "stdout.log").read_bytes().startswith(b"partial\r\nsecond\nn0\n")
+    assert (tmp_path / "stderr.log").read_bytes() == b"\xff bad utf-8\n"
+
+
+def test_events_feed_progress_scalars_and_output_and_a_bad_one_is_counted_not_fatal(tmp_path):
+    reports: list[dict[str, object]] = []
+    scalars: list[tuple[int, dict[str, object]]] = []
+    ctx = JobContext(device="cpu0", torch_device="cpu", job_id="j", artifacts_dir=tmp_path,
+                     reporter=reports.append, scalar_sink=lambda step, values: scalars.append((step, values)))
+    reader = EventReader(ctx)
+    lines = [{"progress": {"step": 1, "total": 2}}, {"scalars": {"loss": 0.5}, "step": 1},
+             {"output": {"loss": 0.5}}, {"output": {"accuracy": 0.9}}]
+    data = b"".join(json.dumps(event).encode() + b"\n" for event in lines)
+    reader.feed(data[:7])
+    reader.feed(data[7:] + b"not json\n" + b'{"scalars": {"loss": 1}}\n' + b'{"hello": 1}\n' + b"[1]\n")
+    assert reports == [{"step": 1, "total": 2}] and scalars == [(1, {"loss": 0.5})]
+    assert reader.output == {"loss": 0.5, "accuracy": 0.9}
+    assert reader.errors == 4  # not JSON, scalars without a step, no known key, not an object
+
+
+def test_the_command_line_takes_a_program_after_dashes_and_refuses_mixtures():
+    runner = CliRunner()
+    both = runner.invoke(cli, ["run", "train", "--", "python", "t.py"])
+    assert both.exit_code == 2 and "give a JOB ('train') or a command after --, not both" in both.output
+    neither = runner.invoke(cli, ["run"])
+    assert neither.exit_code == 2 and "give a JOB, or a command after --" in neither.output
+    empty = runner.invoke(cli, ["run", "--"])
+    assert empty.exit_code == 2 and "nothing after --" in empty.output
+    env_for_job = runner.invoke(cli, ["run", "train", "--env", "A=1"])
+    assert env_for_job.exit_code == 2 and "--env and --cwd go with a command" in env_for_job.output
+    bad_env = runner.invoke(cli, ["run", "--env", "A", "--", "python"])
+    assert bad_env.exit_code == 2 and "'A' is not NAME=VALUE" in bad_env.output
+    # What follows -- is the program's, even where it looks like devicefleet's own options.
+    ctx = run.make_context("run", ["--devices", "cpu0", "--", "python", "t.py", "--devices", "--json"])
+    assert ctx.meta["devicefleet.argv"] == ["python", "t.py", "--devices", "--json"]
+    assert ctx.params["devices"] == "cpu0" and ctx.params["as_json"] is False and ctx.params["job"] is None
