@@ -107,8 +107,11 @@ def render(rep: dict[str, Any]) -> Group:
         if rec:
             sees = f"{rec.get('device_name')}" + (" (CUDA)" if rec.get("cuda_available") else "")
             jobs = ",".join(str(pid) for pid in rec.get("job_pids") or []) or "none"
+            commands = rec.get("commands") or {}
+            allowed = (f", commands: {', '.join(commands.get('programs') or {})} in "
+                       f"{', '.join(commands.get('workdirs') or [])}") if commands.get("programs") else ""
             seen.append(f"{name}: {dev.get('worker') or rec.get('worker')} pid {rec.get('pid')} (job processes "
-                        f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}")
+                        f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}{allowed}")
     queues = table("queues", ["queue", "waiting", "oldest"], right=("waiting", "oldest"))
     for name, q in rep["queues"].items():
         age = q.get("oldest_age_s")
