@@ -22,10 +22,12 @@ import redis
 
 from tasks import FanOut, WorkerRecord
 from tasks.core.app import create_app
+from tasks.core.commands import CommandPolicy
 from tasks.core.devices import DeviceNames, count_gpus
+from tasks.core.errors import ConfigError
 from tasks.core.registry import connect, live_workers
 from tasks.core.settings import Settings
-from tasks.ops.deploy import HostPlan, plan_host, read_env_value, render
+from tasks.ops.deploy import HostPlan, command_paths, plan_host, read_env_value, render
 from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
 from tasks.producer.fanout import fan_out
@@ -137,6 +139,79 @@ def test_code_under_a_home_or_tmp_is_bound_back_into_the_sandbox(tmp_path: Path)
     render(plan)
     unit = load_unit(plan.unit_dir, "devicefleet-worker@cpu0.service")
     assert unit["Service.ProtectHome"] == ["yes"] and not any(unit.get("Service.BindReadOnlyPaths", []))
+
+
+def _commands_configs(tmp: Path) -> Path:
+    """The packaged configs, with commands allowed on CPU workers only: a workdir the sandbox
+    shows, one under a home, one under /tmp through a symlink, and a virtualenv under a home."""
+    configs = tmp / "configs"
+    configs.mkdir()
+    shutil.copy(ROOT / "worker_configs" / "gpu.toml", configs / "gpu.toml")
+    (tmp / "scratch").mkdir()
+    (tmp / "link").symlink_to(tmp / "scratch")
+    table = ('\n[commands]\nprograms = ["python3", "/home/alice/venv/bin/python"]\n'
+             f'workdirs = ["/srv/ml/projects", "/home/alice/proj", "{tmp / "link"}"]\n')
+    (configs / "cpu.toml").write_text((ROOT / "worker_configs" / "cpu.toml").read_text() + table)
+    return configs
+
+
+def test_a_worker_that_runs_commands_gets_their_workdirs_opened_in_its_sandbox(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, gpus=1, worker_configs_src=_commands_configs(tmp_path))
+    plan.code_dirs = [Path("/opt/venv")]  # devicefleet itself where the sandbox shows it
+    render(plan)
+    dropin = plan.unit_dir / "devicefleet-worker@cpu0.service.d" / "30-commands.conf"
+    text = dropin.read_text()
+    # The file says why it is there: the config and its [commands] table.
+    assert f"because {plan.config_dir / 'worker_configs' / 'cpu.toml'} lets this worker run commands" in text
+    assert 'programs = ["python3", "/home/alice/venv/bin/python"]' in text
+    # Never an empty assignment: in a drop-in it would drop the unit's own paths.
+    assert not any(line.rstrip().endswith("=") for line in text.splitlines() if not line.startswith("#"))
+    cpu = load_unit(plan.unit_dir, "devicefleet-worker@cpu0.service")
+    # A folder the sandbox shows read-only is made writable; the state and artifacts stay.
+    assert cpu["Service.ReadWritePaths"] == [f"{plan.state_dir} {plan.state_dir / 'artifacts'}",
+                                             "-/srv/ml/projects"]
+    # Folders the sandbox hides (a home, /tmp: PrivateTmp) are bound back in read-write, resolved
+    # as the worker resolves its workdirs; a home needs ProtectHome=tmpfs for the bind to show.
+    assert cpu["Service.BindPaths"] == ["-/home/alice/proj", f"-{tmp_path / 'scratch'}"]
+    assert cpu["Service.ProtectHome"][-1] == "tmpfs"
+    # A virtualenv's interpreter named by its path: its environment, read-only. A name found on
+    # the unit's PATH needs nothing.
+    assert cpu["Service.BindReadOnlyPaths"] == ["-/home/alice/venv"]
+    assert cpu["Service.ProtectSystem"] == ["strict"] and cpu["Service.NoNewPrivileges"] == ["yes"]
+    # The GPU worker's config allows no command: its sandbox is unchanged.
+    assert not (plan.unit_dir / "devicefleet-worker@gpu0.service.d" / "30-commands.conf").exists()
+    gpu = load_unit(plan.unit_dir, "devicefleet-worker@gpu0.service")
+    assert gpu["Service.ProtectHome"] == ["yes"] and "Service.BindPaths" not in gpu
+    assert gpu["Service.ReadWritePaths"] == [f"{plan.state_dir} {plan.state_dir / 'artifacts'}"]
+
+
+def test_the_packaged_configs_open_nothing_for_commands(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, gpus=1)
+    render(plan)
+    assert not list(plan.unit_dir.glob("*/30-commands.conf"))
+
+
+def test_command_paths_skip_what_the_unit_binds_and_refuse_what_systemd_would_split() -> None:
+    policy = CommandPolicy(programs=["/root/.pyenv/versions/3.11.7/bin/python", "/home/bob/env/bin/tool",
+                                     "/home/bob/env/lib/helper"], workdirs=["/var/tmp/runs"])
+    opened = command_paths(policy, [Path("/root/.pyenv/versions/3.11.7")])
+    assert opened is not None
+    assert opened.read_only_binds == (Path("/home/bob/env"),)  # the outermost folder, once
+    assert opened.binds == (Path("/var/tmp/runs"),) and opened.read_write == ()
+    assert opened.lines() == ["BindPaths=-/var/tmp/runs", "ProtectHome=tmpfs", "BindReadOnlyPaths=-/home/bob/env"]
+    assert command_paths(CommandPolicy()) is None
+    with pytest.raises(ConfigError, match="my proj"):
+        command_paths(CommandPolicy(programs=["bash"], workdirs=["/srv/my proj"]))
+
+
+def test_systemd_analyze_verify_accepts_the_commands_dropin(tmp_path: Path) -> None:
+    analyze = system_tools.tool("systemd-analyze", "systemd")
+    plan = _plan(tmp_path, worker_configs_src=_commands_configs(tmp_path))
+    render(plan)
+    result = subprocess.run([analyze, "verify", "--man=no", str(plan.unit_dir / "devicefleet-worker@cpu0.service")],
+                            capture_output=True, text=True, timeout=60, cwd=plan.unit_dir)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0 and output == "", output
 
 
 def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ commented files in ``deploy/`` that an operator can read; ``{{ name }}`` placeho
 only thing filled in. A host gets:
 
 - ``devicefleet-worker@.service`` (the worker of one device per instance) and, per instance,
-  drop-ins with its stop timeout (and, for a GPU, access to the NVIDIA devices);
+  drop-ins with its stop timeout (and, for a GPU, access to the NVIDIA devices; for a worker
+  whose config allows commands, the folders they may run in, made writable in the sandbox);
 - ``devicefleet-flower.service``, ``devicefleet-metrics.service`` (the Prometheus exporter) and
   ``devicefleet.target`` (wants every unit of this host);
 - ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640);
@@ -21,17 +22,21 @@ Paths in the plan are where files live on the target system; :func:`render` writ
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
 import secrets
 import shutil
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from ..core.commands import CommandPolicy
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
@@ -287,6 +292,67 @@ def stop_timeout(configs_dir: Path, device: Device, margin_s: int) -> tuple[int,
     return worker_stop + grace + margin_s, config_file(configs_dir, device), worker_stop, grace
 
 
+@dataclass(frozen=True)
+class CommandPaths:
+    """What a worker unit must open for the commands its config allows (``[commands]``): the
+    sandbox hides homes and the host's /tmp, and leaves the rest read-only."""
+
+    #: Workdirs the unit shows read-only (``ReadWritePaths=``).
+    read_write: tuple[Path, ...]
+    #: Workdirs under a folder the unit hides, bound back in read-write (``BindPaths=``).
+    binds: tuple[Path, ...]
+    #: Environments of absolute programs under a hidden folder (``BindReadOnlyPaths=``).
+    read_only_binds: tuple[Path, ...]
+
+    @property
+    def protect_home_tmpfs(self) -> bool:
+        """Whether a bind is under a home folder: ``ProtectHome=yes`` would mask it."""
+        return any(d.is_relative_to(r) for d in (*self.binds, *self.read_only_binds) for r in HOME_ROOTS)
+
+    def lines(self) -> list[str]:
+        """The ``[Service]`` lines; never an empty assignment (in a drop-in it would reset the
+        unit's own list, its code binds included)."""
+        out = [f"ReadWritePaths=-{d}" for d in self.read_write]
+        out += [f"BindPaths=-{d}" for d in self.binds]
+        if self.protect_home_tmpfs:
+            out.append("ProtectHome=tmpfs")
+        out += [f"BindReadOnlyPaths=-{d}" for d in self.read_only_binds]
+        return out
+
+
+def command_paths(policy: CommandPolicy, bound_code: Iterable[Path] = ()) -> CommandPaths | None:
+    """The folders a worker unit must open for ``policy``; None when it allows no command.
+
+    Paths are resolved as the worker resolves its workdirs (symlinks followed). ``bound_code``
+    (the unit's own read-only code binds) are not bound again.
+
+    Raises:
+        ConfigError: a path holds a character systemd would split or expand.
+    """
+    if not policy.enabled:
+        return None
+    bound = set(bound_code)
+    read_write: list[Path] = []
+    binds: list[Path] = []
+    for folder in dict.fromkeys(Path(os.path.realpath(d)) for d in policy.workdirs):
+        _check_safe("commands.workdirs folder", str(folder))
+        (binds if _hidden(folder) else read_write).append(folder)
+    envs: list[Path] = []
+    for program in policy.programs:
+        if not os.path.isabs(program):
+            continue  # found on the unit's PATH, which the sandbox shows
+        for path in dict.fromkeys((Path(program), Path(os.path.realpath(program)))):
+            env = path.parent.parent if path.parent.name == "bin" else path.parent
+            if _hidden(env) and not any(env.is_relative_to(d) for d in (*bound, *envs)):
+                envs.append(Path(_check_safe("commands.programs folder", str(env))))
+    outermost = [d for d in envs if not any(d != o and d.is_relative_to(o) for o in envs)]
+    return CommandPaths(tuple(read_write), tuple(binds), tuple(sorted(outermost)))
+
+
+def _hidden(path: Path) -> bool:
+    return any(path.is_relative_to(r) for r in HIDDEN_ROOTS)
+
+
 def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     """Write every file of ``plan`` under ``root``; return them and the commands to run.
 
@@ -368,6 +434,15 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             write(dropins / "20-gpu.conf", template("worker-gpu.conf", {
                 "device": device, "gpu_index": parsed.index,
             }))
+        policy = load_worker_config(configs_here, parsed).commands
+        opened = command_paths(policy, binds)
+        if opened is not None:
+            write(dropins / "30-commands.conf", template("worker-commands.conf", {
+                "device": device, "config_file": plan.config_dir / "worker_configs" / cfg.name,
+                # JSON, as in the TOML file: a newline in a name cannot end the comment line.
+                "programs": json.dumps(policy.programs), "workdirs": json.dumps(policy.workdirs),
+                "command_paths": "\n".join(opened.lines()),
+            }))
     write(units / FLOWER_UNIT, template(FLOWER_UNIT))
     write(units / METRICS_UNIT, template(METRICS_UNIT))
     write(units / TARGET_UNIT, template(TARGET_UNIT))
@@ -448,8 +523,10 @@ def read_env_value(text: str, name: str) -> str | None:
 
 
 __all__ = [
+    "CommandPaths",
     "HostPlan",
     "Rendered",
+    "command_paths",
     "commands",
     "fill",
     "plan_host",
