@@ -14,7 +14,7 @@ from tasks.core.commands import CommandParams, CommandPolicy, check_command, res
 from tasks.core.errors import CommandRefused, ConfigError, InvalidJobArguments
 from tasks.core.job import JobContext
 from tasks.core.worker_config import WorkerConfig
-from tasks.jobproc.command_output import TAIL_LINES, EventReader, LogSink
+from tasks.jobproc.command_output import MAX_LINE_CHARS, MAX_PARTIAL_BYTES, TAIL_LINES, EventReader, LogSink
 
 
 def test_placeholders_are_filled_from_the_parameters_and_an_unknown_one_is_named():
@@ -94,14 +94,23 @@ def test_the_log_sink_keeps_every_byte_splits_lines_across_reads_and_keeps_the_t
     sink.write("stderr", b"\xff bad utf-8\n")
     for i in range(30):
         sink.write("stdout", f"n{i}\n".encode())
+    sink.write("stderr", b" 10%|#   |\r 50%|##  |\r100%|####|\n")  # a bar redrawn in place
     sink.write("stdout", b"no newline at the end")
     sink.close()
     lines = [line for batch in batches for line in batch]
     assert lines[:3] == [["out", "partial"], ["out", "second"], ["err", "\ufffd bad utf-8"]]
-    assert lines[-1] == ["out", "no newline at the end"] and len(lines) == 34 == sink.lines
+    assert ["err", "100%|####|"] in lines
+    assert lines[-1] == ["out", "no newline at the end"] and len(lines) == 35 == sink.lines
     assert len(sink.tail) == TAIL_LINES and sink.tail[-1] == "no newline at the end"
     assert (tmp_path / "stdout.log").read_bytes().startswith(b"partial\r\nsecond\nn0\n")
-    assert (tmp_path / "stderr.log").read_bytes() == b"\xff bad utf-8\n"
+    assert (tmp_path / "stderr.log").read_bytes() == b"\xff bad utf-8\n 10%|#   |\r 50%|##  |\r100%|####|\n"
+    # A line that never ends is sent in pieces rather than kept whole in memory.
+    pieces: list[list[list[str]]] = []
+    endless = LogSink(tmp_path / "endless", pieces.append)
+    for _ in range(3):
+        endless.write("stdout", b"x" * (MAX_PARTIAL_BYTES // 2 + 1))
+    endless.close()
+    assert [len(line) for batch in pieces for _, line in batch] == [MAX_LINE_CHARS, MAX_LINE_CHARS]
 
 
 def test_events_feed_progress_scalars_and_output_and_a_bad_one_is_counted_not_fatal(tmp_path):

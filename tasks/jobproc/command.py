@@ -98,7 +98,9 @@ class CommandJob:
             try:
                 ended = run.wait()
             except OSError as exc:  # not executable, a bad interpreter line
-                raise CommandRefused(f"{argv[0]} could not be started: {exc}") from None
+                raise CommandFailed(f"{argv[0]} could not be started on {self.spec.device}: {exc}",
+                                    command={"argv": argv, "exit_code": None, "signal": None, "tail": [],
+                                             "log": str(ctx.artifacts_dir)}) from None
         seconds = time.monotonic() - run.started
         figures: dict[str, Any] = {"argv": argv, "exit_code": ended.code, "signal": _signal_name(ended.signal),
                                    "seconds": round(seconds, 3), "lines": run.sink.lines,

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 TAIL_LINES = 20
 #: Longest line the stream carries (the log files keep every byte).
 MAX_LINE_CHARS = 8192
+#: Bytes of a line without its end kept before they are sent as a line of their own.
+MAX_PARTIAL_BYTES = 1 << 20
 #: How long lines wait to be sent as one batch; the producer sees a line within about this.
 FLUSH_INTERVAL_S = 0.05
 #: Batches a command's stream keeps (older ones are trimmed; the files keep everything).
@@ -69,9 +71,14 @@ class LogSink:
         *lines, self._partial[stream] = (self._partial[stream] + data).split(b"\n")
         for line in lines:
             self._line(stream, line)
+        if len(self._partial[stream]) > MAX_PARTIAL_BYTES:  # a line that never ends: sent in pieces
+            self._line(stream, self._partial[stream])
+            self._partial[stream] = b""
 
     def _line(self, stream: str, raw: bytes) -> None:
         text = raw.decode(errors="replace").rstrip("\r")
+        # A progress bar redrawn in place (tqdm's "\r"): the line as a terminal ends up showing it.
+        text = text.rsplit("\r", 1)[-1]
         self.lines += 1
         self.tail.append(text)
         self._batch.append([stream[3:], text[:MAX_LINE_CHARS]])  # "out" / "err"

@@ -100,15 +100,18 @@ class CommandRun:
     grace_s: float
     #: Called each loop: an error to stop the command with (cancelled, timed out), else None.
     should_stop: Callable[[], BaseException | None]
-    #: Called each loop with the elapsed time; returns True to stop without an error
-    #: (a gang that moved on).
+    #: Called each loop; True stops the command with :class:`Superseded` (its gang moved on).
     watch: Callable[[], bool] = lambda: False
     started: float = field(default=0.0)
 
     def wait(self) -> Exit:
-        process = spawn_child(self.argv, new_session=False, cwd=self.cwd, env=self.env,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
+        try:
+            process = spawn_child(self.argv, new_session=False, cwd=self.cwd, env=self.env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        except OSError:  # not executable, a bad interpreter line: nothing ran
+            self.sink.close()
+            raise
         self.started = time.monotonic()
         selector = selectors.DefaultSelector()
         assert process.stdout is not None and process.stderr is not None
