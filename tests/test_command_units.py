@@ -17,16 +17,18 @@ from tasks.core.worker_config import WorkerConfig
 from tasks.jobproc.command_output import MAX_LINE_CHARS, MAX_PARTIAL_BYTES, TAIL_LINES, EventReader, LogSink
 
 
-def test_placeholders_are_filled_from_the_parameters_and_an_unknown_one_is_named():
-    params = CommandParams.model_validate({"argv": ["python", "t.py", "--lr", "{lr}", "--tag={tag}-{{x}}",
+def test_placeholders_are_filled_from_the_parameters_and_other_braces_are_left_alone():
+    params = CommandParams.model_validate({"argv": ["python", "t.py", "--lr", "{lr}", "--tag={tag}-{{tag}}",
                                                     "--flag", "{on}"], "lr": 0.1, "tag": "a", "on": True})
-    assert params.formatted_argv() == ["python", "t.py", "--lr", "0.1", "--tag=a-{x}", "--flag", "true"]
+    assert params.formatted_argv() == ["python", "t.py", "--lr", "0.1", "--tag=a-{tag}", "--flag", "true"]
     assert params.params == {"lr": 0.1, "tag": "a", "on": True}
-    missing = CommandParams.model_validate({"argv": ["python", "--lr", "{lr}"]})
-    with pytest.raises(InvalidJobArguments, match=r"names \{lr\}, but the command has no parameter 'lr'"):
+    # The shell's, JSON's and awk's braces are theirs.
+    shell = ["bash", "-c", "echo ${HOME} {unclosed", '{"a": {"b": 1}}', "{print $1}"]
+    assert CommandParams(argv=shell).formatted_argv() == shell
+    missing = CommandParams.model_validate({"argv": ["python", "--lr", "{lr}"], "seed": 1})
+    with pytest.raises(InvalidJobArguments, match=r"\{lr\} names no parameter of the command \(it has seed\)"):
         missing.formatted_argv()
-    with pytest.raises(InvalidJobArguments, match="literal brace"):
-        CommandParams.model_validate({"argv": ["echo", "{unclosed"]}).formatted_argv()
+    assert missing.placeholders() == ["lr"]
 
 
 def test_a_producer_command_is_checked_where_it_is_made():
@@ -42,6 +44,9 @@ def test_a_producer_command_is_checked_where_it_is_made():
         tasks.command(["python"], env={"DEVICEFLEET_REDIS_URL": "redis://elsewhere"})
     with pytest.raises(ConfigError, match="is not a number, string or bool"):
         tasks.command(["python"], grid=[1, 2])
+    for loader in ("LD_PRELOAD", "PYTHONPATH", "BASH_ENV"):
+        with pytest.raises(ConfigError, match=f"env {loader} cannot be given: it would make an allowed program load"):
+            tasks.command(["python"], env={loader: "/tmp/x"})
 
 
 def test_a_worker_config_allows_commands_only_with_programs_and_folders():
@@ -71,9 +76,10 @@ def test_programs_resolve_on_the_workers_path_and_a_symlink_to_an_allowed_one_is
 
     argv, cwd = resolve_command(CommandParams(argv=["tool", "x"], cwd="sub"), "cpu0", rules, str(bin_dir))
     assert argv == [str(real), "x"] and cwd == work / "sub"
-    argv, _ = resolve_command(CommandParams(argv=["alias"]), "cpu0", rules, str(bin_dir))
-    assert argv == [str(bin_dir / "alias")]  # run as found: a virtualenv's python finds its packages so
-    for refused in (["other"], [str(other)], ["./tool"], ["perl"]):
+    argv, _ = resolve_command(CommandParams(argv=[str(bin_dir / "alias")]), "cpu0", rules, str(bin_dir))
+    assert argv == [str(bin_dir / "alias")]  # run as named: a virtualenv's python finds its packages so
+    # "alias" names no allowed program, though it resolves to one: the producer cannot see that.
+    for refused in (["other"], [str(other)], ["./tool"], ["perl"], ["alias"]):
         with pytest.raises(CommandRefused, match="commands.programs allows tool"):
             resolve_command(CommandParams(argv=refused), "cpu0", rules, str(bin_dir))
     for outside in ("..", "/etc", "sub/../../"):
@@ -82,6 +88,13 @@ def test_programs_resolve_on_the_workers_path_and_a_symlink_to_an_allowed_one_is
     # The producer's check needs no PATH: names and the files they resolved to.
     check_command(CommandParams(argv=["tool"]), "cpu0", rules)
     check_command(CommandParams(argv=[str(real)]), "cpu0", rules)
+    for refused in (["alias"], ["other"]):
+        with pytest.raises(CommandRefused, match="is not allowed on cpu0"):
+            check_command(CommandParams(argv=refused), "cpu0", rules)
+    with pytest.raises(CommandRefused, match="outside the folders"):
+        check_command(CommandParams(argv=["tool"], cwd="../.."), "cpu0", rules)
+    with pytest.raises(InvalidJobArguments, match="names no parameter"):
+        check_command(CommandParams(argv=["tool", "{x}"]), "cpu0", rules)
     with pytest.raises(CommandRefused, match="cpu0 runs no commands"):
         check_command(CommandParams(argv=["tool"]), "cpu0", None)
 

@@ -134,6 +134,9 @@ def test_a_sweep_of_a_script_reads_each_trials_objective_from_its_output(app):
     assert [e["status"] for e in entries] == ["ok"] * 3
     assert [e["output"]["loss"] for e in entries] == [pytest.approx(lr * 10 / 2) for lr in (0.1, 0.3, 0.5)]
     assert [e["output"]["command"]["argv"][3] for e in entries] == ["0.1", "0.3", "0.5"]
+    # A trial that leaves a placeholder without its parameter is refused before anything is sent.
+    with pytest.raises(tasks.ConfigError, match=r"trial 1: .*\{lr\} names no parameter"):
+        tasks.sweep(tasks.command([PY, "train.py", "--lr", "{lr}"]), [{"lr": 0.1}, {"seed": 1}], "cpu", app=app)
 
 
 @pytest.mark.timeout(120)
@@ -146,6 +149,7 @@ def test_a_ddp_script_runs_unchanged_as_two_ranks_and_a_crashed_rank_restarts_th
         env = out["env"]
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(rank), "2", "0", "1")
         assert env["CUDA_VISIBLE_DEVICES"] == "-1" and env["MASTER_ADDR"] and env["MASTER_PORT"]
+        assert env["DEVICEFLEET_DIST_BACKEND"] == "gloo"  # what --backend (auto) chose, for scripts that ask
     # Rank 1's job process dies in the first generation: the gang runs the script again, once.
     results = fan_out(tasks.command([PY, "ddp.py", "--crash-rank", "1", "--marker", str(tmp_path)]), "cpu0,cpu1",
                       distributed=True, app=app).get(timeout=100)
@@ -196,7 +200,7 @@ def test_a_command_sees_none_of_the_workers_settings_and_cannot_be_given_the_fle
     assert "DEVICEFLEET_REDIS_URL" not in names and "DEVICEFLEET_ARTIFACTS_DIR" in names
     with pytest.raises(tasks.ConfigError, match="CUDA_VISIBLE_DEVICES is set by the fleet"):
         tasks.command([PY, "x.py"], env={"CUDA_VISIBLE_DEVICES": "0"})
-    with pytest.raises(tasks.ConfigError, match="LD_PRELOAD cannot be given: the dynamic loader"):
+    with pytest.raises(tasks.ConfigError, match="LD_PRELOAD cannot be given: it would make an allowed program"):
         tasks.command([PY, "x.py"], env={"LD_PRELOAD": "/tmp/x.so"})
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import string
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,15 @@ FLEET_VARIABLES = frozenset({
 #: the dynamic loader's (``LD_PRELOAD`` would load any library into an allowed program).
 FLEET_PREFIXES = ("DEVICEFLEET_", "TORCHELASTIC_", "LD_")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: Variables that make an allowed program load code from elsewhere (a library, a module path, a
+#: startup file): a producer's ``env`` may not set them, nor any ``LD_*``.
+CODE_LOADING_VARIABLES = frozenset({
+    "BASH_ENV", "ENV", "PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PERL5LIB", "PERL5OPT",
+    "NODE_OPTIONS", "NODE_PATH", "RUBYOPT", "RUBYLIB", "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS",
+})
+#: ``{name}`` (a parameter) or ``{{name}}`` (a literal ``{name}``); a ``$`` before it is the
+#: shell's, not a placeholder.
+PLACEHOLDER = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|(?<!\$)\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 class CommandParams(BaseModel):
@@ -49,7 +57,7 @@ class CommandParams(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     #: The program and its arguments; ``{name}`` is replaced by the parameter ``name``
-    #: (``{{`` and ``}}`` are literal braces).
+    #: (``{{name}}`` is a literal ``{name}``; other braces are left as they are).
     argv: list[str] = Field(min_length=1)
     #: Working directory: absolute, or relative to the worker's first allowed folder
     #: (default: that folder).
@@ -70,9 +78,9 @@ class CommandParams(BaseModel):
         for name in env:
             if not _NAME.match(name):
                 raise ValueError(f"env name {name!r} is not a variable name")
-            if name.startswith("LD_"):
-                raise ValueError(f"env {name} cannot be given: the dynamic loader's variables would load "
-                                 "other code into an allowed program")
+            if name.startswith("LD_") or name in CODE_LOADING_VARIABLES:
+                raise ValueError(f"env {name} cannot be given: it would make an allowed program load "
+                                 "code from elsewhere (run Python scripts from their folder, or with -m)")
             if name in FLEET_VARIABLES or name.startswith(FLEET_PREFIXES):
                 raise ValueError(f"env {name} is set by the fleet for every command and cannot be given")
         return env
@@ -91,27 +99,30 @@ class CommandParams(BaseModel):
         """The parameters (the fields besides argv, cwd and env)."""
         return dict(self.model_extra or {})
 
+    def placeholders(self) -> list[str]:
+        """The parameter names the argv's placeholders use, in order."""
+        return [m.group(2) for arg in self.argv for m in PLACEHOLDER.finditer(arg) if m.group(2)]
+
     def formatted_argv(self) -> list[str]:
-        """The argv with every ``{name}`` replaced by its parameter.
+        """The argv with every ``{name}`` replaced by its parameter (``{{name}}`` stays ``{name}``;
+        other braces are left alone: ``${HOME}``, JSON, awk's ``{print $1}``).
 
         Raises:
-            InvalidJobArguments: a placeholder names no parameter, or is malformed.
+            InvalidJobArguments: a placeholder names no parameter.
         """
         params = self.params
-        out = []
-        for arg in self.argv:
-            try:
-                names = [field for _, field, _, _ in string.Formatter().parse(arg) if field is not None]
-            except ValueError as exc:
-                raise InvalidJobArguments(f"command argument {arg!r}: {exc} (write {{{{ for a literal brace)") from None
-            for name in names:
-                if name not in params:
-                    raise InvalidJobArguments(
-                        f"command argument {arg!r} names {{{name}}}, but the command has no parameter "
-                        f"{name!r} (it has {', '.join(sorted(params)) or 'none'}): give it in the "
-                        "sweep's trials or the job's kwargs")
-            out.append(arg.format_map({k: _text(v) for k, v in params.items()}))
-        return out
+        missing = [name for name in self.placeholders() if name not in params]
+        if missing:
+            raise InvalidJobArguments(
+                f"command argument {{{missing[0]}}} names no parameter of the command (it has "
+                f"{', '.join(sorted(params)) or 'none'}): give {missing[0]!r} in the sweep's trials, the "
+                f"study's space or the kwargs, or write {{{{{missing[0]}}}}} for a literal {{{missing[0]}}}")
+
+        def fill(match: re.Match[str]) -> str:
+            escaped, name = match.group(1), match.group(2)
+            return "{" + escaped + "}" if escaped else _text(params[name])
+
+        return [PLACEHOLDER.sub(fill, arg) for arg in self.argv]
 
 
 def command_params(kwargs: Any) -> CommandParams:
@@ -202,6 +213,12 @@ class CommandRules(BaseModel):
     def allowed_text(self) -> str:
         return ", ".join(self.programs) or "none"
 
+    def names(self, program: str) -> bool:
+        """Whether the bare name ``program`` is one of the allowed programs: as configured, or the
+        name of an allowed file (``python3`` for ``/usr/bin/python3``). The producer and the
+        worker both go by this, so they agree."""
+        return program in self.programs or any(os.path.basename(p) == program for p in self.programs.values())
+
     def allows(self, path: str) -> bool:
         """Whether the file at ``path`` is one of the allowed programs (symlinks followed)."""
         target = os.path.realpath(path)
@@ -236,18 +253,16 @@ def check_command(params: CommandParams, device: str, rules: CommandRules | None
 
     Raises:
         CommandRefused: the device runs no commands, or not this program or folder.
+        InvalidJobArguments: a placeholder names no parameter.
     """
     if rules is None or not rules.programs:
         raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
+    params.formatted_argv()
     program = params.argv[0]
-    if os.path.isabs(program):
-        known = program in rules.programs or rules.allows(program)
-    else:
-        known = program in rules.programs or any(os.path.basename(p) == program for p in rules.programs.values())
+    known = rules.allows(program) if os.path.isabs(program) else rules.names(program)
     if not known:
         raise _refused_program(program, device, rules)
-    if params.cwd is not None and os.path.isabs(params.cwd):
-        rules.working_directory(params.cwd, device)
+    rules.working_directory(params.cwd, device)
 
 
 def resolve_command(params: CommandParams, device: str, rules: CommandRules | None,
@@ -267,7 +282,7 @@ def resolve_command(params: CommandParams, device: str, rules: CommandRules | No
         found: str | None = rules.programs[program]
     elif os.path.isabs(program):
         found = program
-    elif "/" in program:  # ./train.sh: a relative path names no configured program
+    elif "/" in program or not rules.names(program):  # ./train.sh names no configured program
         found = None
     else:
         found = shutil.which(program, path=path)

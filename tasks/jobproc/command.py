@@ -41,6 +41,12 @@ ENV_PARAMS = "DEVICEFLEET_PARAMS"
 ENV_DEVICE = "DEVICEFLEET_DEVICE"
 ENV_JOB_ID = "DEVICEFLEET_JOB_ID"
 ENV_LOCAL_RANK = "DEVICEFLEET_LOCAL_RANK"
+ENV_BACKEND = "DEVICEFLEET_DIST_BACKEND"
+
+#: Words in a rank's last lines that mean its collective lost a peer (the gang restarts), where
+#: any other failure fails the gang: gloo's and NCCL's own words, not any "socket" or "timed out".
+PEER_LOST_LINES = ("connection reset by peer", "connection closed by peer", "broken pipe",
+                   "ncclremoteerror", "remote process exited", "nccl communicator was aborted")
 
 
 
@@ -150,8 +156,6 @@ def run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rd
         GangFailed: the gang failed (a rank failed, did not come, or no restarts were left).
         CommandFailed: this rank's command failed (the gang fails with it).
     """
-    from .distributed import peer_lost_text
-
     spec: GangSpec = rdv.spec
     gen = rdv.join()
     while True:
@@ -166,7 +170,7 @@ def run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rd
                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rdv.rank), "MASTER_ADDR": address_,
                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_RUN_ID": spec.id,
-               "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+               "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts), ENV_BACKEND: spec.backend,
                ENV_LOCAL_RANK: str(same_host.index(rdv.rank) if rdv.rank in same_host else 0)}
         watch = _GangWatch(rdv, gen)
         logger.info("%s: rank %d of %d of %s (command), generation %d", rdv.device, rdv.rank,
@@ -183,7 +187,8 @@ def run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rd
                 raise GangFailed(f"distributed job {spec.id}: {watch.failed}") from None
             moved = watch.moved_on()
             tail = exc.command.get("tail")
-            if moved or peer_lost_text("\n".join(map(str, tail)) if isinstance(tail, list) else ""):
+            text = "\n".join(map(str, tail)).lower() if isinstance(tail, list) else ""
+            if moved or any(marker in text for marker in PEER_LOST_LINES):
                 logger.warning("%s: rank %d of %s lost a peer in generation %d; restarting with the gang",
                                rdv.device, rdv.rank, spec.id, gen)
                 gen = rdv.join() if moved else rdv.join(after=gen)

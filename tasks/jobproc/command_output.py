@@ -57,7 +57,9 @@ class LogSink:
     def __init__(self, folder: Path, publish: Callable[[list[list[str]]], None] | None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
-        self.files = {name: open(folder / f"{name}.log", "wb") for name in ("stdout", "stderr")}  # noqa: SIM115
+        # Appended to: a run again of the same job (a gang's restart, a run after its worker
+        # died) adds to what the runs before it wrote.
+        self.files = {name: open(folder / f"{name}.log", "ab") for name in ("stdout", "stderr")}  # noqa: SIM115
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.lines = 0
         self._partial = {name: b"" for name in self.files}

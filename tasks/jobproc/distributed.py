@@ -281,13 +281,8 @@ def peer_lost(exc: BaseException) -> bool:
 
     if isinstance(exc, (dist.DistError, PeerLost)):
         return True
-    return isinstance(exc, RuntimeError) and peer_lost_text(str(exc))
-
-
-def peer_lost_text(text: str) -> bool:
-    """Whether ``text`` (an error, a command's last lines) says a collective lost a peer."""
-    text = text.lower()
-    return any(marker in text for marker in PEER_LOST_MARKERS)
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in PEER_LOST_MARKERS)
 
 
 @contextmanager

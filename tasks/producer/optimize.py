@@ -42,6 +42,7 @@ from celery import Celery
 
 from ..core import keys
 from ..core.app import redis_url_of
+from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
 from .sweep import MAX_POLL_S, MIN_POLL_S
@@ -224,7 +225,9 @@ def optimize(
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(app)
     chosen = select_devices(devices, live)
-    check_jobs({device: base for device in chosen}, live)
+    # A command's placeholders are filled from the space: check them with a value for each.
+    probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
+    check_jobs({device: probe for device in chosen}, live)
     limit = max_concurrent if max_concurrent is not None else len(chosen)
     if limit < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1")

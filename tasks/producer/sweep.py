@@ -34,7 +34,8 @@ from typing import Any
 from celery import Celery, states
 
 from ..core import keys
-from ..core.errors import ConfigError, FanOutTimeout, SweepConflict
+from ..core.commands import COMMAND_JOB, command_params
+from ..core.errors import ConfigError, FanOutTimeout, InvalidJobArguments, SweepConflict
 from ..core.records import SweepRecord
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, registry_client, select_devices
 from .trials import RUNNING_STATES, TrialQueue, entry_of, queue_for, trial_task_id
@@ -248,9 +249,12 @@ def trial_specs(job: JobLike, trials: Sequence[Mapping[str, Any]], kwargs: Mappi
         if not isinstance(trial, Mapping):
             raise ConfigError(f"trial {i} is {trial!r}, not a dict of the job's kwargs (nothing was sent)")
         try:
-            specs.append(JobSpec.of(base, {**base.kwargs, **trial}))
-        except ConfigError as exc:
+            spec = JobSpec.of(base, {**base.kwargs, **trial})
+            if spec.name == COMMAND_JOB:  # every trial fills the command's placeholders
+                command_params(spec.kwargs).formatted_argv()
+        except (ConfigError, InvalidJobArguments) as exc:
             raise ConfigError(f"trial {i}: {exc} (nothing was sent)") from None
+        specs.append(spec)
     return specs
 
 

@@ -27,7 +27,8 @@ if rank == args.crash_rank and restart == 0:
     signal.pause()
 value = torch.tensor([float(rank + 1)])
 dist.all_reduce(value)
-names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+         "DEVICEFLEET_DIST_BACKEND")
 print(f"rank {rank} of {dist.get_world_size()} sum {value.item()}", flush=True)
 with open(os.environ["DEVICEFLEET_EVENTS"], "w") as events:
     events.write(json.dumps({"output": {"sum": value.item(), "env": {n: os.environ.get(n) for n in names}}}) + "\n")
