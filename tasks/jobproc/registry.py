@@ -38,7 +38,7 @@ class JobRegistry:
         ConfigError: a module cannot be imported, or defines a job with a reserved name.
     """
 
-    def __init__(self, modules: Iterable[str], builtins: Iterable[JobDefinition] = ()) -> None:
+    def __init__(self, modules: Iterable[str]) -> None:
         self.modules = list(modules)
         for module in self.modules:
             try:
@@ -53,10 +53,12 @@ class JobRegistry:
         clash = RESERVED & set(self._jobs)
         if clash:
             raise ConfigError(f"job name(s) {', '.join(sorted(clash))} are reserved by the fleet; rename the job")
-        for definition in builtins:  # the fleet's own (the command job, where commands are allowed)
-            self._jobs[definition.name] = definition
         if self.modules:  # the empty registry a worker holds before it loads its allowlist says nothing
             logger.info("jobs allowed: %s (from %s)", ", ".join(sorted(self._jobs)), ", ".join(self.modules))
+
+    def add_builtin(self, definition: JobDefinition) -> None:
+        """Add one of the fleet's own jobs (the command job, where commands are allowed)."""
+        self._jobs[definition.name] = definition
 
     @property
     def names(self) -> list[str]:

@@ -100,17 +100,16 @@ class JobRuntime:
         import torch
 
         torch.set_num_threads(spec.torch_threads)
+        registry = JobRegistry(spec.job_modules)
         seen = check_visibility(Device.parse(spec.device))
         seen["torch_threads"] = spec.torch_threads
         baseline = _Baseline(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path),
                              cores=list(spec.cores), threads=spec.torch_threads)
-        runtime = cls(spec=spec, registry=JobRegistry([]), visibility=seen, baseline=baseline)
-        builtins = []
+        runtime = cls(spec=spec, registry=registry, visibility=seen, baseline=baseline)
         if spec.commands is not None and spec.commands.programs:
             # What a command leaves behind is re-parented here, and ended with the command.
             become_subreaper()
-            builtins.append(CommandJob(spec, spec.commands, runtime.redis, baseline.environ).definition())
-        runtime.registry = JobRegistry(spec.job_modules, builtins=builtins)
+            registry.add_builtin(CommandJob(spec, spec.commands, runtime.redis, baseline.environ).definition())
         return runtime
 
     def hello(self) -> Hello:
