@@ -50,6 +50,7 @@ from .core.job import JobContext, JobMetric, job
 from .core.queues import QueueName
 from .core.records import ENTRY_KEYS, DeadLetter, Entry, EntryStatus, JobOptions, WorkerRecord
 from .core.settings import Settings
+from .core.shadow import warn_if_shadowed
 from .producer import (
     FanOut,
     JobSpec,
@@ -123,6 +124,9 @@ __all__ = [
     "optimize",
     "sweep",
 ]
+
+# A tasks.py or tasks/ of the user's in the working directory: say so once (tasks.core.shadow).
+warn_if_shadowed()
 
 
 def __getattr__(name: str) -> Any:

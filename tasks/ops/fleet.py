@@ -1,7 +1,7 @@
 """The local launcher: Redis (embedded unless a URL is given) plus one worker per device.
 
 ``devicefleet up`` and ``devicefleet demo`` use :class:`Fleet`; so do the tests. Each worker is a
-real process started as users start one (``python -m tasks worker cpu0``), in its own session
+real process started as users start one (``python -P -m tasks worker cpu0``), in its own session
 so that a Ctrl-C in the terminal reaches only the launcher, which then stops the workers in
 order: SIGTERM (Celery's warm shutdown: finish the running job, take no new one), then SIGKILL
 to the worker's whole process group after ``stop_timeout``, so that a hung job cannot hold the
@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ..core.errors import ConfigError, FleetError, RedisServerError
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
+from ..core.shadow import python_child
 from ..core.worker_config import DEFAULT_LOADER_CORES, load_worker_config
 from .monitor import FleetMonitor
 from .proc import kill_group, log_tail, wait_until
@@ -179,11 +179,14 @@ class Fleet:
         return env
 
     def _spawn(self, worker: WorkerProcess) -> None:
+        # `python -P -m tasks worker NAME` with this package's folder first on PYTHONPATH: a
+        # tasks.py or tasks/ in the user's folder is never the worker (tasks.core.shadow).
+        argv, env = python_child("tasks", "worker", worker.name, env=self._env(worker))
         with open(worker.log, "ab") as log:
             worker.log_offset = log.seek(0, os.SEEK_END)
             worker.process = spawn_child(
-                [sys.executable, "-m", "tasks", "worker", worker.name],
-                env=self._env(worker),
+                argv,
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -13,13 +13,13 @@ import logging
 import os
 import secrets
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from ..core.children import spawn_child
 from ..core.errors import FlowerError
+from ..core.shadow import python_child
 from .proc import free_port, log_tail, stop_process, wait_until
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,12 @@ class FlowerProcess:
         env.update(self.extra_env)
         env.update({"DEVICEFLEET_REDIS_URL": self.redis_url, AUTH_ENV: self.basic_auth,
                     "PYTHONUNBUFFERED": "1"})
-        argv = [sys.executable, "-m", "celery", "-A", "tasks", "flower",
-                f"--address={self.host}", f"--port={self.port}",
-                # Flower forgets workers that stay offline this long (seconds).
-                "--purge_offline_workers=3600"]
+        # `celery -A tasks flower`, through tasks.ops.celery_main so that a tasks.py in the
+        # working directory is never the app (tasks.core.shadow).
+        argv, env = python_child("tasks.ops.celery_main", "-A", "tasks", "flower",
+                                 f"--address={self.host}", f"--port={self.port}",
+                                 # Flower forgets workers that stay offline this long (seconds).
+                                 "--purge_offline_workers=3600", env=env)
         with open(self.log, "ab") as log:
             self.process = spawn_child(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL)
