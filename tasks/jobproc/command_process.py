@@ -85,7 +85,6 @@ def end_descendants(grace_s: float) -> list[int]:
     return [c.pid for c in children]
 
 
-
 @dataclass
 class CommandRun:
     """One command process, read until it ends; :meth:`wait` returns its :class:`Exit`."""
@@ -141,9 +140,14 @@ class CommandRun:
             while streams and time.monotonic() < deadline:
                 self._read(selector, streams, 0.02)
             end_descendants(0.5)
-            while streams:
-                self._read(selector, streams, 0.1)
-            self._read(selector, {}, 0)  # the last events
+            deadline = time.monotonic() + DRAIN_S  # what they left in the pipes
+            while streams and time.monotonic() < deadline:
+                self._read(selector, streams, 0.02)
+            for fd in list(streams):  # held open by a process outside its tree: given up
+                selector.unregister(fd)
+                del streams[fd]
+            while self._read(selector, streams, 0):  # the last events (their writers are gone)
+                pass
         finally:
             if process.poll() is None:
                 _signal_tree(process.pid, signal.SIGKILL)
@@ -156,8 +160,10 @@ class CommandRun:
         code = process.returncode
         return Exit(code=code if code >= 0 else None, signal=-code if code < 0 else None, stopped=stopped)
 
-    def _read(self, selector: selectors.BaseSelector, streams: dict[int, str], timeout: float) -> None:
-        for key, _ in selector.select(timeout):
+    def _read(self, selector: selectors.BaseSelector, streams: dict[int, str], timeout: float) -> bool:
+        """Read what is ready within ``timeout``; whether anything was."""
+        ready = selector.select(timeout)
+        for key, _ in ready:
             fd = int(key.fd)
             try:
                 data = os.read(fd, 65536)
@@ -171,6 +177,7 @@ class CommandRun:
                 selector.unregister(fd)
                 del streams[fd]
         self.sink.maybe_flush()
+        return bool(ready)
 
 
 class Superseded(Exception):
