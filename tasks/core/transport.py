@@ -35,7 +35,13 @@ MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's Redis QoS; an acknowledgement already made in Redis is bookkeeping only."""
+    """kombu's Redis QoS; an acknowledgement already made in Redis is bookkeeping only.
+
+    kombu internals (checked on kombu 5.7.0, pyproject.toml's floor and the newest release when
+    checked): ack and reject, and virtual.QoS.ack as the in-memory part of an acknowledgement;
+    the unacked hash and index it names (unacked_key, unacked_index_key) are read by
+    tasks.worker.runner and tasks.worker.lease (with restore_by_tag).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +79,7 @@ class Channel(kombu_redis.Channel):
 
     _pool_client: Any = None
 
+    # kombu internal: the channel's client factory (its `asynchronous` argument), kombu 5.7.0.
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:  # the event loop's own client: made once by kombu already
             return super()._create_client(asynchronous=True)
@@ -81,6 +88,8 @@ class Channel(kombu_redis.Channel):
             client = self._pool_client = super()._create_client()
         return client
 
+    # kombu internal: the event loop's read of a BRPOP reply, where a popped message is decoded
+    # and delivered; connection_errors is the channel's own tuple (kombu 5.7.0).
     def _brpop_read(self, **options: Any) -> bool:
         try:
             return bool(super()._brpop_read(**options))
