@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 from celery import Celery, chord, signals
 
 from ..core.devices import format_core_list, parse_core_list
+from ..core.shadow import python_child
 from ..ops.proc import stop_process
 
 logger = logging.getLogger(__name__)
@@ -93,12 +93,12 @@ def plain_workers(url: str, cores: list[list[int] | None], log_dir: Path,
         env = {**os.environ, PLAIN_URL_ENV: url}
         if mask:
             env[PLAIN_CORES_ENV] = format_core_list(mask)
+        # `celery -A tasks.bench.plain worker`, never a tasks.py in the working directory.
+        argv, env = python_child("tasks.ops.celery_main", "-A", "tasks.bench.plain", "worker", "-Q", queue,
+                                 "-n", f"{queue}@%h", "--pool", "threads", "--concurrency", "1",
+                                 "--loglevel", loglevel, env=env)
         with open(log_dir / f"{queue}.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tasks.bench.plain", "worker", "-Q", queue,
-                 "-n", f"{queue}@%h", "--pool", "threads", "--concurrency", "1", "--loglevel", loglevel],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     producer = make_app(url)
     try:
         for queue in queues:  # ready when each answers a job
