@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tasks.bench import isolation, report
+from tasks.bench import commands, isolation, report
 from tasks.bench.dispatch import percentile
 from tasks.bench.run import run_bench
 from tasks.bench.sweep import ideal_makespan, trial_lengths
@@ -59,6 +59,11 @@ def test_goals() -> None:
     assert report.goal_met("isolation.crash_to_entry_s", 0.2) is True
     assert report.goal_met("isolation.next_job_after_crash_s", 1.5) is False
     assert report.goal_met("isolation.cancel_grace_s", 1.0) is None
+    # A command through the fleet within 5% of the same program started directly; its lines
+    # at the producer within half a second.
+    assert report.goal_met("commands.vs_direct", 1.04) is True
+    assert report.goal_met("commands.vs_direct", 1.06) is False
+    assert report.goal_met("commands.log_latency_s", 0.6) is False
 
 
 def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -73,6 +78,27 @@ def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: i
         assert load_worker_config(configs, Device.parse(name)).cancel_grace_s == 0.5
     assert load_worker_config(configs, Device.parse("cpu0")).max_job_seconds == \
         load_worker_config(packaged, Device.parse("cpu0")).max_job_seconds  # the rest is the copy's
+
+
+def test_bench_worker_configs_allow_the_interpreter_in_the_bench_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    source = tmp_path / "source"
+    source.mkdir()
+    packaged = Settings.load().worker_configs_path
+    for path in packaged.glob("*.toml"):
+        (source / path.name).write_text(path.read_text())
+    (source / "cpu1.toml").write_text('kind = "cpu"\n[commands]  # its own goes\nprograms = ["bash"]\n'
+                                      'workdirs = ["/srv"]\n')
+    configs = isolation.write_worker_configs(source, tmp_path / "bench")
+    workdir = tmp_path / "commands"
+    commands.write_commands_table(configs, workdir)
+    for name in ("cpu0", "cpu1", "gpu0"):
+        policy = load_worker_config(configs, Device.parse(name)).commands
+        assert (policy.programs, policy.workdirs) == ([sys.executable], [str(workdir)]), name
+    assert load_worker_config(configs, Device.parse("cpu0")).cancel_grace_s == isolation.CANCEL_GRACE_S
+    # Commands set as dotted keys cannot be replaced: refused, not half-merged.
+    (configs / "cpu1.toml").write_text('kind = "cpu"\ncommands.programs = ["bash"]\n')
+    with pytest.raises(ConfigError, match="cpu1.toml"):
+        commands.write_commands_table(configs, workdir)
 
 
 def test_misbehaving_jobs_are_only_in_the_bench_allowlist() -> None:
@@ -106,4 +132,10 @@ def test_bench_quick_prints_every_key(tmp_path) -> None:  # type: ignore[no-unty
     assert figures["isolation"]["rounds"] == 1
     for key in ("crash_to_entry_s", "next_job_after_crash_s", "cancel_to_free_s", "cancel_grace_s"):
         value = figures["isolation"][key]
+        assert isinstance(value, (int, float)) and value > 0, (key, value)
+    # One round of the command against the program started directly, and every stamped line followed.
+    assert figures["commands"]["rounds"] == 1
+    assert figures["commands"]["log_lines"] == commands.QUICK_STAMP_LINES
+    for key in ("vs_direct", "fleet_s", "direct_s", "log_latency_s", "log_latency_s_p90"):
+        value = figures["commands"][key]
         assert isinstance(value, (int, float)) and value > 0, (key, value)

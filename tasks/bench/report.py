@@ -25,6 +25,8 @@ KEYS = (
     "ddp.vs_native",
     "ddp.vs_native_train",
     "ddp.scaling",
+    "commands.vs_direct",
+    "commands.log_latency_s",
     "pipeline.wait_s_sequential",
     "pipeline.wait_s_mp_queue",
     "pipeline.wait_s_fleet",
@@ -60,6 +62,10 @@ GOALS = {
     "ddp.vs_native": ("<=", 1.05),
     "pipeline.wait_s_fleet": ("<=", 0.01),
     "gpu.busy_fraction": (">=", 0.9),
+    # A program run through the fleet, against the same started directly on the device's cores;
+    # and its printed lines at the producer within half a second.
+    "commands.vs_direct": ("<=", 1.05),
+    "commands.log_latency_s": ("<=", 0.5),
     # A crashed job's error entry, and the device taking its next job, within a second.
     "isolation.crash_to_entry_s": ("<=", 1.0),
     "isolation.next_job_after_crash_s": ("<=", 1.0),
@@ -101,7 +107,7 @@ def _fmt(key: str, value: float) -> str:
         return f"{value:.1f} ms"
     if key.endswith("jobs_per_s") or key.endswith("trials_per_s"):
         return f"{value:.0f}/s"
-    if ".wait_s" in key or key.startswith("isolation."):
+    if ".wait_s" in key or key.startswith("isolation.") or key.startswith("commands.log_latency"):
         return f"{value:.3f} s"
     return f"{value:.3f}"
 
@@ -144,6 +150,17 @@ def table(figures: dict[str, Any]) -> Table:
     if "isolation.cancel_to_entry_s" in flat:
         extra["isolation.cancel_to_free_s"] = (f"a job that never reports; its entry "
                                                f"{flat['isolation.cancel_to_entry_s']:.2f} s after the cancel")
+    if "commands.direct_s" in flat:
+        extra["commands.vs_direct"] = (
+            f"fleet {flat['commands.fleet_s']:.2f} s, direct {flat['commands.direct_s']:.2f} s; the fleet adds "
+            f"{flat['commands.overhead_s']:.3f} s: start {flat['commands.send_to_start_s']:.3f} s after the send "
+            f"(direct: {flat['commands.direct_spawn_to_start_s']:.3f} s after the spawn), entry "
+            f"{flat['commands.end_to_result_s']:.3f} s after its end (direct: exit "
+            f"{flat['commands.direct_end_to_exit_s']:.3f} s after)")
+    if "commands.log_latency_s_p90" in flat:
+        extra["commands.log_latency_s"] = (f"p90 {flat['commands.log_latency_s_p90']:.3f} s, max "
+                                           f"{flat['commands.log_latency_s_max']:.3f} s over "
+                                           f"{flat['commands.log_lines']} lines")
     extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {DEFAULT_CANCEL_GRACE_S:g} s)"
     host = figures.get("host", {})
     out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "

@@ -16,10 +16,10 @@ from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import ddp, dispatch, efficiency, gpu, isolation, pipeline, sweep
+from . import commands, ddp, dispatch, efficiency, gpu, isolation, pipeline, sweep
 
 #: The sections of a bench run, in the order they run (``pipeline`` needs no fleet).
-SECTIONS = ("dispatch", "sweep", "fanout", "ddp", "gpu", "isolation", "pipeline")
+SECTIONS = ("dispatch", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "pipeline")
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,12 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
     ``sections`` picks some of :data:`SECTIONS` (default: all). Returns ``{"host", "quick",
-    "dispatch", "sweep", "fanout", "ddp", "isolation", "pipeline", "gpu"?}`` (those picked);
-    ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
+    "dispatch", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "gpu"?}`` (those
+    picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
 
     The fleet also runs the misbehaving jobs of :mod:`.misbehave` and a short ``cancel_grace_s``
-    (:data:`.isolation.CANCEL_GRACE_S`), for the ``isolation`` section.
+    (:data:`.isolation.CANCEL_GRACE_S`), for the ``isolation`` section, and its worker configs
+    allow this interpreter in a throwaway folder (``[commands]``), for the ``commands`` section.
 
     Raises:
         ConfigError: a section that is not one of :data:`SECTIONS`.
@@ -62,13 +63,16 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     modules = [*base.job_modules, *([] if isolation.JOB_MODULE in base.job_modules else [isolation.JOB_MODULE])]
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-") as tmp:
         configs = isolation.write_worker_configs(base.worker_configs_path, Path(tmp) / "worker_configs")
+        workdir = Path(tmp) / "commands"
+        workdir.mkdir()
+        commands.write_commands_table(configs, workdir)
         settings = base.model_copy(update={
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
         if chosen - {"pipeline"}:
             with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
-                _measure_fleet(fleet, settings, chosen, quick, figures)
+                _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
     if "pipeline" in chosen:
         figures["pipeline"] = pipeline.measure(quick=quick)
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
@@ -77,7 +81,7 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
 
 
 def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bool,
-                   figures: dict[str, Any]) -> None:
+                   figures: dict[str, Any], workdir: Path) -> None:
     app = fleet.app()
     devices = list(fleet.workers)
     cpus = [d for d in devices if d.startswith("cpu")]
@@ -99,5 +103,7 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
     gpu_figures = gpu.measure(app, devices, quick=quick) if "gpu" in chosen else None
     if gpu_figures is not None:
         figures["gpu"] = gpu_figures
+    if "commands" in chosen:
+        figures["commands"] = commands.measure(app, cpus[0], workdir, quick=quick)
     if "isolation" in chosen:  # last: it crashes and kills job processes
         figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)
