@@ -119,6 +119,10 @@ class CommandRun:
             os.set_blocking(fd, False)
             selector.register(fd, selectors.EVENT_READ)
         selector.register(self.events_fd, selectors.EVENT_READ)
+        # Readable when the command exits: the loop wakes at its end, not at its next poll.
+        exited = _pidfd(process.pid)
+        if exited is not None:
+            selector.register(exited, selectors.EVENT_READ)
         stopped: BaseException | None = None
         kill_at: float | None = None
         try:
@@ -154,6 +158,8 @@ class CommandRun:
                 process.wait()
             end_descendants(0.5)
             selector.close()
+            if exited is not None:
+                os.close(exited)
             process.stdout.close()
             process.stderr.close()
             self.sink.close()
@@ -165,6 +171,9 @@ class CommandRun:
         ready = selector.select(timeout)
         for key, _ in ready:
             fd = int(key.fd)
+            if fd not in streams and fd != self.events_fd:  # the pidfd: the command has exited
+                selector.unregister(fd)  # (it stays readable: once is enough)
+                continue
             try:
                 data = os.read(fd, 65536)
             except BlockingIOError:
@@ -178,6 +187,14 @@ class CommandRun:
                 del streams[fd]
         self.sink.maybe_flush()
         return bool(ready)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits (Linux 5.3+), else None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 class Superseded(Exception):
