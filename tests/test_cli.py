@@ -89,8 +89,13 @@ def test_up_run_status_and_clean_stop(tmp_path):
 
 def _redis_server_of(up: subprocess.Popen[str]) -> psutil.Process | None:
     """The running redis-server `up` started, if there is one (a zombie does not count)."""
-    found = [p for p in psutil.Process(up.pid).children(recursive=True)
-             if "redis-server" in p.name() and p.status() != psutil.STATUS_ZOMBIE]
+    found = []
+    for proc in psutil.Process(up.pid).children(recursive=True):
+        try:
+            if "redis-server" in proc.name() and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.NoSuchProcess:  # it ended between the listing and the look
+            continue
     assert len(found) <= 1, found
     return found[0] if found else None
 
