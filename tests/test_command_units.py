@@ -74,17 +74,21 @@ def test_programs_resolve_on_the_workers_path_and_a_symlink_to_an_allowed_one_is
     rules = CommandPolicy(programs=["tool", "/nowhere/gone"], workdirs=[str(work)]).rules(path=str(bin_dir))
     assert rules.programs == {"tool": str(real)} and rules.missing == ["/nowhere/gone"]
 
-    argv, cwd = resolve_command(CommandParams(argv=["tool", "x"], cwd="sub"), "cpu0", rules, str(bin_dir))
+    argv, cwd = resolve_command(CommandParams(argv=["tool", "x"], cwd="sub"), "cpu0", rules)
     assert argv == [str(real), "x"] and cwd == work / "sub"
-    argv, _ = resolve_command(CommandParams(argv=[str(bin_dir / "alias")]), "cpu0", rules, str(bin_dir))
+    argv, _ = resolve_command(CommandParams(argv=[str(bin_dir / "alias")]), "cpu0", rules)
     assert argv == [str(bin_dir / "alias")]  # run as named: a virtualenv's python finds its packages so
     # "alias" names no allowed program, though it resolves to one: the producer cannot see that.
     for refused in (["other"], [str(other)], ["./tool"], ["perl"], ["alias"]):
         with pytest.raises(CommandRefused, match="commands.programs allows tool"):
-            resolve_command(CommandParams(argv=refused), "cpu0", rules, str(bin_dir))
+            resolve_command(CommandParams(argv=refused), "cpu0", rules)
     for outside in ("..", "/etc", "sub/../../"):
         with pytest.raises(CommandRefused, match="outside the folders cpu0's worker config allows"):
-            resolve_command(CommandParams(argv=["tool"], cwd=outside), "cpu0", rules, str(bin_dir))
+            resolve_command(CommandParams(argv=["tool"], cwd=outside), "cpu0", rules)
+    # A bare name runs the allowed file it names, whatever else of that name is on the worker's
+    # PATH (a virtualenv's python stays the virtualenv's).
+    by_path = CommandPolicy(programs=[str(real)], workdirs=[str(work)]).rules(path="/nonexistent")
+    assert resolve_command(CommandParams(argv=["tool"]), "cpu0", by_path)[0] == [str(real)]
     # The producer's check needs no PATH: names and the files they resolved to.
     check_command(CommandParams(argv=["tool"]), "cpu0", rules)
     check_command(CommandParams(argv=[str(real)]), "cpu0", rules)

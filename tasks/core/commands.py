@@ -213,11 +213,13 @@ class CommandRules(BaseModel):
     def allowed_text(self) -> str:
         return ", ".join(self.programs) or "none"
 
-    def names(self, program: str) -> bool:
-        """Whether the bare name ``program`` is one of the allowed programs: as configured, or the
-        name of an allowed file (``python3`` for ``/usr/bin/python3``). The producer and the
-        worker both go by this, so they agree."""
-        return program in self.programs or any(os.path.basename(p) == program for p in self.programs.values())
+    def named(self, program: str) -> str | None:
+        """The allowed program the bare name ``program`` names: as configured, or by its file's
+        name (``python3`` for ``/usr/bin/python3``); None if none. The producer and the worker
+        both go by this, so they agree."""
+        if program in self.programs:
+            return self.programs[program]
+        return next((p for p in self.programs.values() if os.path.basename(p) == program), None)
 
     def allows(self, path: str) -> bool:
         """Whether the file at ``path`` is one of the allowed programs (symlinks followed)."""
@@ -259,16 +261,17 @@ def check_command(params: CommandParams, device: str, rules: CommandRules | None
         raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
     params.formatted_argv()
     program = params.argv[0]
-    known = rules.allows(program) if os.path.isabs(program) else rules.names(program)
+    known = rules.allows(program) if os.path.isabs(program) else rules.named(program) is not None
     if not known:
         raise _refused_program(program, device, rules)
     rules.working_directory(params.cwd, device)
 
 
-def resolve_command(params: CommandParams, device: str, rules: CommandRules | None,
-                    path: str | None) -> tuple[list[str], Path]:
+def resolve_command(params: CommandParams, device: str, rules: CommandRules | None) -> tuple[list[str], Path]:
     """The argv to execute (its program resolved to an allowed file, its placeholders filled)
-    and the working directory, as the worker's rules allow them.
+    and the working directory, as the worker's rules allow them. A bare name runs the allowed
+    program it names (the configured path, not another of that name on PATH: a virtualenv's
+    ``python`` stays the virtualenv's).
 
     Raises:
         CommandRefused: the program or the folder is not allowed.
@@ -278,14 +281,12 @@ def resolve_command(params: CommandParams, device: str, rules: CommandRules | No
         raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
     argv = params.formatted_argv()
     program = argv[0]
-    if program in rules.programs:
-        found: str | None = rules.programs[program]
-    elif os.path.isabs(program):
-        found = program
-    elif "/" in program or not rules.names(program):  # ./train.sh names no configured program
+    if os.path.isabs(program):
+        found: str | None = program if rules.allows(program) else None
+    elif "/" in program:  # ./train.sh names no configured program
         found = None
     else:
-        found = shutil.which(program, path=path)
-    if found is None or not os.path.exists(found) or not rules.allows(found):
+        found = rules.named(program)
+    if found is None or not os.path.exists(found):
         raise _refused_program(program, device, rules)
     return [found, *argv[1:]], rules.working_directory(params.cwd, device)

@@ -90,7 +90,7 @@ class CommandJob:
             CommandFailed: it exited non-zero or was killed by a signal.
             JobCancelled, JobTimeout, WorkerStopped: the fleet stopped it.
         """
-        argv, cwd = resolve_command(params, self.spec.device, self.rules, self.base_env.get("PATH"))
+        argv, cwd = resolve_command(params, self.spec.device, self.rules)
         ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
         client = self.redis()
         publish = redis_publisher(client, ctx.job_id, self.spec.result_expires_s) if client is not None else None
