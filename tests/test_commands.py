@@ -216,3 +216,18 @@ def test_a_study_of_a_script_prunes_a_poor_trial_by_stopping_its_command(app):
     assert 2 <= max(by_score[0.1].intermediate_values) < 10  # its command was stopped early
     assert {by_score[s].value for s in (1.0, 0.9)} == {1.0, 0.9}
     assert study.best_params == {"score": 1.0}
+
+
+@pytest.mark.timeout(90)
+def test_a_cancelled_distributed_command_ends_every_rank_as_cancelled(app):
+    code = "import os, time\nprint('rank', os.environ['RANK'], flush=True)\ntime.sleep(1000)"
+    handle = fan_out(tasks.command([PY, "-c", code]), "cpu0,cpu1", distributed=True, app=app)
+    seen = set()
+    for device, _, line in tasks.follow_logs(handle):
+        seen.add((device, line))
+        if len(seen) == 2:
+            break
+    assert seen == {("cpu0", "rank 0"), ("cpu1", "rank 1")}
+    handle.cancel()
+    results = handle.get(timeout=60)
+    assert {d: e["status"] for d, e in results.items()} == {"cpu0": "cancelled", "cpu1": "cancelled"}, results

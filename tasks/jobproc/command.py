@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.commands import COMMAND_JOB, CommandParams, CommandRules, resolve_command
-from ..core.errors import CommandFailed, CommandRefused, GangFailed, JobCancelled
+from ..core.errors import CommandFailed, GangFailed, JobCancelled
 from ..core.job import JobContext, JobDefinition
 from ..core.records import GangSpec
 from ..core.wire import ProcessSpec
@@ -156,6 +156,17 @@ def run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rd
         GangFailed: the gang failed (a rank failed, did not come, or no restarts were left).
         CommandFailed: this rank's command failed (the gang fails with it).
     """
+    try:
+        return _run_command_rank(job, ctx, params, rdv, address)
+    except GangFailed as exc:
+        stopped = _stop_error(ctx)
+        if stopped is not None:  # every rank of a cancelled job is revoked: it says cancelled
+            raise stopped from exc
+        raise
+
+
+def _run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rdv: Any,
+                      address: str) -> dict[str, Any]:
     spec: GangSpec = rdv.spec
     gen = rdv.join()
     while True:
@@ -195,8 +206,8 @@ def run_command_rank(job: CommandJob, ctx: JobContext, params: CommandParams, rd
                 continue
             rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: {exc}")
             raise
-        except CommandRefused as exc:
-            rdv.fail(f"rank {rdv.rank} on {rdv.device} was refused: {exc}")
+        except Exception as exc:  # refused, stopped (cancel, time limit, the worker's stop)
+            rdv.fail(f"rank {rdv.rank} on {rdv.device} ended: {type(exc).__name__}: {exc}")
             raise
         finally:
             del store
