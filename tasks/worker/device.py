@@ -38,6 +38,7 @@ from ..core.queues import worker_queues
 from ..core.records import Visibility, WorkerRecord
 from ..core.registry import connect, read_worker
 from ..core.settings import Settings, redact_url
+from ..core.shadow import child_pythonpath
 from ..core.wire import ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
 from .heartbeat import Heartbeat
@@ -280,10 +281,9 @@ def job_environment(device: Device, threads: int) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(threads))
     # Prints reach the worker's log (and a crash report's last lines) as they happen.
     env["PYTHONUNBUFFERED"] = "1"
-    # The same devicefleet as this worker's, and the job modules it could import from its
-    # working directory (`celery -A tasks worker` run from a project folder).
-    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds tasks/
-    paths = [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep)), os.getcwd()]
+    # The same devicefleet as this worker's (first, as for every child: tasks.core.shadow), and
+    # the job modules it could import from its working directory (after it).
+    paths = [*child_pythonpath(env).split(os.pathsep), os.getcwd()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
 

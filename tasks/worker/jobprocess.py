@@ -25,6 +25,7 @@ from typing import IO
 from pydantic import ValidationError
 
 from ..core.children import spawn_child
+from ..core.shadow import CHILD_FLAGS
 from ..core.wire import (
     Finished,
     Hello,
@@ -67,7 +68,7 @@ class JobProcess:
                 # -P: no working directory first on sys.path, so a user's own tasks.py there
                 # cannot shadow devicefleet's package (PYTHONPATH names it first; the working
                 # directory comes after it, for job modules).
-                [sys.executable, "-P", "-m", "tasks.jobproc", str(theirs.fileno())],
+                [sys.executable, *CHILD_FLAGS, "-m", "tasks.jobproc", str(theirs.fileno())],
                 env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             )
