@@ -40,6 +40,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.errors import ConfigError
+from ..jobproc.command import inherited_environment
 from ..producer.commands import command, follow_logs
 from ..producer.fanout import fan_out, live_devices
 from .dispatch import percentile
@@ -167,7 +168,7 @@ class Direct:
     def __init__(self, script: Path, cores: Sequence[int], threads: int) -> None:
         self.script = script
         self.cores = list(cores)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_") and k != "PYTHONPATH"}
+        self.env = inherited_environment(os.environ)
         self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                         CUDA_VISIBLE_DEVICES="-1", PYTHONUNBUFFERED="1")
 

@@ -21,7 +21,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.commands import COMMAND_JOB, CommandParams, CommandRules, resolve_command
@@ -50,11 +50,17 @@ PEER_LOST_LINES = ("connection reset by peer", "connection closed by peer", "bro
 
 
 
+def inherited_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """What a command keeps of the environment it is started from: all but the fleet's own
+    settings (``DEVICEFLEET_*``: the Redis URL may hold a password) and the fleet's import path."""
+    return {k: v for k, v in base.items() if not k.startswith("DEVICEFLEET_") and k != "PYTHONPATH"}
+
+
 def command_environment(base: dict[str, str], spec: ProcessSpec, ctx: JobContext, params: CommandParams,
                         events_path: str) -> dict[str, str]:
     """What the command's environment holds: the job process's, without the fleet's settings and
     import path, with the producer's ``env`` and the fleet's variables on top."""
-    env = {k: v for k, v in base.items() if not k.startswith("DEVICEFLEET_") and k != "PYTHONPATH"}
+    env = inherited_environment(base)
     env.update(params.env)
     env.update({
         "OMP_NUM_THREADS": str(spec.torch_threads), "MKL_NUM_THREADS": str(spec.torch_threads),
