@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,12 +67,17 @@ def test_goals() -> None:
     assert report.goal_met("commands.log_latency_s", 0.6) is False
 
 
-def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    source = tmp_path / "source"
-    source.mkdir()
+def _packaged_copy(folder: Path) -> tuple[Path, Path]:
+    """The packaged worker configs copied into ``folder``: ``(the packaged folder, the copy)``."""
+    folder.mkdir()
     packaged = Settings.load().worker_configs_path
     for path in packaged.glob("*.toml"):
-        (source / path.name).write_text(path.read_text())
+        (folder / path.name).write_text(path.read_text())
+    return packaged, folder
+
+
+def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    packaged, source = _packaged_copy(tmp_path / "source")
     (source / "cpu1.toml").write_text('kind = "cpu"\ncancel_grace_s = 30.0\n')  # its own value goes
     configs = isolation.write_worker_configs(source, tmp_path / "bench", 0.5)
     for name in ("cpu0", "cpu1", "gpu0"):
@@ -81,11 +87,7 @@ def test_bench_worker_configs_set_the_cancel_grace(tmp_path) -> None:  # type: i
 
 
 def test_bench_worker_configs_allow_the_interpreter_in_the_bench_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    source = tmp_path / "source"
-    source.mkdir()
-    packaged = Settings.load().worker_configs_path
-    for path in packaged.glob("*.toml"):
-        (source / path.name).write_text(path.read_text())
+    packaged, source = _packaged_copy(tmp_path / "source")
     (source / "cpu1.toml").write_text('kind = "cpu"\n[commands]  # its own goes\nprograms = ["bash"]\n'
                                       'workdirs = ["/srv"]\n')
     configs = isolation.write_worker_configs(source, tmp_path / "bench")
