@@ -21,8 +21,9 @@ from kombu import Queue
 
 from .errors import NoFleetError
 from .queues import QueueName
+from .sentinel import Replication, SentinelURL, is_sentinel
 from .settings import Settings
-from .transport import NO_FLEET_OPTION
+from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ CONSUMER = "tasks.worker.consumer:FleetConsumer"
 BACKEND = "tasks.core.backend:FleetBackend"
 #: The broker transport, and the pair an app uses when it finds no fleet (see below).
 TRANSPORT = "tasks.core.transport:Transport"
+#: The pair a ``sentinel://`` fleet uses: kombu's and Celery's Sentinel classes, hardened alike.
+SENTINEL_TRANSPORT = "tasks.core.transport:SentinelTransport"
+SENTINEL_BACKEND = "tasks.core.backend:FleetSentinelBackend"
+#: The app's setting that keeps the fleet's URL as the user gave it (a Sentinel URL's broker
+#: URL is kombu's form, without the options): what the fleet's own clients connect to.
+FLEET_URL_OPTION = "devicefleet_redis_url"
 NO_FLEET_TRANSPORT = "tasks.core.transport:NoFleetTransport"
 NO_FLEET_BACKEND = "tasks.core.backend:NoFleetBackend"
 #: A URL that names no reachable host: only ever used with the no-fleet transport and backend.
@@ -51,7 +58,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         NoFleetError: no Redis URL is set and no local fleet runs.
     """
     url = settings.resolve_redis_url()
-    return {
+    config = {
+        FLEET_URL_OPTION: url,
+        REPLICATION_OPTION: settings.replication(url).to_dict(),
         "broker_url": url,
         "result_backend": f"{BACKEND}+{url}",
         # JSON only: a pickle payload is refused by workers and producers alike.
@@ -100,6 +109,26 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_redirect_stdouts": False,
         "enable_utc": True,
     }
+    if is_sentinel(url):
+        config.update(sentinel_config(SentinelURL.parse(url), settings.replication(url)))
+    return config
+
+
+def sentinel_config(sentinel: SentinelURL, replication: Replication) -> dict[str, Any]:
+    """What a ``sentinel://`` fleet changes in :func:`celery_config`: kombu's URL form for the
+    broker and the backend, the Sentinel transport and backend, and the options they take apart
+    from the URL (the master's name, the sentinels' password)."""
+    options = sentinel.transport_options()
+    return {
+        "broker_url": sentinel.kombu_url(),
+        "broker_transport": SENTINEL_TRANSPORT,
+        "broker_transport_options": {**options, REPLICATION_OPTION: replication.to_dict()},
+        "result_backend": f"{SENTINEL_BACKEND}+{sentinel.kombu_url()}",
+        "result_backend_transport_options": {**options, "retry_policy": REDIS_OUTAGE_RETRY_POLICY},
+        # A publish retries through a failover (the sentinels' down-after time and an election,
+        # seconds) instead of Celery's default three tries 0.2 s apart.
+        "task_publish_retry_policy": REDIS_OUTAGE_RETRY_POLICY,
+    }
 
 
 def lazy_celery_config(settings: Settings) -> dict[str, Any]:
@@ -128,7 +157,7 @@ def redis_url_of(app: Celery) -> str:
     no_fleet = app.conf.get(NO_FLEET_OPTION)
     if no_fleet:
         raise NoFleetError(str(no_fleet))
-    return str(app.conf.broker_url)
+    return str(app.conf.get(FLEET_URL_OPTION) or app.conf.broker_url)
 
 
 class FleetCelery(Celery):
@@ -168,6 +197,7 @@ class FleetCelery(Celery):
         (one per thread that used it) closed now, rather than whenever the garbage collector
         finds them."""
         for backend in list(self._backends):
+            backend.closed = True
             if "client" in vars(backend):
                 backend.client.connection_pool.disconnect()
         super().close()

@@ -18,6 +18,11 @@ lease goes only together with the stored result (a copy of the message redeliver
 finds the lease held or the result stored) and a job's end costs one round trip. With the job's
 message (:class:`~tasks.core.jobstate.StoredAck`), the script acknowledges it too: it takes it out of kombu's unacked
 hash and index, as kombu's own acknowledgement would, right after the result is stored.
+
+On a fleet with replicas the store then waits for a replica to have it (Redis's ``WAIT``,
+:class:`tasks.core.sentinel.Replication`): the result, the lease's release and the
+acknowledgement survive a failover that comes after. A ``sentinel://`` fleet's backend is
+:class:`FleetSentinelBackend`: the same over Celery's Sentinel backend.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from functools import cached_property
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,7 +44,8 @@ from .errors import NoFleetError
 from .jobstate import FINISH_ATTR, STORE, JobFinish, StoredAck
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
-from .transport import NO_FLEET_OPTION
+from .sentinel import ReadOnlyAwareConnection, Replication
+from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,11 @@ class FleetBackend(RedisBackend):
     the tests on the floor, the full suite on the newest).
     """
 
+    #: Set by :meth:`tasks.core.app.FleetCelery.close`: the app's connections are closed, and a
+    #: result collected later has no subscription left to end (it would otherwise reconnect,
+    #: retrying for two minutes if the fleet is gone too).
+    closed = False
+
     # Celery internal: the result consumer's hook, called from AsyncResult.__del__ (5.7.0).
     def remove_pending_result(self, result: Any, _finalizing: Any = sys.is_finalizing) -> Any:
         """Stop listening for ``result`` (Celery calls this from ``AsyncResult.__del__``).
@@ -91,7 +102,7 @@ class FleetBackend(RedisBackend):
         (``sys.is_finalizing`` is bound as a default: module globals may be gone by then.)
         Likewise when Redis is unreachable: a result collected after its fleet stopped.
         """
-        if _finalizing():
+        if _finalizing() or self.closed:
             return result
         try:
             return super().remove_pending_result(result)
@@ -141,15 +152,24 @@ class FleetBackend(RedisBackend):
                 finish.on_stored()
         return result
 
+    @cached_property
+    def replication(self) -> Replication:
+        """The replicas a stored state waits for (the app's :data:`REPLICATION_OPTION`)."""
+        return Replication.of(self.app.conf.get(REPLICATION_OPTION))
+
     def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None) -> int:
         finish = finish or JobFinish(device="")
         ack = finish.ack or StoredAck(unacked_key="", unacked_index_key="", delivery_tag="")
-        return int(self._store_script(
+        stored = int(self._store_script(
             keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(finish.device),
                   keys.STATS_DEVICES, keys.finished(finish.device), ack.unacked_key, ack.unacked_index_key],
             args=[value, expires, finish.lease or "", task_id,
                   json.dumps(finish.count) if finish.count is not None else "", ack.delivery_tag],
         ))
+        # A failover while waiting is a connection error: ensure() runs the script again on the
+        # new primary, where it stores what was lost or finds it stored (it is idempotent).
+        self.replication.wait(self.client, f"state of task {task_id}")
+        return stored
 
     def metas(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
         """Each task's stored meta (``status``, ``result``...), ``None`` where none is stored or
@@ -187,6 +207,19 @@ class FleetBackend(RedisBackend):
         if state in EXCEPTION_STATES:
             return entry_of_failure(retval)
         return retval
+
+
+class FleetSentinelBackend(FleetBackend, SentinelBackend):
+    """:class:`FleetBackend` over Celery's Sentinel backend (``sentinel://``, with
+    ``master_name`` and ``sentinel_kwargs`` in ``result_backend_transport_options``): its
+    connections ask the sentinels for the primary, and take ``READONLY`` from a demoted one as a
+    lost connection (:class:`tasks.core.sentinel.ReadOnlyAwareConnection`), which ``ensure()``
+    and the result consumer retry."""
+
+    # Celery internal: SentinelBackend._get_pool(**connparams), whose connparams reach
+    # redis-py's Sentinel.master_for (Celery 5.7.0).
+    def _get_pool(self, **params: Any) -> Any:
+        return super()._get_pool(**{"connection_class": ReadOnlyAwareConnection, **params})
 
 
 class NoFleetBackend(FleetBackend):

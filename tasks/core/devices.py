@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError, DeviceVisibilityError
+from .sentinel import first_host, is_sentinel
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def cpu_model_name() -> str:
 def route_address(redis_url: str) -> str:
     """This host's address on its route to Redis: what the other hosts of the fleet can reach
     (``127.0.0.1`` when Redis is on loopback). Sends nothing (a UDP socket's ``connect``)."""
-    host = urlsplit(redis_url).hostname or "127.0.0.1"
+    host = (first_host(redis_url) if is_sentinel(redis_url) else urlsplit(redis_url).hostname) or "127.0.0.1"
     try:
         infos = socket.getaddrinfo(host, 6379, type=socket.SOCK_DGRAM)
         family, _, _, _, sockaddr = infos[0]

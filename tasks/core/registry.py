@@ -19,16 +19,22 @@ from pydantic import ValidationError
 from . import keys
 from .errors import FleetError
 from .records import WorkerRecord
+from .sentinel import SentinelURL, is_sentinel
 from .settings import redact_url
 
 logger = logging.getLogger(__name__)
 
 
-def connect(url: str) -> redis.Redis:
-    """A redis-py client for ``url`` that decodes replies to ``str``."""
-    return redis.Redis.from_url(
-        url, decode_responses=True, socket_connect_timeout=5, health_check_interval=30
-    )
+def connect(url: str, *, decode_responses: bool = True) -> redis.Redis:
+    """A redis-py client for ``url`` that decodes replies to ``str`` (unless told not to).
+
+    For a ``sentinel://`` URL, a client of the current primary that follows a failover
+    (:meth:`tasks.core.sentinel.SentinelURL.client`).
+    """
+    options = {"socket_connect_timeout": 5, "health_check_interval": 30}
+    if is_sentinel(url):
+        return SentinelURL.parse(url).client(decode_responses=decode_responses, **options)
+    return redis.Redis.from_url(url, decode_responses=decode_responses, **options)
 
 
 @contextmanager

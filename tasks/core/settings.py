@@ -7,7 +7,6 @@ edge, with a message that names the setting and the bad value.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -21,6 +20,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, NoFleetError
 from .records import FleetFile
+from .sentinel import Replication, SentinelURL, is_loopback, is_sentinel
+from .sentinel import redact as redact_sentinel_url
 from .validation import describe_validation_error
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ ARTIFACTS_SUBDIR = "artifacts"
 #: The folder under the artifacts directory with every run's TensorBoard event files.
 TENSORBOARD_SUBDIR = "tensorboard"
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "sentinel")
 
 #: Port of the Prometheus exporter a deployed host runs (``devicefleet exporter``,
 #: devicefleet-metrics.service) and that deploy/prometheus/prometheus.yml scrapes. The local
@@ -53,6 +54,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DEVICEFLEET_", extra="forbid")
 
     #: Broker and result backend. Unset: use the fleet that ``devicefleet up`` runs on this host.
+    #: ``sentinel://`` names a fleet's sentinels instead of one Redis (tasks/core/sentinel.py).
     redis_url: str | None = None
     #: Where the embedded fleet keeps Redis data, its fleet file and logs.
     state_dir: Path = Field(default_factory=_default_state_dir)
@@ -79,6 +81,11 @@ class Settings(BaseSettings):
     #: max(lease_ttl_s, heartbeat_ttl_s) + reaper_interval_s.
     lease_ttl_s: float = Field(default=10.0, gt=0, le=600)
     reaper_interval_s: float = Field(default=1.0, gt=0, le=60)
+    #: Replicas that must have a job's lease, its result, a published message and an Optuna
+    #: journal entry before the fleet goes on (Redis's WAIT), and how long to wait for them.
+    #: Default: 1 on Sentinel (a failover keeps those writes), 0 on one Redis (no replica).
+    redis_wait_replicas: int | None = Field(default=None, ge=0, le=16)
+    redis_wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
     #: How long results stay in Redis.
     result_expires_s: int = Field(default=86_400, ge=60)
     #: Producers send Celery's ``task-sent`` event for each job, so Flower lists a queued job as
@@ -112,8 +119,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"DEVICEFLEET_REDIS_URL={redact_url(value)!r} is not a Redis URL: its scheme is "
                 f"{scheme or 'missing'!r}, expected one of {', '.join(REDIS_SCHEMES)} "
-                "(for example redis://:PASSWORD@127.0.0.1:6379/0)"
+                "(for example redis://:PASSWORD@127.0.0.1:6379/0, or "
+                "sentinel://:PASSWORD@HOST1:26379,HOST2:26379,HOST3:26379/0?master_name=NAME&sentinel_password=PASSWORD)"
             )
+        if is_sentinel(value):
+            SentinelURL.parse(value)  # every part there and well-formed
         check_redis_auth(value)
         return value
 
@@ -201,26 +211,34 @@ class Settings(BaseSettings):
         )
 
 
+    def replication(self, url: str) -> Replication:
+        """The WAIT policy for the fleet at ``url`` (see :class:`tasks.core.sentinel.Replication`)."""
+        replicas = self.redis_wait_replicas
+        if replicas is None:
+            replicas = 1 if is_sentinel(url) else 0
+        return Replication(replicas=replicas, timeout_ms=self.redis_wait_timeout_ms)
+
+
 def check_redis_auth(url: str) -> None:
-    """Refuse a plain ``redis://`` URL to a non-loopback host without a password.
+    """Refuse a plain ``redis://`` URL to a non-loopback host without a password, and a
+    ``sentinel://`` URL to sentinels on other hosts without the Redis and sentinel passwords.
 
     Anyone who can reach such a Redis could queue jobs and read results; a fleet spanning hosts
     must use a password (and preferably ``rediss://``, TLS).
 
     Raises:
-        ValueError: the URL reaches another host with no password.
+        ValueError: the URL reaches another host with no password (or is a malformed
+            Sentinel URL).
     """
+    if is_sentinel(url):
+        SentinelURL.parse(url).check_auth()
+        return
     parts = urlsplit(url)
     if parts.scheme != "redis" or parts.password:
         return
     host = parts.hostname or "localhost"
-    if host == "localhost":
+    if is_loopback(host):
         return
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
-    except ValueError:
-        pass  # a host name other than localhost: not loopback
     raise ValueError(
         f"the URL reaches {host}, which is not loopback, with no password: set one "
         "in the URL (redis://:PASSWORD@HOST:6379/0, or rediss:// for TLS) and in Redis "
@@ -241,7 +259,10 @@ def read_fleet_file(path: Path) -> FleetFile | None:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for logs and messages."""
+    """``url`` with its password (and a Sentinel URL's sentinel password) replaced by ``***``,
+    for logs and messages."""
+    if is_sentinel(url):
+        return redact_sentinel_url(url)
     parts = urlsplit(url)
     if parts.password:
         return url.replace(parts.password, "***", 1)

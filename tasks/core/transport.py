@@ -15,23 +15,33 @@ It is also cheaper per message: kombu's channel builds a new ``redis.Redis`` cli
 response-callback table of a few hundred entries) for each publish and each acknowledgement,
 on the same connection pool. This channel builds that client once per pool and reuses it:
 redis-py clients are thread-safe and take a connection from the pool per command, as before.
+
+A ``sentinel://`` fleet uses :class:`SentinelTransport`: kombu's Sentinel channel (which asks
+the sentinels where the primary is, each in turn) with the same hardening, connections that
+take ``READONLY`` from a demoted primary as a lost connection
+(:class:`tasks.core.sentinel.ReadOnlyAwareConnection`), and a publish that waits for a replica
+to have the message (:class:`tasks.core.sentinel.Replication`), so a failover cannot lose it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual as kombu_virtual
 
 from .errors import NoFleetError
+from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
 
 #: What a malformed message raises while being decoded or unpacked.
 MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
+#: The transport option (and Celery setting) that carries the fleet's
+#: :class:`~tasks.core.sentinel.Replication` policy, as a dict.
+REPLICATION_OPTION = "devicefleet_replication"
 
 
 class QoS(kombu_redis.QoS):
@@ -71,9 +81,17 @@ class QoS(kombu_redis.QoS):
         super().reject(delivery_tag, requeue=requeue)
 
 
-class Channel(kombu_redis.Channel):
-    """kombu's Redis channel, dropping a malformed message instead of raising, with one client
-    object per connection pool and :class:`QoS` (see the module's docstring)."""
+if TYPE_CHECKING:
+    _ChannelBase = kombu_redis.Channel
+else:  # a mixin: the kombu channel comes after it in each subclass's bases
+    _ChannelBase = object
+
+
+class HardenedChannel(_ChannelBase):
+    """What devicefleet adds to a kombu Redis channel, plain or Sentinel: dropping a malformed
+    message instead of raising, one client object per connection pool, and :class:`QoS` (see
+    the module's docstring). A mixin, first in the bases of :class:`Channel` and
+    :class:`SentinelChannel`."""
 
     QoS = QoS
 
@@ -101,10 +119,44 @@ class Channel(kombu_redis.Channel):
             return True
 
 
+class Channel(HardenedChannel, kombu_redis.Channel):
+    """kombu's Redis channel, hardened (:class:`HardenedChannel`)."""
+
+
+class SentinelChannel(HardenedChannel, kombu_redis.SentinelChannel):
+    """kombu's Sentinel channel, hardened (:class:`HardenedChannel`); a publish waits for the
+    fleet's :class:`~tasks.core.sentinel.Replication` (the transport option
+    :data:`REPLICATION_OPTION`)."""
+
+    from_transport_options = (*kombu_redis.SentinelChannel.from_transport_options,  # type: ignore[assignment]
+                              REPLICATION_OPTION)
+    # kombu internal: the connection class its Sentinel pool is made with (kombu 5.7.0).
+    connection_class = ReadOnlyAwareConnection
+
+    devicefleet_replication: Any = None
+
+    # kombu internals: the publish of one message to a queue (LPUSH) and conn_or_acquire,
+    # kombu 5.7.0. A kombu publish batch (which devicefleet and Celery do not use) is left to
+    # its own flush.
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        batched = kwargs.get("_publish_batch") is not None
+        super()._put(queue, message, **kwargs)
+        if batched:
+            return
+        with self.conn_or_acquire() as client:
+            Replication.of(self.devicefleet_replication).wait(client, f"message to {queue}")
+
+
 class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    """kombu's Sentinel transport (``sentinel://``) with :class:`SentinelChannel`."""
+
+    Channel = SentinelChannel
 
 
 #: The transport option that carries why there is no fleet (see :class:`NoFleetTransport`).

@@ -9,7 +9,8 @@
     study.best_trial.params, study.best_value
 
 The study is a real :class:`optuna.Study`, kept in the fleet's Redis by Optuna's own journal
-storage (``JournalRedisBackend``, keys under :data:`tasks.core.keys.OPTUNA_PREFIX`), so
+storage (``JournalRedisBackend`` on the fleet's client, :mod:`tasks.producer.journal`, keys under
+:data:`tasks.core.keys.OPTUNA_PREFIX`), so
 ``optuna.load_study(study_name=..., storage=tasks.producer.optimize.journal_storage(app))``,
 ``study.trials_dataframe()`` and optuna-dashboard read it. This producer asks Optuna for a
 trial's parameters, runs the trial as a job on the study's queue (:mod:`tasks.producer.trials`:
@@ -44,6 +45,8 @@ from ..core import keys
 from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
+from ..core.sentinel import Replication
+from ..core.transport import REPLICATION_OPTION
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
 from .sweep import MAX_POLL_S, MIN_POLL_S
 from .trials import TrialQueue, entry_of, trial_task_id
@@ -77,11 +80,12 @@ def require_optuna() -> Any:
 def journal_storage(app: Celery) -> optuna.storages.JournalStorage:
     """Optuna's journal storage in the fleet's Redis (what ``optuna.load_study`` takes)."""
     optuna = require_optuna()
-    from optuna.storages.journal import JournalRedisBackend
+    from .journal import FleetJournalBackend
 
     with warnings.catch_warnings():  # the Redis journal backend is marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        backend = JournalRedisBackend(redis_url_of(app), prefix=keys.OPTUNA_PREFIX)
+        backend = FleetJournalBackend(redis_url_of(app), prefix=keys.OPTUNA_PREFIX,
+                                      replication=Replication.of(app.conf.get(REPLICATION_OPTION)))
     return optuna.storages.JournalStorage(backend)
 
 

@@ -241,7 +241,8 @@ class DeviceWorker:
             supervisor = self.supervisor
             supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids)
             supervisor.on_change()  # a spare that got ready before the hook was there
-        self.leases = LeaseKeeper(client, self.device.name, self.nodename, self.settings.lease_ttl_s)
+        self.leases = LeaseKeeper(client, self.device.name, self.nodename, self.settings.lease_ttl_s,
+                                  self.settings.replication(url))
         self.leases.start()
         self.reaper = Reaper(client, app, self.settings.reaper_interval_s)
         self.reaper.start()

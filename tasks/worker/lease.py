@@ -69,6 +69,7 @@ from ..core.jobstate import EXPIRED_LEASES, REAPED, RELEASE, RENEW, TAKE
 from ..core.periodic import PeriodicThread
 from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord
 from ..core.registry import read_worker
+from ..core.sentinel import Replication
 from ..core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -147,9 +148,12 @@ class LeaseKeeper(PeriodicThread):
 
     name = "devicefleet-leases"
 
-    def __init__(self, client: redis.Redis, device: str, worker: str, ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, device: str, worker: str, ttl_s: float,
+                 replication: Replication | None = None) -> None:
         super().__init__(ttl_s / 3)
         self._client = client
+        #: A taken lease waits for the replicas (a failover must not lose it: see the module).
+        self._replication = replication or Replication()
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
@@ -231,6 +235,7 @@ class LeaseKeeper(PeriodicThread):
         with self._lock:
             self._held[task_id] = value
             self._finishing.discard(task_id)
+        self._replication.wait(self._client, f"lease of job {task_id}")
         if status == "lost":
             return Taken(Take.LOST, tuple(bytes_to_str(name) for name in reply[1]))
         return Taken(Take.TAKEN)

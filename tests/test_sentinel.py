@@ -1,0 +1,207 @@
+"""A fleet on Redis Sentinel: the URL form, and a primary killed mid-sweep on a real deployment.
+
+The Sentinel deployment is real (tests/sentinel_cluster.py: one primary, two replicas, three
+sentinels, each a redis-server process on loopback) and so is the fleet on it (two CPU workers
+started by the launcher, the URL in DEVICEFLEET_REDIS_URL). The figures the README and the
+closing note quote are printed by the failover test (``-s``).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tasks
+from tasks import fan_out
+from tasks.core.app import SENTINEL_BACKEND, SENTINEL_TRANSPORT, celery_config, redis_url_of
+from tasks.core.errors import ConfigError
+from tasks.core.sentinel import SentinelURL, first_host, redact
+from tasks.core.settings import Settings, redact_url
+from tests.conftest import TEST_JOB_MODULES, make_settings, read_markers, supervised_fleet, wait_for
+from tests.sentinel_cluster import SentinelCluster, sentinel_cluster
+
+URL = ("sentinel://:r%40pw@10.0.0.1:26379,10.0.0.2:26380,10.0.0.3/2"
+       "?master_name=devicefleet&sentinel_password=s3cret")
+
+# -- the URL (in-process, pure logic) -------------------------------------------------------------
+
+
+def test_a_sentinel_url_names_every_sentinel_the_master_and_both_passwords():
+    parsed = SentinelURL.parse(URL)
+    assert parsed.sentinels == (("10.0.0.1", 26379), ("10.0.0.2", 26380), ("10.0.0.3", 26379))
+    assert (parsed.master_name, parsed.db, parsed.password, parsed.sentinel_password) == (
+        "devicefleet", 2, "r@pw", "s3cret")
+    # kombu's and Celery's own form: one sentinel:// per sentinel, joined by ';'.
+    assert parsed.kombu_url() == ("sentinel://:r%40pw@10.0.0.1:26379/2;sentinel://:r%40pw@10.0.0.2:26380/2;"
+                                  "sentinel://:r%40pw@10.0.0.3:26379/2")
+    assert SentinelURL.parse(parsed.kombu_url() + "?master_name=devicefleet&sentinel_password=s3cret") == parsed
+    assert SentinelURL.parse(parsed.to_url()) == parsed
+    assert parsed.transport_options() == {"master_name": "devicefleet", "sentinel_kwargs": {"password": "s3cret"}}
+    assert first_host(URL) == "10.0.0.1"
+
+
+def test_both_passwords_are_redacted_in_either_form():
+    for url in (URL, SentinelURL.parse(URL).kombu_url() + "?master_name=m&sentinel_password=s3cret"):
+        shown = redact_url(url)
+        assert "r%40pw" not in shown and "s3cret" not in shown, shown
+        assert shown.count("***") >= 2
+    assert redact("sentinel://h:1?sentinel_password=x&master_name=m") == "sentinel://h:1?sentinel_password=***&master_name=m"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("sentinel://:pw@127.0.0.1:26379/0", "no master_name"),
+    ("sentinel://:pw@127.0.0.1:port/0?master_name=m", "no valid port"),
+    ("sentinel://:pw@127.0.0.1:26379/zero?master_name=m", "database must be a number"),
+    ("sentinel://:pw@127.0.0.1:26379/0?master_name=m&sentinel_pasword=x", "unknown option 'sentinel_pasword'"),
+    ("sentinel://:pw@127.0.0.1:1,127.0.0.1:1/0?master_name=m", "named twice"),
+    ("sentinel://:pw@127.0.0.1:1/0;redis://127.0.0.1:2/0?master_name=m", "must start with sentinel://"),
+    ("sentinel://:a@127.0.0.1:1/0;sentinel://:b@127.0.0.1:2/0?master_name=m", "same Redis password"),
+    # Sentinels on other hosts: both passwords, or refused.
+    ("sentinel://10.0.0.1:26379/0?master_name=m&sentinel_password=x", "without the Redis password"),
+    ("sentinel://:pw@10.0.0.1:26379/0?master_name=m", "without sentinel_password"),
+])
+def test_a_bad_sentinel_url_fails_at_the_edge_naming_it(url, says):
+    with pytest.raises(ConfigError) as caught:
+        Settings.load(redis_url=url)
+    message = str(caught.value)
+    assert "DEVICEFLEET_REDIS_URL=" in message and says in message, message
+    assert ":pw@" not in message and ":a@" not in message  # passwords stay out of the message
+
+
+def test_a_sentinel_url_reaches_broker_backend_and_the_fleets_own_clients():
+    settings = Settings.load(redis_url=URL)
+    config = celery_config(settings)
+    kombu_url = SentinelURL.parse(URL).kombu_url()
+    assert config["broker_url"] == kombu_url
+    assert config["broker_transport"] == SENTINEL_TRANSPORT
+    assert config["result_backend"] == f"{SENTINEL_BACKEND}+{kombu_url}"
+    for options in (config["broker_transport_options"], config["result_backend_transport_options"]):
+        assert options["master_name"] == "devicefleet"
+        assert options["sentinel_kwargs"] == {"password": "s3cret"}
+    # A failover holds a result write back a few seconds, not an hour.
+    assert config["task_publish_retry_policy"]["max_retries"] >= 30
+    # On Sentinel a result, a lease and a message wait for one replica by default.
+    assert config["devicefleet_replication"] == {"replicas": 1, "timeout_ms": 1000}
+    assert celery_config(Settings.load(redis_url="redis://127.0.0.1:1/0"))["devicefleet_replication"]["replicas"] == 0
+    app = tasks.create_app(settings)
+    assert redis_url_of(app) == URL  # the registry, leases, sweeps and Optuna connect to this
+
+
+# -- a real deployment ----------------------------------------------------------------------------
+
+#: The fleet's lease and reaper: a job of a dead worker runs again within about 5 s.
+LEASE_TTL_S = 4.0
+TRIALS = 200
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    with sentinel_cluster(tmp_path_factory.mktemp("sentinel")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def sapp(cluster: SentinelCluster, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The app of two CPU workers on the cluster (the URL as DEVICEFLEET_REDIS_URL)."""
+    settings = make_settings(tmp_path_factory.mktemp("sfleet"), redis_url=cluster.url,
+                             job_modules=[*TEST_JOB_MODULES, "tests.reliability_jobs"],
+                             lease_ttl_s=LEASE_TTL_S, reaper_interval_s=0.5)
+    with supervised_fleet(settings) as running:
+        app = running.app()
+        yield app
+        gc.collect()  # handles unsubscribe when collected: while the sentinels run, not at exit
+        app.close()  # and one collected after that has nothing left to unsubscribe
+
+
+def _runs(marker: Path, task_ids: list[str]) -> dict[str, int]:
+    return {task_id: sum(1 for e in read_markers(marker / task_id) if e["event"] == "start") for task_id in task_ids}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_primary_killed_mid_sweep_loses_nothing_and_rejoins_as_a_replica(cluster, sapp, tmp_path):
+    pids = {d: r.pid for d, r in tasks.live_devices(sapp).items()}
+    assert sorted(pids) == ["cpu0", "cpu1"]
+    trials = tmp_path / "trials"
+    fanned = tmp_path / "fanout"
+    trials.mkdir()
+    fanned.mkdir()
+    handle = tasks.sweep("sleepy", [{"seconds": 0.02}] * TRIALS, "cpu", kwargs={"marker": str(trials)}, app=sapp)
+    in_flight = fan_out("sleepy", "cpu", kwargs={"seconds": 0.5, "marker": str(fanned)}, app=sapp)
+    # Mid-sweep: some trials done, most still queued.
+    wait_for(lambda: len(list(trials.iterdir())) >= TRIALS // 5, 60, "a fifth of the trials to run")
+    old_port = cluster.primary_port()
+    assert old_port is not None
+    old = cluster.node_on(old_port)
+    promoted: list[float] = []
+    watch = threading.Thread(target=lambda: promoted.append(
+        wait_for(lambda: cluster.primary_port() not in (old_port, None) and time.monotonic(), 30,
+                 "a replica promoted")), daemon=True)
+    old.kill()
+    killed = time.monotonic()
+    watch.start()
+
+    # New work, sent right after the kill: the publish and the result follow the promotion.
+    fresh = fan_out("echo", "cpu", kwargs={"value": "after"}, app=sapp)
+    sent_s = time.monotonic() - killed
+    got = fresh.get(timeout=60)
+    first_job_s = time.monotonic() - killed
+    assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": "after", "cpu1": "after"}
+    watch.join(30)
+    assert promoted, "no replica promoted"
+    promoted_s = promoted[0] - killed
+    new_port = cluster.primary_port()
+    assert new_port not in (old_port, None)
+    assert cluster.role(cluster.node_on(new_port)) == "master"
+
+    # The killed primary comes back and the sentinels make it a replica of the new one.
+    old.start(cluster.binary, sentinel=False)
+
+    entries = handle.get(timeout=120)
+    assert len(entries) == TRIALS
+    assert {e["status"] for e in entries} == {"ok"}, [e for e in entries if e["status"] != "ok"][:3]
+    assert {d: e["status"] for d, e in in_flight.get(timeout=60).items()} == {"cpu0": "ok", "cpu1": "ok"}
+    runs = _runs(trials, handle.task_ids)
+    assert all(n >= 1 for n in runs.values())
+    twice = sorted(task_id for task_id, n in runs.items() if n > 1)
+    # The documented bound (README "Reliability"): a failover may run a trial once more, never
+    # more than that, and never two copies at once (the lease).
+    assert max(runs.values()) <= 2, runs
+    for task_id in twice:
+        events = [e["event"] for e in read_markers(trials / task_id)]
+        assert events == ["start", "end", "start", "end"], (task_id, events)
+    assert all(n == 1 for n in _runs(fanned, list(in_flight.task_ids.values())).values())
+
+    # The workers are the same processes: they followed the promotion by themselves.
+    assert {d: r.pid for d, r in tasks.live_devices(sapp).items()} == pids
+    wait_for(lambda: cluster.role(old) == "slave", 60, "the old primary to rejoin as a replica")
+    rejoined_s = time.monotonic() - killed
+    # The handles unsubscribe when collected: now, while the sentinels run, not at exit.
+    del handle, in_flight, fresh
+    gc.collect()
+    print(f"\nsentinel failover: replica promoted within {promoted_s:.1f} s of the kill; fan-out sent "
+          f"{sent_s:.1f} s after the kill returned {first_job_s:.1f} s after it; trials run twice: {len(twice)} of {TRIALS}; "
+          f"old primary a replica again {rejoined_s:.1f} s after the kill (restarted at once)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_sentinel_changes_nothing(cluster, sapp, tmp_path):
+    primary = cluster.primary_port()
+    assert primary is not None
+    victim = cluster.sentinels[0]
+    victim.kill()
+    try:
+        got = fan_out("echo", "cpu", kwargs={"value": "one sentinel down"}, app=sapp).get(timeout=60)
+        assert {e["output"]["value"] for e in got.values()} == {"one sentinel down"}
+        handle = tasks.sweep("echo", [{"value": i} for i in range(20)], "cpu", app=sapp)
+        assert [e["output"]["value"] for e in handle.get(timeout=60)] == list(range(20))
+        # No failover: the two live sentinels still name the same primary, which is one.
+        assert {cluster.primary_port(s) for s in cluster.sentinels[1:]} == {primary}
+        assert cluster.role(cluster.node_on(primary)) == "master"
+    finally:
+        victim.start(cluster.binary, sentinel=True)
