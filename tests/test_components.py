@@ -1149,3 +1149,47 @@ def test_hold_ends_a_lost_job_as_worker_lost_and_keeps_a_dead_letter(client, app
     assert tasks.dead_letters(app) == [] and _deaths(client, task_id) == []
     assert not tasks.forget_dead_letter(task_id, app=app)
     assert report(redis_server.url)["dead_letters"] == []
+
+
+# -- a message popped while Redis goes away -------------------------------------------------------
+
+
+def test_a_message_popped_as_redis_goes_away_goes_back_to_its_queue(client, app, monkeypatch):
+    """kombu pops a message (BRPOP), then records it in its unacked hash (a second round trip).
+    When Redis goes away between the two (a Sentinel failover), the message is in no queue and no
+    unacked hash; the transport keeps it and the next BRPOP, on a new connection, gives it back."""
+    import redis as redis_py
+    from kombu import Consumer, Queue
+    from kombu.transport import redis as kombu_redis
+
+    from tasks.core import transport
+
+    queue = Queue("popped-test", Exchange(""), routing_key="popped-test")
+    with app.producer_or_acquire() as producer:
+        producer.publish({"n": 1}, exchange=Exchange(""), routing_key="popped-test", declare=[queue])
+    assert client.llen("popped-test") == 1
+    real_append = kombu_redis.QoS.append
+    fails = [redis_py.ConnectionError("Redis went away after BRPOP (test)")]
+
+    def append(self, message, delivery_tag):  # type: ignore[no-untyped-def]
+        if fails:
+            raise fails.pop()
+        real_append(self, message, delivery_tag)
+
+    monkeypatch.setattr(kombu_redis.QoS, "append", append)
+    got: list[Any] = []
+    with app.connection_for_read() as conn:
+        with Consumer(conn, [queue], callbacks=[lambda body, message: got.append((body, message))]):
+            with pytest.raises(redis_py.ConnectionError):
+                conn.drain_events(timeout=5)
+    # Popped and not recorded: without the transport's copy it would be lost for good.
+    assert got == [] and client.llen("popped-test") == 0 and len(transport.POPPED) == 1
+    with app.connection_for_read() as conn:  # the consumer's reconnect
+        with Consumer(conn, [queue], callbacks=[lambda body, message: got.append((body, message))]):
+            conn.drain_events(timeout=5)
+            assert [body for body, _ in got] == [{"n": 1}] and not transport.POPPED
+            message = got[0][1]
+            assert message.delivery_info.get("redelivered") or message.headers.get("redelivered")
+            assert client.hexists(conn.default_channel.qos.unacked_key, message.delivery_tag)
+            message.ack()
+    assert client.llen("popped-test") == 0

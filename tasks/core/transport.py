@@ -21,12 +21,24 @@ the sentinels where the primary is, each in turn) with the same hardening, conne
 take ``READONLY`` from a demoted primary as a lost connection
 (:class:`tasks.core.sentinel.ReadOnlyAwareConnection`), and a publish that waits for a replica
 to have the message (:class:`tasks.core.sentinel.Replication`), so a failover cannot lose it.
+
+A message popped but not recorded is given back (:class:`QoS`, :meth:`HardenedChannel._brpop_start`):
+kombu takes a message from its queue (BRPOP) and records it in its unacked hash (the one the
+visibility timeout and the reaper restore from) in a second round trip. When Redis goes away
+between the two (a primary killed, a Redis restart), the message is out of the queue, in no
+unacked hash, and in no worker's hands: lost for good, though the producer waits for it (found
+by the Sentinel failover test: one trial of 200 never ran). The QoS keeps such a message in the
+process (:data:`POPPED`) and the next BRPOP of any channel of the process, once Redis answers,
+first pushes it back to the front of its queue (and waits for a replica on Sentinel). Lost only
+if the worker process dies too before Redis is back; a copy the old primary recorded all the
+same comes back an hour later, and finds the job's lease or result (it is dropped).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kombu.transport import redis as kombu_redis
@@ -42,6 +54,12 @@ MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 #: The transport option (and Celery setting) that carries the fleet's
 #: :class:`~tasks.core.sentinel.Replication` policy, as a dict.
 REPLICATION_OPTION = "devicefleet_replication"
+
+#: Messages this process popped from a queue whose record in the unacked hash failed (Redis
+#: went away between the two): ``(payload, exchange, routing key)``, given back to their queue
+#: by the next BRPOP of any channel (the consumer's channel is a new one after a reconnect).
+POPPED: deque[tuple[Any, str, str]] = deque()
+_POPPED_LOCK = threading.Lock()
 
 
 class QoS(kombu_redis.QoS):
@@ -80,6 +98,19 @@ class QoS(kombu_redis.QoS):
         self._take_mark(delivery_tag)
         super().reject(delivery_tag, requeue=requeue)
 
+    # kombu internal: the record of a delivered message in the unacked hash and index, made
+    # after BRPOP took it from its queue (kombu 5.7.0); channel.connection_errors.
+    def append(self, message: Any, delivery_tag: str) -> None:
+        try:
+            super().append(message, delivery_tag)
+        except self.channel.connection_errors:
+            delivery = message.delivery_info
+            with _POPPED_LOCK:
+                POPPED.append((message._raw, delivery["exchange"], delivery["routing_key"]))
+            logger.warning("Redis went away after message %s left its queue, before it was recorded "
+                           "as delivered; it goes back to its queue once Redis is back", delivery_tag)
+            raise
+
 
 if TYPE_CHECKING:
     _ChannelBase = kombu_redis.Channel
@@ -105,6 +136,34 @@ class HardenedChannel(_ChannelBase):
         if client is None or client.connection_pool is not self.pool:
             client = self._pool_client = super()._create_client()
         return client
+
+    # kombu internal: the event loop's start of a BRPOP (kombu 5.7.0); _do_restore_message is
+    # kombu's own restore of a message to its queue (the visibility timeout's), rightmost: next.
+    def _brpop_start(self, timeout: Any = None) -> None:
+        self._give_back_popped()
+        super()._brpop_start(timeout)
+
+    def _give_back_popped(self) -> None:
+        """Push the messages of :data:`POPPED` back to the front of their queues; those Redis
+        does not take now stay for the next try."""
+        while True:
+            with _POPPED_LOCK:
+                if not POPPED:
+                    return
+                popped = POPPED.popleft()
+            try:
+                with self.conn_or_acquire() as client:
+                    with client.pipeline() as pipe:
+                        self._do_restore_message(*popped, pipe, leftmost=False)
+                        pipe.execute()
+                    Replication.of(getattr(self, "devicefleet_replication", None)).wait(
+                        client, "a message given back to its queue")
+            except self.connection_errors as exc:
+                with _POPPED_LOCK:
+                    POPPED.appendleft(popped)
+                logger.warning("could not give a popped message back to its queue yet: %s", exc)
+                return
+            logger.warning("gave back to its queue a message popped before Redis went away")
 
     # kombu internal: the event loop's read of a BRPOP reply, where a popped message is decoded
     # and delivered; connection_errors is the channel's own tuple (kombu 5.7.0).
