@@ -151,7 +151,8 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         # Multi-host names (cpu0@hosta) are already the node name.
         "--hostname", device.name if device.host else f"{device.name}@{host_name()}",
         "--pool", config.pool.value,
-        "--concurrency", str(config.concurrency),
+        # One job per slot (the bootstep sets the same from the config for `celery -A tasks worker`).
+        "--concurrency", str(config.slots),
         "--task-events",
         "--loglevel", loglevel or config.loglevel,
         # No start-up round trips to other workers: a device worker needs nothing from them.
@@ -735,6 +736,8 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
     for device, rec in live.items():
         busy = rec.busy
         state = f"busy: {busy.job} {now - busy.since:.0f}s" if busy else ("idle" if rec.ready else "starting")
+        if rec.slot_count > 1:
+            state += f" ({len(rec.running)}/{rec.slot_count} slots busy)"
         table.add_row(
             device, rec.worker, str(rec.pid), state, str(rec.jobs_done), str(rec.cuda_visible_devices),
             f"{rec.device_name}" + (" (CUDA)" if rec.cuda_available else ""),

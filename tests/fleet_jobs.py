@@ -228,3 +228,54 @@ def environment(ctx: JobContext, params: RewriteParams) -> dict[str, Any]:
         os.chdir("/")
         sys.path.insert(0, "/nonexistent")
     return seen
+
+
+class MeetParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    folder: str
+    name: str
+    #: The jobs this one waits for (their ``name``) before it returns.
+    peers: list[str] = []
+    timeout_s: float = 60.0
+
+
+@job("meet", params=MeetParams)
+def meet(ctx: JobContext, params: MeetParams) -> dict[str, Any]:
+    """Write ``<folder>/<name>.started`` (pid, slot, cores), then wait until every peer's file
+    exists: jobs that return have run at the same time, whatever the machine's speed."""
+    import json
+    import time
+    from pathlib import Path
+
+    folder = Path(params.folder)
+    mine = {"pid": os.getpid(), "slot": ctx.slot, "cores": ctx.cores, "threads": ctx.threads}
+    (folder / f"{params.name}.started").write_text(json.dumps(mine))
+    deadline = time.monotonic() + params.timeout_s
+    while not all((folder / f"{peer}.started").exists() for peer in params.peers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{params.name}: {params.peers} did not start within {params.timeout_s:g} s")
+        ctx.progress()
+        time.sleep(0.02)
+    return mine
+
+
+class HogParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mib: int
+    release_file: str
+    timeout_s: float = 60.0
+
+
+@job("hog", params=HogParams)
+def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
+    """Hold ``mib`` MiB (touched, so it is resident) until ``release_file`` exists."""
+    import time
+    from pathlib import Path
+
+    held = bytearray(b"x" * (params.mib * 2**20))
+    deadline = time.monotonic() + params.timeout_s
+    while not Path(params.release_file).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+        time.sleep(0.05)
+    return {"held_mib": len(held) // 2**20, "pid": os.getpid()}

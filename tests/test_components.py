@@ -43,6 +43,7 @@ from tasks.core.records import (
     GangSpec,
     LeaseRecord,
     ResendRecord,
+    SlotRecord,
     WorkerRecord,
 )
 from tasks.core.registry import connect, live_workers, read_worker
@@ -108,7 +109,7 @@ def worker_record(device: str, *, host: str | None = None, pid: int | None = Non
     return WorkerRecord(
         device=device, kind="cpu", worker=f"{device}@{host or host_name()}", host=host or host_name(),
         pid=os.getpid() if pid is None else pid, queues=[f"device.{device}", "cpu", "fleet"], cores=[0],
-        pool="threads", concurrency=1, jobs=["noop"], started_at=time.time(), **fields,
+        pool="threads", slots=[SlotRecord(index=0, cores=[0])], jobs=["noop"], started_at=time.time(), **fields,
     )
 
 
@@ -528,11 +529,11 @@ def test_heartbeat_registers_updates_and_leaves(client):
 
         # The interval is 30 s: the change is visible at once only because update wakes the thread.
         busy = BusyInfo(job="noop", job_id="j-1", since=time.time())
-        beat.update(busy=busy, progress={"step": 3})
+        beat.update_slot(0, busy=busy, progress={"step": 3})
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is not None and r,
                           5, "the busy record in Redis")
-        assert record.busy == busy and record.progress == {"step": 3}
-        beat.update(busy=None, jobs_done=1)
+        assert record.busy == busy and record.slots[0].progress == {"step": 3}
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 1})
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is None and r,
                           5, "the idle record in Redis")
         assert record.jobs_done == 1
@@ -567,16 +568,16 @@ def test_heartbeat_updates_closer_than_after_s_go_out_in_one_write(client):
     try:
         asked = time.monotonic()
         # A short job: busy, then idle, then the next job's busy, all within after_s.
-        beat.update(busy=BusyInfo(job="noop", job_id="j-1", since=time.time()), after_s=0.3)
-        beat.update(busy=None, jobs_done=1, after_s=0.3)
-        beat.update(busy=BusyInfo(job="noop", job_id="j-2", since=time.time()), after_s=0.3)
+        beat.update_slot(0, busy=BusyInfo(job="noop", job_id="j-1", since=time.time()), after_s=0.3)
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 1}, after_s=0.3)
+        beat.update_slot(0, busy=BusyInfo(job="noop", job_id="j-2", since=time.time()), after_s=0.3)
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 1 and r,
                           5, "the coalesced write")
         written = time.monotonic()
         assert record.busy is not None and record.busy.job_id == "j-2"  # the latest fields
         assert beat.writes == 2  # the start's, and one for all three updates
         assert written - asked >= 0.3  # not before the first update's after_s
-        beat.update(busy=None, jobs_done=2)  # after_s=0: at once (the interval is 30 s)
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 2})  # after_s=0: at once (the interval is 30 s)
         wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 2, 5, "an immediate write")
         assert beat.writes == 3
     finally:
