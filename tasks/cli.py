@@ -242,6 +242,8 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
               help="Seconds a job may run; then it ends as JobTimeout [default: the worker config's max_job_seconds].")
 @click.option("--max-attempts", type=click.IntRange(1, 100),
               help="Runs that may take their whole worker down before the job ends as WorkerLost [default: 3].")
+@click.option("--per-slot", is_flag=True,
+              help="Run one copy of JOB per slot of each device, at once (keys DEVICE/N).")
 @click.option("--distributed", is_flag=True,
               help="Run JOB once over all DEVICES as the ranks of one torch.distributed group (DDP).")
 @click.option("--backend", type=click.Choice([b.value for b in DistBackend]),
@@ -253,8 +255,8 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
-        max_attempts: int | None, distributed: bool, backend: str | None, max_restarts: int | None,
-        join_timeout: float | None, redis_url: str | None) -> None:
+        max_attempts: int | None, per_slot: bool, distributed: bool, backend: str | None,
+        max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
     Ctrl-C (which cancels the fan-out).
 
@@ -280,7 +282,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
         handle = fan_out(target, devices, kwargs=kwargs,
                          options={k: v for k, v in options.items() if v is not None} or None,
-                         distributed=gang, app=app)
+                         distributed=gang, per_slot=per_slot, app=app)
         if is_command:
             watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
         else:

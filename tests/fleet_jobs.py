@@ -233,27 +233,28 @@ def environment(ctx: JobContext, params: RewriteParams) -> dict[str, Any]:
 class MeetParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     folder: str
-    name: str
-    #: The jobs this one waits for (their ``name``) before it returns.
-    peers: list[str] = []
+    #: How many jobs (this one included) must have started before it returns.
+    count: int = 2
     timeout_s: float = 60.0
 
 
 @job("meet", params=MeetParams)
 def meet(ctx: JobContext, params: MeetParams) -> dict[str, Any]:
-    """Write ``<folder>/<name>.started`` (pid, slot, cores), then wait until every peer's file
-    exists: jobs that return have run at the same time, whatever the machine's speed."""
+    """Write ``<folder>/<job id>.started`` (pid, slot, cores), then wait until ``count`` such files
+    exist: jobs that return have run at the same time, however fast the machine."""
     import json
     import time
     from pathlib import Path
 
     folder = Path(params.folder)
+    folder.mkdir(parents=True, exist_ok=True)
     mine = {"pid": os.getpid(), "slot": ctx.slot, "cores": ctx.cores, "threads": ctx.threads}
-    (folder / f"{params.name}.started").write_text(json.dumps(mine))
+    (folder / f"{ctx.job_id}.started").write_text(json.dumps(mine))
     deadline = time.monotonic() + params.timeout_s
-    while not all((folder / f"{peer}.started").exists() for peer in params.peers):
+    while len(list(folder.glob("*.started"))) < params.count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.name}: {params.peers} did not start within {params.timeout_s:g} s")
+            raise TimeoutError(f"only {len(list(folder.glob('*.started')))} of {params.count} jobs started "
+                               f"within {params.timeout_s:g} s")
         ctx.progress()
         time.sleep(0.02)
     return mine
@@ -279,3 +280,27 @@ def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
             raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
         time.sleep(0.05)
     return {"held_mib": len(held) // 2**20, "pid": os.getpid()}
+
+
+class GpuHogParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mib: int
+    release_file: str
+    timeout_s: float = 120.0
+
+
+@job("gpu_hog", params=GpuHogParams)
+def gpu_hog(ctx: JobContext, params: GpuHogParams) -> dict[str, Any]:
+    """Allocate ``mib`` MiB on the job's device, then hold it until ``release_file`` exists."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    held = torch.ones(params.mib * 2**18, dtype=torch.float32, device=ctx.torch_device)
+    deadline = time.monotonic() + params.timeout_s
+    while not Path(params.release_file).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+        time.sleep(0.05)
+    return {"held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}

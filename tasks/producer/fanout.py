@@ -46,7 +46,7 @@ from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
-from ..core.queues import QueueName, device_queue
+from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, JobOptions, WorkerRecord
 from ..core.registry import connect, live_workers
 from ..core.validation import describe_validation_error
@@ -300,6 +300,7 @@ def fan_out(
     kwargs: Mapping[str, Any] | None = None,
     options: JobOptions | Mapping[str, Any] | None = None,
     distributed: bool | DistributedOptions | Mapping[str, Any] = False,
+    per_slot: bool = False,
     app: Celery | None = None,
 ) -> FanOut:
     """Run a job on each device at the same time; ``.get()`` the handle for ``{device: entry}``.
@@ -316,6 +317,9 @@ def fan_out(
             ``torch.distributed`` job (``True``, or
             :class:`~tasks.core.records.DistributedOptions` as a dict, e.g.
             ``{"max_restarts": 1, "join_timeout_s": 60}``). Each entry's output has its ``rank``.
+        per_slot: send each device as many copies of its job as it has slots (``slots`` in its
+            worker config), to run at once; the result's keys are then ``<device>/<copy>``
+            (``cpu0/0``, ``cpu0/1``) and each entry names the ``slot`` that ran it.
         app: the Celery app to send through; default ``tasks.app``.
 
     Raises:
@@ -342,12 +346,17 @@ def fan_out(
         plan = {device: spec for device in select_devices(devices, live)}
     check_jobs(plan, live)
     if distributed is not False:
+        if per_slot:
+            raise ConfigError("per_slot=True cannot be used with distributed: a gang has one rank per device")
         return _send_gang(app, plan, live, distributed)
+    if per_slot:
+        plan = {slot_key(device, copy): spec for device, spec in plan.items()
+                for copy in range(live[device].slot_count)}
     return FanOut(app, plan, _send(app, plan))
 
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
-    header = [spec.signature(app, device_queue(device)) for device, spec in plan.items()]
+    header = [spec.signature(app, device_queue(key_device(key))) for key, spec in plan.items()]
     body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=QueueName.FLEET.value)
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))

@@ -197,7 +197,7 @@ def optimize(
         pruner: an Optuna pruner or ``median``, ``asha``, ``hyperband``; None: no pruning.
         sampler: an Optuna sampler (default Optuna's, TPE).
         name: the study's name in the fleet's Redis; the same name resumes it.
-        max_concurrent: trials running at once (default: one per device).
+        max_concurrent: trials running at once (default: one per slot of each device).
         timeout: seconds to wait in all; then :class:`FanOutTimeout` (the study keeps what ended).
         on_update: called with a :class:`StudyProgress` after every poll (for a live view).
 
@@ -228,7 +228,8 @@ def optimize(
     # A command's placeholders are filled from the space: check them with a value for each.
     probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
     check_jobs({device: probe for device in chosen}, live)
-    limit = max_concurrent if max_concurrent is not None else len(chosen)
+    # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once).
+    limit = max_concurrent if max_concurrent is not None else sum(live[device].slot_count for device in chosen)
     if limit < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1")
     study_name = name or f"{base.name}-{uuid.uuid4().hex[:8]}"

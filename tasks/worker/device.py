@@ -48,7 +48,8 @@ from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
 from .memory import open_meter
-from .slots import Slot, Slots, plan_slots
+from .mps import MpsServer
+from .slots import GiB, Slot, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class DeviceWorker:
         self.jobs = JobCatalog([], settings.job_modules)
         #: The job processes that run this device's jobs (started by :meth:`prepare`).
         self.supervisor: Supervisor | None = None
+        #: The CUDA MPS daemon its job processes are clients of (``mps = true``).
+        self.mps: MpsServer | None = None
         #: The jobs it runs at once, with their cores and memory budgets (:meth:`prepare`).
         self.slots = Slots([Slot(index=0, cores=[], threads=1, budget_bytes=None)])
         #: When the worker was asked to stop (monotonic), for running jobs' stop timeout.
@@ -171,12 +174,17 @@ class DeviceWorker:
             max_memory_growth_bytes=self.config.max_memory_growth_mib * 2**20,
             cancel_grace_s=self.config.cancel_grace_s,
         )
-        self.supervisor = Supervisor(spec, job_environment(self.device, self.torch_threads), Path.cwd(),
-                                     policy, label=self.device.name, slots=self.config.slots)
+        env = job_environment(self.device, self.torch_threads)
+        if self.config.mps:
+            self.mps = MpsServer(self.device, self.settings.state_dir)
+            env.update(self.mps.start(int(self.config.memory_gib * GiB) if self.config.memory_gib else None))
+        self.supervisor = Supervisor(spec, env, Path.cwd(), policy, label=self.device.name, slots=self.config.slots)
         try:
             hello = self.supervisor.start()
         except ProcessGone as exc:
             self.supervisor.close()
+            if self.mps is not None:
+                self.mps.stop()
             raise _start_error(self.device, exc) from None
         self.visibility = dict(hello.visibility)
         self.jobs = JobCatalog(hello.jobs, self.settings.job_modules)
@@ -304,6 +312,9 @@ class DeviceWorker:
             self._client = None
         if self.supervisor is not None:
             self.supervisor.close()
+        if self.mps is not None:  # after its clients, the job processes
+            self.mps.stop()
+            self.mps = None
 
 
 def job_environment(device: Device, threads: int) -> dict[str, str]:

@@ -37,6 +37,7 @@ from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, Worker
 from ..core.job import JobMetric
 from ..core.jobstate import FINISH_ATTR, JobFinish, StoredAck
 from ..core.keys import OPTIONS_HEADER
+from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
@@ -386,14 +387,16 @@ def _finish_with_result(worker: DeviceWorker, task: Task, ok: bool, started: flo
 
 
 def collect(entries: list[dict[str, Any]], devices: list[str]) -> dict[str, dict[str, Any]]:
-    """The chord's body: ``{device: entry}``, in the order of ``devices`` (the header's order).
+    """The chord's body: ``{device: entry}``, in the order of ``devices`` (the header's order;
+    ``<device>/<copy>`` keys for a fan-out that ran one job per slot).
 
     A failed device's entry is its error entry (:class:`tasks.core.backend.FleetBackend`).
     """
     out: dict[str, dict[str, Any]] = {}
-    for device, entry in zip(devices, entries, strict=False):
-        out[device] = {**entry, "device": device} if isinstance(entry, dict) else Entry.make(
+    for key, entry in zip(devices, entries, strict=False):
+        device = key_device(key)
+        out[key] = {**entry, "device": device} if isinstance(entry, dict) else Entry.make(
             device=device, worker=None, output=None, started=None, finished=None,
-            error=ErrorInfo(type="FanOutError", message=f"no entry from {device}: got {entry!r:.200}"),
+            error=ErrorInfo(type="FanOutError", message=f"no entry from {key}: got {entry!r:.200}"),
         ).to_dict()
     return out
