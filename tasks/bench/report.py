@@ -34,6 +34,8 @@ KEYS = (
     "isolation.next_job_after_crash_s",
     "isolation.cancel_to_free_s",
     "isolation.cancel_grace_s",
+    "slots.trials_per_s_vs_one",
+    "slots.busy_fraction",
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 #: Keys only some hosts print: Ray's (with the ``bench`` extra, in full runs), the GPU loader's.
