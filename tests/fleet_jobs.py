@@ -10,6 +10,18 @@ from pydantic import BaseModel, ConfigDict
 from tasks.core.job import JobContext, job
 
 
+def _wait_for_file(path: str, timeout_s: float) -> None:
+    """Wait until ``path`` exists (the test's signal); TimeoutError after ``timeout_s``."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 class FailParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     message: str = "boom"
@@ -43,16 +55,9 @@ class HoldParams(BaseModel):
 def hold(ctx: JobContext, params: HoldParams) -> dict[str, Any]:
     """Report progress ``steps`` times, then wait until ``release_file`` exists: a job a test
     can watch while it runs, released when the test has seen what it wanted."""
-    import time
-    from pathlib import Path
-
     for step in range(1, params.steps + 1):
         ctx.progress(step=step, total=params.steps, loss=1.0 / step)
-    deadline = time.monotonic() + params.timeout_s
-    while not Path(params.release_file).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
-        time.sleep(0.05)
+    _wait_for_file(params.release_file, params.timeout_s)
     return {"steps": params.steps, "device": ctx.device, "pid": os.getpid()}
 
 
@@ -270,15 +275,8 @@ class HogParams(BaseModel):
 @job("hog", params=HogParams)
 def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
     """Hold ``mib`` MiB (touched, so it is resident) until ``release_file`` exists."""
-    import time
-    from pathlib import Path
-
     held = bytearray(b"x" * (params.mib * 2**20))
-    deadline = time.monotonic() + params.timeout_s
-    while not Path(params.release_file).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
-        time.sleep(0.05)
+    _wait_for_file(params.release_file, params.timeout_s)
     return {"held_mib": len(held) // 2**20, "pid": os.getpid()}
 
 
@@ -292,15 +290,8 @@ class GpuHogParams(BaseModel):
 @job("gpu_hog", params=GpuHogParams)
 def gpu_hog(ctx: JobContext, params: GpuHogParams) -> dict[str, Any]:
     """Allocate ``mib`` MiB on the job's device, then hold it until ``release_file`` exists."""
-    import time
-    from pathlib import Path
-
     import torch
 
     held = torch.ones(params.mib * 2**18, dtype=torch.float32, device=ctx.torch_device)
-    deadline = time.monotonic() + params.timeout_s
-    while not Path(params.release_file).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
-        time.sleep(0.05)
+    _wait_for_file(params.release_file, params.timeout_s)
     return {"held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}

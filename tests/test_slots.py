@@ -101,6 +101,9 @@ def test_cancel_and_time_limit_hold_per_slot_and_status_shows_each_slot(sfleet, 
                           "the busy slot's memory in the registry")
         busy = [slot for slot in record.slots if slot.busy is not None]
         assert len(busy) == 1 and busy[0].busy.job == "hold" and busy[0].memory_bytes > 0
+        # Its reports name the slot (what Flower shows of it), as does the slot's record.
+        assert held.progress()["cpu0"]["slot"] == busy[0].index
+        assert busy[0].progress is not None and busy[0].progress["step"] == 2
         snap = fleet_snapshot(client)["devices"]["cpu0"]
         assert [bool(s["busy"]) for s in snap["slots"]].count(True) == 1 and snap["memory_kind"] == "resident"
     finally:

@@ -241,6 +241,8 @@ class JobWatch:
         self._client = worker.heartbeat.client if worker.heartbeat is not None else None
 
     def report(self, fields: dict[str, Any]) -> None:
+        if len(self.worker.slots) > 1:  # which of the device's jobs it is (Flower's progress column)
+            fields = {**fields, "slot": self.slot}
         progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
                          self.worker.settings.result_expires_s, self.slot)
 
