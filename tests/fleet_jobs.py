@@ -275,7 +275,7 @@ class HogParams(BaseModel):
 @job("hog", params=HogParams)
 def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
     """Hold ``mib`` MiB (touched, so it is resident) until ``release_file`` exists."""
-    held = bytearray(b"x" * (params.mib * 2**20))
+    held = bytearray(b"x") * (params.mib * 2**20)  # one allocation, every page written
     _wait_for_file(params.release_file, params.timeout_s)
     return {"held_mib": len(held) // 2**20, "pid": os.getpid()}
 

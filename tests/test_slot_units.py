@@ -92,6 +92,20 @@ def test_the_resident_meter_counts_a_process_and_its_children():
     assert meter.used(2**22 + 7) is None  # no such process
 
 
+def test_the_resident_meters_exact_figure_counts_shared_pages_once():
+    # A process that wrote 64 MiB and then forked: the child shares those pages (copy on write).
+    code = "import os, sys; x = bytearray(b'x') * (64 << 20); os.fork(); sys.stdin.read()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    meter = ResidentMeter()
+    try:
+        wait_for(lambda: (meter.used(proc.pid) or 0) > (128 << 20), 10, "both processes holding the pages")
+        quick, exact = meter.used(proc.pid), meter.exact(proc.pid)
+        assert quick is not None and exact is not None
+        assert quick - exact > (48 << 20), (quick >> 20, exact >> 20)  # RSS counted them twice, PSS once
+    finally:
+        proc.communicate(b"", timeout=10)
+
+
 def test_the_device_meter_sums_nvmls_figures_for_the_process_tree():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:

@@ -12,13 +12,17 @@ command's own processes) counts too.
 - :class:`DeviceMeter`: GPU memory per process from NVML (``nvidia-ml-py``), the job process
   and every process it started. NVML reports host PIDs: inside a container with its own PID
   namespace it finds none of them, and only the allocator's cap holds (the worker says so).
-- :class:`ResidentMeter`: resident memory (RSS) of the job process and its descendants (psutil),
-  the budget of a slot on a CPU device.
+- :class:`ResidentMeter`: resident memory of the job process and its descendants (psutil),
+  the budget of a slot on a CPU device. Sampled as the sum of their RSS (cheap, about 10 us a
+  process); only when that sum is past the budget is it measured exactly, as the sum of their
+  PSS (``/proc/<pid>/smaps_rollup``, about 1 ms a process), which counts the pages they share
+  (torch's libraries, a forked DataLoader worker's copy-on-write pages) once, not once a process.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import psutil
@@ -37,7 +41,11 @@ class MemoryMeter(Protocol):
     kind: str
 
     def used(self, pid: int) -> int | None:
-        """Bytes the process ``pid`` and its descendants hold; None when it cannot be measured."""
+        """Bytes the process ``pid`` and its descendants hold (a quick figure, never below the
+        exact one); None when it cannot be measured."""
+
+    def exact(self, pid: int) -> int | None:
+        """The exact figure of :meth:`used`, asked only when the quick one is past a budget."""
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -56,14 +64,23 @@ class ResidentMeter:
     kind = "resident"
 
     def used(self, pid: int) -> int | None:
-        total, seen = 0, False
-        for process in process_tree(pid):
-            try:
-                total += process.memory_info().rss
-                seen = True
-            except psutil.Error:  # ended between the listing and the read
-                continue
-        return total if seen else None
+        """The sum of the tree's RSS (shared pages counted in every process that maps them)."""
+        return _sum_over_tree(pid, lambda process: process.memory_info().rss)
+
+    def exact(self, pid: int) -> int | None:
+        """The sum of the tree's PSS: each shared page split between the processes sharing it."""
+        return _sum_over_tree(pid, lambda process: process.memory_full_info().pss)
+
+
+def _sum_over_tree(pid: int, figure: Callable[[psutil.Process], int]) -> int | None:
+    total, seen = 0, False
+    for process in process_tree(pid):
+        try:
+            total += figure(process)
+            seen = True
+        except (psutil.Error, AttributeError):  # ended between the listing and the read; no PSS
+            continue
+    return total if seen else None
 
 
 class DeviceMeter:
@@ -100,6 +117,9 @@ class DeviceMeter:
             logger.debug("NVML could not list the GPU's processes: %s", exc)
             return None
         return sum(int(p.usedGpuMemory or 0) for p in running if p.pid in pids)
+
+    def exact(self, pid: int) -> int | None:
+        return self.used(pid)
 
 
 def open_meter(kind: str, uuid: str | None, index: int, label: str) -> MemoryMeter | None:

@@ -335,7 +335,10 @@ class _Budget:
             return None
         watch.memory(used)
         budget = self.slot.budget_bytes
-        return (used, budget) if budget is not None and used > budget else None
+        if budget is None or used <= budget:
+            return None
+        exact = self.meter.exact(process.pid)  # the costlier figure, only when the cheap one is over
+        return (exact, budget) if exact is not None and exact > budget else None
 
 
 class _Run:
@@ -362,14 +365,15 @@ class _Run:
                 if self.process.killed_because is not None:  # the worker ended it: it is leaving
                     return self._stopped(self.process.killed_because)
                 return self._crashed(str(gone))
-            if isinstance(message, Report):
-                self.watch.report(message.fields)
-            elif isinstance(message, Finished):
+            if isinstance(message, Finished):
                 return Ended(outcome=message.outcome, finished=message, error=message.error,
                              error_module=message.error_module, pid=self.process.pid, retired=None)
-            elif self._should_end():
+            if isinstance(message, Report):
+                self.watch.report(message.fields)
+            # Asked after every message too: a job that reports often is stopped all the same.
+            if self._should_end():
                 return self._ended()
-            elif self.budget is not None and (over := self.budget.over(self.process, self.watch)):
+            if self.budget is not None and (over := self.budget.over(self.process, self.watch)):
                 return self._past_budget(*over)
 
     def _should_end(self) -> bool:
