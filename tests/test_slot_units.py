@@ -159,3 +159,11 @@ def test_the_mps_daemon_is_started_for_the_gpu_and_told_to_quit(tmp_path, monkey
     calls = (server.folder / "calls").read_text().splitlines()
     # A daemon left on the pipe folder is told to quit first; then it starts for GPU 1; then quits.
     assert calls == ["control quit", "daemon 1", "control quit"]
+
+
+def test_a_gpus_uuid_is_spelled_as_nvml_spells_it():
+    from tasks.core.devices import _nvml_uuid
+
+    assert _nvml_uuid("3f4c-aa") == "GPU-3f4c-aa"
+    assert _nvml_uuid("GPU-3f4c-aa") == "GPU-3f4c-aa" and _nvml_uuid("MIG-1") == "MIG-1"
+    assert _nvml_uuid(None) is None

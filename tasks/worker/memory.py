@@ -103,9 +103,12 @@ class DeviceMeter:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = (pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid
-                  else pynvml.nvmlDeviceGetHandleByIndex(index))
-        return cls(pynvml, handle)
+        if uuid:
+            try:
+                return cls(pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid))
+            except pynvml.NVMLError as exc:  # a UUID in another spelling: NVML's index order then
+                logger.warning("NVML does not know GPU %s (%s); measuring NVML's GPU %d", uuid, exc, index)
+        return cls(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
 
     def used(self, pid: int) -> int | None:
         pids = {process.pid for process in process_tree(pid)}
