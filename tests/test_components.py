@@ -13,12 +13,15 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,7 +62,7 @@ from tasks.worker import lease as lease_module
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
-from tests.conftest import wait_for
+from tests.conftest import cli_env, wait_for
 
 OTHER_HOST = "host-of-another-worker"
 
@@ -851,6 +854,46 @@ def test_a_stored_failure_keeps_its_entry(client, app):
     result = app.AsyncResult(task_id)
     assert result.state == "FAILURE"
     assert isinstance(result.result, ValueError) and str(result.result) == "boom"
+
+
+def test_a_failure_is_final_for_a_fleet_job_and_not_for_any_other_task(client, app):
+    """Celery never stores a state over a SUCCESS; a devicefleet job's FAILURE and REVOKED are
+    as final. Any other task keeps Celery's rule: it may run again under its id after failing."""
+    backend = app.backend
+    for name, final in (("devicefleet.probe", True), ("myapp.add", False), (None, True)):
+        task_id = str(uuid.uuid4())
+        request = Context(id=task_id, task=name)
+        backend.store_result(task_id, ValueError("boom"), "FAILURE", request=request)
+        backend.store_result(task_id, {"pid": 1}, "STARTED", request=request)
+        assert backend.get_task_meta(task_id, cache=False)["status"] == ("FAILURE" if final else "STARTED"), name
+        backend.store_result(task_id, 3, "SUCCESS", request=request)
+        backend.store_result(task_id, {"pid": 2}, "STARTED", request=request)  # never over a SUCCESS
+        assert backend.get_task_meta(task_id, cache=False)["status"] == ("FAILURE" if final else "SUCCESS"), name
+
+
+def test_only_a_fan_outs_chord_reads_a_failed_part_as_its_entry():
+    from celery import signature
+
+    from tasks.core.backend import fan_out_chord, fleet_task
+    from tasks.core.job import COLLECT_TASK
+
+    assert fan_out_chord(SimpleNamespace(chord=signature(COLLECT_TASK, kwargs={"devices": ["cpu0"]})))
+    assert fan_out_chord(SimpleNamespace(chord={"task": COLLECT_TASK}))
+    assert not fan_out_chord(SimpleNamespace(chord=signature("myapp.tsum")))
+    assert not fan_out_chord(SimpleNamespace(chord=None))
+    assert fleet_task(SimpleNamespace(task="devicefleet.train")) and fleet_task(None)
+    assert not fleet_task(SimpleNamespace(task="t.integration.tasks.add"))
+
+
+def test_importing_tasks_leaves_celerys_current_app_alone():
+    code = ("from celery import Celery, current_app, shared_task\n"
+            "mine = Celery('mine', set_as_current=True)\n"
+            "import tasks, tasks.core.backend, tasks.core.transport\n"
+            "assert current_app.main == 'mine', current_app.main\n"
+            "@shared_task\ndef add(x, y): return x + y\n"
+            "assert add.app is mine, add.app\n"
+            "assert tasks.app.main == 'devicefleet'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=cli_env())
 
 
 # -- progress: throttled, and the latest report always published -------------------------------

@@ -1,0 +1,66 @@
+"""The pytest plugin that runs Celery's integration tests for :mod:`tests.celery_suite`.
+
+Loaded with ``-p tests.celery_suite.plugin`` in the rootdir of Celery's extracted ``t/``. The
+run (``DEVICEFLEET_CELERY_SUITE_RUN``) picks the worker: ``fleet-threads`` starts Celery's
+session worker with the ``threads`` pool, as devicefleet starts its device workers (the
+transport, backend and consumer come from the run's ``integration-tests-config.json``).
+
+The selection: the tests that exercise what devicefleet overrides (chords, chains, groups,
+errbacks, revokes, result states, the backend's pub/sub and store); :data:`LEFT_OUT` says what
+is not run by default and why (``DEVICEFLEET_CELERY_SUITE_ALL=1`` runs everything).
+:data:`EXPECTED` lists the expected divergences of the fleet's runs, each a deliberate rule with
+its reason; they are marked ``xfail(strict=True)``, so one that starts passing fails the run
+and the list is kept honest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+#: Celery's integration test files run (``test_backend.py`` is Azure-only).
+FILES = ("test_canvas.py", "test_tasks.py", "test_redis_backend.py", "test_group_chains.py")
+#: The runs, in the order they run: ``plain`` first, the reference.
+RUNS = ("plain", "fleet", "fleet-threads")
+
+#: Substrings of test ids not run by default, and why.
+LEFT_OUT: dict[str, str] = {}
+
+#: Per run, substrings of test ids that are expected to fail there, and why.
+EXPECTED: dict[str, dict[str, str]] = {"fleet": {}, "fleet-threads": {}}
+
+
+def _run() -> str:
+    return os.environ.get("DEVICEFLEET_CELERY_SUITE_RUN", "plain")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "flaky: Celery's rerun marker (pytest-rerunfailures is not installed)")
+    if _run() == "fleet-threads":
+        from celery.contrib.testing import worker
+
+        original = worker.start_worker
+
+        def start_worker(app: Any, *args: Any, **kwargs: Any) -> Any:
+            kwargs["pool"] = "threads"
+            return original(app, *args, **kwargs)
+
+        worker.start_worker = start_worker
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    everything = bool(os.environ.get("DEVICEFLEET_CELERY_SUITE_ALL"))
+    kept, dropped = [], []
+    for item in items:
+        if not everything and any(part in item.nodeid for part in LEFT_OUT):
+            dropped.append(item)
+            continue
+        kept.append(item)
+        for part, reason in EXPECTED.get(_run(), {}).items():
+            if part in item.nodeid:
+                item.add_marker(pytest.mark.xfail(reason=f"devicefleet: {reason}", strict=True))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
