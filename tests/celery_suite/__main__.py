@@ -30,13 +30,14 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import celery
 
-from tasks.core.app import BACKEND, CONSUMER, TRANSPORT
+from tasks.core.app import CONSUMER, TRANSPORT
 from tasks.ops.proc import free_port, wait_until
 from tasks.ops.redis_server import find_redis_server
 
@@ -107,11 +108,13 @@ def _pings(client: object) -> bool:
         return False
 
 
-def run_config(run: str, url: str) -> dict[str, object]:
-    """Celery settings of one run, over the integration tests' own (``integration-tests-config.json``)."""
+def run_config(run: str) -> dict[str, object]:
+    """Celery settings of one run, over the integration tests' own (``integration-tests-config.json``).
+    The result backend stays ``redis://`` (the tests check the URL's scheme): the plugin
+    resolves Celery's ``redis`` alias to the fleet's backend for the fleet's runs."""
     if run == "plain":
         return {}
-    config: dict[str, object] = {"broker_transport": TRANSPORT, "result_backend": f"{BACKEND}+{url}"}
+    config: dict[str, object] = {"broker_transport": TRANSPORT}
     if run == "fleet-threads":
         config["worker_consumer"] = CONSUMER
     return config
@@ -119,7 +122,7 @@ def run_config(run: str, url: str) -> dict[str, object]:
 
 def run_tests(run: str, root: Path, redis: PlainRedis, report: Path, everything: bool) -> float:
     """One run of the selection (or ``everything``); its JUnit XML in ``report``; its seconds."""
-    (root / "integration-tests-config.json").write_text(json.dumps(run_config(run, redis.url)))
+    (root / "integration-tests-config.json").write_text(json.dumps(run_config(run)))
     redis_flush(redis)
     env = {**os.environ, "TEST_BROKER": redis.url, "TEST_BACKEND": redis.url, "REDIS_HOST": "127.0.0.1",
            "REDIS_PORT": str(redis.port), "DEVICEFLEET_CELERY_SUITE_RUN": run,
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in args.runs.split(",") if r]
     if unknown := sorted(set(runs) - set(RUNS)):
         parser.error(f"unknown run(s) {', '.join(unknown)}: choose from {', '.join(RUNS)}")
-    work = args.keep or Path(subprocess.check_output(["mktemp", "-d"], text=True).strip())
+    work = args.keep or Path(tempfile.mkdtemp(prefix="devicefleet-celery-suite-"))
     try:
         root = celery_tests(celery.__version__, work)
         results: dict[str, dict[str, str]] = {}

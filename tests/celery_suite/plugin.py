@@ -1,9 +1,11 @@
 """The pytest plugin that runs Celery's integration tests for :mod:`tests.celery_suite`.
 
-Loaded with ``-p tests.celery_suite.plugin`` in the rootdir of Celery's extracted ``t/``. The
-run (``DEVICEFLEET_CELERY_SUITE_RUN``) picks the worker: ``fleet-threads`` starts Celery's
-session worker with the ``threads`` pool, as devicefleet starts its device workers (the
-transport, backend and consumer come from the run's ``integration-tests-config.json``).
+Loaded with ``-p tests.celery_suite.plugin`` in the rootdir of Celery's extracted ``t/``. In the
+fleet's runs (``DEVICEFLEET_CELERY_SUITE_RUN``) Celery's ``redis`` result backend alias names
+the fleet's backend (the tests read the ``redis://`` scheme of the URL, so the URL stays), and
+``fleet-threads`` starts Celery's session worker with the ``threads`` pool, as devicefleet
+starts its device workers (the transport and the consumer come from the run's
+``integration-tests-config.json``).
 
 The selection: the tests that exercise what devicefleet overrides (chords, chains, groups,
 errbacks, revokes, result states, the backend's pub/sub and store); :data:`LEFT_OUT` says what
@@ -38,6 +40,12 @@ def _run() -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "flaky: Celery's rerun marker (pytest-rerunfailures is not installed)")
+    if _run() != "plain":
+        from celery.app import backends
+
+        from tasks.core.app import BACKEND
+
+        backends.BACKEND_ALIASES["redis"] = BACKEND
     if _run() == "fleet-threads":
         from celery.contrib.testing import worker
 
@@ -48,6 +56,19 @@ def pytest_configure(config: pytest.Config) -> None:
             return original(app, *args, **kwargs)
 
         worker.start_worker = start_worker
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fleet_parts_in_use(request: pytest.FixtureRequest) -> None:
+    """A fleet run that silently ran on Celery's own parts would prove nothing: check them."""
+    if _run() == "plain":
+        return
+    from tasks.core.app import TRANSPORT
+    from tasks.core.backend import FleetBackend
+
+    app = request.getfixturevalue("celery_session_app")
+    assert isinstance(app.backend, FleetBackend), type(app.backend)
+    assert app.conf.broker_transport == TRANSPORT, app.conf.broker_transport
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
