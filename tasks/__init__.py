@@ -74,7 +74,7 @@ from .producer import (
 
 if TYPE_CHECKING:
     from .ops.fleet import Fleet
-    from .producer.optimize import optimize
+    from .producer.optimize import optimize, optimize_async
 
 __all__ = [
     "ENTRY_KEYS",
@@ -131,6 +131,7 @@ __all__ = [
     "job",
     "live_devices",
     "optimize",
+    "optimize_async",
     "sweep",
 ]
 
@@ -144,8 +145,8 @@ def __getattr__(name: str) -> Any:
         from .ops.fleet import Fleet
 
         return Fleet
-    if name == "optimize":  # needs Optuna, an extra: loaded when first asked for
-        from .producer.optimize import optimize
+    if name in ("optimize", "optimize_async"):  # need Optuna, an extra: loaded when first asked for
+        from .producer import optimize
 
-        return optimize
+        return getattr(optimize, name)
     raise AttributeError(f"module 'tasks' has no attribute {name!r}")

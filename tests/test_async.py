@@ -16,6 +16,8 @@ import tasks
 from tasks import FanOutTimeout, FleetClient, Report
 from tasks.producer.connections import CLIENT_NAME
 
+from .conftest import wait_for
+
 pytestmark = pytest.mark.timeout(120)
 
 DEVICES = ["cpu0", "cpu1"]
@@ -184,3 +186,41 @@ def test_one_client_serves_one_event_loop_after_another(fleet, app):
         first = asyncio.run(client.fan_out("echo", ["cpu0"], kwargs={"value": 1}).wait(timeout=30))
         second = asyncio.run(client.fan_out("echo", ["cpu0"], kwargs={"value": 2}).wait(timeout=30))
     assert (first["cpu0"]["output"]["value"], second["cpu0"]["output"]["value"]) == (1, 2)
+
+
+def test_optimize_async_awaits_a_study_and_cancel_stops_it(fleet, app, tmp_path):
+    optuna = pytest.importorskip("optuna")
+    from tasks.producer.optimize import journal_storage
+
+    async def main() -> tuple[object, int]:
+        study = await tasks.optimize_async(
+            "counted", {"score": [0.2, 0.7]}, 2, "score", name="awaited-study", app=app,
+            kwargs={"marker": str(tmp_path), "seconds": 0.1},
+            sampler=optuna.samplers.GridSampler({"score": [0.2, 0.7]}, seed=0))
+        loop = asyncio.get_running_loop()
+        running = asyncio.Event()
+
+        def on_update(progress: object) -> None:  # from the study's thread
+            if any(getattr(progress, "running", {}).values()):
+                loop.call_soon_threadsafe(running.set)
+
+        stopped = asyncio.create_task(tasks.optimize_async(
+            "counted", {"score": [0.5]}, 4, "score", name="stopped-study", app=app, cancel=True,
+            kwargs={"marker": str(tmp_path), "seconds": 60.0, "steps": 300}, on_update=on_update))
+        await running.wait()
+        stopped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stopped
+        return study, 0
+
+    study, _ = asyncio.run(main())
+    assert sorted(t.value for t in study.trials) == [0.2, 0.7]  # type: ignore[attr-defined]
+    storage = journal_storage(app)
+
+    def all_ended() -> list:
+        trials = optuna.load_study(study_name="stopped-study", storage=storage).trials
+        return trials if trials and all(t.state.is_finished() for t in trials) else []
+
+    trials = wait_for(all_ended, 60, "the stopped study's trials to end")
+    assert {t.state for t in trials} == {optuna.trial.TrialState.FAIL}
+    assert all("cancelled" in t.user_attrs for t in trials)
