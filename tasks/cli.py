@@ -651,7 +651,7 @@ def tensorboard(logdir: Path | None, port: int) -> None:
 @click.option("--quick", is_flag=True, help="Smoke mode (CI): few runs, small batches, short jobs.")
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
 @click.option("--section", "sections", multiple=True, metavar="NAME",
-              help="Measure only this section (repeatable): dispatch, sweep, fanout, ddp, gpu, commands, isolation, "
+              help="Measure only this section (repeatable): dispatch, producer, sweep, fanout, ddp, gpu, commands, isolation, "
                    "slots, pipeline.")
 def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...]) -> None:
     """Measure a throwaway fleet against what users would do instead; print a table."""
@@ -748,66 +748,16 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
     console.print(table)
 
 
-#: The result table shows this many numeric output fields, the first ones in the job's output
-#: (a job puts first what matters most); the other scalar fields follow as text.
-SUMMARY_FIELDS = 4
-
-
-#: Text fields longer than this (paths, ids) are listed under the table, not in it.
-LONG_TEXT = 32
-
-
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return
-    outputs = [entry.get("output") or {} for entry in results.values() if entry["status"] == "ok"]
-    numeric: list[str] = []
-    for out in outputs:
-        for key, value in out.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in numeric:
-                numeric.append(key)
-    from .ops.status import table as fit_table
+    from .ops.result_table import fanout_table
 
-    metrics = numeric[:SUMMARY_FIELDS]
-    # The text column only when a device failed or the output has no numeric field to show.
-    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
-    headers = [key.replace("_", " ") for key in metrics]
-    table = fit_table("fan-out result",
-                      ["device", "status", "seconds", "CUDA visible", *headers]
-                      + (["output / error"] if other else []),
-                      right=("seconds", *headers))
-    below: list[str] = []
-    for device, entry in results.items():
-        output = entry.get("output") or {}
-        vis = entry.get("visibility") or {}
-        ok = entry["status"] == "ok"
-        row = [device, "[green]ok[/]" if ok else "[red]error[/]", _fmt(entry.get("duration_s")),
-               str(vis.get("cuda_visible_devices"))]
-        row += [_fmt(output.get(key, "")) for key in metrics]
-        if ok:
-            short = []
-            for key, value in output.items():
-                if key in metrics or isinstance(value, (dict, list)):
-                    continue
-                if isinstance(value, str) and len(value) > LONG_TEXT:
-                    below.append(f"{device} {key}: {value}")
-                else:
-                    short.append(f"{key}={_fmt(value)}")
-            if other:
-                row.append(", ".join(short[:SUMMARY_FIELDS]))
-        else:
-            row.append(f"{entry['error']['type']}: {entry['error']['message']}")
-        table.add_row(*row)
+    table, below = fanout_table(results)
     console.print(table)
     for line in below:
         console.print(line, highlight=False, soft_wrap=True)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
-    return str(value)
 
 
 def main() -> None:

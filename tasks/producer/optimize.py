@@ -29,8 +29,11 @@ Optuna is the ``sweep`` extra: ``pip install 'devicefleet[sweep]'``.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
+import threading
 import time
 import uuid
 import warnings
@@ -184,6 +187,7 @@ def optimize(
     timeout: float | None = None,
     on_update: Callable[[StudyProgress], None] | None = None,
     app: Celery | None = None,
+    stop: threading.Event | None = None,
 ) -> optuna.Study:
     """Run an Optuna study of ``n_trials`` trials of ``job`` over ``devices``; return the study.
 
@@ -200,6 +204,8 @@ def optimize(
         max_concurrent: trials running at once (default: one per slot of each device).
         timeout: seconds to wait in all; then :class:`FanOutTimeout` (the study keeps what ended).
         on_update: called with a :class:`StudyProgress` after every poll (for a live view).
+        stop: once set, the running trials are cancelled and the study returned as it is
+            (:func:`optimize_async` sets it when its awaiting task is cancelled with ``cancel=True``).
 
     Raises:
         MissingExtra: Optuna is not installed.
@@ -242,9 +248,12 @@ def optimize(
     study.set_user_attr(JOB_ATTR, base.name)
     queue = TrialQueue(app, f"optuna-{study_name}", chosen, live)
     queue.attach()
-    run = _StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit, on_update)
+    run = _StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit, on_update,
+                    stop or threading.Event())
     try:
         run.loop(None if timeout is None else time.monotonic() + timeout, timeout)
+    except _Stopped:
+        run.cancel("the study was stopped")
     except FanOutTimeout:
         raise  # the running trials go on; the same call with the same name adopts them
     except BaseException:  # Ctrl-C, a bad objective: the running trials are cancelled
@@ -253,6 +262,31 @@ def optimize(
     finally:
         queue.detach()
     return study
+
+
+class _Stopped(Exception):
+    """The study's ``stop`` event was set (control flow inside :func:`optimize`)."""
+
+
+async def optimize_async(job: JobLike, space: Mapping[str, Any], n_trials: int, objective: str, *,
+                         cancel: bool = False, **options: Any) -> optuna.Study:
+    """:func:`optimize` from async code: the study's loop runs in a thread (Optuna's storage and
+    sampler are blocking); the event loop awaits it.
+
+    Cancelling the awaiting task leaves the study running to its end in its thread, as a
+    fan-out's jobs go on; with ``cancel=True`` it stops the study too and cancels its running
+    trials (they end ``FAIL`` with ``user_attrs["cancelled"]``). The other arguments are
+    :func:`optimize`'s.
+    """
+    stop = threading.Event()
+    run = functools.partial(optimize, job, space, n_trials, objective, stop=stop, **options)
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+    except asyncio.CancelledError:
+        if cancel:
+            logger.info("the awaiting task was cancelled: stopping the study")
+            stop.set()
+        raise
 
 
 def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -271,8 +305,9 @@ class _StudyRun:
 
     def __init__(self, optuna: Any, study: Any, queue: TrialQueue, base: JobSpec, distributions: dict[str, Any],
                  objective: str, n_trials: int, limit: int,
-                 on_update: Callable[[StudyProgress], None] | None) -> None:
+                 on_update: Callable[[StudyProgress], None] | None, stop: threading.Event) -> None:
         self.optuna = optuna
+        self.stop = stop
         self.study = study
         self.queue = queue
         self.base = base
@@ -344,7 +379,8 @@ class _StudyRun:
             if deadline is not None and time.monotonic() > deadline:
                 raise FanOutTimeout(timeout or 0.0, [f"trial {n}" for n in self.in_flight])
             pause = MIN_POLL_S if changed else min(MAX_POLL_S, pause * 2)
-            time.sleep(pause)
+            if self.stop.wait(pause):
+                raise _Stopped
 
     def _poll(self) -> bool:
         """Tell Optuna what finished, report intermediate values, prune; True if any ended."""
