@@ -74,7 +74,7 @@ from .producer import (
 
 if TYPE_CHECKING:
     from .ops.fleet import Fleet
-    from .producer.optimize import optimize, optimize_async
+    from .producer.optimize import StudyHandle, optimize, optimize_async, start_study
 
 __all__ = [
     "ENTRY_KEYS",
@@ -112,6 +112,7 @@ __all__ = [
     "QueueName",
     "Report",
     "Settings",
+    "StudyHandle",
     "Summary",
     "Sweep",
     "SweepConflict",
@@ -132,6 +133,7 @@ __all__ = [
     "live_devices",
     "optimize",
     "optimize_async",
+    "start_study",
     "sweep",
 ]
 
@@ -145,7 +147,7 @@ def __getattr__(name: str) -> Any:
         from .ops.fleet import Fleet
 
         return Fleet
-    if name in ("optimize", "optimize_async"):  # need Optuna, an extra: loaded when first asked for
+    if name in ("optimize", "optimize_async", "start_study", "StudyHandle"):  # need Optuna, an extra: loaded when first asked for
         from .producer import optimize
 
         return getattr(optimize, name)

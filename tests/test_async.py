@@ -1,4 +1,4 @@
-"""Producers in async code: awaited fan-outs and sweeps, watched progress, cancellation both ways.
+"""Producers in async code: awaited fan-outs, sweeps and studies, watched progress, cancellation both ways.
 
 Against the session fleet (real redis-server, real workers); every wait listens on Redis
 pub/sub through one ``redis.asyncio`` connection per client.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 
 import pytest
 import redis
@@ -223,4 +224,75 @@ def test_optimize_async_awaits_a_study_and_cancel_stops_it(fleet, app, tmp_path)
 
     trials = wait_for(all_ended, 60, "the stopped study's trials to end")
     assert {t.state for t in trials} == {optuna.trial.TrialState.FAIL}
+    assert all("cancelled" in t.user_attrs for t in trials)
+
+
+def _study_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_running_study_is_a_handle_watched_counted_and_awaited(fleet, app, tmp_path):
+    optuna = pytest.importorskip("optuna")
+    scores = [0.1, 0.2, 0.3, 0.4]
+    steps: list[int] = []  # on_update calls: one per step of the study's loop
+
+    async def main() -> tuple[tasks.Summary, list[Report], object, tasks.Summary, dict[int, str]]:
+        async with FleetClient(app) as client:
+            handle = await asyncio.to_thread(
+                client.start_study, "counted", {"score": scores}, 4, "score", devices=DEVICES,
+                name=_study_name("watched"), max_concurrent=2, on_update=lambda p: steps.append(p.finished),
+                kwargs={"marker": str(tmp_path), "seconds": 0.6, "steps": 3},
+                sampler=optuna.samplers.GridSampler({"score": scores}, seed=0))
+            assert isinstance(handle, tasks.StudyHandle)
+            first = await handle.asummary()
+            reports = [report async for report in handle.watch()]
+            study = await handle.wait(timeout=60)
+            return first, reports, study, await handle.asummary(), await handle.astates()
+
+    first, reports, study, summary, states = asyncio.run(main())
+    # Two trials sent (max_concurrent), two not asked for yet: queued.
+    assert (first.total, first.done, first.running + first.queued) == (4, 0, 4), first
+    # Every trial watched, including those asked for while watching; each one's reports in order.
+    assert sorted({r.key for r in reports}) == [0, 1, 2, 3]
+    for key in range(4):
+        mine = [r for r in reports if r.key == key]
+        seen = [r.progress["step"] for r in mine if r.state == "PROGRESS"]
+        assert seen == sorted(set(seen)) and seen[-1] == 3, seen
+        assert mine[-1].state == "SUCCESS" and mine[-1].progress["step"] == 3
+        assert [r.state for r in mine].index("SUCCESS") == len(mine) - 1
+        assert mine[-1].entry is not None and mine[-1].entry["status"] == "ok"
+    trials = study.trials  # type: ignore[attr-defined]
+    assert len(trials) == 4 and {t.state for t in trials} == {optuna.trial.TrialState.COMPLETE}
+    assert sorted(t.value for t in trials) == scores
+    assert all(sorted(t.intermediate_values) == [1, 2, 3] for t in trials)
+    assert {t.number: t.value for t in trials} == {r.key: r.entry["output"]["score"] for r in reports if r.finished}
+    assert (summary.total, summary.done, summary.running, summary.queued) == (4, 4, 0, 0)
+    assert states == dict.fromkeys(range(4), "SUCCESS")
+    # Woken by the trials' states, not a poll: no more steps than reports heard (and the first).
+    assert 0 < len(steps) <= len(reports) + 1, (len(steps), len(reports))
+
+
+def test_acancel_cancels_a_running_study_s_trials(fleet, app, tmp_path):
+    optuna = pytest.importorskip("optuna")
+
+    async def main() -> tuple[object, dict[int, str], tasks.Summary]:
+        async with FleetClient(app) as client:
+            handle = await asyncio.to_thread(
+                client.start_study, "counted", {"score": [0.5]}, 6, "score", devices=DEVICES,
+                name=_study_name("cancelled"), max_concurrent=2,
+                kwargs={"marker": str(tmp_path), "seconds": 60.0, "steps": 300})
+            seen: list[Report] = []
+            async for report in handle.watch():
+                seen.append(report)
+                if _running(seen, 2):
+                    break
+            await handle.acancel()
+            study = await handle.wait(timeout=60)
+            return study, await handle.astates(), await handle.asummary()
+
+    study, states, summary = asyncio.run(main())
+    assert states == {0: "REVOKED", 1: "REVOKED"}  # no trial asked for after the cancel
+    assert (summary.total, summary.cancelled, summary.running, summary.queued) == (2, 2, 0, 0)
+    trials = study.trials  # type: ignore[attr-defined]
+    assert len(trials) == 2 and {t.state for t in trials} == {optuna.trial.TrialState.FAIL}
     assert all("cancelled" in t.user_attrs for t in trials)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
@@ -40,6 +42,11 @@ from .listener import RECHECK_S
 from .reader import RUNNING_STATES, Meta, StateReader, device_of, entry_of, state_of
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between a blocking handle's reads while jobs finish often; it backs off to
+#: :data:`MAX_POLL_S` while nothing changes (awaiting listens instead).
+MIN_POLL_S = 0.002
+MAX_POLL_S = 0.1
 
 K = TypeVar("K")
 R = TypeVar("R")
@@ -270,18 +277,32 @@ class JobHandle(Generic[K, R]):
     async def _follow(self, ordered: bool = False
                       ) -> AsyncIterator[tuple[dict[str, Meta | None], list[tuple[str, Meta]]]]:
         """``(every job's meta, the states heard since the last yield)`` after each change: first
-        the stored metas (with, if ``ordered``, the states published before they were read, in
-        order), then at each state published."""
-        ids = list(self.jobs().values())
+        the stored metas, then at each state published. A job that joins the handle (a study's
+        next trial) is heard from then on and read once. With ``ordered``, what is heard also
+        holds each new job's stored meta, in its place among the states published before it was
+        read (a barrier), so that :meth:`watch` reports in order."""
         listener = self.connections.listener()
-        async with listener.subscribe(ids) as sub:
-            metas = await self._aread()
-            heard: list[tuple[str, Meta]] = []
-            if ordered:
-                await listener.barrier()
-                heard = sub.drain()
-            yield metas, heard
+        followed: set[str] = set()
+        heard: list[tuple[str, Meta]] = []
+        metas: dict[str, Meta | None] | None = None
+        async with listener.subscribe(()) as sub:
             while True:
+                new: list[str] = []
+                while more := [tid for tid in self.jobs().values() if tid not in followed]:
+                    await listener.extend(sub, more)  # subscribed first: nothing stored after is missed
+                    followed.update(more)
+                    new += more
+                    metas = await self._aread()  # may add jobs (a study asks for its next trials)
+                if metas is None:  # no job yet
+                    metas = await self._aread()
+                if ordered and new:
+                    await listener.barrier()
+                    later = sub.drain()
+                    told = {tid for tid, _ in later}
+                    # A job heard from since it was read: its messages say it all, in order.
+                    snapshot = [(tid, m) for tid in new if (m := metas.get(tid)) is not None and tid not in told]
+                    heard = [*heard, *snapshot, *later]
+                yield metas, heard
                 message = await sub.next(RECHECK_S)
                 if message is None:  # nothing heard for a while: read what is stored
                     metas, heard = await self._aread(), []
@@ -289,26 +310,21 @@ class JobHandle(Generic[K, R]):
                     heard = [message, *sub.drain()]
                     for task_id, meta in heard:
                         self.reader.note(task_id, meta)
-                    metas = await self._aread({tid: self.reader.known(tid) for tid in ids})
-                yield metas, heard
+                    metas = await self._aread({tid: self.reader.known(tid) for tid in self.jobs().values()})
 
     async def watch(self) -> AsyncIterator[Report[K]]:
         """Each job's state and progress as it is published, in order, until every job has
         finished: a :class:`Report` per change (``STARTED``, each ``PROGRESS`` report, the final
         state with the entry). A job's last progress report comes before its final state."""
-        key_of = {tid: key for key, tid in self.jobs().items()}
+        key_of: dict[str, K] = {}
         progress: dict[str, dict[str, Any]] = {}
         last: dict[str, tuple[str, Any]] = {}
-        first = True
         async for metas, heard in self._follow(ordered=True):
-            if first:
-                first = False
-                progress.update(await self.reader.areports(list(key_of)))
-                told = {tid for tid, _ in heard}
-                # A job heard from since it was read: its messages say it all, in order.
-                events = [(tid, m) for tid, m in metas.items() if m is not None and tid not in told] + heard
-            else:
-                events = heard or [(tid, m) for tid, m in metas.items() if m is not None]
+            new = [tid for tid in self.jobs().values() if tid not in key_of]
+            if new:
+                key_of.update({tid: key for key, tid in self.jobs().items()})
+                progress.update(await self.reader.areports(new))
+            events = heard or [(tid, m) for tid, m in metas.items() if m is not None]
             for task_id, meta in events:
                 state = state_of(meta)
                 if task_id in last and last[task_id][0] in states.READY_STATES:
@@ -322,3 +338,30 @@ class JobHandle(Generic[K, R]):
                 yield Report(key_of[task_id], task_id, state, dict(progress.get(task_id) or {}), entry_of(meta))
             if self._all_final(metas):
                 return
+
+    # -- blocking: a poll that backs off ----------------------------------------------------------
+
+    def _poll_until_final(self, timeout: float | None, stop: threading.Event | None = None) -> R:
+        """The result, read blocking (each read advances the handle): every :data:`MIN_POLL_S`
+        while jobs finish, backing off to :data:`MAX_POLL_S` while nothing changes. ``stop``:
+        an event that ends the wait early (then the result as it stands).
+
+        Raises:
+            FanOutTimeout: ``timeout`` seconds passed first; the jobs go on.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause, finished = MIN_POLL_S, -1
+        while True:
+            metas = self._read()
+            if self._all_final(metas) or (stop is not None and stop.is_set()):
+                return self._result(metas)
+            if deadline is not None and time.monotonic() > deadline:
+                pending = [self._name(k) for k, s in self._states(metas).items() if s not in states.READY_STATES]
+                raise FanOutTimeout(timeout or 0.0, pending)
+            now_finished = sum(1 for tid in self.jobs().values() if entry_of(metas.get(tid)) is not None)
+            pause = MIN_POLL_S if now_finished != finished else min(MAX_POLL_S, pause * 2)
+            finished = now_finished
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)

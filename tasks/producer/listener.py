@@ -87,24 +87,11 @@ class StateListener:
 
     @contextlib.asynccontextmanager
     async def subscribe(self, task_ids: Iterable[str]) -> AsyncIterator[Subscription]:
-        """Hear the states of ``task_ids`` from when Redis confirms the subscription."""
-        sub = Subscription({self.channel(task_id): task_id for task_id in task_ids})
-        for channel in sub.channels:
-            self._waiters.setdefault(channel, set()).add(sub)
+        """Hear the states of ``task_ids`` from when Redis confirms the subscription (more jobs
+        join it with :meth:`extend`)."""
+        sub = Subscription({})
         try:
-            async with self._lock:
-                new = [c for c in sub.channels if c not in self._subscribed]
-                if new:
-                    loop = asyncio.get_running_loop()
-                    self._subscribed.update({c: loop.create_future() for c in new})
-                    await self._pubsub.subscribe(*new)
-                self._start_reader()
-            confirmations = [self._subscribed[c] for c in sub.channels if c in self._subscribed]
-            try:
-                async with asyncio.timeout(CONFIRM_S):
-                    await asyncio.gather(*(asyncio.shield(f) for f in confirmations))
-            except TimeoutError:
-                logger.warning("no subscribe confirmation from Redis in %g s; reading on", CONFIRM_S)
+            await self.extend(sub, task_ids)
             yield sub
         finally:
             for channel in sub.channels:
@@ -115,6 +102,27 @@ class StateListener:
                         del self._waiters[channel]
             if not self._closed:
                 await self._unsubscribe_unwatched()
+
+    async def extend(self, sub: Subscription, task_ids: Iterable[str]) -> None:
+        """Hear the states of ``task_ids`` too on ``sub`` (a study's new trials), from when Redis
+        confirms the subscription."""
+        channels = {self.channel(task_id): task_id for task_id in task_ids}
+        sub.channels.update(channels)
+        for channel in channels:
+            self._waiters.setdefault(channel, set()).add(sub)
+        async with self._lock:
+            new = [c for c in channels if c not in self._subscribed]
+            if new:
+                loop = asyncio.get_running_loop()
+                self._subscribed.update({c: loop.create_future() for c in new})
+                await self._pubsub.subscribe(*new)
+            self._start_reader()
+        confirmations = [self._subscribed[c] for c in channels if c in self._subscribed]
+        try:
+            async with asyncio.timeout(CONFIRM_S):
+                await asyncio.gather(*(asyncio.shield(f) for f in confirmations))
+        except TimeoutError:
+            logger.warning("no subscribe confirmation from Redis in %g s; reading on", CONFIRM_S)
 
     async def barrier(self) -> None:
         """Return once every message Redis published before this call has been dispatched."""

@@ -31,11 +31,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery import Celery, states
+from celery import Celery
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
-from ..core.errors import ConfigError, FanOutTimeout, InvalidJobArguments, SweepConflict
+from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.records import SweepRecord
 from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
@@ -43,12 +43,6 @@ from .handle import JobHandle, Summary, summarize
 from .trials import TrialQueue, entry_of, queue_for, trial_task_id
 
 logger = logging.getLogger(__name__)
-
-#: Seconds between polls while trials finish often; the poll backs off to :data:`MAX_POLL_S`
-#: while nothing changes.
-MIN_POLL_S = 0.002
-MAX_POLL_S = 0.1
-
 
 def grid(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """Every combination of ``axes``' values, as trials: ``grid({"lr": [1, 2], "seed": [0, 1]})``
@@ -191,21 +185,7 @@ class Sweep(JobHandle[int, list[dict[str, Any]]]):
         Raises:
             FanOutTimeout: ``timeout`` seconds passed first; the sweep goes on running.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = MIN_POLL_S
-        finished = -1
-        while True:
-            metas = self.poll()
-            now_finished = sum(1 for m in metas if m is not None and m.get("status") in states.READY_STATES)
-            if now_finished == len(metas):
-                return [e for e in self.entries(metas) if e is not None]
-            if deadline is not None and time.monotonic() > deadline:
-                pending = [f"trial {i}" for i, e in enumerate(self.entries(metas)) if e is None]
-                raise FanOutTimeout(timeout or 0.0, pending)
-            # Poll often while trials finish often; back off while nothing changes.
-            pause = MIN_POLL_S if now_finished != finished else min(MAX_POLL_S, pause * 2)
-            finished = now_finished
-            time.sleep(pause)
+        return self._poll_until_final(timeout)
 
     # -- cancelling --------------------------------------------------------------------------
 
