@@ -3,7 +3,8 @@ and compare.
 
 Celery's integration tests (``t/integration`` of the sdist of the installed Celery: pip
 downloads it into a cache; nothing of Celery's is kept in this repository) run with Celery's
-own session worker against one throwaway ``redis-server`` on loopback, three times:
+own session worker, each run against a throwaway ``redis-server`` of its own on loopback, the
+runs at the same time (the tests mostly wait on results and timeouts, not on a core):
 
 - ``plain``: Celery's Redis transport and backend, Celery's prefork worker: the reference;
 - ``fleet``: ``broker_transport = tasks.core.transport:Transport`` and the result backend
@@ -13,17 +14,19 @@ own session worker against one throwaway ``redis-server`` on loopback, three tim
 
 A test that passes in ``plain`` must pass in the fleet's runs, except the expected divergences
 (:mod:`tests.celery_suite.plugin`, each a deliberate rule with its reason, marked xfail(strict):
-they must still diverge). A test that fails in ``plain`` too is reported, not counted. A test
-that hangs fails at its timeout. Exit status 1 when the fleet's runs lose a test plain Celery
-passes, 0 otherwise.
+they must still diverge). A test a fleet run loses is run again alone in that run and in
+``plain``; it counts as lost if it fails again and passes in ``plain`` (else it is reported as
+flaky). A test that fails in ``plain`` too is reported, not counted. A test that hangs fails at
+its timeout. Exit status 1 when a fleet run loses a test, 0 otherwise.
 
-``python3 -m tests.celery_suite [--runs plain,fleet,fleet-threads] [--all]``: ``--all`` runs
-every test of the four files instead of the selection (over half an hour here).
+``python3 -m tests.celery_suite [--runs plain,fleet,fleet-threads] [--all] [--keep DIR]``:
+``--all`` runs every test of the four files instead of the selection (about 20 minutes here).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,7 +44,7 @@ from tasks.core.app import CONSUMER, TRANSPORT
 from tasks.ops.proc import free_port, wait_until
 from tasks.ops.redis_server import find_redis_server
 
-from .plugin import FILES, RUNS
+from .plugin import FILES, RUN_FILES, RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("DEVICEFLEET_CELERY_SDIST_CACHE", Path.home() / ".cache" / "devicefleet"))
@@ -120,31 +123,68 @@ def run_config(run: str) -> dict[str, object]:
     return config
 
 
-def run_tests(run: str, root: Path, redis: PlainRedis, report: Path, everything: bool) -> float:
-    """One run of the selection (or ``everything``); its JUnit XML in ``report``; its seconds."""
+def pytest_command(run: str, root: Path, redis: PlainRedis, report: Path, tests: list[str],
+                   everything: bool) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one run of ``tests`` (node ids or files)."""
     (root / "integration-tests-config.json").write_text(json.dumps(run_config(run)))
-    redis_flush(redis)
     env = {**os.environ, "TEST_BROKER": redis.url, "TEST_BACKEND": redis.url, "REDIS_HOST": "127.0.0.1",
            "REDIS_PORT": str(redis.port), "DEVICEFLEET_CELERY_SUITE_RUN": run,
            "DEVICEFLEET_CELERY_SUITE_ALL": "1" if everything else "",
            "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)])}
     env.pop("DEVICEFLEET_REDIS_URL", None)
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest", "-p", "tests.celery_suite.plugin",
-                    "-p", "no:cacheprovider",
-                    "-q", "-rfE", f"--timeout={TEST_TIMEOUT_S}", f"--junitxml={report}",
-                    *(f"t/integration/{name}" for name in FILES)], cwd=root, env=env, check=False)
-    return time.monotonic() - started
+    argv = [sys.executable, "-m", "pytest", "-p", "celery.contrib.pytest", "-p", "tests.celery_suite.plugin",
+            "-p", "no:cacheprovider", "-q", "-rfE", f"--timeout={TEST_TIMEOUT_S}", f"--junitxml={report}", *tests]
+    return argv, env
 
 
-def redis_flush(redis: PlainRedis) -> None:
-    import redis as redis_py
+def run_all(runs: list[str], work: Path, src: Path, everything: bool) -> dict[str, dict[str, str]]:
+    """Every run at once, each in its own copy of the tests with its own redis-server (the tests
+    spend most of their time waiting on results and timeouts, not on a core); their outcomes.
+    A test one of the fleet's runs loses is run again alone, in that run and in ``plain``, and
+    counts as lost only if it fails again there and passes in ``plain``."""
+    with contextlib.ExitStack() as stack:
+        started, procs = time.monotonic(), {}
+        for run in runs:
+            root = work / run
+            shutil.copytree(src, root)
+            redis = stack.enter_context(PlainRedis(work / f"redis-{run}"))
+            files = RUN_FILES.get(run, (FILES, ""))[0]
+            argv, env = pytest_command(run, root, redis, work / f"{run}.xml",
+                                       [f"t/integration/{name}" for name in files], everything)
+            log = stack.enter_context((work / f"{run}.log").open("w"))
+            procs[run] = (subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT), root, redis)
+        for run, (proc, _, _) in procs.items():
+            proc.wait()
+            print(f"celery-suite: {run}: done after {time.monotonic() - started:.0f} s; its log: {work / f'{run}.log'}")
+            print((work / f"{run}.log").read_text(errors="replace").strip().splitlines()[-1], flush=True)
+        results = {run: outcomes(work / f"{run}.xml") for run in runs}
+        for run in runs:
+            if run == "plain":
+                continue
+            for test in [t for t, o in results[run].items() if o == "failed" and results["plain"].get(t) == "passed"]:
+                again = {}
+                for which in (run, "plain"):
+                    _, root, redis = procs[which]
+                    argv, env = pytest_command(which, root, redis, work / "again.xml", [node_id(test)], everything)
+                    subprocess.run(argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                   check=False)
+                    again[which] = outcomes(work / "again.xml").get(test, "failed")
+                if again[run] == "passed" or again["plain"] != "passed":
+                    print(f"celery-suite: {run}: {test} failed once, then {again[run]} ({again['plain']} on plain): "
+                          "a flaky test, not counted")
+                    results[run][test] = "flaky"
+    return results
 
-    client = redis_py.Redis(port=redis.port)
-    try:
-        client.flushall()
-    finally:
-        client.close()
+
+def node_id(test: str) -> str:
+    """``t.integration.test_canvas.test_chord::test_x`` (a JUnit class name and test) as a pytest
+    node id, ``t/integration/test_canvas.py::test_chord::test_x``."""
+    classname, name = test.split("::", 1)
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        if f"{parts[i - 1]}.py" in FILES:
+            return "::".join(["/".join(parts[:i]) + ".py", *parts[i:], name])
+    return test
 
 
 def outcomes(report: Path) -> dict[str, str]:
@@ -179,24 +219,19 @@ def compare(reference: dict[str, str], other: dict[str, str], run: str) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tests.celery_suite", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)} (plain always runs)")
     parser.add_argument("--all", action="store_true", help="every test of the files, not the selection")
-    parser.add_argument("--keep", type=Path, help="keep the sdist's tests and the reports in this folder")
+    parser.add_argument("--keep", type=Path, help="keep the tests, logs and reports in this (new) folder")
     args = parser.parse_args(argv)
-    runs = [r for r in args.runs.split(",") if r]
+    runs = ["plain", *(r for r in args.runs.split(",") if r and r != "plain")]
     if unknown := sorted(set(runs) - set(RUNS)):
         parser.error(f"unknown run(s) {', '.join(unknown)}: choose from {', '.join(RUNS)}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="devicefleet-celery-suite-"))
+    work.mkdir(parents=True, exist_ok=True)
     try:
-        root = celery_tests(celery.__version__, work)
-        results: dict[str, dict[str, str]] = {}
-        with PlainRedis(work / "redis") as redis:
-            for run in ["plain", *(r for r in runs if r != "plain")]:
-                report = work / f"{run}.xml"
-                seconds = run_tests(run, root, redis, report, args.all)
-                results[run] = outcomes(report)
-                print(f"celery-suite: {run}: {len(results[run])} tests in {seconds:.0f} s", flush=True)
-        lost = [t for run in runs if run != "plain" for t in compare(results["plain"], results[run], run)]
+        src = celery_tests(celery.__version__, work / "src")
+        results = run_all(runs, work, src, args.all)
+        lost = [t for run in runs[1:] for t in compare(results["plain"], results[run], run)]
         return 1 if lost else 0
     finally:
         if args.keep is None:
