@@ -53,8 +53,17 @@ LEFT_OUT: dict[str, str] = {
     "test_revoked_by_headers_complex_canvas": "fails on plain Celery here too (22 s)",
 }
 
-#: Per run, substrings of test ids that are expected to fail there, and why.
-EXPECTED: dict[str, dict[str, str]] = {"fleet": {}, "fleet-threads": {}}
+#: Per run, substrings of test ids that are expected to fail there, and why. The fleet's
+#: transport and backend have none: every test that passes on plain Celery passes on them.
+EXPECTED: dict[str, dict[str, str]] = {
+    "fleet": {},
+    "fleet-threads": {
+        "test_chord_soft_timeout_recuperation": (
+            "a task's soft_time_limit: Celery's threads pool has no time limits (a thread cannot be "
+            "interrupted), so the task runs on and the chord sums 103, not 3; the fleet's worker "
+            "enforces its jobs' time limits on their job processes instead"),
+    },
+}
 
 
 def _run() -> str:
