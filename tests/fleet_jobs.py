@@ -266,10 +266,12 @@ def meet(ctx: JobContext, params: MeetParams) -> dict[str, Any]:
 
 
 class HogParams(BaseModel):
+    """What ``hog`` and ``gpu_hog`` hold, and the file that releases them."""
+
     model_config = ConfigDict(extra="forbid")
     mib: int
     release_file: str
-    timeout_s: float = 60.0
+    timeout_s: float = 120.0
 
 
 @job("hog", params=HogParams)
@@ -280,15 +282,8 @@ def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
     return {"held_mib": len(held) // 2**20, "pid": os.getpid()}
 
 
-class GpuHogParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    mib: int
-    release_file: str
-    timeout_s: float = 120.0
-
-
-@job("gpu_hog", params=GpuHogParams)
-def gpu_hog(ctx: JobContext, params: GpuHogParams) -> dict[str, Any]:
+@job("gpu_hog", params=HogParams)
+def gpu_hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
     """Allocate ``mib`` MiB on the job's device, then hold it until ``release_file`` exists."""
     import torch
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..core.devices import Device
 from ..core.errors import ConfigError, FleetError
+from .memory import MiB
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 MPS_CONTROL = "nvidia-cuda-mps-control"
 #: Seconds the control program has to start the daemon or to answer ``quit``.
 CONTROL_TIMEOUT_S = 15.0
-MiB = 1 << 20
 
 
 class MpsServer:
