@@ -4,6 +4,7 @@ The public API::
 
     import tasks
     results = tasks.fan_out("train", devices="all", kwargs={"epochs": 10}).get(timeout=600)
+    results = await tasks.fan_out("train", devices="all")       # from async code, the same handle
     entries = tasks.sweep("train", tasks.grid({"lr": [0.1, 0.01], "seed": [0, 1]})).get()
     study = tasks.optimize("train", {"lr": {"low": 1e-3, "high": 0.3, "log": True}}, 20, "accuracy")
 
@@ -53,8 +54,12 @@ from .core.settings import Settings
 from .core.shadow import warn_if_shadowed
 from .producer import (
     FanOut,
+    FleetClient,
+    JobHandle,
     JobSpec,
     LogFollower,
+    Report,
+    Summary,
     Sweep,
     SweepSummary,
     command,
@@ -69,7 +74,7 @@ from .producer import (
 
 if TYPE_CHECKING:
     from .ops.fleet import Fleet
-    from .producer.optimize import optimize
+    from .producer.optimize import StudyHandle, optimize, optimize_async, start_study
 
 __all__ = [
     "ENTRY_KEYS",
@@ -88,12 +93,14 @@ __all__ = [
     "FanOutTimeout",
     "Fleet",
     "FleetCelery",
+    "FleetClient",
     "FleetError",
     "InvalidJobArguments",
     "JobCancelled",
     "JobContext",
     "JobCrashed",
     "JobError",
+    "JobHandle",
     "JobMetric",
     "JobOptions",
     "JobSpec",
@@ -103,7 +110,10 @@ __all__ = [
     "NoJobProcess",
     "OutOfMemory",
     "QueueName",
+    "Report",
     "Settings",
+    "StudyHandle",
+    "Summary",
     "Sweep",
     "SweepConflict",
     "SweepSummary",
@@ -122,6 +132,8 @@ __all__ = [
     "job",
     "live_devices",
     "optimize",
+    "optimize_async",
+    "start_study",
     "sweep",
 ]
 
@@ -135,8 +147,8 @@ def __getattr__(name: str) -> Any:
         from .ops.fleet import Fleet
 
         return Fleet
-    if name == "optimize":  # needs Optuna, an extra: loaded when first asked for
-        from .producer.optimize import optimize
+    if name in ("optimize", "optimize_async", "start_study", "StudyHandle"):  # need Optuna, an extra: loaded when first asked for
+        from .producer import optimize
 
-        return optimize
+        return getattr(optimize, name)
     raise AttributeError(f"module 'tasks' has no attribute {name!r}")

@@ -151,7 +151,8 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         # Multi-host names (cpu0@hosta) are already the node name.
         "--hostname", device.name if device.host else f"{device.name}@{host_name()}",
         "--pool", config.pool.value,
-        "--concurrency", str(config.concurrency),
+        # One job per slot (the bootstep sets the same from the config for `celery -A tasks worker`).
+        "--concurrency", str(config.slots),
         "--task-events",
         "--loglevel", loglevel or config.loglevel,
         # No start-up round trips to other workers: a device worker needs nothing from them.
@@ -241,6 +242,8 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
               help="Seconds a job may run; then it ends as JobTimeout [default: the worker config's max_job_seconds].")
 @click.option("--max-attempts", type=click.IntRange(1, 100),
               help="Runs that may take their whole worker down before the job ends as WorkerLost [default: 3].")
+@click.option("--per-slot", is_flag=True,
+              help="Run one copy of JOB per slot of each device, at once (keys DEVICE/N).")
 @click.option("--distributed", is_flag=True,
               help="Run JOB once over all DEVICES as the ranks of one torch.distributed group (DDP).")
 @click.option("--backend", type=click.Choice([b.value for b in DistBackend]),
@@ -252,8 +255,8 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
-        max_attempts: int | None, distributed: bool, backend: str | None, max_restarts: int | None,
-        join_timeout: float | None, redis_url: str | None) -> None:
+        max_attempts: int | None, per_slot: bool, distributed: bool, backend: str | None,
+        max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
     Ctrl-C (which cancels the fan-out).
 
@@ -279,7 +282,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
         handle = fan_out(target, devices, kwargs=kwargs,
                          options={k: v for k, v in options.items() if v is not None} or None,
-                         distributed=gang, app=app)
+                         distributed=gang, per_slot=per_slot, app=app)
         if is_command:
             watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
         else:
@@ -648,8 +651,8 @@ def tensorboard(logdir: Path | None, port: int) -> None:
 @click.option("--quick", is_flag=True, help="Smoke mode (CI): few runs, small batches, short jobs.")
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
 @click.option("--section", "sections", multiple=True, metavar="NAME",
-              help="Measure only this section (repeatable): dispatch, sweep, fanout, ddp, gpu, commands, isolation, "
-                   "pipeline.")
+              help="Measure only this section (repeatable): dispatch, producer, sweep, fanout, ddp, gpu, commands, isolation, "
+                   "slots, pipeline.")
 def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...]) -> None:
     """Measure a throwaway fleet against what users would do instead; print a table."""
     from .bench import report
@@ -735,6 +738,8 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
     for device, rec in live.items():
         busy = rec.busy
         state = f"busy: {busy.job} {now - busy.since:.0f}s" if busy else ("idle" if rec.ready else "starting")
+        if rec.slot_count > 1:
+            state += f" ({len(rec.running)}/{rec.slot_count} slots busy)"
         table.add_row(
             device, rec.worker, str(rec.pid), state, str(rec.jobs_done), str(rec.cuda_visible_devices),
             f"{rec.device_name}" + (" (CUDA)" if rec.cuda_available else ""),
@@ -743,66 +748,16 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
     console.print(table)
 
 
-#: The result table shows this many numeric output fields, the first ones in the job's output
-#: (a job puts first what matters most); the other scalar fields follow as text.
-SUMMARY_FIELDS = 4
-
-
-#: Text fields longer than this (paths, ids) are listed under the table, not in it.
-LONG_TEXT = 32
-
-
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return
-    outputs = [entry.get("output") or {} for entry in results.values() if entry["status"] == "ok"]
-    numeric: list[str] = []
-    for out in outputs:
-        for key, value in out.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in numeric:
-                numeric.append(key)
-    from .ops.status import table as fit_table
+    from .ops.result_table import fanout_table
 
-    metrics = numeric[:SUMMARY_FIELDS]
-    # The text column only when a device failed or the output has no numeric field to show.
-    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
-    headers = [key.replace("_", " ") for key in metrics]
-    table = fit_table("fan-out result",
-                      ["device", "status", "seconds", "CUDA visible", *headers]
-                      + (["output / error"] if other else []),
-                      right=("seconds", *headers))
-    below: list[str] = []
-    for device, entry in results.items():
-        output = entry.get("output") or {}
-        vis = entry.get("visibility") or {}
-        ok = entry["status"] == "ok"
-        row = [device, "[green]ok[/]" if ok else "[red]error[/]", _fmt(entry.get("duration_s")),
-               str(vis.get("cuda_visible_devices"))]
-        row += [_fmt(output.get(key, "")) for key in metrics]
-        if ok:
-            short = []
-            for key, value in output.items():
-                if key in metrics or isinstance(value, (dict, list)):
-                    continue
-                if isinstance(value, str) and len(value) > LONG_TEXT:
-                    below.append(f"{device} {key}: {value}")
-                else:
-                    short.append(f"{key}={_fmt(value)}")
-            if other:
-                row.append(", ".join(short[:SUMMARY_FIELDS]))
-        else:
-            row.append(f"{entry['error']['type']}: {entry['error']['message']}")
-        table.add_row(*row)
+    table, below = fanout_table(results)
     console.print(table)
     for line in below:
         console.print(line, highlight=False, soft_wrap=True)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
-    return str(value)
 
 
 def main() -> None:

@@ -10,6 +10,18 @@ from pydantic import BaseModel, ConfigDict
 from tasks.core.job import JobContext, job
 
 
+def _wait_for_file(path: str, timeout_s: float) -> None:
+    """Wait until ``path`` exists (the test's signal); TimeoutError after ``timeout_s``."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 class FailParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     message: str = "boom"
@@ -43,16 +55,9 @@ class HoldParams(BaseModel):
 def hold(ctx: JobContext, params: HoldParams) -> dict[str, Any]:
     """Report progress ``steps`` times, then wait until ``release_file`` exists: a job a test
     can watch while it runs, released when the test has seen what it wanted."""
-    import time
-    from pathlib import Path
-
     for step in range(1, params.steps + 1):
         ctx.progress(step=step, total=params.steps, loss=1.0 / step)
-    deadline = time.monotonic() + params.timeout_s
-    while not Path(params.release_file).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
-        time.sleep(0.05)
+    _wait_for_file(params.release_file, params.timeout_s)
     return {"steps": params.steps, "device": ctx.device, "pid": os.getpid()}
 
 
@@ -228,3 +233,60 @@ def environment(ctx: JobContext, params: RewriteParams) -> dict[str, Any]:
         os.chdir("/")
         sys.path.insert(0, "/nonexistent")
     return seen
+
+
+class MeetParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    folder: str
+    #: How many jobs (this one included) must have started before it returns.
+    count: int = 2
+    timeout_s: float = 60.0
+
+
+@job("meet", params=MeetParams)
+def meet(ctx: JobContext, params: MeetParams) -> dict[str, Any]:
+    """Write ``<folder>/<job id>.started`` (pid, slot, cores), then wait until ``count`` such files
+    exist: jobs that return have run at the same time, however fast the machine."""
+    import json
+    import time
+    from pathlib import Path
+
+    folder = Path(params.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = {"pid": os.getpid(), "slot": ctx.slot, "cores": ctx.cores, "threads": ctx.threads}
+    (folder / f"{ctx.job_id}.started").write_text(json.dumps(mine))
+    deadline = time.monotonic() + params.timeout_s
+    while len(list(folder.glob("*.started"))) < params.count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(list(folder.glob('*.started')))} of {params.count} jobs started "
+                               f"within {params.timeout_s:g} s")
+        ctx.progress()
+        time.sleep(0.02)
+    return mine
+
+
+class HogParams(BaseModel):
+    """What ``hog`` and ``gpu_hog`` hold, and the file that releases them."""
+
+    model_config = ConfigDict(extra="forbid")
+    mib: int
+    release_file: str
+    timeout_s: float = 120.0
+
+
+@job("hog", params=HogParams)
+def hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
+    """Hold ``mib`` MiB (touched, so it is resident) until ``release_file`` exists."""
+    held = bytearray(b"x") * (params.mib * 2**20)  # one allocation, every page written
+    _wait_for_file(params.release_file, params.timeout_s)
+    return {"held_mib": len(held) // 2**20, "pid": os.getpid()}
+
+
+@job("gpu_hog", params=HogParams)
+def gpu_hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
+    """Allocate ``mib`` MiB on the job's device, then hold it until ``release_file`` exists."""
+    import torch
+
+    held = torch.ones(params.mib * 2**18, dtype=torch.float32, device=ctx.torch_device)
+    _wait_for_file(params.release_file, params.timeout_s)
+    return {"held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.bench import commands, isolation, report
+from tasks.bench import commands, isolation, report, slots
 from tasks.bench.dispatch import percentile
 from tasks.bench.run import run_bench
 from tasks.bench.sweep import ideal_makespan, trial_lengths
@@ -101,6 +101,14 @@ def test_bench_worker_configs_allow_the_interpreter_in_the_bench_folder(tmp_path
     (configs / "cpu1.toml").write_text('kind = "cpu"\ncommands.programs = ["bash"]\n')
     with pytest.raises(ConfigError, match="cpu1.toml"):
         commands.write_commands_table(configs, workdir)
+
+
+def test_bench_slot_configs_set_the_slots_of_every_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, source = _packaged_copy(tmp_path / "source")
+    (source / "gpu1.toml").write_text('kind = "gpu"\nconcurrency = 3\n')  # the old name goes too
+    configs = slots.write_slot_configs(source, tmp_path / "bench", 4)
+    for name in ("cpu0", "gpu0", "gpu1"):
+        assert load_worker_config(configs, Device.parse(name)).slots == 4
 
 
 def test_misbehaving_jobs_are_only_in_the_bench_allowlist() -> None:

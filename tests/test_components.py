@@ -13,12 +13,15 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -43,6 +46,7 @@ from tasks.core.records import (
     GangSpec,
     LeaseRecord,
     ResendRecord,
+    SlotRecord,
     WorkerRecord,
 )
 from tasks.core.registry import connect, live_workers, read_worker
@@ -58,7 +62,7 @@ from tasks.worker import lease as lease_module
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
-from tests.conftest import wait_for
+from tests.conftest import cli_env, wait_for
 
 OTHER_HOST = "host-of-another-worker"
 
@@ -108,7 +112,7 @@ def worker_record(device: str, *, host: str | None = None, pid: int | None = Non
     return WorkerRecord(
         device=device, kind="cpu", worker=f"{device}@{host or host_name()}", host=host or host_name(),
         pid=os.getpid() if pid is None else pid, queues=[f"device.{device}", "cpu", "fleet"], cores=[0],
-        pool="threads", concurrency=1, jobs=["noop"], started_at=time.time(), **fields,
+        pool="threads", slots=[SlotRecord(index=0, cores=[0])], jobs=["noop"], started_at=time.time(), **fields,
     )
 
 
@@ -528,11 +532,11 @@ def test_heartbeat_registers_updates_and_leaves(client):
 
         # The interval is 30 s: the change is visible at once only because update wakes the thread.
         busy = BusyInfo(job="noop", job_id="j-1", since=time.time())
-        beat.update(busy=busy, progress={"step": 3})
+        beat.update_slot(0, busy=busy, progress={"step": 3})
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is not None and r,
                           5, "the busy record in Redis")
-        assert record.busy == busy and record.progress == {"step": 3}
-        beat.update(busy=None, jobs_done=1)
+        assert record.busy == busy and record.slots[0].progress == {"step": 3}
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 1})
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.busy is None and r,
                           5, "the idle record in Redis")
         assert record.jobs_done == 1
@@ -567,16 +571,16 @@ def test_heartbeat_updates_closer_than_after_s_go_out_in_one_write(client):
     try:
         asked = time.monotonic()
         # A short job: busy, then idle, then the next job's busy, all within after_s.
-        beat.update(busy=BusyInfo(job="noop", job_id="j-1", since=time.time()), after_s=0.3)
-        beat.update(busy=None, jobs_done=1, after_s=0.3)
-        beat.update(busy=BusyInfo(job="noop", job_id="j-2", since=time.time()), after_s=0.3)
+        beat.update_slot(0, busy=BusyInfo(job="noop", job_id="j-1", since=time.time()), after_s=0.3)
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 1}, after_s=0.3)
+        beat.update_slot(0, busy=BusyInfo(job="noop", job_id="j-2", since=time.time()), after_s=0.3)
         record = wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 1 and r,
                           5, "the coalesced write")
         written = time.monotonic()
         assert record.busy is not None and record.busy.job_id == "j-2"  # the latest fields
         assert beat.writes == 2  # the start's, and one for all three updates
         assert written - asked >= 0.3  # not before the first update's after_s
-        beat.update(busy=None, jobs_done=2)  # after_s=0: at once (the interval is 30 s)
+        beat.update_slot(0, busy=None, worker_fields={"jobs_done": 2})  # after_s=0: at once (the interval is 30 s)
         wait_for(lambda: (r := read_worker(client, "cpu7")) is not None and r.jobs_done == 2, 5, "an immediate write")
         assert beat.writes == 3
     finally:
@@ -850,6 +854,46 @@ def test_a_stored_failure_keeps_its_entry(client, app):
     result = app.AsyncResult(task_id)
     assert result.state == "FAILURE"
     assert isinstance(result.result, ValueError) and str(result.result) == "boom"
+
+
+def test_a_failure_is_final_for_a_fleet_job_and_not_for_any_other_task(client, app):
+    """Celery never stores a state over a SUCCESS; a devicefleet job's FAILURE and REVOKED are
+    as final. Any other task keeps Celery's rule: it may run again under its id after failing."""
+    backend = app.backend
+    for name, final in (("devicefleet.probe", True), ("myapp.add", False), (None, True)):
+        task_id = str(uuid.uuid4())
+        request = Context(id=task_id, task=name)
+        backend.store_result(task_id, ValueError("boom"), "FAILURE", request=request)
+        backend.store_result(task_id, {"pid": 1}, "STARTED", request=request)
+        assert backend.get_task_meta(task_id, cache=False)["status"] == ("FAILURE" if final else "STARTED"), name
+        backend.store_result(task_id, 3, "SUCCESS", request=request)
+        backend.store_result(task_id, {"pid": 2}, "STARTED", request=request)  # never over a SUCCESS
+        assert backend.get_task_meta(task_id, cache=False)["status"] == ("FAILURE" if final else "SUCCESS"), name
+
+
+def test_only_a_fan_outs_chord_reads_a_failed_part_as_its_entry():
+    from celery import signature
+
+    from tasks.core.backend import fan_out_chord, fleet_task
+    from tasks.core.job import COLLECT_TASK
+
+    assert fan_out_chord(SimpleNamespace(chord=signature(COLLECT_TASK, kwargs={"devices": ["cpu0"]})))
+    assert fan_out_chord(SimpleNamespace(chord={"task": COLLECT_TASK}))
+    assert not fan_out_chord(SimpleNamespace(chord=signature("myapp.tsum")))
+    assert not fan_out_chord(SimpleNamespace(chord=None))
+    assert fleet_task(SimpleNamespace(task="devicefleet.train")) and fleet_task(None)
+    assert not fleet_task(SimpleNamespace(task="t.integration.tasks.add"))
+
+
+def test_importing_tasks_leaves_celerys_current_app_alone():
+    code = ("from celery import Celery, current_app, shared_task\n"
+            "mine = Celery('mine', set_as_current=True)\n"
+            "import tasks, tasks.core.backend, tasks.core.transport\n"
+            "assert current_app.main == 'mine', current_app.main\n"
+            "@shared_task\ndef add(x, y): return x + y\n"
+            "assert add.app is mine, add.app\n"
+            "assert tasks.app.main == 'devicefleet'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=cli_env())
 
 
 # -- progress: throttled, and the latest report always published -------------------------------

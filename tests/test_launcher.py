@@ -82,7 +82,8 @@ def test_sigterm_to_up_with_a_hung_job_ends_within_the_stop_timeout(tmp_path):
         hung = json.dumps({"steps": 1, "release_file": str(tmp_path / "never"), "timeout_s": 3600})
         run = subprocess.Popen([*CLI, "run", "hold", "--devices", "cpu0", "--kwargs", hung], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: _ready_workers(env).get("cpu0", {}).get("busy"), 60, "cpu0 to run the hung job")
+        wait_for(lambda: any(slot["busy"] for slot in _ready_workers(env).get("cpu0", {}).get("slots", [])), 60,
+                 "cpu0 to run the hung job")
         began = time.monotonic()
         up.send_signal(signal.SIGTERM)
         code = up.wait(stop_timeout + 10)

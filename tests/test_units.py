@@ -128,8 +128,8 @@ def test_gpu_worker_config_refuses_prefork(tmp_path):
 
 
 def test_worker_config_names_the_file_and_the_bad_value(tmp_path):
-    (tmp_path / "cpu.toml").write_text('kind = "cpu"\nconcurrency = 0\n')
-    with pytest.raises(ConfigError, match=r"cpu\.toml: concurrency=0"):
+    (tmp_path / "cpu.toml").write_text('kind = "cpu"\nslots = 0\n')
+    with pytest.raises(ConfigError, match=r"cpu\.toml: slots=0"):
         load_worker_config(tmp_path, Device.parse("cpu0"))
     (tmp_path / "cpu1.toml").write_text('kind = "gpu"\n')
     with pytest.raises(ConfigError, match="configures cpu1"):
@@ -140,7 +140,7 @@ def test_worker_config_names_the_file_and_the_bad_value(tmp_path):
 
 def test_worker_config_defaults():
     config = WorkerConfig(kind=DeviceKind.CPU)
-    assert (config.pool.value, config.concurrency, config.cores) == ("threads", 1, "auto")
+    assert (config.pool.value, config.slots, config.memory_gib, config.cores) == ("threads", 1, None, "auto")
 
 
 def test_job_specs():
@@ -156,7 +156,7 @@ def _record(device: str) -> WorkerRecord:
     kind = device.rstrip("0123456789")
     return WorkerRecord(device=device, kind=kind, worker=f"{device}@host", host="host", pid=1,
                         queues=[f"device.{device}", kind, "fleet"], cores=[0], pool="threads",
-                        concurrency=1, jobs=["probe"], started_at=0.0)
+                        jobs=["probe"], started_at=0.0)
 
 
 def test_select_devices():

@@ -24,7 +24,7 @@ from ..producer.fanout import fan_out
 logger = logging.getLogger(__name__)
 
 
-def _sample_utilization(
+def sample_utilization(
     stop: threading.Event, samples: list[tuple[float, float]], interval_s: float = 0.05
 ) -> None:
     import torch
@@ -60,7 +60,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
 
     stop = threading.Event()
     samples: list[tuple[float, float]] = []
-    sampler = threading.Thread(target=_sample_utilization, args=(stop, samples), daemon=True)
+    sampler = threading.Thread(target=sample_utilization, args=(stop, samples), daemon=True)
     sampler.start()
     try:
         _, results = _train(app, {"gpu0": cnn})

@@ -34,7 +34,7 @@ from celery import Celery
 
 from ..ops.proc import wait_until
 from ..producer.fanout import FanOut, fan_out, live_devices
-from ..worker.supervisor import WARM_PROCESSES
+from ..worker.supervisor import SPARE_PROCESSES
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,13 @@ def _wait(check: Callable[[], Any], what: str) -> Any:
 
 
 def wait_warm(app: Celery, device: str, gone: Collection[int] = ()) -> float:
-    """Wait until ``device`` lists :data:`WARM_PROCESSES` live job processes, none of them in
+    """Wait until ``device`` lists a job process per slot and its spares, none of them in
     ``gone`` (processes that were ended); returns ``time.time()`` then."""
     def warm() -> float | None:
         record = live_devices(app).get(device)
-        if record is None or len(record.job_pids) < WARM_PROCESSES or set(record.job_pids) & set(gone):
+        if record is None or set(record.job_pids) & set(gone):
+            return None
+        if len(record.job_pids) < record.slot_count + SPARE_PROCESSES:
             return None
         return time.time()
 

@@ -16,6 +16,8 @@ KEYS = (
     "dispatch.jobs_per_s",
     "dispatch.fanout_vs_plain",
     "dispatch.jobs_vs_plain",
+    "producer.async_fanouts_per_s",
+    "producer.async_cpu_vs_threads",
     "sweep.trials_per_s",
     "sweep.vs_jobs_per_s",
     "sweep.makespan_ratio",
@@ -34,6 +36,8 @@ KEYS = (
     "isolation.next_job_after_crash_s",
     "isolation.cancel_to_free_s",
     "isolation.cancel_grace_s",
+    "slots.trials_per_s_vs_one",
+    "slots.busy_fraction",
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 #: Keys only some hosts print: Ray's (with the ``bench`` extra, in full runs), the GPU loader's.
@@ -55,6 +59,10 @@ GOALS = {
     "dispatch.fanout_vs_plain": ("<=", 1.0),
     "dispatch.jobs_vs_plain": (">=", 1.0),
     "dispatch.fanout_vs_ray": ("<=", 2.0),
+    # Concurrent fan-outs awaited from one event loop against a thread pool over the blocking
+    # API, the same run: at least as many per second, less of the producer's CPU per fan-out.
+    "producer.async_fanouts_per_s": (">=", 1.0),
+    "producer.async_cpu_vs_threads": ("<=", 1.0),
     "sweep.vs_jobs_per_s": (">=", 0.8),
     "sweep.makespan_ratio": ("<=", 1.10),
     "fanout.efficiency": (">=", 0.95),
@@ -136,6 +144,13 @@ def table(figures: dict[str, Any]) -> Table:
                                         f"{rounds('dispatch.plain_jobs_per_s', '.0f')}{ray_jobs}")
         extra["dispatch.fanout_vs_plain"] = f"fleet p50 / plain p50; fleet{rounds('dispatch.fanout_ms_p50', '.1f')}"
         extra["dispatch.jobs_vs_plain"] = f"fleet jobs/s / plain jobs/s; fleet{rounds('dispatch.jobs_per_s', '.0f')}"
+    if "producer.async_rate" in flat:
+        extra["producer.async_fanouts_per_s"] = (
+            f"{flat['producer.concurrent']} at once: event loop {flat['producer.async_rate']:.0f}/s, "
+            f"thread pool {flat['producer.threads_rate']:.0f}/s (blocking get())")
+        extra["producer.async_cpu_vs_threads"] = (
+            f"producer CPU per fan-out: event loop {flat['producer.async_cpu_ms_per_fanout']:.2f} ms, "
+            f"thread pool {flat['producer.threads_cpu_ms_per_fanout']:.2f} ms")
     if "sweep.ray_tune_trials_per_s" in flat:
         extra["sweep.trials_per_s"] = (f"Ray Tune, this run ({flat['sweep.ray_tune_trials']} trials): "
                                        f"{flat['sweep.ray_tune_trials_per_s']:.2f}/s")

@@ -16,10 +16,10 @@ from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import commands, ddp, dispatch, efficiency, gpu, isolation, pipeline, sweep
+from . import commands, ddp, dispatch, efficiency, gpu, isolation, pipeline, producer, slots, sweep
 
 #: The sections of a bench run, in the order they run (``pipeline`` needs no fleet).
-SECTIONS = ("dispatch", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "pipeline")
+SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pipeline")
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
     ``sections`` picks some of :data:`SECTIONS` (default: all). Returns ``{"host", "quick",
-    "dispatch", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "gpu"?}`` (those
+    "dispatch", "producer", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "gpu"?}`` (those
     picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
 
     The fleet also runs the misbehaving jobs of :mod:`.misbehave` and a short ``cancel_grace_s``
@@ -70,9 +70,11 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline"}:
+        if chosen - {"pipeline", "slots"}:
             with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
+        if "slots" in chosen:  # fleets of its own, one per slot count
+            figures["slots"] = slots.measure(settings, quick=quick)
     if "pipeline" in chosen:
         figures["pipeline"] = pipeline.measure(quick=quick)
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
@@ -92,6 +94,8 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
         figures["dispatch"] = dispatch.measure(
             app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus], loglevel=config.loglevel,
         )
+    if "producer" in chosen:
+        figures["producer"] = producer.measure(app, cpus, quick=quick)
     if "sweep" in chosen:
         figures["sweep"] = sweep.measure(app, cpus, quick=quick,
                                          jobs_per_s=figures.get("dispatch", {}).get("jobs_per_s"))

@@ -164,7 +164,10 @@ class FleetCelery(Celery):
     """A Celery app configured from devicefleet :class:`Settings`, read once."""
 
     def __init__(self, settings: Settings | None = None, *, main: str = "devicefleet") -> None:
-        super().__init__(main, set_as_current=settings is None)
+        # Never Celery's current app: a process with an app of its own that imports tasks keeps
+        # its own current_app (its shared_task.delay() goes through it). `celery -A tasks` and the
+        # fleet's entry points name this app; Celery's worker makes it current in its process.
+        super().__init__(main, set_as_current=False)
         self._fleet_settings = settings
         self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
         if settings is None:

@@ -6,12 +6,20 @@ attaches the device's error entry to that exception (:func:`attach_entry`); this
 it in the serialized exception under :data:`tasks.core.keys.ENTRY_FIELD`, where Celery's own
 readers ignore it.
 
-A chord whose header task failed normally fails its body with a ``ChordError``. Here a failed
-part is unpacked into its error entry instead, so the chord's collect step always runs and
-collects ``{device: entry}`` for every device, failed ones included.
+Two rules of the fleet's own differ from Celery's, and hold for the fleet's jobs and chords
+only; every other task keeps Celery's semantics (its integration tests check it:
+``tests/celery_suite``):
+
+- A chord whose header task failed normally fails its body with a ``ChordError`` (its errbacks
+  run, its body does not). In a fan-out's chord (its body is ``devicefleet.collect``) a failed
+  or cancelled part is unpacked into its error entry instead, so the collect step always runs
+  and collects ``{device: entry}`` for every device, failed ones included.
+- Celery never stores a state over a SUCCESS. For a devicefleet job (a ``devicefleet.*`` task,
+  or a store without a task name: the fleet's own cancels) FAILURE and REVOKED are as final, so
+  a redelivered copy of a failed or cancelled job never stores STARTED over it and runs again.
 
 Storing a state is one script call (:data:`tasks.core.jobstate.STORE`), not Celery's GET of the stored state and
-then a MULTI: a state is never stored over a finished one (SUCCESS, FAILURE, REVOKED). A device
+then a MULTI, and never over a final one (above). A device
 worker finishing a job hands the backend a :class:`~tasks.core.jobstate.JobFinish` on the task's request; the same
 script then also releases the job's lease and counts the job in the fleet's metrics, so the
 lease goes only together with the stored result (a copy of the message redelivered at any moment
@@ -30,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 from functools import cached_property
 from typing import Any
 
@@ -41,6 +50,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from . import keys
 from .errors import NoFleetError
+from .job import COLLECT_TASK, TASK_PREFIX
 from .jobstate import FINISH_ATTR, STORE, JobFinish, StoredAck
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
@@ -75,6 +85,21 @@ def entry_of_failure(stored: Any) -> dict[str, Any]:
         error = ErrorInfo(type="FanOutError", message=f"no entry: the job left {stored!r}")
     return Entry.make(device="", worker=None, output=None, error=error, started=None,
                       finished=None).to_dict()
+
+
+def fleet_task(request: Any) -> bool:
+    """Whether a state stored with ``request`` is a devicefleet job's (a ``devicefleet.*`` task,
+    or no task named: the fleet's own stores, such as a sweep's cancel), whose finished states
+    are all final."""
+    name = getattr(request, "task", None)
+    return not isinstance(name, str) or not name or name.startswith(TASK_PREFIX)
+
+
+def fan_out_chord(request: Any) -> bool:
+    """Whether ``request`` is a part of a fan-out's chord (its body is ``devicefleet.collect``)."""
+    body = getattr(request, "chord", None)
+    name = body.get("task") if isinstance(body, dict) else getattr(body, "task", None)
+    return name == COLLECT_TASK
 
 
 class FleetBackend(RedisBackend):
@@ -133,9 +158,9 @@ class FleetBackend(RedisBackend):
         """Store ``state`` in one script call (see the module's docstring).
 
         Celery keeps a stored SUCCESS against later writes; a failed job's FAILURE and a
-        cancelled one's REVOKED are as final. Otherwise a redelivered copy of a failed job would
-        store STARTED over it, the lease's "already finished" check would miss it, and the job
-        would run twice.
+        cancelled one's REVOKED are as final (:func:`fleet_task`). Otherwise a redelivered copy
+        of a failed job would store STARTED over it, the lease's "already finished" check would
+        miss it, and the job would run twice. Any other task keeps Celery's rule.
         """
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
@@ -144,7 +169,7 @@ class FleetBackend(RedisBackend):
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
         finish = getattr(request, FINISH_ATTR, None) if state in states.READY_STATES else None
         expires = (self.failure_expires if state == states.FAILURE else None) or self.expires or 0
-        self.ensure(self._store, (bytes_to_str(task_id), value, int(expires), finish))
+        self.ensure(self._store, (bytes_to_str(task_id), value, int(expires), finish, fleet_task(request)))
         if finish is not None:
             if finish.ack is not None:
                 finish.ack.done = True
@@ -157,14 +182,15 @@ class FleetBackend(RedisBackend):
         """The replicas a stored state waits for (the app's :data:`REPLICATION_OPTION`)."""
         return Replication.of(self.app.conf.get(REPLICATION_OPTION))
 
-    def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None) -> int:
+    def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None, final: bool) -> int:
         finish = finish or JobFinish(device="")
         ack = finish.ack or StoredAck(unacked_key="", unacked_index_key="", delivery_tag="")
         stored = int(self._store_script(
             keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(finish.device),
                   keys.STATS_DEVICES, keys.finished(finish.device), ack.unacked_key, ack.unacked_index_key],
             args=[value, expires, finish.lease or "", task_id,
-                  json.dumps(finish.count) if finish.count is not None else "", ack.delivery_tag],
+                  json.dumps(finish.count) if finish.count is not None else "", ack.delivery_tag,
+                  "1" if final else ""],
         ))
         # A failover while waiting is a connection error: ensure() runs the script again on the
         # new primary, where it stores what was lost or finds it stored (it is idempotent).
@@ -198,15 +224,33 @@ class FleetBackend(RedisBackend):
 
         self.ensure(write, ())
 
-    # Celery internal: how the Redis backend's on_chord_part_return reads each part's stored
-    # (type, id, state, result) tuple; its signature is Celery's (5.7.0).
+    # Celery internal: on_chord_part_return joins the header's parts when the last one returns
+    # and reads each stored (type, id, state, result) tuple with _unpack_chord_result, whose
+    # signature is Celery's (5.7.0).
+    def on_chord_part_return(self, request: Any, state: str, result: Any, propagate: Any = None,
+                             **kwargs: Any) -> Any:
+        """Celery's, with a fan-out's failed parts read as their error entries (see the module's
+        docstring); any other chord's as Celery reads them."""
+        self._joining.fan_out = fan_out_chord(request)
+        try:
+            return super().on_chord_part_return(request, state, result, propagate=propagate, **kwargs)
+        finally:
+            self._joining.fan_out = False
+
     def _unpack_chord_result(self, tup: Any, decode: Any,
                              EXCEPTION_STATES: frozenset[str] = states.EXCEPTION_STATES,
                              PROPAGATE_STATES: frozenset[str] = states.PROPAGATE_STATES) -> Any:
+        if not getattr(self._joining, "fan_out", False):
+            return super()._unpack_chord_result(tup, decode, EXCEPTION_STATES, PROPAGATE_STATES)
         _, _tid, state, retval = decode(tup)
         if state in EXCEPTION_STATES:
             return entry_of_failure(retval)
         return retval
+
+    @cached_property
+    def _joining(self) -> threading.local:
+        # Which chord this thread is joining (a backend is per thread; a local all the same).
+        return threading.local()
 
 
 class FleetSentinelBackend(FleetBackend, SentinelBackend):

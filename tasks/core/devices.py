@@ -104,17 +104,28 @@ class Device:
         return self.name
 
 
+def _nvml_uuid(uuid: object) -> str | None:
+    """torch's device UUID as NVML and ``nvidia-smi -L`` spell it: ``GPU-<uuid>``."""
+    if not uuid:
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
 def visibility() -> dict[str, Any]:
     """What this process sees: its ``CUDA_VISIBLE_DEVICES`` and torch's view of the devices."""
     import torch
 
     cuda = torch.cuda.is_available()
+    props = torch.cuda.get_device_properties(0) if cuda else None
     info: dict[str, Any] = {
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cuda_available": cuda,
         "cuda_device_count": torch.cuda.device_count() if cuda else 0,
         "device_name": torch.cuda.get_device_name(0) if cuda else cpu_model_name(),
-        "total_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "total_memory": props.total_memory if props is not None else None,
+        # How NVML finds the same GPU (its index order need not be CUDA's): "GPU-<uuid>".
+        "uuid": _nvml_uuid(getattr(props, "uuid", None)) if props is not None else None,
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }

@@ -102,8 +102,12 @@ class JobContext:
     job_id: str
     #: A folder only this run writes to, for checkpoints and other files.
     artifacts_dir: Path
-    #: Cores this worker owns.
+    #: Cores this run may use (its slot's share of the worker's cores).
     cores: list[int] = field(default_factory=list)
+    #: torch's intra-op threads for this run (``torch.get_num_threads()``); 0: not set.
+    threads: int = 0
+    #: The device's slot that runs it (0 on a device with one slot).
+    slot: int = 0
     #: Called with progress fields (``step``, ``total``, ``loss``...); a no-op by default.
     reporter: Callable[[dict[str, Any]], None] | None = None
     #: The torch device this run fell back from after running out of memory (else None).

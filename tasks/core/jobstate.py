@@ -38,12 +38,16 @@ FINISH_ATTR = "devicefleet_finish"
 #: REVOKED); ``store(key, value, expires)``, Celery's write of a state: SETEX (SET when
 #: ``expires`` is 0) and a PUBLISH for the producers waiting on it.
 LUA_STATE_FUNCTIONS = """
-local finished = function(key)
+local status_of = function(key)
   local current = redis.call('get', key)
   if not current then return false end
   local ok, meta = pcall(cjson.decode, current)
-  return ok and type(meta) == 'table' and (meta.status == 'SUCCESS' or meta.status == 'FAILURE'
-    or meta.status == 'REVOKED')
+  if ok and type(meta) == 'table' then return meta.status end
+  return false
+end
+local finished = function(key)
+  local status = status_of(key)
+  return status == 'SUCCESS' or status == 'FAILURE' or status == 'REVOKED'
 end
 local store = function(key, value, expires)
   if tonumber(expires) > 0 then
@@ -113,13 +117,15 @@ return 1
 """
 
 
-#: Store a task's state unless a finished one is stored; with a job's finish, release its lease,
+#: Store a task's state unless a final one is stored; with a job's finish, release its lease,
 #: count it and acknowledge its message. KEYS: the task's meta key, its lease key,
 #: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
 #: kombu's unacked hash and its index. ARGV: the encoded meta, expiry in seconds (0: none), the
 #: lease value ('' if none), the task id, the count as JSON ('' if none), the message's delivery
-#: tag ('' if none). Returns 1 if stored, 0 if a finished state was there already (nothing
-#: stored or counted; the lease is released and the message acknowledged all the same).
+#: tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
+#: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task). Returns 1 if
+#: stored, 0 if a final state was there already (nothing stored or counted; the lease is
+#: released and the message acknowledged all the same).
 STORE = LUA_STATE_FUNCTIONS + """
 local release = function()
   if ARGV[6] ~= '' then
@@ -130,7 +136,7 @@ local release = function()
   if redis.call('get', KEYS[2]) == ARGV[3] then redis.call('del', KEYS[2]) end
   if redis.call('hget', KEYS[3], ARGV[4]) == ARGV[3] then redis.call('hdel', KEYS[3], ARGV[4]) end
 end
-if finished(KEYS[1]) then
+if (ARGV[7] == '1' and finished(KEYS[1])) or (ARGV[7] ~= '1' and status_of(KEYS[1]) == 'SUCCESS') then
   release()
   return 0
 end

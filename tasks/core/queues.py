@@ -31,6 +31,21 @@ def device_queue(device: str) -> str:
     return f"{DEVICE_QUEUE_PREFIX}{device}"
 
 
+#: Between a device and a copy number in a fan-out's keys when it runs one job per slot
+#: (``fan_out(..., per_slot=True)``: ``cpu0/0``, ``cpu0/1``).
+SLOT_KEY_SEPARATOR = "/"
+
+
+def slot_key(device: str, copy: int) -> str:
+    """The key of ``device``'s ``copy``-th job in a fan-out that runs one job per slot."""
+    return f"{device}{SLOT_KEY_SEPARATOR}{copy}"
+
+
+def key_device(key: str) -> str:
+    """The device of a fan-out's key: ``cpu0/1`` -> ``cpu0``; a device name is its own."""
+    return key.split(SLOT_KEY_SEPARATOR, 1)[0]
+
+
 def sweep_queue(sweep_id: str) -> str:
     """The queue of one sweep's trials, consumed by the sweep's devices while it runs."""
     return f"{SWEEP_QUEUE_PREFIX}{sweep_id}"

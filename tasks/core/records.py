@@ -83,6 +83,8 @@ class Entry(_Record):
 
     device: str
     worker: str | None
+    #: The device's slot that ran the job (0 on a device with one slot); None where it never ran.
+    slot: int | None
     status: EntryStatus
     #: The job's own output; None on error.
     output: dict[str, JsonValue] | None
@@ -96,13 +98,13 @@ class Entry(_Record):
     @classmethod
     def make(cls, *, device: str, worker: str | None, output: dict[str, Any] | None,
              error: ErrorInfo | None, started: float | None, finished: float | None,
-             visibility: Visibility | None = None) -> Entry:
+             visibility: Visibility | None = None, slot: int | None = None) -> Entry:
         """An entry; ``status`` is ok without ``error``, else error, or cancelled for the
         :data:`CANCELLED_ERRORS`."""
         status = EntryStatus.OK if error is None else (
             EntryStatus.CANCELLED if error.type in CANCELLED_ERRORS else EntryStatus.ERROR)
         return cls(
-            device=device, worker=worker,
+            device=device, worker=worker, slot=slot,
             status=status,
             output=None if error else output,
             error=error,
@@ -224,6 +226,23 @@ class BusyInfo(_Record):
     since: float
 
 
+class SlotRecord(_Record):
+    """One slot of a device worker: a job process that runs one job at a time, with its cores
+    and its memory budget (:mod:`tasks.worker.slots`)."""
+
+    index: int
+    cores: list[int]
+    #: Bytes a job in this slot may use (device memory on a GPU, resident memory on a CPU
+    #: device); None: not enforced.
+    budget_bytes: int | None = None
+    #: The job the slot runs now.
+    busy: BusyInfo | None = None
+    #: The running job's latest ``ctx.progress`` fields.
+    progress: dict[str, JsonValue] | None = None
+    #: The running job's memory at the last sample (what its budget is compared with).
+    memory_bytes: int | None = None
+
+
 class WorkerRecord(_Record):
     """A device worker's registry record (``keys.worker(device)``), refreshed by its heartbeat."""
 
@@ -237,7 +256,10 @@ class WorkerRecord(_Record):
     queues: list[str]
     cores: list[int]
     pool: str
-    concurrency: int
+    #: The device's slots (``slots`` in its worker config): the jobs it runs at once.
+    slots: list[SlotRecord] = Field(default_factory=list)
+    #: What the slots' budgets count: ``"device"`` (GPU memory, NVML), ``"resident"`` (RAM).
+    memory_kind: Literal["device", "resident"] = "resident"
     #: The jobs this worker may run (its allowlist's), as ``devicefleet.<job>`` task names' suffixes.
     jobs: list[str]
     started_at: float
@@ -249,9 +271,6 @@ class WorkerRecord(_Record):
     torch_threads: int | None = None
     #: True once the worker consumes its queues.
     ready: bool = False
-    busy: BusyInfo | None = None
-    #: The running job's latest ``ctx.progress`` fields.
-    progress: dict[str, JsonValue] | None = None
     jobs_done: int = 0
     heartbeat_at: float | None = None
     #: The worker's job processes alive now (the one running a job first), where its jobs run.
@@ -262,6 +281,22 @@ class WorkerRecord(_Record):
 
     def same_process(self, host: str, pid: int) -> bool:
         return self.host == host and self.pid == pid
+
+    @property
+    def slot_count(self) -> int:
+        """Jobs the device runs at once (1 for a record without slots)."""
+        return max(1, len(self.slots))
+
+    @property
+    def running(self) -> list[SlotRecord]:
+        """The slots that run a job now."""
+        return [slot for slot in self.slots if slot.busy is not None]
+
+    @property
+    def busy(self) -> BusyInfo | None:
+        """The job of the first busy slot (the longest running); None when every slot is idle."""
+        running = sorted(self.running, key=lambda slot: slot.busy.since if slot.busy else 0.0)
+        return running[0].busy if running else None
 
 
 # -- leases ----------------------------------------------------------------------------------------

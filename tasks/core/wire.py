@@ -110,6 +110,15 @@ class RunJob(_Message):
     options: dict[str, JsonValue] = Field(default_factory=dict)
     #: The fan-out the job belongs to (its TensorBoard run's folder).
     fan_out_id: str
+    #: The device's slot that runs it, with that slot's cores and torch threads (the process
+    #: pins itself to them for this job); None: the process's own (:class:`ProcessSpec`).
+    slot: int | None = None
+    cores: list[int] | None = None
+    torch_threads: int | None = None
+    #: The most CUDA's caching allocator may hold for this job
+    #: (``torch.cuda.set_per_process_memory_fraction``): the slot's budget less what the process
+    #: held before the job. None: no cap.
+    allocator_limit_bytes: int | None = Field(default=None, ge=0)
 
 
 class StopJob(_Message):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -27,6 +27,8 @@ DEFAULT_MAX_JOB_SECONDS = 3600
 #: Seconds a job asked to stop (cancelled, past its time limit, its worker stopping) has to stop
 #: at its next ``ctx.progress()`` before its process is ended (``cancel_grace_s``).
 DEFAULT_CANCEL_GRACE_S = 5.0
+#: Most slots one device may have (``slots``).
+MAX_SLOTS = 64
 #: Growth of a job process's resident memory, since it was ready, past which it is retired after
 #: its job (``max_memory_growth_mib``).
 DEFAULT_MAX_MEMORY_GROWTH_MIB = 2048
@@ -47,7 +49,19 @@ class WorkerConfig(BaseModel):
 
     kind: DeviceKind
     pool: Pool = Pool.THREADS
-    concurrency: int = Field(default=1, ge=1, le=64)
+    #: Jobs the device runs at once, each in a job process of its own (a *slot*) with its share
+    #: of the cores and its memory budget (``memory_gib``). ``concurrency``, the old name, is
+    #: read as this.
+    slots: int = Field(default=1, ge=1, le=MAX_SLOTS)
+    #: Each slot's memory budget in GiB: device memory on a GPU (measured per process with NVML;
+    #: the job's CUDA allocator is capped below it), resident memory of the job's processes on a
+    #: CPU device. A job past it ends as ``OutOfMemory``. Default: the device's memory (the GPU's,
+    #: or the host's RAM) split ``slots`` ways.
+    memory_gib: float | None = Field(default=None, gt=0, le=65536)
+    #: Run the device's job processes as clients of a CUDA MPS server the worker starts (GPU
+    #: workers, with ``nvidia-cuda-mps-control`` on PATH): their kernels run at once instead of
+    #: taking turns, but a fatal GPU error in one client ends every client on the device.
+    mps: bool = False
     #: ``"auto"`` (a share of the host's cores, see ``devices.plan_cores``) or a CPU list.
     cores: str = "auto"
     #: Cores a GPU worker keeps for its data loading when cores are ``auto``.
@@ -77,6 +91,19 @@ class WorkerConfig(BaseModel):
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """``concurrency`` (the old name of ``slots``) is read as ``slots``."""
+        if isinstance(data, dict) and "concurrency" in data:
+            data = dict(data)
+            concurrency = data.pop("concurrency")
+            if "slots" in data and data["slots"] != concurrency:
+                raise ValueError(f"concurrency={concurrency!r} and slots={data['slots']!r}: concurrency is "
+                                 "the old name of slots; keep slots only")
+            data["slots"] = concurrency
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> WorkerConfig:
         if self.pool is Pool.PREFORK:
@@ -85,6 +112,8 @@ class WorkerConfig(BaseModel):
             raise ValueError(f"pool='prefork' is not supported: {why}; use 'threads' or 'solo'")
         if self.cores != "auto":
             parse_core_list(self.cores)
+        if self.mps and self.kind is not DeviceKind.GPU:
+            raise ValueError("mps = true is for GPU workers: CUDA MPS shares a GPU between processes")
         return self
 
 

@@ -63,7 +63,8 @@ def command_environment(base: dict[str, str], spec: ProcessSpec, ctx: JobContext
     env = inherited_environment(base)
     env.update(params.env)
     env.update({
-        "OMP_NUM_THREADS": str(spec.torch_threads), "MKL_NUM_THREADS": str(spec.torch_threads),
+        "OMP_NUM_THREADS": str(ctx.threads or spec.torch_threads),
+        "MKL_NUM_THREADS": str(ctx.threads or spec.torch_threads),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         ENV_ARTIFACTS: str(ctx.artifacts_dir), ENV_EVENTS: events_path, ENV_DEVICE: spec.device,
         ENV_JOB_ID: ctx.job_id, ENV_PARAMS: json.dumps(params.params),

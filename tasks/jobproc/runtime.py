@@ -60,6 +60,17 @@ def gpu_memory_in_use() -> int | None:
     return int(torch.cuda.memory_reserved())
 
 
+def cap_allocator(limit_bytes: int) -> None:
+    """Cap CUDA's caching allocator of this process at ``limit_bytes``: an allocation past it
+    raises torch's out-of-memory error (the job's ``OutOfMemory`` entry) before the process
+    takes device memory its slot's neighbours need. A no-op without CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, limit_bytes / total)), 0)
+
+
 def poisons_cuda(exc: BaseException) -> bool:
     """Whether ``exc`` says CUDA failed in a way that may have poisoned this process's context."""
     text = f"{type(exc).__name__}: {exc}".lower()
@@ -115,8 +126,9 @@ class JobRuntime:
     def hello(self) -> Hello:
         return Hello(pid=os.getpid(), jobs=self.registry.infos(), visibility=self.visibility, rss_bytes=rss_bytes())
 
-    def reset(self) -> None:
-        """Put back the environment, working directory, ``sys.path``, cores and threads."""
+    def reset(self, job: RunJob | None = None) -> None:
+        """Put back the environment, working directory and ``sys.path``; pin the cores and set
+        the threads of ``job``'s slot (else the process's own); cap CUDA's allocator at its limit."""
         base = self.baseline
         if os.environ != base.environ:
             os.environ.clear()
@@ -125,16 +137,25 @@ class JobRuntime:
             os.chdir(base.cwd)
         if sys.path != base.sys_path:
             sys.path[:] = base.sys_path
-        if hasattr(os, "sched_getaffinity") and sorted(os.sched_getaffinity(0)) != base.cores:
-            os.sched_setaffinity(0, base.cores)
+        cores, threads = self.cores_of(job), self.threads_of(job)
+        if hasattr(os, "sched_getaffinity") and sorted(os.sched_getaffinity(0)) != cores:
+            os.sched_setaffinity(0, cores)
         import torch
 
-        if torch.get_num_threads() != base.threads:
-            torch.set_num_threads(base.threads)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if job is not None and job.allocator_limit_bytes is not None:
+            cap_allocator(job.allocator_limit_bytes)
+
+    def cores_of(self, job: RunJob | None) -> list[int]:
+        return sorted(job.cores) if job is not None and job.cores else self.baseline.cores
+
+    def threads_of(self, job: RunJob | None) -> int:
+        return job.torch_threads if job is not None and job.torch_threads else self.baseline.threads
 
     def run(self, job: RunJob, channel: Channel) -> Finished:
         """Run ``job`` from the baseline state; never raises (the outcome says how it ended)."""
-        self.reset()
+        self.reset(job)
         return run_job(self, job, channel)
 
     def redis(self) -> Any:
@@ -202,7 +223,8 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
         params = validate_kwargs(definition, job.kwargs)
         ctx = JobContext(
             device=spec.device, torch_device=spec.torch_device, job_id=job.job_id,
-            artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=list(spec.cores),
+            artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=runtime.cores_of(job),
+            threads=runtime.threads_of(job), slot=job.slot or 0,
             reporter=throttle.report, scalar_sink=scalars.log,
             cancelled=lambda: channel.stop_requested(job.job_id),
             interruption=lambda: channel.interruption(job.job_id),

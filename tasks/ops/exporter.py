@@ -99,7 +99,9 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
     Returns:
         ``{"at", "devices": {device: {...}}, "queues": {queue: {"depth", "oldest_age_s"}}}``;
         a device appears while its worker is live or once it has run a job. Its fields:
-        ``live``, ``worker``, ``busy`` (the running job, or None), ``progress``, ``jobs_ok``,
+        ``live``, ``worker``, ``busy`` (the longest-running job, or None), ``progress`` (its
+        latest report), ``slots`` (each slot's ``index``, ``busy``, ``progress``,
+        ``memory_bytes``, ``budget_bytes``), ``memory_kind``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
         minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``. Also
         ``"dead_letters"``: how many jobs are kept as dead letters.
@@ -127,7 +129,9 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "worker": rec.worker if rec else stats.get("worker"),
             "ready": bool(rec and rec.ready),
             "busy": rec.busy.to_dict() if rec and rec.busy else None,
-            "progress": rec.progress if rec else None,
+            "progress": _first_progress(rec),
+            "slots": [slot.to_dict() for slot in rec.slots] if rec else [],
+            "memory_kind": rec.memory_kind if rec else None,
             "jobs_ok": ok,
             "jobs_error": err,
             "jobs_total": ok + err,
@@ -143,6 +147,13 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         depth, age = queue_depth(client, name, now)
         queues[name] = {"depth": depth, "oldest_age_s": age}
     return {"at": now, "devices": out, "queues": queues, "dead_letters": dead_letters}
+
+
+def _first_progress(rec: WorkerRecord | None) -> dict[str, Any] | None:
+    """The latest report of ``rec``'s longest-running job (what a one-slot device shows)."""
+    if rec is None or rec.busy is None:
+        return None
+    return next((slot.progress for slot in rec.running if slot.busy == rec.busy), None)
 
 
 def _float(value: str | None) -> float | None:
@@ -178,7 +189,18 @@ class FleetCollector(Collector):
                                       labels=labels)
         online = GaugeMetricFamily("devicefleet_worker_online", "1 while the device's worker heartbeats",
                                    labels=labels)
-        busy = GaugeMetricFamily("devicefleet_worker_busy", "1 while the device runs a job", labels=labels)
+        busy = GaugeMetricFamily("devicefleet_worker_busy", "Jobs the device runs now (its busy slots)",
+                                 labels=labels)
+        slots = GaugeMetricFamily("devicefleet_slots", "Jobs the device may run at once (its slots)", labels=labels)
+        slot_labels = [*labels, "slot"]
+        slot_busy = GaugeMetricFamily("devicefleet_slot_busy", "1 while the slot runs a job", labels=slot_labels)
+        slot_memory = GaugeMetricFamily(
+            "devicefleet_slot_memory_bytes",
+            "Memory the slot's running job holds at its last sample (GPU memory on a GPU, resident memory on a CPU)",
+            labels=slot_labels)
+        slot_budget = GaugeMetricFamily("devicefleet_slot_memory_budget_bytes",
+                                        "The slot's memory budget (a job past it ends as out of memory)",
+                                        labels=slot_labels)
         rate = GaugeMetricFamily("devicefleet_jobs_per_second",
                                  f"Jobs finished per second over the last {RATE_WINDOW_S:g} s", labels=labels)
         sps = GaugeMetricFamily("devicefleet_samples_per_second",
@@ -195,7 +217,15 @@ class FleetCollector(Collector):
             busy_s.add_metric(lv, d["busy_seconds"])
             samples.add_metric(lv, d["samples"])
             online.add_metric(lv, 1 if d["live"] else 0)
-            busy.add_metric(lv, 1 if d["busy"] else 0)
+            busy.add_metric(lv, sum(1 for slot in d["slots"] if slot["busy"]) if d["slots"] else int(bool(d["busy"])))
+            if d["live"]:
+                slots.add_metric(lv, max(1, len(d["slots"])))
+            for slot in d["slots"]:
+                sl = [*lv, str(slot["index"])]
+                slot_busy.add_metric(sl, 1 if slot["busy"] else 0)
+                slot_memory.add_metric(sl, slot["memory_bytes"] or 0)
+                if slot["budget_bytes"] is not None:
+                    slot_budget.add_metric(sl, slot["budget_bytes"])
             rate.add_metric(lv, d["jobs_per_s"])
             if d["samples_per_s"] is not None:
                 sps.add_metric(lv, d["samples_per_s"])
@@ -215,7 +245,8 @@ class FleetCollector(Collector):
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")
         dead.add_metric([], snap["dead_letters"])
-        yield from (jobs, busy_s, samples, online, busy, rate, sps, wait, gpu, depth, age, dead)
+        yield from (jobs, busy_s, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
+                    wait, gpu, depth, age, dead)
 
     def close(self) -> None:
         self._client.close()

@@ -52,19 +52,51 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     }
 
 
+def _job_text(busy: dict[str, Any], fields: dict[str, Any] | None, now: float) -> str:
+    """``train 12s 3/10 loss=0.2``: a running job, how long it ran, its latest report."""
+    text = f"{busy.get('job')} {now - float(busy.get('since', now)):.0f}s"
+    counter = fraction(fields or {})
+    if counter is not None:
+        text += f" {counter[0]:g}/{counter[1]:g}"
+    extra = describe(fields or {})
+    return f"{text} {extra}" if extra else text
+
+
 def _state(device: dict[str, Any], now: float) -> str:
     busy = device.get("busy")
     if not device.get("live"):
         return "[dim]offline[/]"
+    slots = device.get("slots") or []
+    if len(slots) > 1:
+        running = sum(1 for slot in slots if slot.get("busy"))
+        if running:
+            return f"[yellow]busy[/] {running}/{len(slots)} slots"
+        return f"idle ({len(slots)} slots)" if device.get("ready") else "starting"
     if not busy:
         return "idle" if device.get("ready") else "starting"
-    text = f"[yellow]busy[/]: {busy.get('job')} {now - float(busy.get('since', now)):.0f}s"
-    fields = device.get("progress") or {}
-    counter = fraction(fields)
-    if counter is not None:
-        text += f" {counter[0]:g}/{counter[1]:g}"
-    extra = describe(fields)
-    return f"{text} {extra}" if extra else text
+    return f"[yellow]busy[/]: {_job_text(busy, device.get('progress'), now)}"
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{float(value) / 2**20:,.0f}"
+
+
+def slot_lines(name: str, device: dict[str, Any], now: float) -> list[str]:
+    """One line per slot of a device with several: its job (or idle) and its memory against its
+    budget (``cpu0 slot 1: train 12s 3/10 · 812/2,048 MiB resident``)."""
+    slots = device.get("slots") or []
+    if len(slots) < 2 or not device.get("live"):
+        return []
+    kind = "GPU" if device.get("memory_kind") == "device" else "resident"
+    lines = []
+    for slot in slots:
+        busy = slot.get("busy")
+        job = _job_text(busy, slot.get("progress"), now) if busy else "idle"
+        used = _mib(slot.get("memory_bytes")) if busy else "-"
+        cores = ",".join(str(c) for c in slot.get("cores") or []) or "-"
+        lines.append(f"  {name} slot {slot.get('index')}: {job} · {used}/{_mib(slot.get('budget_bytes'))} MiB "
+                     f"{kind} · cores {cores}")
+    return lines
 
 
 def _num(value: float | None, fmt: str = "{:.3g}") -> str:
@@ -95,7 +127,9 @@ def render(rep: dict[str, Any]) -> Group:
                     + (["GPU MiB"] if gpus else []) + ["cores"],
                     right=("ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB"))
     seen: list[str] = []
+    slot_rows: list[str] = []
     for name, dev in rep["devices"].items():
+        slot_rows += slot_lines(name, dev, now)
         rec = rep["workers"].get(name, {})
         gpu = dev.get("gpu_memory_bytes")
         devices.add_row(
@@ -116,7 +150,7 @@ def render(rep: dict[str, Any]) -> Group:
     for name, q in rep["queues"].items():
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
-    parts: list[Any] = [devices, *seen, "", queues]
+    parts: list[Any] = [devices, *slot_rows, *seen, "", queues]
     letters = rep.get("dead_letters") or []
     if letters:
         dead = table(f"{len(letters)} dead letter(s): jobs that took their worker down, not run again",

@@ -2,7 +2,7 @@
 
 The live view (:func:`watch_sweep`, :class:`StudyView`) shows done / running / queued (and
 failed, cancelled or pruned), each device's finished and running trials, and the best objective
-so far; :func:`ranked_table` ranks the finished trials by the objective.
+so far; :func:`tasks.ops.result_table.ranked_table` ranks the finished trials by the objective.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..core.commands import CommandParams
+from .result_table import params_text, ranked_table
+
+__all__ = ["StudyView", "best_entry", "objective_of", "ranked_table", "study_rows", "sweep_rows", "watch_sweep"]
 
 logger = logging.getLogger(__name__)
 
-#: Rows of the final table (the best ones); the JSON output has every trial.
-TABLE_ROWS = 20
 
 
 def objective_of(entry: Mapping[str, Any], objective: str | None) -> float | None:
@@ -113,36 +114,9 @@ class StudyView:
             devices.setdefault(device, {"done": 0, "running": running.count(device)})
         best = None
         if progress.best_value is not None:
-            best = f"{self.objective}={progress.best_value:.4g} ({_params_text(progress.best_params or {})})"
+            best = f"{self.objective}={progress.best_value:.4g} ({params_text(progress.best_params or {})})"
         self._live.update(summary_view(f"study {progress.name} ({progress.finished}/{progress.n_trials})",
                                        counts, devices, best), refresh=True)
-
-
-def ranked_table(rows: Sequence[Mapping[str, Any]], objective: str | None, direction: str = "maximize",
-                 limit: int = TABLE_ROWS) -> Table:
-    """Finished trials best first by ``objective`` (those without it last, in trial order).
-
-    Each row: ``trial``, ``status``, ``device``, ``objective``, ``params`` (a dict) and
-    ``duration_s``.
-    """
-    sign = -1.0 if direction == "maximize" else 1.0
-
-    def key(row: Mapping[str, Any]) -> tuple[int, float, int]:
-        value = row.get("objective")
-        return (0, sign * value, row["trial"]) if value is not None else (1, 0.0, row["trial"])
-
-    ordered = sorted(rows, key=key)
-    title = f"best {min(limit, len(rows))} of {len(rows)} trials" + (f" by {objective}" if objective else "")
-    table = Table(title=title)
-    for column in ("rank", "trial", "status", "device", objective or "objective", "duration", "kwargs"):
-        table.add_column(column, overflow="fold")
-    for rank, row in enumerate(ordered[:limit], start=1):
-        value = row.get("objective")
-        duration = row.get("duration_s")
-        table.add_row(str(rank), str(row["trial"]), str(row["status"]), str(row.get("device") or "-"),
-                      "-" if value is None else f"{value:.4g}",
-                      "-" if duration is None else f"{duration:.2f}s", _params_text(row.get("params") or {}))
-    return table
 
 
 def sweep_rows(entries: Sequence[Mapping[str, Any]], objective: str | None) -> list[dict[str, Any]]:
@@ -161,7 +135,7 @@ def study_rows(study: Any) -> list[dict[str, Any]]:
 
 
 def _kwargs_text(entry: Mapping[str, Any]) -> str:
-    return _params_text(_trial_params(entry.get("kwargs") or {}))
+    return params_text(_trial_params(entry.get("kwargs") or {}))
 
 
 def _trial_params(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -170,7 +144,3 @@ def _trial_params(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(kwargs.get("argv"), list):
         return {k: v for k, v in kwargs.items() if k not in CommandParams.model_fields}
     return kwargs
-
-
-def _params_text(params: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())

@@ -100,9 +100,10 @@ def follow_logs(handle: Any, *, until: Callable[[], bool] | None = None,
     ``handle`` is a :class:`~tasks.producer.fanout.FanOut` (or anything with ``app``,
     ``task_ids`` and ``ready()``).
     """
-    from .fanout import registry_client
+    from .connections import Connections
 
-    follower = LogFollower(registry_client(handle.app), handle.task_ids)
+    connections = getattr(handle, "connections", None) or Connections.of(handle.app)
+    follower = LogFollower(connections.redis, handle.task_ids)
     done = until or handle.ready
     while True:
         finished = done()

@@ -36,20 +36,22 @@ import redis
 from celery import Celery, chord
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
-from celery.states import PENDING, READY_STATES
+from celery.states import READY_STATES, SUCCESS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
-from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.devices import DeviceKind
-from ..core.errors import ConfigError, DeviceUnavailable, FanOutTimeout, UnknownJob
+from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
-from ..core.queues import QueueName, device_queue
+from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, JobOptions, WorkerRecord
-from ..core.registry import connect, live_workers
+from ..core.registry import live_workers
 from ..core.validation import describe_validation_error
+from .connections import Connections, default_app
+from .handle import JobHandle
+from .listener import RECHECK_S
 
 logger = logging.getLogger(__name__)
 
@@ -122,40 +124,18 @@ class JobSpec(BaseModel):
 
 JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
 
-#: One registry client per Redis URL, kept for the process's life (a fan-out reads the registry).
-_clients: dict[str, redis.Redis] = {}
-
-
 def registry_client(app: Celery) -> redis.Redis:
-    url = redis_url_of(app)
-    if url not in _clients:
-        _clients[url] = connect(url)
-    return _clients[url]
+    """The blocking Redis client of ``app``'s default connections (:meth:`Connections.of`)."""
+    return Connections.of(app).redis
 
 
-def live_devices(app: Celery | None = None) -> dict[str, WorkerRecord]:
+def live_devices(app: Celery | None = None, *, client: Connections | None = None) -> dict[str, WorkerRecord]:
     """``{device: registry record}`` of the fleet's live workers."""
-    return live_workers(registry_client(app or _default_app()))
-
-
-def latest_reports(app: Celery, task_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """``{task id: its latest progress report}`` of the jobs that reported (one ``MGET``)."""
-    raw = registry_client(app).mget([keys.progress(task_id) for task_id in task_ids]) if task_ids else []
-    out: dict[str, dict[str, Any]] = {}
-    for task_id, value in zip(task_ids, raw, strict=True):
-        try:
-            report = json.loads(value) if value else None
-        except ValueError:
-            report = None
-        if isinstance(report, dict):
-            out[task_id] = report
-    return out
+    return live_workers((client or Connections.of(app)).redis)
 
 
 def _default_app() -> Celery:
-    from ..core.app import app
-
-    return app
+    return default_app()
 
 
 def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
@@ -214,26 +194,29 @@ def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) ->
     )
 
 
-class FanOut:
-    """A running fan-out. :meth:`get` returns ``{device: entry}``, the dict the chord collected."""
+class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
+    """A running fan-out. :meth:`get` (or ``await handle``) returns ``{device: entry}``, the dict
+    the chord collected; the rest of its API is :class:`~tasks.producer.handle.JobHandle`'s."""
 
-    def __init__(self, app: Celery, plan: dict[str, JobSpec], result: AsyncResult) -> None:
-        self.app = app
+    def __init__(self, app: Celery, plan: dict[str, JobSpec], result: AsyncResult,
+                 connections: Connections | None = None) -> None:
+        super().__init__(app, connections)
         self.plan = plan
-        self._result = result
+        self._result_handle = result
         header = result.parent
         self._jobs: dict[str, AsyncResult] = dict(zip(plan, header.results, strict=True)) if header else {}
+        self._task_ids = {device: str(res.id) for device, res in self._jobs.items()}
 
     @property
     def id(self) -> str:
         """The id of the chord's collect task, whose result is the dict."""
-        return str(self._result.id)
+        return str(self._result_handle.id)
 
     @property
     def group_id(self) -> str:
         """The id of the group of device jobs (Celery's ``request.group`` in each job); its first
         8 characters name the fan-out's TensorBoard runs, ``<job>-<group_id[:8]>/<device>``."""
-        header = self._result.parent
+        header = self._result_handle.parent
         return str(header.id) if header is not None else self.id
 
     @property
@@ -243,34 +226,30 @@ class FanOut:
     @property
     def task_ids(self) -> dict[str, str]:
         """``{device: Celery task id}`` of each device's job (for ``AsyncResult``, Flower, logs)."""
-        return {device: str(res.id) for device, res in self._jobs.items()}
+        return dict(self._task_ids)
+
+    def jobs(self) -> dict[str, str]:
+        return self._task_ids
 
     def results(self) -> dict[str, AsyncResult]:
         """``{device: AsyncResult}`` of each device's job."""
         return dict(self._jobs)
 
-    def ready(self) -> bool:
-        """Whether every device's job has finished (one Redis round trip)."""
-        return all(state in READY_STATES for state in self.states().values())
-
     def states(self) -> dict[str, str]:
         """Celery state of each device's job (``PENDING``, ``STARTED``, ``PROGRESS``, ``SUCCESS``,
         ``FAILURE``...): one Redis round trip for every device."""
-        metas = self.app.backend.metas([str(res.id) for res in self._jobs.values()])
-        return {device: str(meta["status"]) if meta and "status" in meta else PENDING
-                for device, meta in zip(self._jobs, metas, strict=True)}
+        return self._states(self._read())
 
     def progress(self) -> dict[str, dict[str, Any]]:
         """The latest progress each device's job reported: ``{}`` until it reports, and its
         last report once it has finished (one Redis round trip for every device)."""
-        reports = latest_reports(self.app, [str(res.id) for res in self._jobs.values()])
-        return {device: reports.get(str(res.id), {}) for device, res in self._jobs.items()}
+        return super().progress()
 
     def cancel(self) -> None:
         """Cancel the fan-out: a job not started yet never starts, a running one stops at its
         next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
         Their entries say ``cancelled``; :meth:`get` still returns every device."""
-        pending = [str(self._jobs[d].id) for d, state in self.states().items() if state not in READY_STATES]
+        pending = [self._task_ids[d] for d, state in self.states().items() if state not in READY_STATES]
         if pending:
             self.app.control.revoke(pending)
             logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
@@ -283,11 +262,32 @@ class FanOut:
         """
         try:
             # A failed device is an error entry in the collected dict, not an error of the call.
-            collected = self._result.get(timeout=timeout, follow_parents=False)
+            collected = self._result_handle.get(timeout=timeout, follow_parents=False)
         except CeleryTimeoutError:
             pending = [d for d, state in self.states().items() if state not in READY_STATES]
             raise FanOutTimeout(timeout or 0.0, pending) from None
         return {device: collected[device] for device in self.plan}
+
+    async def _wait(self) -> dict[str, dict[str, Any]]:
+        # Only the collect task's state: one channel per fan-out, however many devices.
+        listener = self.connections.listener()
+        async with listener.subscribe([self.id]) as sub:
+            meta = (await self.reader.ametas([self.id]))[self.id]
+            while meta is None or meta.get("status") not in READY_STATES:
+                message = await sub.next(RECHECK_S)
+                if message is None:
+                    meta = (await self.reader.ametas([self.id]))[self.id]
+                else:
+                    meta = self.reader.note(*message)
+        return self._collected(meta)
+
+    def _collected(self, meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        result = meta.get("result")
+        if meta.get("status") != SUCCESS or not isinstance(result, dict):
+            error = result if isinstance(result, dict) else {}
+            raise FanOutError(f"fan-out {self.id}: its collect step ended {meta.get('status')}: "
+                              f"{error.get('exc_type')}: {error.get('exc_message')}")
+        return {device: result[device] for device in self.plan}
 
     def __repr__(self) -> str:
         return f"<FanOut {self.id} {', '.join(f'{d}:{s.name}' for d, s in self.plan.items())}>"
@@ -300,7 +300,9 @@ def fan_out(
     kwargs: Mapping[str, Any] | None = None,
     options: JobOptions | Mapping[str, Any] | None = None,
     distributed: bool | DistributedOptions | Mapping[str, Any] = False,
+    per_slot: bool = False,
     app: Celery | None = None,
+    client: Connections | None = None,
 ) -> FanOut:
     """Run a job on each device at the same time; ``.get()`` the handle for ``{device: entry}``.
 
@@ -316,14 +318,21 @@ def fan_out(
             ``torch.distributed`` job (``True``, or
             :class:`~tasks.core.records.DistributedOptions` as a dict, e.g.
             ``{"max_restarts": 1, "join_timeout_s": 60}``). Each entry's output has its ``rank``.
-        app: the Celery app to send through; default ``tasks.app``.
+        per_slot: send each device as many copies of its job as it has slots (``slots`` in its
+            worker config), to run at once; the result's keys are then ``<device>/<copy>``
+            (``cpu0/0``, ``cpu0/1``) and each entry names the ``slot`` that ran it.
+        app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
+        client: the :class:`~tasks.producer.client.FleetClient` (or
+            :class:`~tasks.producer.connections.Connections`) whose Redis connections the handle
+            uses; default the app's own.
 
     Raises:
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
         ConfigError: a job spec is malformed.
         UnknownJob: a device's worker does not run the job (nothing is sent).
     """
-    app = app or _default_app()
+    app = app or (client.app if client is not None else default_app())
+    client = client if client is not None and client.app is app else Connections.of(app)
     if isinstance(jobs, Mapping) and not _looks_like_spec(jobs):
         if not jobs:
             raise ConfigError("fan_out({}) names no device")
@@ -334,20 +343,25 @@ def fan_out(
                 "fan_out(job, devices=...) to run one job on every device of a kind"
             )
         plan = {device: JobSpec.of(job) for device, job in jobs.items()}
-        live = live_devices(app)
+        live = live_devices(client=client)
         select_devices(list(jobs), live)  # raises DeviceUnavailable before anything is sent
     else:
         spec = JobSpec.of(jobs, kwargs, options)  # type: ignore[arg-type]
-        live = live_devices(app)
+        live = live_devices(client=client)
         plan = {device: spec for device in select_devices(devices, live)}
     check_jobs(plan, live)
     if distributed is not False:
-        return _send_gang(app, plan, live, distributed)
-    return FanOut(app, plan, _send(app, plan))
+        if per_slot:
+            raise ConfigError("per_slot=True cannot be used with distributed: a gang has one rank per device")
+        return _send_gang(app, plan, live, distributed, client)
+    if per_slot:
+        plan = {slot_key(device, copy): spec for device, spec in plan.items()
+                for copy in range(live[device].slot_count)}
+    return FanOut(app, plan, _send(app, plan), client)
 
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
-    header = [spec.signature(app, device_queue(device)) for device, spec in plan.items()]
+    header = [spec.signature(app, device_queue(key_device(key))) for key, spec in plan.items()]
     body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=QueueName.FLEET.value)
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))
@@ -399,8 +413,8 @@ GANG_SEND_WAIT_S = 30.0
 
 
 def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerRecord],
-               distributed: bool | DistributedOptions | Mapping[str, Any]) -> FanOut:
-    client = registry_client(app)
+               distributed: bool | DistributedOptions | Mapping[str, Any], connections: Connections) -> FanOut:
+    client = connections.redis
     gang_spec(plan, live, distributed, seq=0)  # refuse bad options before taking a number or the lock
     # Holding the lock while the ranks are published puts one gang's ranks before the next
     # gang's on every device's queue, so two gangs sent at once do not each take one device
@@ -412,7 +426,7 @@ def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerR
         result = _send(app, ranks)
     logger.info("distributed %s %s: %d ranks (%s) on %s", next(iter(plan.values())).name, gang.id,
                 gang.world_size, gang.backend, ", ".join(gang.devices))
-    return FanOut(app, ranks, result)
+    return FanOut(app, ranks, result, connections)
 
 
 def _looks_like_spec(mapping: Mapping[str, Any]) -> bool:

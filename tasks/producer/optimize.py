@@ -21,6 +21,13 @@ step is reported to the trial (``trial.report``) and, when the pruner says so, t
 revoked. It stops at its next ``ctx.progress()`` (its device's memory is released before the
 device takes the next trial) and the trial ends ``PRUNED``.
 
+A running study is a handle (:func:`start_study` returns a :class:`StudyHandle`, a
+:class:`~tasks.producer.handle.JobHandle` keyed by trial number): ``states()``, ``summary()``,
+``cancel()``, ``get()`` and, from async code, ``await handle``, ``watch()``, ``asummary()``,
+``acancel()``. The study advances as its handle is read: awaited, each trial's state heard on
+Redis pub/sub wakes it (nothing polls at an interval); ``get()`` reads with a 2-100 ms backoff.
+:func:`optimize` is ``start_study(...).get()``.
+
 Resume: the same call with the same ``name`` loads the study, adopts the trials still running
 (sent again under the same task id: a copy of a trial that runs or ran is dropped by the
 worker's lease) and asks for trials until ``n_trials`` have finished in all.
@@ -30,9 +37,10 @@ Optuna is the ``sweep`` extra: ``pip install 'devicefleet[sweep]'``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import time
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +55,10 @@ from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
+from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
-from .sweep import MAX_POLL_S, MIN_POLL_S
+from .handle import JobHandle, Summary
+from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_task_id
 
 if TYPE_CHECKING:
@@ -172,7 +182,7 @@ class _InFlight:
     pruning: bool = False
 
 
-def optimize(
+def start_study(
     job: JobLike,
     space: Mapping[str, Any],
     n_trials: int,
@@ -185,37 +195,41 @@ def optimize(
     name: str | None = None,
     kwargs: Mapping[str, Any] | None = None,
     max_concurrent: int | None = None,
-    timeout: float | None = None,
     on_update: Callable[[StudyProgress], None] | None = None,
     app: Celery | None = None,
-) -> optuna.Study:
-    """Run an Optuna study of ``n_trials`` trials of ``job`` over ``devices``; return the study.
+    client: Connections | None = None,
+) -> StudyHandle:
+    """Start an Optuna study of ``n_trials`` trials of ``job`` over ``devices``: its first trials
+    are sent when this returns. The :class:`StudyHandle` runs the study as it is read (``get()``,
+    ``await``, ``watch()``, ``states()``...): each read tells Optuna what finished, prunes, and asks
+    for the next trials.
 
     Args:
         job: the job; ``kwargs`` are the kwargs every trial shares.
         space: ``{parameter: distribution}`` (see :func:`parse_space`); each trial's parameters
             are passed to the job as kwargs.
-        n_trials: trials the study has when this returns (a resumed study counts those it had).
+        n_trials: trials the study has when it ends (a resumed study counts those it had).
         objective: the field of the job's output that is the trial's value.
         direction: ``maximize`` or ``minimize``.
         pruner: an Optuna pruner or ``median``, ``asha``, ``hyperband``; None: no pruning.
         sampler: an Optuna sampler (default Optuna's, TPE).
         name: the study's name in the fleet's Redis; the same name resumes it.
-        max_concurrent: trials running at once (default: one per device).
-        timeout: seconds to wait in all; then :class:`FanOutTimeout` (the study keeps what ended).
-        on_update: called with a :class:`StudyProgress` after every poll (for a live view).
+        max_concurrent: trials running at once (default: one per slot of each device).
+        on_update: called with a :class:`StudyProgress` after every read that advanced the study
+            (for a live view; from a thread when the handle is awaited).
+        app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
+        client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
+            uses; default the app's own.
 
     Raises:
         MissingExtra: Optuna is not installed.
-        ConfigError: a bad space, direction, objective or count; or the job's output has no
-            number ``objective``, or refuses a parameter (the running trials are cancelled).
+        ConfigError: a bad space, direction, objective or count.
         DeviceUnavailable, UnknownJob: as for :func:`tasks.fan_out` (nothing is sent).
         SweepConflict: a study of that name exists for another job.
     """
     optuna = require_optuna()
-    from .fanout import _default_app
-
-    app = app or _default_app()
+    app = app or (client.app if client is not None else default_app())
+    connections = client if client is not None and client.app is app else Connections.of(app)
     distributions = parse_space(space)
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ConfigError(f"n_trials={n_trials!r}: give a whole number of at least 1")
@@ -227,12 +241,13 @@ def optimize(
     clash = sorted(set(distributions) & set(base.kwargs))
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
-    live = live_devices(app)
+    live = live_devices(client=connections)
     chosen = select_devices(devices, live)
     # A command's placeholders are filled from the space: check them with a value for each.
     probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
     check_jobs({device: probe for device in chosen}, live)
-    limit = max_concurrent if max_concurrent is not None else len(chosen)
+    # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once).
+    limit = max_concurrent if max_concurrent is not None else sum(live[device].slot_count for device in chosen)
     if limit < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1")
     study_name = name or f"{base.name}-{uuid.uuid4().hex[:8]}"
@@ -243,19 +258,68 @@ def optimize(
         raise SweepConflict(f"study {study_name!r} is a study of job {owner!r}, not {base.name!r}: "
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
-    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live)
+    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections)
     queue.attach()
-    run = _StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit, on_update)
+    handle = StudyHandle(_StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit,
+                                   on_update))
+    handle._read()  # the first trials go out now
+    return handle
+
+
+def optimize(
+    job: JobLike,
+    space: Mapping[str, Any],
+    n_trials: int,
+    objective: str,
+    *,
+    timeout: float | None = None,
+    stop: threading.Event | None = None,
+    **options: Any,
+) -> optuna.Study:
+    """Run an Optuna study of ``n_trials`` trials of ``job``; return the study when it has them.
+
+    :func:`start_study` and ``handle.get(timeout)``; the other arguments are
+    :func:`start_study`'s (``on_update`` is called after every read, for a live view).
+
+    Args:
+        timeout: seconds to wait in all; then :class:`FanOutTimeout` (the study keeps what
+            ended; its running trials go on, and the same call with the same name adopts them).
+        stop: once set, the running trials are cancelled and the study returned as it is.
+
+    Raises:
+        ConfigError: as :func:`start_study`; or the job's output has no number ``objective``, or
+            refuses a parameter (the running trials are cancelled).
+        FanOutTimeout: ``timeout`` passed.
+    """
+    handle = start_study(job, space, n_trials, objective, **options)
     try:
-        run.loop(None if timeout is None else time.monotonic() + timeout, timeout)
+        return handle.get(timeout, stop=stop)
     except FanOutTimeout:
         raise  # the running trials go on; the same call with the same name adopts them
-    except BaseException:  # Ctrl-C, a bad objective: the running trials are cancelled
-        run.cancel("the study's producer stopped")
+    except BaseException:  # Ctrl-C: the running trials are cancelled
+        handle.cancel("the study's producer stopped")
         raise
     finally:
-        queue.detach()
-    return study
+        handle.queue.detach()
+
+
+async def optimize_async(job: JobLike, space: Mapping[str, Any], n_trials: int, objective: str, *,
+                         timeout: float | None = None, cancel: bool = False, **options: Any) -> optuna.Study:
+    """:func:`optimize` from async code: ``await start_study(...).wait(timeout, cancel=cancel)``
+    (the study is sent from a thread: Optuna's storage is blocking).
+
+    Cancelling the awaiting task leaves the study running to its end, driven from a thread, as a
+    fan-out's jobs go on; with ``cancel=True`` it stops the study too and cancels its running
+    trials (they end ``FAIL`` with ``user_attrs["cancelled"]``). The other arguments are
+    :func:`start_study`'s.
+    """
+    handle = await asyncio.to_thread(start_study, job, space, n_trials, objective, **options)
+    try:
+        return await handle.wait(timeout, cancel=cancel)
+    except asyncio.CancelledError:
+        if not cancel:
+            threading.Thread(target=handle.run_to_end, name=f"study-{handle.id}", daemon=False).start()
+        raise
 
 
 def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
@@ -270,7 +334,7 @@ def _tell(study: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
 
 
 class _StudyRun:
-    """One producer's loop over a study: ask, send, poll, report, prune, tell."""
+    """One producer's run of a study: ask, send, read, report, prune, tell (its :meth:`step`)."""
 
     def __init__(self, optuna: Any, study: Any, queue: TrialQueue, base: JobSpec, distributions: dict[str, Any],
                  objective: str, n_trials: int, limit: int,
@@ -330,41 +394,55 @@ class _StudyRun:
             return
         self.progress.best_value, self.progress.best_params = best.value, dict(best.params)
 
-    def loop(self, deadline: float | None, timeout: float | None) -> None:
-        pause = MIN_POLL_S
-        while self.progress.finished < self.n_trials:
-            while len(self.in_flight) < self.limit and self.progress.finished + len(self.in_flight) < self.n_trials:
-                trial = self.study.ask(self.distributions)
-                flight = _InFlight(trial, trial_task_id(self.queue.id, trial.number))
-                self.in_flight[trial.number] = flight
-                self.queue.send([(trial.number, self._spec(trial.params))])
-            changed = self._poll()
-            self.queue.refresh()
-            if self.on_update is not None:
-                self.on_update(self.progress)
-            if self.progress.finished >= self.n_trials:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                raise FanOutTimeout(timeout or 0.0, [f"trial {n}" for n in self.in_flight])
-            pause = MIN_POLL_S if changed else min(MAX_POLL_S, pause * 2)
-            time.sleep(pause)
+    def step(self, metas: Mapping[str, Meta | None]) -> bool:
+        """Tell Optuna what finished, report intermediate values, prune; ask for and send trials
+        while there is room. True if trials were sent."""
+        self._poll(metas)
+        asked = []
+        while len(self.in_flight) < self.limit and self.progress.finished + len(self.in_flight) < self.n_trials:
+            trial = self.study.ask(self.distributions)
+            self.in_flight[trial.number] = _InFlight(trial, trial_task_id(self.queue.id, trial.number))
+            asked.append((trial.number, self._spec(trial.params)))
+        if asked:
+            self.queue.send(asked)
+        self.queue.refresh()
+        if self.on_update is not None:
+            self.on_update(self.progress)
+        return bool(asked)
 
-    def _poll(self) -> bool:
-        """Tell Optuna what finished, report intermediate values, prune; True if any ended."""
+    @property
+    def done(self) -> bool:
+        return self.progress.finished >= self.n_trials
+
+    def due(self, metas: Mapping[str, Meta | None]) -> bool:
+        """Whether :meth:`step` has anything to do with ``metas`` (from any thread)."""
+        flights = dict(self.in_flight)  # one copy: a step in a thread may change it
+        if len(flights) < self.limit and self.progress.finished + len(flights) < self.n_trials:
+            return True
+        for flight in flights.values():
+            meta = metas.get(flight.task_id)
+            if entry_of(meta) is not None:
+                return True
+            report = meta.get("result") if meta is not None and state_of(meta) == "PROGRESS" else None
+            values = report.get("values") if isinstance(report, dict) else None
+            if isinstance(values, list) and not flight.pruning and any(
+                    isinstance(p, list) and len(p) == 2 and int(p[0]) not in flight.reported for p in values):
+                return True
+        return self.queue.refresh_due()
+
+    def _poll(self, metas: Mapping[str, Meta | None]) -> None:
+        """Tell Optuna what finished, report intermediate values, prune."""
         ids = {flight.task_id: number for number, flight in self.in_flight.items()}
-        metas = self.queue.metas(list(ids))
         reports = self.queue.reports(list(ids))
-        changed = False
         for task_id, number in ids.items():
             flight = self.in_flight[number]
-            entry = entry_of(metas[task_id])
-            self.progress.running[number] = self.queue.device_of(metas[task_id])
+            meta = metas.get(task_id)
+            entry = entry_of(meta)
+            self.progress.running[number] = self.queue.device_of(meta)
             if task_id in reports:  # the last values of a finished trial too, before it is told
                 self._report(flight, reports[task_id], prune=entry is None and self.pruning)
             if entry is not None:
                 self._finish(flight, entry)
-                changed = True
-        return changed
 
     def _report(self, flight: _InFlight, report: Mapping[str, Any], prune: bool) -> None:
         """Report each intermediate value not reported yet; revoke the trial if it should be pruned."""
@@ -428,3 +506,140 @@ class _StudyRun:
         except Exception as exc:  # noqa: BLE001  (already leaving with an error)
             logger.warning("study %s: could not cancel the running trials: %s", self.study.study_name, exc)
         self.in_flight.clear()
+
+
+class StudyHandle(JobHandle[int, "optuna.Study"]):
+    """A running study (:func:`start_study`): its trials are its jobs, by trial number, and
+    :meth:`get` (or ``await handle``) returns the :class:`optuna.Study` once it has ``n_trials``
+    finished trials. The rest of its API is :class:`~tasks.producer.handle.JobHandle`'s.
+
+    The study advances as the handle is read: each read tells Optuna what finished, hands it
+    the intermediate values (pruning), and asks for the next trials (from a thread when
+    awaited: Optuna's storage and samplers are blocking). Awaited, that happens when the
+    listener hears a trial's state, not at an interval. The jobs are this run's trials (a
+    resumed study's earlier trials are in the study); ``summary()`` counts the trials not asked
+    for yet as queued. A job's output without a number ``objective`` (or parameters the job
+    refuses) ends the run: its running trials are cancelled, and ``get()``/``await`` raise
+    :class:`~tasks.core.errors.ConfigError`.
+    """
+
+    progress_of_every_job = False
+
+    def __init__(self, run: _StudyRun) -> None:
+        super().__init__(run.queue.app, run.queue.connections, run.queue.reader)
+        self.run = run
+        self.queue = run.queue
+        #: ``{trial number: task id}``, replaced (never changed in place) as trials are asked for.
+        self._jobs = {n: f.task_id for n, f in sorted(run.in_flight.items())}
+        self._ended = False  # the study has its trials, was cancelled, or failed
+        self._error: BaseException | None = None
+        self._advancing = threading.Lock()
+
+    @property
+    def study(self) -> optuna.Study:
+        return self.run.study
+
+    @property
+    def id(self) -> str:
+        return str(self.run.study.study_name)
+
+    @property
+    def devices(self) -> list[str]:
+        return self.queue.devices
+
+    @property
+    def progress_view(self) -> StudyProgress:
+        """Counts by Optuna's trial states, the running trials, the best so far."""
+        return self.run.progress
+
+    def jobs(self) -> dict[int, str]:
+        return self._jobs
+
+    def _device_of(self, meta: Meta | None) -> str | None:
+        return self.queue.device_of(meta)
+
+    def _name(self, key: int) -> str:
+        return f"trial {key}"
+
+    # -- advancing ----------------------------------------------------------------------------
+
+    def _advance(self, metas: Mapping[str, Meta | None]) -> bool:
+        with self._advancing:
+            if self._ended:
+                return False
+            try:
+                sent = self.run.step(metas)
+            except Exception as exc:  # noqa: BLE001  (a bad objective...: kept for get() and await)
+                self._error = exc
+                self._end(f"study {self.id} failed: {exc}")
+                return False
+            self._jobs = {**self._jobs, **{n: f.task_id for n, f in sorted(self.run.in_flight.items())
+                                           if n not in self._jobs}}
+            if self.run.done:
+                self._end(None)
+            return sent
+
+    def _advance_due(self, metas: Mapping[str, Meta | None]) -> bool:
+        return not self._ended and self.run.due(metas)
+
+    def _end(self, cancel_reason: str | None) -> None:
+        """The run is over (called holding the lock): cancel what runs, let the queue go."""
+        self._ended = True
+        if cancel_reason is not None:
+            self.run.cancel(cancel_reason)
+        self.queue.detach()
+
+    def _all_final(self, metas: Mapping[str, Meta | None]) -> bool:
+        """Done when the study has its trials and every trial sent has ended (a cancelled
+        study's too), or at once when it failed."""
+        return self._error is not None or (self._ended and super()._all_final(metas))
+
+    def _summary(self, metas: Mapping[str, Meta | None]) -> Summary:
+        out = super()._summary(metas)
+        if not self._ended:
+            unasked = max(0, self.run.n_trials - self.run.progress.finished - len(self.run.in_flight))
+            out.total += unasked
+            out.queued += unasked
+        return out
+
+    def _result(self, metas: Mapping[str, Meta | None]) -> optuna.Study:
+        if self._error is not None:
+            raise self._error
+        return self.run.study
+
+    # -- the blocking API ---------------------------------------------------------------------
+
+    def get(self, timeout: float | None = None, *, stop: threading.Event | None = None) -> optuna.Study:
+        """Run the study until it has ``n_trials`` finished trials; return it.
+
+        Args:
+            timeout: seconds to wait; then :class:`FanOutTimeout` (the trials go on, and the study
+                goes on when the handle is read again).
+            stop: once set, the running trials are cancelled and the study returned as it is.
+
+        Raises:
+            ConfigError: the job's output has no number ``objective``, or the job refused a
+                trial's parameters (the running trials were cancelled).
+            FanOutTimeout: ``timeout`` passed first.
+        """
+        study = self._poll_until_final(timeout, stop)
+        if stop is not None and stop.is_set():
+            self.cancel("the study was stopped")
+        return study
+
+    def run_to_end(self) -> None:
+        """:meth:`get`, logging what it raises (a thread that carries the study on)."""
+        try:
+            self.get()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("study %s: %s", self.id, exc)
+
+    def cancel(self, reason: str | None = None) -> None:
+        """Stop asking for trials; queued trials never start, running ones stop at their next
+        ``ctx.progress()`` and end ``FAIL`` in the study with ``user_attrs["cancelled"]``."""
+        with self._advancing:
+            if not self._ended:
+                self._end(reason or f"study {self.id} cancelled")
+
+    def __repr__(self) -> str:
+        return f"<StudyHandle {self.id} {self.run.base.name} {self.run.progress.finished}/{self.run.n_trials}>"

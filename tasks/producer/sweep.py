@@ -25,28 +25,24 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Celery, states
+from celery import Celery
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
-from ..core.errors import ConfigError, FanOutTimeout, InvalidJobArguments, SweepConflict
+from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.records import SweepRecord
-from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, registry_client, select_devices
-from .trials import RUNNING_STATES, TrialQueue, entry_of, queue_for, trial_task_id
+from .connections import Connections, default_app
+from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
+from .handle import JobHandle, Summary, summarize
+from .trials import TrialQueue, entry_of, queue_for, trial_task_id
 
 logger = logging.getLogger(__name__)
-
-#: Seconds between polls while trials finish often; the poll backs off to :data:`MAX_POLL_S`
-#: while nothing changes.
-MIN_POLL_S = 0.002
-MAX_POLL_S = 0.1
-
 
 def grid(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """Every combination of ``axes``' values, as trials: ``grid({"lr": [1, 2], "seed": [0, 1]})``
@@ -64,38 +60,31 @@ def grid(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*(axes[n] for n in names))]
 
 
-@dataclass
-class SweepSummary:
-    """Counts of a sweep's trials, and per device how many it ran and runs now."""
-
-    total: int
-    done: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    running: int = 0
-    queued: int = 0
-    #: ``{device: {"done": n, "running": n}}`` (done counts every finished trial it ran).
-    devices: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> int:
-        return self.done + self.failed + self.cancelled
+#: A sweep's counts: the handles' :class:`~tasks.producer.handle.Summary` (the old name, kept).
+SweepSummary = Summary
 
 
-class Sweep:
-    """A running sweep; :meth:`get` returns one entry per trial, in trial order."""
+class Sweep(JobHandle[int, list[dict[str, Any]]]):
+    """A running sweep; :meth:`get` (or ``await handle``) returns one entry per trial, in trial
+    order. The rest of its API is :class:`~tasks.producer.handle.JobHandle`'s, keyed by trial
+    number; ``states()`` is a list in trial order."""
+
+    progress_of_every_job = False
 
     def __init__(self, app: Celery, record: SweepRecord, specs: list[JobSpec], queue: TrialQueue,
                  sent: set[int], max_concurrent: int | None) -> None:
-        self.app = app
+        super().__init__(app, queue.connections, queue.reader)
         self.record = record
         self.specs = specs
         self.queue = queue
         self.max_concurrent = max_concurrent
         self.task_ids = [trial_task_id(record.sweep_id, i) for i in range(len(specs))]
+        self._jobs = dict(enumerate(self.task_ids))
         self._sent = sent
         self._cancelled = record.cancelled
         self._detached = False
+        # An awaiting reader advances the sweep from a thread; a blocking one from its own.
+        self._advancing = threading.Lock()
 
     @property
     def id(self) -> str:
@@ -105,10 +94,16 @@ class Sweep:
     def devices(self) -> list[str]:
         return self.queue.devices
 
+    def jobs(self) -> dict[int, str]:
+        return self._jobs
+
     def __len__(self) -> int:
         return len(self.specs)
 
     # -- feeding -----------------------------------------------------------------------------
+
+    def _open(self, metas: Mapping[str, dict[str, Any] | None]) -> int:
+        return sum(1 for i in self._sent if entry_of(metas.get(self.task_ids[i])) is None)
 
     def feed(self, metas: Mapping[str, dict[str, Any] | None] | None = None) -> int:
         """Send the trials not sent yet, at most ``max_concurrent`` unfinished at a time;
@@ -118,68 +113,56 @@ class Sweep:
         todo = [i for i in range(len(self.specs)) if i not in self._sent]
         if self.max_concurrent is not None:
             metas = metas if metas is not None else self.queue.metas(self.task_ids)
-            open_ = sum(1 for i in self._sent if entry_of(metas.get(self.task_ids[i])) is None)
-            todo = todo[:max(0, self.max_concurrent - open_)]
+            todo = todo[:max(0, self.max_concurrent - self._open(metas))]
         if not todo:
             return 0
         sent = self.queue.send((i, self.specs[i]) for i in todo)
-        pipe = registry_client(self.app).pipeline()
+        pipe = self.connections.redis.pipeline()
         pipe.sadd(keys.sweep_sent(self.id), *sent)
         pipe.expire(keys.sweep_sent(self.id), _expires(self.app))  # with the record and the results
         pipe.execute()
         self._sent.update(sent)
         return len(sent)
 
+    def _advance(self, metas: Mapping[str, dict[str, Any] | None]) -> bool:
+        """Send more trials if ``max_concurrent`` allows, ask restarted workers again to consume
+        the sweep's queue, and let it go once every trial has finished."""
+        with self._advancing:
+            fed = self.feed(metas) > 0
+            self.queue.refresh()
+            if not fed and not self._detached and self._all_final(metas):
+                self.queue.detach()
+                self._detached = True
+            return fed
+
+    def _advance_due(self, metas: Mapping[str, dict[str, Any] | None]) -> bool:
+        unsent = not self._cancelled and len(self._sent) < len(self.specs)
+        room = self.max_concurrent is None or self._open(metas) < self.max_concurrent
+        return (unsent and room) or self.queue.refresh_due() or (not self._detached and self._all_final(metas))
+
     # -- reading -----------------------------------------------------------------------------
 
     def poll(self) -> list[dict[str, Any] | None]:
         """Read every trial's stored meta (one MGET for those not finished), send more trials
         if ``max_concurrent`` allows, and return the metas in trial order."""
-        by_id = self.queue.metas(self.task_ids)
-        if self.feed(by_id):
-            by_id = self.queue.metas(self.task_ids)
-        self.queue.refresh()
-        metas = [by_id[tid] for tid in self.task_ids]
-        if not self._detached and all(entry_of(m) is not None for m in metas):
-            self.queue.detach()
-            self._detached = True
-        return metas
+        by_id = self._read()
+        return [by_id[tid] for tid in self.task_ids]
 
-    def states(self) -> list[str]:
+    def states(self) -> list[str]:  # type: ignore[override]  # a list, as it always was
         """The Celery state of each trial, in trial order (``PENDING`` while queued)."""
-        return [str(m.get("status")) if m else states.PENDING for m in self.poll()]
+        return list(super().states().values())
 
-    def ready(self) -> bool:
-        """Whether every trial has finished (ok, failed or cancelled)."""
-        return all(entry_of(m) is not None for m in self.poll())
+    def _device_of(self, meta: dict[str, Any] | None) -> str | None:
+        return self.queue.device_of(meta)
 
-    def progress(self) -> dict[int, dict[str, Any]]:
-        """``{trial: its latest progress report}`` of the trials that are running now."""
-        metas = self.poll()
-        running = {self.task_ids[i]: i for i, m in enumerate(metas) if m and m.get("status") in RUNNING_STATES}
-        return {running[tid]: report for tid, report in self.queue.reports(list(running)).items()}
+    def _name(self, key: int) -> str:
+        return f"trial {key}"
 
-    def summary(self, metas: list[dict[str, Any] | None] | None = None) -> SweepSummary:
+    def summary(self, metas: list[dict[str, Any] | None] | None = None) -> Summary:
         """Done, failed, cancelled, running and queued counts, and per device."""
-        metas = metas if metas is not None else self.poll()
-        out = SweepSummary(total=len(self.specs), devices={d: {"done": 0, "running": 0} for d in self.devices})
-        for meta in metas:
-            entry = entry_of(meta)
-            running = entry is None and meta is not None and meta.get("status") in RUNNING_STATES
-            if entry is None:
-                out.running += running
-                out.queued += not running
-            elif entry["status"] == "ok":
-                out.done += 1
-            elif entry["status"] == "cancelled":
-                out.cancelled += 1
-            else:
-                out.failed += 1
-            device = self.queue.device_of(meta)
-            if device is not None and (entry is not None or running):
-                counts = out.devices.setdefault(device, {"done": 0, "running": 0})
-                counts["running" if running else "done"] += 1
-        return out
+        if metas is None:
+            return super().summary()
+        return summarize(metas, self.devices, self.queue.device_of)
 
     def entries(self, metas: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
         """Each trial's entry (the fan-out entry's keys plus ``trial`` and ``kwargs``), or None
@@ -191,6 +174,9 @@ class Sweep:
             out.append(None if entry is None else {**entry, "trial": i, "kwargs": dict(self.specs[i].kwargs)})
         return out
 
+    def _result(self, metas: Mapping[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+        return [e for e in self.entries([metas.get(tid) for tid in self.task_ids]) if e is not None]
+
     def get(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Wait for every trial and return their entries, in trial order.
 
@@ -199,21 +185,7 @@ class Sweep:
         Raises:
             FanOutTimeout: ``timeout`` seconds passed first; the sweep goes on running.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = MIN_POLL_S
-        finished = -1
-        while True:
-            metas = self.poll()
-            now_finished = sum(1 for m in metas if m is not None and m.get("status") in states.READY_STATES)
-            if now_finished == len(metas):
-                return [e for e in self.entries(metas) if e is not None]
-            if deadline is not None and time.monotonic() > deadline:
-                pending = [f"trial {i}" for i, e in enumerate(self.entries(metas)) if e is None]
-                raise FanOutTimeout(timeout or 0.0, pending)
-            # Poll often while trials finish often; back off while nothing changes.
-            pause = MIN_POLL_S if now_finished != finished else min(MAX_POLL_S, pause * 2)
-            finished = now_finished
-            time.sleep(pause)
+        return self._poll_until_final(timeout)
 
     # -- cancelling --------------------------------------------------------------------------
 
@@ -222,7 +194,7 @@ class Sweep:
         their entries say ``cancelled``. Finished trials keep their entries."""
         self._cancelled = True
         self.record = self.record.model_copy(update={"cancelled": True})
-        _save(self.app, self.record)
+        _save(self.app, self.record, self.connections)
         self.queue.cancel([self.task_ids[i] for i in sorted(self._sent)], reason=f"sweep {self.id} cancelled")
         for i in range(len(self.specs)):
             if i not in self._sent:  # never sent: stored as cancelled so get() returns them
@@ -272,9 +244,9 @@ def _expires(app: Celery) -> int:
     return max(60, int(app.backend.expires or 86_400))
 
 
-def _save(app: Celery, record: SweepRecord) -> None:
+def _save(app: Celery, record: SweepRecord, connections: Connections) -> None:
     """Store the record; it expires with the trials' results."""
-    registry_client(app).set(keys.sweep(record.sweep_id), record.to_json(), ex=_expires(app))
+    connections.redis.set(keys.sweep(record.sweep_id), record.to_json(), ex=_expires(app))
 
 
 def sweep(
@@ -286,6 +258,7 @@ def sweep(
     max_concurrent: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
     app: Celery | None = None,
+    client: Connections | None = None,
 ) -> Sweep:
     """Run ``job`` once per trial over ``devices``; each device takes the next trial when free.
 
@@ -298,7 +271,9 @@ def sweep(
         max_concurrent: at most this many trials sent and unfinished at a time (the handle
             sends more as it is polled); default: every trial is queued at once.
         kwargs: kwargs every trial shares.
-        app: the Celery app to send through; default ``tasks.app``.
+        app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
+        client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
+            uses; default the app's own.
 
     Raises:
         ConfigError: a trial is not a dict, or an argument is out of range.
@@ -306,15 +281,14 @@ def sweep(
         UnknownJob: a device's worker does not run the job (nothing is sent).
         SweepConflict: a sweep of that name exists with another job or other trials.
     """
-    from .fanout import _default_app
-
-    app = app or _default_app()
+    app = app or (client.app if client is not None else default_app())
+    connections = client if client is not None and client.app is app else Connections.of(app)
     specs = trial_specs(job, trials, kwargs)
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1, or None for all at once")
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
-    live = live_devices(app)
+    live = live_devices(client=connections)
     chosen = select_devices(devices, live)
     if specs:
         check_jobs({device: specs[0] for device in chosen}, live)
@@ -322,9 +296,9 @@ def sweep(
     record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,
                          digest=digest(specs), trials=len(specs), devices=chosen,
                          queue=queue_for(sweep_id, chosen, live), created_at=time.time())
-    client = registry_client(app)
+    registry = connections.redis
     sent: set[int] = set()
-    existing = client.get(keys.sweep(sweep_id)) if name else None
+    existing = registry.get(keys.sweep(sweep_id)) if name else None
     if existing:
         old = SweepRecord.model_validate_json(existing)
         if old.digest != record.digest:
@@ -333,10 +307,10 @@ def sweep(
                 f"resume it with the same job and trials, or give another name (nothing was sent)"
             )
         record = old.model_copy(update={"devices": chosen})  # its queue holds what was sent
-        sent = {int(i) for i in client.smembers(keys.sweep_sent(sweep_id))}
+        sent = {int(i) for i in registry.smembers(keys.sweep_sent(sweep_id))}
         logger.info("sweep %s: resuming, %d of %d trials sent before", sweep_id, len(sent), len(specs))
-    _save(app, record)
-    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue)
+    _save(app, record, connections)
+    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue, connections=connections)
     if not record.cancelled:
         queue.attach()
     handle = Sweep(app, record, specs, queue, sent, max_concurrent)

@@ -29,13 +29,16 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery import Celery, states
+from celery import Celery
 
-from ..core.backend import entry_of_failure
 from ..core.devices import DeviceKind
 from ..core.queues import QueueName, sweep_queue
 from ..core.records import WorkerRecord
-from .fanout import JobSpec, latest_reports, live_devices
+from .connections import Connections
+from .fanout import JobSpec, live_devices
+from .reader import RUNNING_STATES, StateReader, device_of, entry_of
+
+__all__ = ["RUNNING_STATES", "TrialQueue", "entry_of", "queue_for", "trial_task_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,6 @@ logger = logging.getLogger(__name__)
 TRIAL_NAMESPACE = uuid.UUID("5b0d2f57-29a4-4c53-9b39-d9f3b7b5a3c1")
 #: Seconds between checks that every chosen device's worker still consumes the queue.
 REFRESH_S = 5.0
-#: Celery states of a trial a device is running.
-RUNNING_STATES = frozenset({states.STARTED, "PROGRESS"})
 
 
 def trial_task_id(queue_id: str, trial: int) -> str:
@@ -68,8 +69,12 @@ class TrialQueue:
     """The queue of one sweep or study, the devices that consume it, and its trials' results."""
 
     def __init__(self, app: Celery, queue_id: str, devices: list[str],
-                 live: Mapping[str, WorkerRecord], queue: str | None = None) -> None:
+                 live: Mapping[str, WorkerRecord], queue: str | None = None,
+                 connections: Connections | None = None) -> None:
         self.app = app
+        self.connections = connections or Connections.of(app)
+        #: The trials' states and progress (kept once final).
+        self.reader = StateReader(self.connections)
         self.id = queue_id
         #: The queue the trials go to (:func:`queue_for`, or a resumed sweep's).
         self.queue = queue or queue_for(queue_id, devices, live)
@@ -79,10 +84,6 @@ class TrialQueue:
         self._workers = {device: live[device] for device in devices}
         self._device_of = {record.worker: device for device, record in live.items()}
         self._refreshed = 0.0
-        #: Final metas (SUCCESS, FAILURE, REVOKED) by task id: read once, kept.
-        self._final: dict[str, dict[str, Any]] = {}
-        #: The latest meta of each trial that has one but has not finished (STARTED, PROGRESS).
-        self._running_meta: dict[str, dict[str, Any]] = {}
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -103,7 +104,7 @@ class TrialQueue:
     def refresh(self) -> None:
         """Every :data:`REFRESH_S`: a chosen device's worker that restarted (a new process has
         only its own queues) is asked again to consume the queue."""
-        if not self.own or time.monotonic() - self._refreshed < REFRESH_S:
+        if not self.refresh_due():
             return
         self._refreshed = time.monotonic()
         try:
@@ -148,33 +149,19 @@ class TrialQueue:
 
     def metas(self, task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
         """``{task id: stored meta or None}``: one ``MGET`` for those not final yet."""
-        todo = [tid for tid in task_ids if tid not in self._final]
-        if todo:
-            for tid, meta in zip(todo, self.app.backend.metas(todo), strict=True):
-                if meta is not None and meta.get("status") in states.READY_STATES:
-                    self._final[tid] = meta
-                    self._running_meta.pop(tid, None)
-                elif meta is not None:
-                    self._running_meta[tid] = meta
-                else:
-                    self._running_meta.pop(tid, None)
-        return {tid: self._final.get(tid) or self._running_meta.get(tid) for tid in task_ids}
+        return self.reader.metas(task_ids)
 
     def reports(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
         """``{task id: latest progress report}`` of those that reported (one ``MGET``)."""
-        return latest_reports(self.app, task_ids)
+        return self.reader.reports(task_ids)
 
     def device_of(self, meta: Mapping[str, Any] | None) -> str | None:
         """The device running or that ran the trial whose meta is ``meta``."""
-        if not meta:
-            return None
-        result = meta.get("result")
-        if isinstance(result, dict) and isinstance(result.get("device"), str) and result["device"]:
-            return str(result["device"])
-        worker = meta.get("worker") or (result.get("hostname") if isinstance(result, dict) else None)
-        if isinstance(worker, str):
-            return self._device_of.get(worker, worker.split("@", 1)[0])
-        return None
+        return device_of(meta, self._device_of)
+
+    def refresh_due(self) -> bool:
+        """Whether :meth:`refresh` has something to do now."""
+        return self.own and time.monotonic() - self._refreshed >= REFRESH_S
 
     # -- cancelling --------------------------------------------------------------------------
 
@@ -185,7 +172,7 @@ class TrialQueue:
             with self.app.connection_for_write() as conn:
                 purged = conn.default_channel.queue_purge(self.queue)
         metas = self.metas(task_ids)
-        unfinished = [tid for tid, meta in metas.items() if tid not in self._final]
+        unfinished = [tid for tid in metas if not self.reader.is_final(tid)]
         if unfinished:
             # A running trial's worker adds the ids to its revoked set; ctx.progress() sees it.
             self.app.control.revoke(unfinished)
@@ -195,15 +182,3 @@ class TrialQueue:
                 self.app.backend.mark_as_revoked(tid, reason=reason)
         logger.info("%s: cancelled (%s queued trials purged, %d unfinished revoked)", self.queue, purged,
                     len(unfinished))
-
-
-def entry_of(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The device entry of a finished trial's meta; None while it has not finished."""
-    if not meta or meta.get("status") not in states.READY_STATES:
-        return None
-    if meta["status"] == states.SUCCESS and isinstance(meta.get("result"), dict):
-        return dict(meta["result"])
-    entry = entry_of_failure(meta.get("result"))
-    if not entry.get("device"):
-        entry["device"] = None  # cancelled before any device took it
-    return entry

@@ -6,7 +6,8 @@ of a devicefleet app (:class:`tasks.core.app.FleetCelery`), whose blueprint incl
 
 - ``__init__``, while the worker is built: the device from the node name, its config, its
   cores, its job processes (started with the device's visibility; the first one's hello names
-  the allowlist's jobs, registered here as ``devicefleet.<job>`` tasks), and the device's queues;
+  the allowlist's jobs, registered here as ``devicefleet.<job>`` tasks), the device's queues,
+  and the pool's concurrency: one job per slot (:mod:`tasks.worker.slots`);
 - ``start``, after Celery installed its signal handlers: join the registry (heartbeat, leases,
   reaper) and the stop-at-once handlers (:mod:`tasks.worker.shutdown`);
 - ``stop``: a running job gets its stop timeout (Celery stops this step before its pool, so
@@ -73,6 +74,12 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         app.task(name=COLLECT_TASK, shared=False, track_started=False)(collect)
         # Exactly the device's queues, whatever -Q said.
         app.amqp.queues.select(device_worker.queues)
+        # One job per slot at once, whatever --concurrency said: the pool and the consumer's
+        # prefetch (N messages) are created after every step's __init__ (Blueprint.apply).
+        slots = len(device_worker.slots)
+        if parent.concurrency != slots:
+            logger.info("%s: concurrency %s -> %d, its slots", device_worker.device, parent.concurrency, slots)
+        parent.concurrency = parent.min_concurrency = slots
         # A job's lease goes with its stored result (the store script releases it); one still
         # held after Celery stored the outcome (the store failed, or stored no finish) is
         # released here (LeaseKeeper.hold). Connected before the consumer builds its tracers,

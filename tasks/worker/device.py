@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import redis
 from celery import Celery
 
@@ -35,7 +37,7 @@ from ..core.devices import (
 )
 from ..core.errors import ConfigError, DeviceVisibilityError, FleetError, NoFleetError
 from ..core.queues import worker_queues
-from ..core.records import Visibility, WorkerRecord
+from ..core.records import SlotRecord, Visibility, WorkerRecord
 from ..core.registry import connect, read_worker
 from ..core.settings import Settings, redact_url
 from ..core.shadow import child_pythonpath
@@ -45,6 +47,9 @@ from .heartbeat import Heartbeat
 from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
+from .memory import open_meter
+from .mps import MpsServer
+from .slots import GiB, Slot, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -101,6 +106,10 @@ class DeviceWorker:
         self.jobs = JobCatalog([], settings.job_modules)
         #: The job processes that run this device's jobs (started by :meth:`prepare`).
         self.supervisor: Supervisor | None = None
+        #: The CUDA MPS daemon its job processes are clients of (``mps = true``).
+        self.mps: MpsServer | None = None
+        #: The jobs it runs at once, with their cores and memory budgets (:meth:`prepare`).
+        self.slots = Slots([Slot(index=0, cores=[], threads=1, budget_bytes=None)])
         #: When the worker was asked to stop (monotonic), for running jobs' stop timeout.
         self.stopping_since: float | None = None
         self.heartbeat: Heartbeat | None = None
@@ -109,6 +118,8 @@ class DeviceWorker:
         #: The registry's Redis client the background threads share (owned here: closed on leave).
         self._client: redis.Redis | None = None
         self.jobs_done = 0
+        #: Guards ``jobs_done``: the slots' threads end jobs at once.
+        self.counts_lock = threading.Lock()
         #: Where the other ranks of a distributed job reach this worker (set by :meth:`join`).
         self.address = settings.advertise_address or "127.0.0.1"
 
@@ -163,21 +174,49 @@ class DeviceWorker:
             max_memory_growth_bytes=self.config.max_memory_growth_mib * 2**20,
             cancel_grace_s=self.config.cancel_grace_s,
         )
-        self.supervisor = Supervisor(spec, job_environment(self.device, self.torch_threads), Path.cwd(),
-                                     policy, label=self.device.name)
+        env = job_environment(self.device, self.torch_threads)
+        if self.config.mps:
+            self.mps = MpsServer(self.device, self.settings.state_dir)
+            env.update(self.mps.start(int(self.config.memory_gib * GiB) if self.config.memory_gib else None))
+        self.supervisor = Supervisor(spec, env, Path.cwd(), policy, label=self.device.name, slots=self.config.slots)
         try:
             hello = self.supervisor.start()
         except ProcessGone as exc:
             self.supervisor.close()
+            if self.mps is not None:
+                self.mps.stop()
             raise _start_error(self.device, exc) from None
         self.visibility = dict(hello.visibility)
         self.jobs = JobCatalog(hello.jobs, self.settings.job_modules)
+        self._plan_slots()
         logger.info(
             "%s: CUDA_VISIBLE_DEVICES=%s, cores %s, %d torch threads, device %s; job process %d ready "
             "with jobs %s", self.device, self.visibility["cuda_visible_devices"],
             format_core_list(self.cores), self.torch_threads, self.visibility["device_name"],
             hello.pid, ", ".join(self.jobs.names),
         )
+
+    def _plan_slots(self) -> None:
+        """The device's slots, from its config and what its first job process saw of it, and the
+        meter their budgets are enforced with."""
+        config = self.config
+        gpu = self.device.kind is DeviceKind.GPU
+        # One slot without memory_gib: no budget (the device's whole memory is the job's).
+        enforced = config.slots > 1 or config.memory_gib is not None
+        total = (self.visibility.get("total_memory") if gpu else psutil.virtual_memory().total) if enforced else None
+        threads = None if config.torch_threads == "auto" else config.torch_threads
+        self.slots = Slots(plan_slots(self.cores, config.slots, threads, config.memory_gib,
+                                      int(total) if isinstance(total, int) else None))
+        supervisor = self.supervisor
+        if supervisor is not None and enforced:
+            uuid = self.visibility.get("uuid")
+            supervisor.meter = open_meter(self.device.kind.value, uuid if isinstance(uuid, str) else None,
+                                          self.device.index, str(self.device))
+        budget = self.slots.all[0].budget_bytes
+        logger.info("%s: %d slot%s (cores %s), each with a budget of %s of %s memory", self.device,
+                    len(self.slots), "" if len(self.slots) == 1 else "s",
+                    " | ".join(format_core_list(slot.cores) for slot in self.slots.all),
+                    f"{budget / 2**30:.1f} GiB" if budget else "no limit", "GPU" if gpu else "resident")
 
     def command_rules(self) -> CommandRules | None:
         """The worker config's ``[commands]``, each program found on this worker's PATH; None
@@ -199,7 +238,10 @@ class DeviceWorker:
         return WorkerRecord(
             device=self.device.name, kind=self.device.kind.value, worker=self.nodename,
             host=host_name(), pid=os.getpid(), queues=self.queues, cores=self.cores,
-            pool=self.config.pool.value, concurrency=self.config.concurrency, jobs=self.jobs.names,
+            pool=self.config.pool.value, jobs=self.jobs.names,
+            slots=[SlotRecord(index=slot.index, cores=slot.cores, budget_bytes=slot.budget_bytes)
+                   for slot in self.slots.all],
+            memory_kind="device" if self.device.kind is DeviceKind.GPU else "resident",
             started_at=time.time(),
             cuda_visible_devices=v.get("cuda_visible_devices"),  # type: ignore[arg-type]
             cuda_available=v.get("cuda_available"),  # type: ignore[arg-type]
@@ -271,6 +313,9 @@ class DeviceWorker:
             self._client = None
         if self.supervisor is not None:
             self.supervisor.close()
+        if self.mps is not None:  # after its clients, the job processes
+            self.mps.stop()
+            self.mps = None
 
 
 def job_environment(device: Device, threads: int) -> dict[str, str]:

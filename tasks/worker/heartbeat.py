@@ -59,6 +59,20 @@ class Heartbeat(PeriodicThread):
         else:
             self.write()
 
+    def update_slot(self, index: int, *, after_s: float = 0.0, **fields: Any) -> None:
+        """Change fields of slot ``index``'s record (and of the worker's with ``worker_fields``),
+        written as :meth:`update` writes."""
+        worker_fields = fields.pop("worker_fields", None) or {}
+        with self._lock:
+            slots = list(self._record.slots)
+            if 0 <= index < len(slots):
+                slots[index] = slots[index].model_copy(update=fields)
+            self._record = self._record.model_copy(update={**worker_fields, "slots": slots})
+        if self.alive:
+            self.wake(after_s)
+        else:
+            self.write()
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop beating and remove the record: the device leaves the fleet now."""
         super().stop(timeout)

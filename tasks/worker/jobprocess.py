@@ -85,6 +85,9 @@ class JobProcess:
         self.refused: Refused | None = None
         #: Jobs this process has run.
         self.jobs_run = 0
+        #: GPU memory it held before its first job (its CUDA context), as the worker's meter
+        #: measured it; None until measured.
+        self.device_baseline: int | None = None
         #: Why the worker ended it, once it did (``kill``): its exit is then no crash.
         self.killed_because: str | None = None
         try:

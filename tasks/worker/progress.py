@@ -46,9 +46,10 @@ def summary(fields: dict[str, Any]) -> str:
 
 
 def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None, client: Any = None,
-            expires_s: int = 86_400) -> None:
+            expires_s: int = 86_400, slot: int = 0) -> None:
     """Publish one report ``meta`` of the job ``task`` whose request is ``request`` (from any
-    thread: nothing here reads Celery's per-thread ``task.request``); never raises."""
+    thread: nothing here reads Celery's per-thread ``task.request``), running in ``slot``; never
+    raises."""
     task_id = getattr(request, "id", None)
     if not task_id:
         return
@@ -71,6 +72,6 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
         logger.debug("progress event failed: %s", exc)
     if heartbeat is not None:
         try:
-            heartbeat.update(progress=meta, after_s=COALESCE_S)
+            heartbeat.update_slot(slot, progress=meta, after_s=COALESCE_S)
         except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to the registry failed: %s", exc)

@@ -37,12 +37,14 @@ from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, Worker
 from ..core.job import JobMetric
 from ..core.jobstate import FINISH_ATTR, JobFinish, StoredAck
 from ..core.keys import OPTIONS_HEADER
+from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, heartbeat, progress
 from .device import DeviceWorker
+from .slots import Slot
 from .supervisor import Ended
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,8 @@ class JobRequest(Request):  # type: ignore[misc]
 
 #: A distributed job's rank that gave its device to an older gang comes back after this long.
 GIVE_WAY_S = 0.5
+#: A running job's memory samples reach its slot's registry record at most this late.
+MEMORY_WRITE_S = 1.0
 
 
 class JobTask(Task):  # type: ignore[misc]
@@ -182,24 +186,29 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
 
 
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
-    run = JobRun(worker, task, job)
-    ended = run_in_process(worker, run.job_message(kwargs, options), JobWatch(worker, task, run.job_id, options),
-                           restarts=options.gang.max_restarts if options.gang is not None else 0)
-    if ended.outcome is Outcome.GIVE_WAY:
-        run.idle(done=False)
-        # The same message (id, chord, options) back on the queue: it runs again later.
-        raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
-    return run.end(ended=ended)
+    with worker.slots.take() as slot:
+        run = JobRun(worker, task, job, slot)
+        ended = run_in_process(worker, run.job_message(kwargs, options),
+                               JobWatch(worker, task, run.job_id, options, slot.index), slot,
+                               restarts=options.gang.max_restarts if options.gang is not None else 0)
+        if ended.outcome is Outcome.GIVE_WAY:
+            run.idle(done=False)
+        else:
+            return run.end(ended=ended)
+    # The same message (id, chord, options) back on the queue: it runs again later.
+    raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
 
 
-def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, restarts: int = 0) -> Ended:
-    """Run ``job`` in one of the worker's job processes. A rank of a distributed job whose
-    process crashed runs again in a fresh one, up to its gang's ``restarts``: its peers lost it,
-    and its fresh run moves the gang to its next generation (:mod:`tasks.jobproc.distributed`)."""
+def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, slot: Slot | None = None,
+                   restarts: int = 0) -> Ended:
+    """Run ``job`` in one of the worker's job processes (in ``slot``). A rank of a distributed
+    job whose process crashed runs again in a fresh one, up to its gang's ``restarts``: its peers
+    lost it, and its fresh run moves the gang to its next generation
+    (:mod:`tasks.jobproc.distributed`)."""
     supervisor = worker.supervisor
     assert supervisor is not None, "the device worker has no job processes: prepare() was not called"
     try:
-        ended = supervisor.run(job, watch)
+        ended = supervisor.run(job, watch, slot)
     except NoJobProcess as exc:
         logger.error("%s: %s", worker.device, exc)
         return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
@@ -208,7 +217,7 @@ def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, restarts:
             break
         logger.warning("%s: rank %s lost its process (%s); running it again in a fresh one",
                        worker.device, job.job_id, ended.error.message if ended.error else "")
-        ended = supervisor.run(job, watch)
+        ended = supervisor.run(job, watch, slot)
     return ended
 
 
@@ -220,9 +229,10 @@ class JobWatch:
     job has had its stop timeout.
     """
 
-    def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions) -> None:
+    def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0) -> None:
         self.worker = worker
         self.task = task
+        self.slot = slot
         # Celery's task.request is per thread: keep this job's.
         self.request = task.request
         self.job_id = job_id
@@ -231,8 +241,14 @@ class JobWatch:
         self._client = worker.heartbeat.client if worker.heartbeat is not None else None
 
     def report(self, fields: dict[str, Any]) -> None:
+        if len(self.worker.slots) > 1:  # which of the device's jobs it is (Flower's progress column)
+            fields = {**fields, "slot": self.slot}
         progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
-                         self.worker.settings.result_expires_s)
+                         self.worker.settings.result_expires_s, self.slot)
+
+    def memory(self, used: int) -> None:
+        if self.worker.heartbeat is not None:  # folded into the next write: the samples come often
+            self.worker.heartbeat.update_slot(self.slot, memory_bytes=used, after_s=MEMORY_WRITE_S)
 
     def stop(self) -> StopJob | None:
         where = f"job {self.job_id} on {self.worker.device}"
@@ -257,15 +273,16 @@ class JobRun:
     """One job's life on this worker, apart from running it: busy in the registry, its entry,
     its stored end."""
 
-    def __init__(self, worker: DeviceWorker, task: Task, job: JobInfo) -> None:
+    def __init__(self, worker: DeviceWorker, task: Task, job: JobInfo, slot: Slot | None = None) -> None:
         self.worker = worker
         self.task = task
         self.job = job
+        self.slot = slot
         self.started = time.time()
         self.job_id = str(task.request.id or f"local-{self.started}")
-        if worker.heartbeat is not None:
-            worker.heartbeat.update(busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
-                                    after_s=heartbeat.COALESCE_S)
+        if worker.heartbeat is not None and slot is not None:
+            worker.heartbeat.update_slot(slot.index, busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
+                                         after_s=heartbeat.COALESCE_S)
 
     def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
         request = self.task.request
@@ -273,10 +290,16 @@ class JobRun:
                       fan_out_id=str(getattr(request, "group", None) or self.job_id))
 
     def idle(self, done: bool = True) -> None:
-        self.worker.jobs_done += done
-        if self.worker.heartbeat is not None:
-            self.worker.heartbeat.update(busy=None, progress=None, jobs_done=self.worker.jobs_done,
-                                         after_s=heartbeat.COALESCE_S)
+        worker = self.worker
+        with worker.counts_lock:
+            worker.jobs_done += done
+            jobs_done = worker.jobs_done
+        if worker.heartbeat is not None:
+            if self.slot is None:
+                worker.heartbeat.update(jobs_done=jobs_done, after_s=heartbeat.COALESCE_S)
+            else:
+                worker.heartbeat.update_slot(self.slot.index, busy=None, progress=None, memory_bytes=None,
+                                             worker_fields={"jobs_done": jobs_done}, after_s=heartbeat.COALESCE_S)
 
     def end(self, ended: Ended | None = None, failed: BaseException | None = None) -> dict[str, Any]:
         """Store the job's end and return its entry.
@@ -294,7 +317,8 @@ class JobRun:
                             metrics=result.metrics if result is not None else {},
                             gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None)
         entry = Entry.make(device=self.worker.device.name, worker=self.worker.nodename, output=output,
-                           error=error, started=self.started, finished=finished, visibility=self.worker.seen)
+                           error=error, started=self.started, finished=finished, visibility=self.worker.seen,
+                           slot=self.slot.index if self.slot is not None else None)
         if error is None:
             return entry.to_dict()
         exc = failed or exception_of(error, ended.error_module if ended is not None else None)
@@ -365,14 +389,16 @@ def _finish_with_result(worker: DeviceWorker, task: Task, ok: bool, started: flo
 
 
 def collect(entries: list[dict[str, Any]], devices: list[str]) -> dict[str, dict[str, Any]]:
-    """The chord's body: ``{device: entry}``, in the order of ``devices`` (the header's order).
+    """The chord's body: ``{device: entry}``, in the order of ``devices`` (the header's order;
+    ``<device>/<copy>`` keys for a fan-out that ran one job per slot).
 
     A failed device's entry is its error entry (:class:`tasks.core.backend.FleetBackend`).
     """
     out: dict[str, dict[str, Any]] = {}
-    for device, entry in zip(devices, entries, strict=False):
-        out[device] = {**entry, "device": device} if isinstance(entry, dict) else Entry.make(
+    for key, entry in zip(devices, entries, strict=False):
+        device = key_device(key)
+        out[key] = {**entry, "device": device} if isinstance(entry, dict) else Entry.make(
             device=device, worker=None, output=None, started=None, finished=None,
-            error=ErrorInfo(type="FanOutError", message=f"no entry from {device}: got {entry!r:.200}"),
+            error=ErrorInfo(type="FanOutError", message=f"no entry from {key}: got {entry!r:.200}"),
         ).to_dict()
     return out

@@ -1,15 +1,19 @@
 """The owner of a device's job processes: one runs the job, a spare waits, a thread spawns.
 
-A device worker never runs a job itself. :class:`Supervisor` keeps :data:`WARM_PROCESSES` job
-processes (:mod:`tasks.worker.jobprocess`) alive and ready (torch and the job modules imported),
-hands the running job to one of them (:meth:`Supervisor.run`) and watches it:
+A device worker never runs a job itself. :class:`Supervisor` keeps one job process
+(:mod:`tasks.worker.jobprocess`) per slot alive and ready (torch and the job modules imported),
+and a spare, hands each running job to one of them (:meth:`Supervisor.run`) and watches it:
 
 - a report is handed to the job's :class:`Watch` (which publishes it);
 - a stop the watch asks for (a cancel, the time limit, the worker's stop) is sent to the job,
   which raises at its next ``ctx.progress()``; a job that has not ended ``cancel_grace_s`` later
   has its process group ended (SIGTERM, then SIGKILL) and its entry says why;
 - a process that dies ends its job as ``JobCrashed``, naming the signal or exit status and the
-  job's last lines.
+  job's last lines;
+- a job whose processes hold more memory than its slot's budget (sampled every
+  :data:`~tasks.worker.memory.SAMPLE_S` by a :class:`~tasks.worker.memory.MemoryMeter`) has its
+  process group ended at once, as ``OutOfMemory`` with the figures: its slot's neighbours keep
+  theirs.
 
 A process is retired (ended, and a fresh one spawned in the background while the spare takes
 the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
@@ -32,15 +36,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..core.errors import JobCancelled, JobCrashed, JobTimeout, NoJobProcess, WorkerStopped
+from ..core.errors import JobCancelled, JobCrashed, JobTimeout, NoJobProcess, OutOfMemory, WorkerStopped
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
+from . import memory
 from .jobprocess import JobProcess, ProcessGone
+from .memory import MemoryMeter
+from .slots import Slot
 
 logger = logging.getLogger(__name__)
 
-#: Job processes kept alive: the one that runs the next job and a spare for when it is retired.
-WARM_PROCESSES = 2
+#: Spare job processes kept alive beside one per slot, for when one is retired.
+SPARE_PROCESSES = 1
 #: How often a running job's watch is asked whether to stop it (also the longest a cancel waits
 #: before its stop request goes out).
 POLL_S = 0.05
@@ -78,6 +85,9 @@ class Watch(Protocol):
     def stop(self) -> StopJob | None:
         """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
 
+    def memory(self, used: int) -> None:
+        """The job's memory at its latest sample (bytes)."""
+
 
 @dataclass(frozen=True)
 class Ended:
@@ -99,9 +109,11 @@ class Ended:
 
     @classmethod
     def by_worker(cls, error: type[Exception], message: str, pid: int, retired: str | None,
-                  outcome: Outcome = Outcome.ERROR) -> Ended:
-        """A job the worker ended (or found ended), with one of devicefleet's job errors."""
-        return cls(outcome=outcome, finished=None, error=ErrorInfo(type=error.__name__, message=message),
+                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None) -> Ended:
+        """A job the worker ended (or found ended), with one of devicefleet's job errors (and
+        its memory ``figures`` when it ended past its budget)."""
+        return cls(outcome=outcome, finished=None,
+                   error=ErrorInfo(type=error.__name__, message=message, memory=figures),
                    error_module=error.__module__, pid=pid, retired=retired)
 
 
@@ -109,10 +121,15 @@ class Supervisor:
     """The job processes of one device worker."""
 
     def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, policy: ProcessPolicy,
-                 label: str) -> None:
+                 label: str, slots: int = 1) -> None:
         self.spec = spec
         self.policy = policy
         self.label = label
+        #: Job processes kept alive: one per slot and the spares.
+        self.warm = slots + SPARE_PROCESSES
+        #: Measures a running job's memory against its slot's budget (set by the device worker
+        #: once the first process said what the device is); None: not measured.
+        self.meter: MemoryMeter | None = None
         self._env = env
         self._cwd = cwd
         self._cond = threading.Condition()
@@ -178,17 +195,37 @@ class Supervisor:
 
     # -- running a job -----------------------------------------------------------------------
 
-    def run(self, job: RunJob, watch: Watch) -> Ended:
-        """Run ``job`` in a ready job process and watch it to its end.
+    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
+        """Run ``job`` in a ready job process and watch it to its end; in ``slot``: on its cores,
+        within its memory budget.
 
         Raises:
             NoJobProcess: none became ready within the start timeout.
         """
         process = self._take()
-        ended = _Run(process, job, watch, self.policy.cancel_grace_s).wait()
+        budget = None
+        if slot is not None:
+            job = self._in_slot(job, slot, process)
+            if slot.budget_bytes is not None and self.meter is not None:
+                budget = _Budget(slot, self.meter)
+        ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         retire = ended.retired or self._retire_reason(process, ended.finished)
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
+
+    def _in_slot(self, job: RunJob, slot: Slot, process: JobProcess) -> RunJob:
+        """``job`` on ``slot``'s cores and threads; on a GPU, its allocator capped at the slot's
+        budget less what the process held on the device before it (its CUDA context)."""
+        limit = None
+        if slot.budget_bytes is not None and self.spec.torch_device.startswith("cuda"):
+            held = 0
+            if self.meter is not None and self.meter.kind == "device":
+                if process.device_baseline is None:
+                    process.device_baseline = self.meter.used(process.pid) or 0
+                held = process.device_baseline
+            limit = max(0, slot.budget_bytes - held)
+        return job.model_copy(update={"slot": slot.index, "cores": slot.cores, "torch_threads": slot.threads,
+                                      "allocator_limit_bytes": limit})
 
     def _retire_reason(self, process: JobProcess, finished: Finished | None) -> str | None:
         if finished is None:
@@ -250,7 +287,7 @@ class Supervisor:
         backoff = RESPAWN_MIN_S
         while True:
             with self._cond:
-                while not self._closed and len(self._idle) + len(self._busy) + self._spawning >= WARM_PROCESSES:
+                while not self._closed and len(self._idle) + len(self._busy) + self._spawning >= self.warm:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -279,19 +316,48 @@ class Supervisor:
             backoff = RESPAWN_MIN_S if failure is None else min(RESPAWN_MAX_S, backoff * 2)
 
 
+@dataclass
+class _Budget:
+    """A running job's slot budget and the meter it is measured with."""
+
+    slot: Slot
+    meter: MemoryMeter
+    next_sample: float = 0.0
+
+    def over(self, process: JobProcess, watch: Watch) -> tuple[int, int] | None:
+        """Sample the job's memory when due; ``(used, budget)`` once it is past its budget."""
+        now = time.monotonic()
+        if now < self.next_sample:
+            return None
+        self.next_sample = now + memory.SAMPLE_S
+        used = self.meter.used(process.pid)
+        if used is None:
+            return None
+        watch.memory(used)
+        budget = self.slot.budget_bytes
+        if budget is None or used <= budget:
+            return None
+        exact = self.meter.exact(process.pid)  # the costlier figure, only when the cheap one is over
+        return (exact, budget) if exact is not None and exact > budget else None
+
+
 class _Run:
     """One job in one process, from :class:`RunJob` to its end."""
 
-    def __init__(self, process: JobProcess, job: RunJob, watch: Watch, grace_s: float) -> None:
+    def __init__(self, process: JobProcess, job: RunJob, watch: Watch, grace_s: float,
+                 budget: _Budget | None = None) -> None:
         self.process = process
         self.job = job
         self.watch = watch
         self.grace_s = grace_s
+        self.budget = budget
         self.stop: StopJob | None = None
         self._stop_sent_at = 0.0
 
     def wait(self) -> Ended:
         self.process.send(self.job)
+        if self.budget is not None:  # the first sample once the job had SAMPLE_S to start
+            self.budget.next_sample = time.monotonic() + memory.SAMPLE_S
         while True:
             try:
                 message = self.process.receive(POLL_S)
@@ -299,13 +365,16 @@ class _Run:
                 if self.process.killed_because is not None:  # the worker ended it: it is leaving
                     return self._stopped(self.process.killed_because)
                 return self._crashed(str(gone))
-            if isinstance(message, Report):
-                self.watch.report(message.fields)
-            elif isinstance(message, Finished):
+            if isinstance(message, Finished):
                 return Ended(outcome=message.outcome, finished=message, error=message.error,
                              error_module=message.error_module, pid=self.process.pid, retired=None)
-            elif self._should_end():
+            if isinstance(message, Report):
+                self.watch.report(message.fields)
+            # Asked after every message too: a job that reports often is stopped all the same.
+            if self._should_end():
                 return self._ended()
+            if self.budget is not None and (over := self.budget.over(self.process, self.watch)):
+                return self._past_budget(*over)
 
     def _should_end(self) -> bool:
         """Ask the watch; send its stop once; True once the grace after it has run out."""
@@ -327,6 +396,17 @@ class _Run:
                    f"its process {self.process.pid} and everything it started were ended "
                    f"({self.process.exit_text()})")
         return Ended.by_worker(error, message, self.process.pid, f"ended after {stop.reason.value}", outcome)
+
+    def _past_budget(self, used: int, budget: int) -> Ended:
+        assert self.budget is not None
+        slot, kind = self.budget.slot, self.budget.meter.kind
+        what = "GPU memory" if kind == "device" else "resident memory"
+        self.process.kill(f"past its slot's memory budget ({used / memory.MiB:.0f} MiB)")
+        message = (f"job {self.job.job_id} ({self.job.job}) held {used / memory.MiB:.0f} MiB of {what}, past "
+                   f"slot {slot.index}'s budget of {budget / memory.MiB:.0f} MiB, so its process "
+                   f"{self.process.pid} and everything it started were ended ({self.process.exit_text()})")
+        return Ended.by_worker(OutOfMemory, message, self.process.pid, "past its slot's memory budget",
+                               figures=memory.figures(used, budget, kind, slot.index))
 
     def _stopped(self, because: str) -> Ended:
         message = (f"job {self.job.job_id} ({self.job.job}) was ended with its process {self.process.pid}: "

@@ -1,0 +1,97 @@
+"""CUDA MPS for one GPU's slots: a control daemon the device worker starts and stops.
+
+With ``mps = true`` in a GPU worker's config, the worker starts ``nvidia-cuda-mps-control -d``
+for its GPU before its first job process, with a pipe and log folder of its own under the state
+directory, and every job process starts as a client of it (``CUDA_MPS_PIPE_DIRECTORY``): the
+slots' kernels then run at the same time on the GPU instead of taking turns. Each client's
+device memory is also limited by MPS itself (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) to its slot's
+budget. The trade: an MPS server runs its clients in one GPU context, so a fatal GPU error in
+one client (an illegal address, a device-side assert) ends every client on the GPU.
+
+The worker stops the daemon when it leaves (``quit`` on the control pipe). A daemon left by a
+worker that was killed is told to quit before a new one starts on the same pipe folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from ..core.devices import Device
+from ..core.errors import ConfigError, FleetError
+from .memory import MiB
+
+logger = logging.getLogger(__name__)
+
+#: The MPS control program (NVIDIA's driver package ships it).
+MPS_CONTROL = "nvidia-cuda-mps-control"
+#: Seconds the control program has to start the daemon or to answer ``quit``.
+CONTROL_TIMEOUT_S = 15.0
+
+
+class MpsServer:
+    """The MPS control daemon of one GPU worker."""
+
+    def __init__(self, device: Device, state_dir: Path) -> None:
+        self.device = device
+        self.folder = state_dir / "mps" / device.name
+        self.pipe_dir = self.folder / "pipe"
+        self.log_dir = self.folder / "log"
+        self._program: str | None = None
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": self.device.cuda_visible_devices,
+                "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+
+    def start(self, budget_bytes: int | None) -> dict[str, str]:
+        """Start the daemon; the variables that make a job process its client (limited to
+        ``budget_bytes`` of device memory).
+
+        Raises:
+            ConfigError: ``nvidia-cuda-mps-control`` is not on PATH.
+            FleetError: it did not start.
+        """
+        program = shutil.which(MPS_CONTROL)
+        if program is None:
+            raise ConfigError(f"{self.device}: mps = true, but {MPS_CONTROL} is not on PATH "
+                              f"({os.environ.get('PATH', '')}); install NVIDIA's driver utilities or set mps = false")
+        self._program = program
+        self.pipe_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._quit(quiet=True)  # a daemon a killed worker left on this pipe folder
+        try:
+            done = subprocess.run([program, "-d"], env=self._env(), capture_output=True, text=True,
+                                  timeout=CONTROL_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FleetError(f"{self.device}: {program} -d did not start: {exc}") from None
+        if done.returncode != 0:
+            raise FleetError(f"{self.device}: {program} -d failed with exit status {done.returncode}: "
+                             f"{(done.stderr or done.stdout).strip()[-500:]}")
+        logger.info("%s: CUDA MPS control daemon started (pipes in %s)", self.device, self.pipe_dir)
+        client = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
+        if budget_bytes:
+            # Device 0 of the client: the only GPU it sees. MPS's own per-client limit.
+            client["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, budget_bytes // MiB)}M"
+        return client
+
+    def stop(self) -> None:
+        """Tell the daemon to quit (its clients, the job processes, are ended first)."""
+        if self._program is not None:
+            self._quit(quiet=False)
+            self._program = None
+
+    def _quit(self, quiet: bool) -> None:
+        assert self._program is not None
+        try:
+            done = subprocess.run([self._program], input="quit\n", env=self._env(), capture_output=True,
+                                  text=True, timeout=CONTROL_TIMEOUT_S, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            if not quiet:
+                logger.warning("%s: the MPS daemon did not answer quit: %s", self.device, exc)
+            return
+        if done.returncode != 0 and not quiet:
+            logger.warning("%s: MPS quit: exit status %d: %s", self.device, done.returncode,
+                           (done.stderr or done.stdout).strip()[-300:])
