@@ -8,6 +8,7 @@ closing note quote are printed by the failover test (``-s``).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import time
@@ -148,7 +149,8 @@ def test_a_primary_killed_mid_sweep_loses_nothing_and_rejoins_as_a_replica(clust
     # New work, sent right after the kill: the publish and the result follow the promotion.
     fresh = fan_out("echo", "cpu", kwargs={"value": "after"}, app=sapp)
     sent_s = time.monotonic() - killed
-    got = fresh.get(timeout=60)
+    # Awaited: the producer's asyncio client and pub/sub listener find the new primary too.
+    got = asyncio.run(fresh.wait(timeout=60))
     first_job_s = time.monotonic() - killed
     assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": "after", "cpu1": "after"}
     watch.join(30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import redis
 from kombu.utils.encoding import bytes_to_str
@@ -21,6 +22,9 @@ from .errors import FleetError
 from .records import WorkerRecord
 from .sentinel import SentinelURL, is_sentinel
 from .settings import redact_url
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,18 @@ def connect(url: str, *, decode_responses: bool = True) -> redis.Redis:
     if is_sentinel(url):
         return SentinelURL.parse(url).client(decode_responses=decode_responses, **options)
     return redis.Redis.from_url(url, decode_responses=decode_responses, **options)
+
+
+def connect_async(url: str, **options: Any) -> redis.asyncio.Redis:
+    """A ``redis.asyncio`` client for ``url`` (``bytes`` replies), bound to the running event
+    loop once used; for a ``sentinel://`` URL, one that follows a failover
+    (:meth:`tasks.core.sentinel.SentinelURL.async_client`). ``options`` go to the connections."""
+    options = {"socket_connect_timeout": 5, **options}
+    if is_sentinel(url):
+        return SentinelURL.parse(url).async_client(**options)
+    import redis.asyncio  # noqa: F811  (at run time only when used: it loads asyncio)
+
+    return redis.asyncio.Redis.from_url(url, **options)
 
 
 @contextmanager

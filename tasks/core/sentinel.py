@@ -27,7 +27,7 @@ import ipaddress
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
@@ -37,6 +37,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
+
+if TYPE_CHECKING:
+    import redis.asyncio
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,24 @@ class SentinelURL:
             self.master_name, redis_class=redis.Redis, connection_class=ReadOnlyAwareConnection,
             db=self.db, username=self.username, password=self.password, decode_responses=decode_responses,
             retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError], **kwargs,
+        )
+
+    def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
+        """The same for :mod:`redis.asyncio` (a producer's awaited reads and its pub/sub
+        listener): a ``redis.asyncio`` Sentinel ``master_for`` client whose connections ask the
+        sentinels where the primary is on every reconnect, retrying through a failover. It only
+        reads and listens, so a demoted primary's ``READONLY`` cannot reach it."""
+        from redis.asyncio import Redis as AsyncRedis
+        from redis.asyncio.retry import Retry as AsyncRetry
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        timeouts = {key: kwargs[key] for key in ("socket_connect_timeout", "socket_timeout") if key in kwargs}
+        sentinel = AsyncSentinel(list(self.sentinels), sentinel_kwargs={**self.sentinel_kwargs(), **timeouts})
+        retry = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), FAILOVER_RETRIES,
+                           supported_errors=(RedisConnectionError, RedisTimeoutError))
+        return sentinel.master_for(
+            self.master_name, redis_class=AsyncRedis, db=self.db, username=self.username,
+            password=self.password, retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError], **kwargs,
         )
 
     def check_auth(self) -> None:

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 
 from ..core.app import redis_url_of
-from ..core.registry import connect
+from ..core.registry import connect, connect_async
 
 if TYPE_CHECKING:
     from .listener import StateListener
@@ -102,7 +102,7 @@ class Connections:
         """The asyncio client of the running loop (``bytes`` replies, as Celery's keys are)."""
         self._for_this_loop()
         if self._aio is None:
-            self._aio = aioredis.Redis.from_url(self.url, socket_connect_timeout=5, client_name=CLIENT_NAME)
+            self._aio = connect_async(self.url, client_name=CLIENT_NAME)
             self._keeper = asyncio.get_running_loop().create_task(self._close_with_loop(),
                                                                   name="devicefleet-connections")
         return self._aio
