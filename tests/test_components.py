@@ -60,7 +60,7 @@ from tasks.ops.status import render, report
 from tasks.worker import accounting
 from tasks.worker import lease as lease_module
 from tasks.worker.heartbeat import Heartbeat
-from tasks.worker.lease import LeaseKeeper, Reaper, Take, reap_once
+from tasks.worker.lease import LeaseKeeper, Orphans, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
 from tests.conftest import cli_env, wait_for
 
@@ -112,7 +112,8 @@ def worker_record(device: str, *, host: str | None = None, pid: int | None = Non
     return WorkerRecord(
         device=device, kind="cpu", worker=f"{device}@{host or host_name()}", host=host or host_name(),
         pid=os.getpid() if pid is None else pid, queues=[f"device.{device}", "cpu", "fleet"], cores=[0],
-        pool="threads", slots=[SlotRecord(index=0, cores=[0])], jobs=["noop"], started_at=time.time(), **fields,
+        pool="threads", slots=fields.pop("slots", [SlotRecord(index=0, cores=[0])]), jobs=["noop"],
+        started_at=time.time(), **fields,
     )
 
 
@@ -468,10 +469,39 @@ def test_reaper_leaves_live_owners_and_unexpired_leases_alone(client, app):
     assert client.hget(keys.REAPER_STATS, "restored") is None
 
 
+def test_an_orphaned_lease_of_a_live_owner_is_given_back_after_its_grace_with_no_death(client, app):
+    # A failover lost the store of the job's result (which released its lease and acked its
+    # message): the owner, alive, forgot the lease, so its key expired and nobody renews it.
+    sent = app.send_task("devicefleet.noop", queue="device.cpu9")
+    with app.connection_for_read() as consumer_conn:
+        channel = consumer_conn.channel()
+        message = channel.basic_get("device.cpu9", no_ack=False)
+        assert message is not None
+        orphan = _dead_lease(client, sent.id, tag=message.delivery_tag, device="cpu5", pid=os.getpid())
+        # Another job of the same live owner, still running (busy in its record): never given back.
+        running = str(uuid.uuid4())
+        _dead_lease(client, running, resend=NOOP_RESEND, device="cpu5", pid=os.getpid())
+        busy = SlotRecord(index=0, cores=[0], busy=BusyInfo(job="noop", job_id=running, since=time.time()))
+        register(client, worker_record("cpu5", host=OTHER_HOST, pid=orphan.pid, slots=[busy]))
+        orphans = Orphans(grace_s=0.3)
+
+        assert reap_once(client, app, orphans) == []  # first seen: the owner may be late to renew
+        assert reap_once(client, app) == []  # without the orphan watch: a live owner is left alone
+        wait_for(lambda: reap_once(client, app, orphans) == [sent.id], 10, "the orphan given back after its grace")
+        assert [m["headers"]["id"] for m in _queued(client, "device.cpu9")] == [sent.id]
+        assert not client.hexists("unacked", message.delivery_tag)
+        assert not client.hexists(keys.LEASES, sent.id) and client.hexists(keys.LEASES, running)
+        assert _deaths(client, sent.id) == []  # the owner did not die
+        assert client.hgetall(keys.REAPER_STATS) == {"restored": "1", "orphans": "1"}
+        channel.close()
+    # A lease record that changed (the owner took the job again) starts its grace over.
+    assert not orphans.due(running, "another record")
+
+
 def test_one_reaper_at_a_time(client, app):
     task_id = str(uuid.uuid4())
     _dead_lease(client, task_id, resend=NOOP_RESEND)
-    reaper = Reaper(client, app, interval_s=0.5)
+    reaper = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0)
     other_reaper = client.lock(keys.REAPER_LOCK, timeout=30)
     assert other_reaper.acquire(blocking=False)
     try:
@@ -489,7 +519,7 @@ def test_one_reaper_at_a_time(client, app):
 def test_a_reaper_round_with_nothing_expired_is_one_script_call(client, app):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
     assert keeper.acquire("job-9", None)  # a live lease, its key in place: not a candidate
-    reaper = Reaper(client, app, interval_s=0.5)
+    reaper = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0)
     reaper.tick()  # loads the script
     client.config_resetstat()
     connections = client.info("stats")["total_connections_received"]
@@ -502,7 +532,7 @@ def test_a_reaper_round_with_nothing_expired_is_one_script_call(client, app):
 
 
 def test_the_reaper_thread_gives_back_jobs(client, app):
-    reaper = Reaper(client, app, interval_s=0.1)
+    reaper = Reaper(client, app, interval_s=0.1, orphan_grace_s=10.0)
     reaper.start()
     try:
         ids = [str(uuid.uuid4()) for _ in range(3)]

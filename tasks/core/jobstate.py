@@ -20,7 +20,9 @@ A job's life, one script call a step:
    message acknowledged (:class:`StoredAck`), so a copy arriving at any moment finds the lease or
    the result;
 4. **reap** (:data:`EXPIRED_LEASES`, :data:`REAPED`): a lease whose key expired with its owner
-   dead is given back to its queue by any worker's reaper, which counts the death; **release**
+   dead is given back to its queue by any worker's reaper, which counts the death; so is an
+   orphan's, whose owner is alive but has not run the job for a while (the write that ended it
+   was lost in a failover), with no death counted; **release**
    (:data:`RELEASE`) gives a lease up without a result (a dropped copy).
 """
 
@@ -170,15 +172,18 @@ return out
 """
 
 
-#: The reaper gave back (or could not give back) a dead owner's job. KEYS: ``keys.LEASES``,
-#: ``keys.REAPER_STATS``, ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read,
-#: the dead owner to count, how long the deaths are kept in seconds (0: for ever). Counts the
-#: owner's death only if the lease is still the one read: a worker that took it over meanwhile
-#: has counted it. Returns 1 if counted.
+#: The reaper gave back (or could not give back) a dead owner's job, or an orphan's (its owner
+#: alive but no longer running it). KEYS: ``keys.LEASES``, ``keys.REAPER_STATS``,
+#: ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read, the dead owner to count
+#: ('' for an orphan: no death), how long the deaths are kept in seconds (0: for ever). Counts
+#: the owner's death only if the lease is still the one read: a worker that took it over
+#: meanwhile has counted it. Returns 1 if the lease record was removed.
 REAPED = """
 redis.call('hincrby', KEYS[2], 'restored', 1)
+if ARGV[3] == '' then redis.call('hincrby', KEYS[2], 'orphans', 1) end
 if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('hdel', KEYS[1], ARGV[1])
+if ARGV[3] == '' then return 1 end
 redis.call('rpush', KEYS[3], ARGV[3])
 if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
 return 1

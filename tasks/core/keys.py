@@ -27,7 +27,8 @@ def worker(device: str) -> str:
 LEASES = f"{PREFIX}leases"
 #: Lock that keeps reaping to one worker at a time (redis-py's ``Lock``).
 REAPER_LOCK = f"{PREFIX}reaper:lock"
-#: Hash of counts of what the reaper did: ``{"restored": n}``.
+#: Hash of counts of what the reaper did: ``{"restored": n, "orphans": m}`` (orphans: given back
+#: from a live owner that no longer ran them, counted in ``restored`` too).
 REAPER_STATS = f"{PREFIX}reaper:stats"
 
 

@@ -286,7 +286,8 @@ class DeviceWorker:
         self.leases = LeaseKeeper(client, self.device.name, self.nodename, self.settings.lease_ttl_s,
                                   self.settings.replication(url))
         self.leases.start()
-        self.reaper = Reaper(client, app, self.settings.reaper_interval_s)
+        self.reaper = Reaper(client, app, self.settings.reaper_interval_s,
+                             orphan_grace_s=2 * self.settings.lease_ttl_s)
         self.reaper.start()
         logger.info("%s joined the fleet at %s", self.device, redact_url(url))
 

@@ -23,6 +23,15 @@ long timeout and adds a lease per running job:
   ``QoS.restore_by_tag``, which also removes it from kombu's ``unacked`` hash so the transport
   does not restore it a second time an hour later.
 
+A lease can also be orphaned: its owner is alive but no longer runs the job, and the write that
+ended it (the stored result, which releases the lease and acknowledges the message) is gone, lost
+with a Redis primary that died before a replica had it (README "On Redis Sentinel"). Its owner
+neither renews it (it forgot it) nor restores it, so its key expires, and nothing else would
+give the job back before kombu's visibility timeout. The reaper gives such a lease back too,
+without counting a death, once its owner's registry record, fresh, says the owner runs no such
+job and the lease has stayed so for :attr:`Reaper.orphan_grace_s` (:class:`Orphans`): an owner
+that held it would have restored its key within a third of the lease TTL of reaching Redis.
+
 Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
 reaper_interval_s``, whatever the job's length.
 
@@ -123,6 +132,38 @@ def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
     """Whether the lease's owner is still the live worker of its device."""
     record = read_worker(client, lease.device)
     return record is not None and record.same_process(lease.host, lease.pid)
+
+
+def owner_runs(client: redis.Redis, lease: LeaseRecord) -> bool:
+    """Whether the lease's owner, alive, says in its registry record that one of its slots runs
+    the lease's job (``False`` if it is not alive)."""
+    record = read_worker(client, lease.device)
+    if record is None or not record.same_process(lease.host, lease.pid):
+        return False
+    return any(slot.busy is not None and slot.busy.job_id == lease.task_id for slot in record.slots)
+
+
+class Orphans:
+    """The expired leases a reaper has seen with a live owner that does not run their job, and
+    since when (see the module's docstring): one is due to be given back once it has stayed so,
+    the same lease record, for ``grace_s``."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._seen: dict[str, tuple[str, float]] = {}
+
+    def due(self, task_id: str, raw: str) -> bool:
+        now = time.monotonic()
+        seen = self._seen.get(task_id)
+        if seen is None or seen[0] != raw:
+            self._seen[task_id] = (raw, now)
+            return False
+        return now - seen[1] >= self.grace_s
+
+    def keep(self, task_ids: set[str]) -> None:
+        """Forget every lease but ``task_ids`` (the expired ones of this round)."""
+        for task_id in set(self._seen) - task_ids:
+            del self._seen[task_id]
 
 
 def death_note(lease: LeaseRecord) -> str:
@@ -382,9 +423,10 @@ def expired_leases(client: redis.Redis) -> dict[str, str]:
             for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}  # type: ignore[index]
 
 
-def reap_once(client: redis.Redis, app: Celery) -> list[str]:
+def reap_once(client: redis.Redis, app: Celery, orphans: Orphans | None = None) -> list[str]:
     """Give back to their queues the jobs whose lease expired with their owner dead, and count
-    each owner's death against its job (:data:`REAPED`).
+    each owner's death against its job (:data:`REAPED`); with ``orphans``, also those whose
+    owner is alive but has not run them for ``orphans.grace_s`` (no death counted).
 
     A broker connection is opened only when there is such a job. Returns the task ids given back.
     """
@@ -392,14 +434,25 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
     conn = None
     reaped = client.register_script(REAPED)
     keep_s = deaths_kept_s(app)
+    expired = expired_leases(client)
+    if orphans is not None:
+        orphans.keep(set(expired))
     try:
-        for task_id, raw in expired_leases(client).items():
+        for task_id, raw in expired.items():
             record = _parse(raw)
             if record is None:
                 client.hdel(keys.LEASES, task_id)
                 continue
+            dead = death_note(record)
             if owner_alive(client, record):
-                continue  # alive but late to renew (Redis was away): it renews on its next beat
+                # Alive and late to renew (Redis was away): it renews on its next beat. Unless
+                # it has not run the job for a while: the write that ended the job was lost.
+                if orphans is None or owner_runs(client, record) or not orphans.due(task_id, raw):
+                    continue
+                dead = ""
+                logger.warning("job %s: its lease expired %g s ago or more and its owner %s (pid %s), alive, "
+                               "does not run it: the write that ended it was lost (a Redis failover?); "
+                               "giving it back", task_id, orphans.grace_s, record.worker, record.pid)
             if conn is None:
                 conn = app.connection_for_write()
             qos = conn.default_channel.qos
@@ -416,9 +469,10 @@ def reap_once(client: redis.Redis, app: Celery) -> list[str]:
                              task_id, record.worker)
             # After the message is back (a round cut short gives it back again, never loses it).
             reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id)],
-                   args=[task_id, raw, death_note(record), keep_s])
-            logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
-                           task_id, record.worker, record.pid)
+                   args=[task_id, raw, dead, keep_s])
+            if dead:
+                logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
+                               task_id, record.worker, record.pid)
             restored.append(task_id)
     finally:
         if conn is not None:
@@ -437,26 +491,32 @@ def resend_job(app: Celery, task_id: str, resend: ResendRecord) -> None:
 
 class Reaper(PeriodicThread):
     """Looks for expired leases every ``interval_s`` and, when there are some, runs
-    :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time."""
+    :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time.
+
+    An orphaned lease (a live owner that does not run its job) is given back once this reaper
+    has seen it so for ``orphan_grace_s`` (default: twice ``lease_ttl_s``, in which an owner that
+    held it would have restored it six times)."""
 
     name = "devicefleet-reaper"
 
-    def __init__(self, client: redis.Redis, app: Celery, interval_s: float) -> None:
+    def __init__(self, client: redis.Redis, app: Celery, interval_s: float, orphan_grace_s: float) -> None:
         super().__init__(interval_s)
         self._client = client
         self._app = app
+        self.orphans = Orphans(orphan_grace_s)
         # Held for one round at most; a reaper that dies holding it frees it by expiry.
         self._lock_timeout_s = max(1.0, interval_s * 5)
 
     def tick(self) -> None:
         # One round trip in the usual case, with nothing to reap: the lock only when there is.
         if not expired_leases(self._client):
+            self.orphans.keep(set())
             return
         lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)
         if not lock.acquire():
             return
         try:
-            reap_once(self._client, self._app)
+            reap_once(self._client, self._app, self.orphans)
         finally:
             try:
                 lock.release()
