@@ -163,6 +163,10 @@ def redis_url_of(app: Celery) -> str:
 class FleetCelery(Celery):
     """A Celery app configured from devicefleet :class:`Settings`, read once."""
 
+    #: Its broker connections keep the fleet's transport when kombu fails over to the next
+    #: sentinel (:class:`tasks.core.transport.FleetConnection`).
+    amqp_cls = "tasks.core.transport:FleetAMQP"
+
     def __init__(self, settings: Settings | None = None, *, main: str = "devicefleet") -> None:
         # Never Celery's current app: a process with an app of its own that imports tasks keeps
         # its own current_app (its shared_task.delay() goes through it). `celery -A tasks` and the
