@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tasks.cli import cli
 from tasks.core.errors import ConfigError
@@ -28,6 +30,7 @@ from tasks.ops.deploy import HostPlan, join_commands, read_env_value, redis_conf
 from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
 
+from . import system_tools
 from .conftest import wait_for
 from .test_deploy import _plan
 
@@ -141,6 +144,24 @@ def test_the_cli_refuses_a_bad_layout_before_writing_anything(tmp_path: Path) ->
     assert not (tmp_path / "etc").exists()
 
 
+def test_the_dropins_verify_with_debians_units(tmp_path: Path) -> None:
+    """The drop-ins for Debian's redis-server and redis-sentinel units load cleanly onto them
+    (each unit that is installed here; verify reads a drop-in folder beside the unit it checks)."""
+    analyze = system_tools.tool("systemd-analyze", "systemd")
+    installed = [unit for unit in ("redis-server.service", "redis-sentinel.service")
+                 if (Path("/lib/systemd/system") / unit).is_file()]
+    if not installed:
+        system_tools.missing("Debian's redis-server unit", "redis-server")
+    plan = _plan(tmp_path, sentinel_hosts=list(HOSTS))
+    render(plan)
+    for unit in installed:
+        shutil.copy(Path("/lib/systemd/system") / unit, plan.unit_dir / unit)
+        result = subprocess.run([analyze, "verify", "--man=no", str(plan.unit_dir / unit)],
+                                capture_output=True, text=True, timeout=60, cwd=plan.unit_dir)
+        output = (result.stdout + result.stderr).strip()
+        assert result.returncode == 0 and output == "", f"{unit}: {output}"
+
+
 # -- the rendered files, run -----------------------------------------------------------------------
 
 
@@ -185,18 +206,16 @@ def _sentinel_view(host: str, port: int, password: str) -> dict[str, object] | N
         for entry in entries:
             fields = dict(zip(entry[::2], entry[1::2], strict=True)) if isinstance(entry, list) else entry
             assert isinstance(fields, dict)
-            if "s_down" not in str(fields.get("flags", "")):
-                out.add(str(fields["ip"]))
+            out.add(str(fields["ip"]))
         return out
 
     return {"primary": primary[0] if primary else None, "replicas": ips(replicas), "sentinels": ips(sentinels)}
 
 
-def _writes(url: str) -> bool:
+def _writes(client: redis.Redis) -> bool:
     try:
-        with connect(url) as client:
-            client.set("deploy-sentinel-test", "ok")
-            return client.get("deploy-sentinel-test") == "ok"
+        client.set("deploy-sentinel-test", "ok")
+        return client.get("deploy-sentinel-test") == "ok"
     except redis.RedisError:
         return False  # NOREPLICAS until a replica is in sync (min-replicas-to-write 1)
 
@@ -220,7 +239,10 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
             run.mkdir(parents=True)
             (run / "redis.conf").write_text("\n".join(redis_conf_lines(plan)) + "\n")
             started.append(subprocess.Popen(
-                [binary, str(run / "redis.conf"), "--dir", str(run), "--logfile", str(run / "redis.log")],
+                [binary, str(run / "redis.conf"), "--dir", str(run), "--logfile", str(run / "redis.log"),
+                 # Not the rendered layout's concern, only this test's time: a primary waits this
+                 # long (5 s by default on Redis 7, diskless sync) for more replicas before a full sync.
+                 "--repl-diskless-sync-delay", "0"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         primary = redis.Redis(host=HOSTS[0], port=redis_port, password=parsed.password, decode_responses=True,
                               socket_connect_timeout=1, socket_timeout=2)
@@ -244,14 +266,22 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def agree(on: str, live: tuple[str, ...]) -> bool:
-            """Every live sentinel names ``on`` as the primary, the other live hosts as its replicas
-            and the other live sentinels, each by its own address (down ones aside)."""
+            """Every live sentinel names ``on`` as the primary, the two other hosts as its replicas
+            and the two other sentinels, each by its own address (a dead one stays listed, to be
+            reconfigured when it comes back)."""
             views = {host: _sentinel_view(host, sentinel_port, parsed.sentinel_password or "") for host in live}
-            return all(view == {"primary": on, "replicas": set(live) - {on}, "sentinels": set(live) - {host}}
+            return all(view == {"primary": on, "replicas": set(HOSTS) - {on}, "sentinels": set(HOSTS) - {host}}
                        for host, view in views.items())
 
         wait_for(lambda: agree(HOSTS[0], HOSTS), 20, "the sentinels to agree on 127.0.0.1, 2 replicas, 3 sentinels")
-        wait_for(lambda: _writes(url), 10, "a write through the rendered URL")
+        with connect(url) as client:
+            wait_for(lambda: _writes(client), 10, "a write through the rendered URL")
+            client.set("before-failover", "kept")
+            assert client.execute_command("WAIT", 2, 5000) == 2
+        for port in (redis_port, sentinel_port):  # no password, no entry
+            with pytest.raises(redis.AuthenticationError), \
+                    redis.Redis(host=HOSTS[1], port=port, retry=Retry(NoBackoff(), 0)) as anonymous:
+                anonymous.ping()
 
         # The host of the primary dies (its Redis and its sentinel).
         started[0].kill()
@@ -266,9 +296,12 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
 
         new = wait_for(promoted, 30, "a replica promoted")
         wait_for(lambda: agree(new, survivors), 15, f"the two live sentinels to agree on {new}")
-        wait_for(lambda: _writes(url), 20, "a write through the rendered URL after the failover")
+        # A new client, as a worker started now: the first sentinel in the URL is the dead one.
         with connect(url) as client:
+            wait_for(lambda: _writes(client), 20, "a write through the rendered URL after the failover")
             assert client.execute_command("ROLE")[0] == "master"
+            assert client.get("before-failover") == "kept"
+            assert client.connection_pool.get_master_address() == (new, redis_port)  # type: ignore[attr-defined]
 
         other = next(host for host in survivors if host != new)
         run = tmp_path / "run"
