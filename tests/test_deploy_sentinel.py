@@ -26,7 +26,7 @@ from tasks.cli import cli
 from tasks.core.errors import ConfigError
 from tasks.core.registry import connect
 from tasks.core.sentinel import SentinelURL
-from tasks.ops.deploy import HostPlan, join_commands, read_env_value, redis_conf_lines, render
+from tasks.ops.deploy import HostPlan, commands, join_commands, read_env_value, redis_conf_lines, render
 from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
 
@@ -93,6 +93,13 @@ def test_three_hosts_render_a_primary_two_replicas_and_their_sentinels(tmp_path:
     assert join_commands(first) == {
         host: f"devicefleet deploy --join '{first.redis_url}' --this-host {host}" for host in HOSTS[1:]}
     assert join_commands(second) == {}
+    # The printed commands write the lines Redis and Sentinel rewrite once, on the first install.
+    once = [line for line in commands(third) if line.startswith("grep -q '^sentinel monitor devicefleet '")]
+    assert len(once) == 1 and "echo 'replicaof 127.0.0.1 6379' >> " in once[0]
+    assert "replicaof" not in " ".join(commands(first))
+    # The first host's workers start once a replica is there; the others' at once.
+    assert "systemctl enable --now devicefleet.target" not in commands(first)
+    assert "systemctl enable --now devicefleet.target" in commands(second)
 
 
 def test_a_host_that_joins_the_sentinels_without_this_host_runs_workers_only(tmp_path: Path) -> None:

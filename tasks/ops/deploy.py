@@ -676,7 +676,13 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
     elif plan.join_url and "ssl_ca_certs=" in plan.join_url:
         out.append(f"ls {plan.config_dir}/tls/ca.crt   # the fleet's CA certificate, from the Redis host")
     out += [line for line in ("systemctl daemon-reload",) if line not in out]
-    out.append(f"systemctl enable --now {TARGET_UNIT}")
+    if plan.runs_sentinel and plan.join_url is None:
+        # The first host: its Redis refuses writes until a replica has them (min-replicas-to-write
+        # 1), and a worker that cannot register gives up after 5 starts (StartLimitBurst).
+        out += [f"systemctl enable {TARGET_UNIT}",
+                f"systemctl start {TARGET_UNIT}   # once another host's Redis replicates this one"]
+    else:
+        out.append(f"systemctl enable --now {TARGET_UNIT}")
     out.append(f"(set -a; . {plan.config_dir}/devicefleet.env; {plan.devicefleet_bin} status)"
                "   # the fleet, as the workers see it")
     return out
