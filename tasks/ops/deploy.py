@@ -678,7 +678,8 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
     out += [line for line in ("systemctl daemon-reload",) if line not in out]
     if plan.runs_sentinel and plan.join_url is None:
         # The first host: its Redis refuses writes until a replica has them (min-replicas-to-write
-        # 1), and a worker that cannot register gives up after 5 starts (StartLimitBurst).
+        # 1), and a worker whose registration is refused (NOREPLICAS) exits, with status 0 today,
+        # which Restart=on-failure does not restart.
         out += [f"systemctl enable {TARGET_UNIT}",
                 f"systemctl start {TARGET_UNIT}   # once another host's Redis replicates this one"]
     else:
