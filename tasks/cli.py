@@ -559,6 +559,11 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=1, show_default=True)
 @click.option("--join", "join_url", metavar="URL", help="Join another host's Redis (rediss://...) instead of running one.")
 @click.option("--serve", "serve_address", metavar="ADDRESS", help="Run Redis for other hosts too, with TLS on ADDRESS.")
+@click.option("--sentinel", "sentinel_hosts", metavar="ADDR1,ADDR2,ADDR3",
+              help="Redis Sentinel on these hosts (no TLS: a private network); this host is ADDR1, the first "
+                   "primary. Prints the --join command of the others.")
+@click.option("--this-host", metavar="ADDRESS",
+              help="With --join sentinel://...: run this host's Redis (a replica) and sentinel on ADDRESS.")
 @click.option("--device-names", type=click.Choice(["short", "host"]), help="Default: host with --join/--serve, else short.")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("/var/lib/devicefleet"), show_default=True)
 @click.option("--stop-margin", type=click.IntRange(0, 86_400), default=60, show_default=True,
@@ -566,14 +571,16 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
 @click.option("--bin", "devicefleet_bin", type=click.Path(dir_okay=False, path_type=Path),
               help="The devicefleet executable the units run (default: this one).")
 def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None, serve_address: str | None,
-           device_names: str | None, state_dir: Path, stop_margin: int, devicefleet_bin: Path | None) -> None:
+           sentinel_hosts: str | None, this_host: str | None, device_names: str | None, state_dir: Path,
+           stop_margin: int, devicefleet_bin: Path | None) -> None:
     """Render systemd units and configs for this host's devices; print the commands to enable them."""
     from .core.devices import DeviceNames
-    from .ops.deploy import plan_host, render
+    from .ops.deploy import join_commands, plan_host, render
 
     try:
         plan = plan_host(
             gpus=gpus, cpu_workers=cpu_workers, join_url=join_url, serve_address=serve_address,
+            sentinel_hosts=sentinel_hosts.split(",") if sentinel_hosts is not None else None, this_host=this_host,
             device_names=DeviceNames(device_names) if device_names else None, root=root,
             devicefleet_bin=devicefleet_bin, state_dir=state_dir, stop_margin_s=stop_margin,
         )
@@ -587,6 +594,9 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
     console.print(f"workers: {', '.join(plan.devices)}; then, as root:", highlight=False)
     for line in done.commands:
         click.echo(f"  {line}")
+    for host, command in join_commands(plan).items():
+        console.print(f"then on {host}, as root (the URL holds both passwords):", highlight=False)
+        click.echo(f"  {command}")
 
 
 # -- exporter ----------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path)
         assert level <= 2.0, f"{unit}: {level}\n{out.stdout}"
 
 
-@pytest.mark.parametrize("mode", ["local", "serve", "join"])
+@pytest.mark.parametrize("mode", ["local", "serve", "join", "sentinel"])
 def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")
     extra: dict[str, object] = {"gpus": 2}
@@ -234,6 +234,8 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
         extra["serve_address"] = "10.0.0.1"
     if mode == "join":
         extra["join_url"] = "rediss://:pw@10.0.0.1:6380/0?ssl_cert_reqs=required"
+    if mode == "sentinel":
+        extra["sentinel_hosts"] = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     plan = _plan(tmp_path, **extra)
     render(plan)
     units = ["devicefleet.target", "devicefleet-flower.service", "devicefleet-metrics.service"] + [

@@ -14,7 +14,10 @@ only thing filled in. A host gets:
   it may write;
 - a copy of ``worker_configs/`` (the units read this copy; edits there are kept);
 - for the host that runs Redis: a snippet for Debian's ``redis-server`` (bind, password,
-  append-only, and TLS when other hosts join).
+  append-only, and TLS when other hosts join);
+- on the three (or five...) hosts of a Redis Sentinel layout (``--sentinel``, then ``--join
+  sentinel://... --this-host``): the Redis snippet of a primary or replica, the config of Debian's
+  ``redis-sentinel``, and drop-ins that start both once the network is up.
 
 Paths in the plan are where files live on the target system; :func:`render` writes them under
 ``root`` (``/`` on the host itself, a review folder otherwise).
@@ -22,6 +25,7 @@ Paths in the plan are where files live on the target system; :func:`render` writ
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -31,7 +35,7 @@ import secrets
 import shutil
 import socket
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -39,6 +43,8 @@ from urllib.parse import quote
 from ..core.commands import CommandPolicy
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
+from ..core.sentinel import DEFAULT_PORT as DEFAULT_SENTINEL_PORT
+from ..core.sentinel import SentinelURL, is_sentinel
 from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
 from ..core.worker_config import DEFAULT_CANCEL_GRACE_S, DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
 
@@ -53,6 +59,15 @@ TARGET_UNIT = "devicefleet.target"
 HOME_ROOTS = (Path("/home"), Path("/root"), Path("/run/user"))
 HIDDEN_ROOTS = (*HOME_ROOTS, Path("/tmp"), Path("/var/tmp"))
 REDIS_UNIT = "redis-server.service"
+SENTINEL_UNIT = "redis-sentinel.service"
+#: The name the sentinels monitor the primary under (``master_name=`` in the URL).
+MASTER_NAME = "devicefleet"
+#: A primary that answers no PING this long is down for a sentinel (Redis's default: 30 s).
+SENTINEL_DOWN_AFTER_MS = 5000
+#: A failover not done by then is tried again; replicas have this long to follow (default 180 s).
+SENTINEL_FAILOVER_TIMEOUT_MS = 60_000
+#: The sentinel's config as rendered, copied once over Debian's ``/etc/redis/sentinel.conf``.
+SENTINEL_FILE = "sentinel-devicefleet.conf"
 #: Seconds a stop may take beyond the longest job: Celery's shutdown and storing the result.
 DEFAULT_STOP_MARGIN_S = 60
 DEFAULT_REDIS_PORT = 6379
@@ -123,6 +138,13 @@ class HostPlan:
     redis_port: int = DEFAULT_REDIS_PORT
     redis_tls_port: int = DEFAULT_REDIS_TLS_PORT
     redis_password: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    #: A Redis Sentinel layout: every host's address, the first one's Redis the initial primary.
+    sentinel_hosts: tuple[str, ...] = ()
+    #: This host's address in :attr:`sentinel_hosts` when it runs a Redis and a sentinel there.
+    this_host: str | None = None
+    sentinel_port: int = DEFAULT_SENTINEL_PORT
+    sentinel_password: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    master_name: str = MASTER_NAME
     device_names: DeviceNames = DeviceNames.SHORT
     device_host: str = field(default_factory=socket.gethostname)
     stop_margin_s: int = DEFAULT_STOP_MARGIN_S
@@ -146,7 +168,24 @@ class HostPlan:
 
     @property
     def runs_redis(self) -> bool:
-        return self.join_url is None
+        return self.join_url is None or self.this_host is not None
+
+    @property
+    def runs_sentinel(self) -> bool:
+        """Whether this host runs a Redis and a sentinel of a Sentinel layout."""
+        return self.this_host is not None
+
+    @property
+    def primary(self) -> str:
+        """The initial primary of a Sentinel layout (the sentinels move it on a failover)."""
+        return self.sentinel_hosts[0]
+
+    @property
+    def local_units(self) -> list[str]:
+        """Debian's units of this host that the fleet's units start after."""
+        if self.runs_sentinel:
+            return [REDIS_UNIT, SENTINEL_UNIT]
+        return [REDIS_UNIT] if self.runs_redis else []
 
     @property
     def sysusers_file(self) -> Path:
@@ -165,6 +204,12 @@ class HostPlan:
         """The URL every unit of this host uses."""
         if self.join_url is not None:
             return self.join_url
+        if self.sentinel_hosts:
+            return SentinelURL(
+                sentinels=tuple((host, self.sentinel_port) for host in self.sentinel_hosts),
+                master_name=self.master_name, password=self.redis_password,
+                sentinel_password=self.sentinel_password,
+            ).to_url()
         password = quote(self.redis_password, safe="")
         if self.serve_address is None:
             return f"redis://:{password}@127.0.0.1:{self.redis_port}/0"
@@ -189,6 +234,8 @@ def plan_host(
     cpu_workers: int = 1,
     join_url: str | None = None,
     serve_address: str | None = None,
+    sentinel_hosts: Sequence[str] | None = None,
+    this_host: str | None = None,
     device_names: DeviceNames | None = None,
     root: Path = Path("/"),
     worker_configs_src: Path | None = None,
@@ -197,19 +244,29 @@ def plan_host(
 ) -> HostPlan:
     """A :class:`HostPlan` for this host: one CPU worker and one worker per GPU by default.
 
-    An existing rendering under ``root`` keeps its Redis password and Flower login, so that
-    rendering again never locks out the workers of other hosts.
+    ``sentinel_hosts`` (``--sentinel``) renders the first host of a Sentinel layout, the initial
+    primary; ``join_url`` a ``sentinel://`` URL with ``this_host`` (``--join URL --this-host``)
+    renders one of the others, a replica, with the URL's passwords.
+
+    An existing rendering under ``root`` keeps its Redis password, sentinels' password and Flower
+    login, so that rendering again never locks out the workers of other hosts.
 
     Raises:
-        ConfigError: incompatible options, or a URL without a password to another host.
+        ConfigError: incompatible options, a URL without a password to another host, or a
+            Sentinel layout that is not an odd number (3 or more) of distinct IP addresses with
+            this host among them.
     """
     if join_url is not None and serve_address is not None:
         raise ConfigError("--join and --serve exclude each other: a host either runs Redis or joins one")
+    if sentinel_hosts is not None and (join_url is not None or serve_address is not None):
+        raise ConfigError("--sentinel excludes --join and --serve: it renders the first host of a Sentinel "
+                          "layout; the others join it with the printed --join ... --this-host command")
     if join_url is not None:
         try:
             check_redis_auth(join_url)
         except ValueError as exc:
             raise ConfigError(f"--join {join_url!r}: {exc}") from None
+    sentinel = _sentinel_layout(sentinel_hosts, join_url, this_host)
     if gpus is None:
         from ..core.devices import count_gpus
 
@@ -226,10 +283,63 @@ def plan_host(
         **paths,  # type: ignore[arg-type]
     )
     plan.code_dirs = code_dirs(binary)
-    multi_host = join_url is not None or serve_address is not None
+    if sentinel is not None:
+        hosts, plan.this_host = sentinel
+        plan.sentinel_hosts = tuple(host for host, _ in hosts)
+        if join_url is not None:
+            url = SentinelURL.parse(join_url)
+            plan.sentinel_port = dict(hosts).get(plan.this_host or "", plan.sentinel_port)
+            plan.master_name = url.master_name
+            plan.redis_password = url.password or ""
+            plan.sentinel_password = url.sentinel_password or ""
+    multi_host = join_url is not None or serve_address is not None or sentinel is not None
     plan.device_names = device_names or (DeviceNames.HOST if multi_host else DeviceNames.SHORT)
     _reuse_secrets(plan, root)
     return plan
+
+
+def _sentinel_layout(sentinel_hosts: Sequence[str] | None, join_url: str | None,
+                     this_host: str | None) -> tuple[list[tuple[str, int]], str | None] | None:
+    """The layout's ``(address, sentinel port)`` pairs and this host's address, or None (no
+    Sentinel layout, or a host that only joins one)."""
+    joins_sentinel = join_url is not None and is_sentinel(join_url)
+    if sentinel_hosts is None and not joins_sentinel:
+        if this_host is not None:
+            raise ConfigError(f"--this-host {this_host!r} needs --sentinel, or --join with a sentinel:// URL")
+        return None
+    if sentinel_hosts is not None:
+        hosts = [(host.strip(), DEFAULT_SENTINEL_PORT) for host in sentinel_hosts]
+        what = f"--sentinel {','.join(sentinel_hosts)!r}"
+        if this_host is not None and hosts and this_host != hosts[0][0]:
+            raise ConfigError(f"--this-host {this_host!r} with {what}: --sentinel renders the first host, "
+                              f"{hosts[0][0]} (the initial primary); run on {this_host} the --join command it prints")
+    else:
+        assert join_url is not None
+        if this_host is None:
+            return [], None  # a host with workers only, which reaches the sentinels of others
+        url = SentinelURL.parse(join_url)
+        hosts = list(url.sentinels)
+        what = f"the URL's sentinels ({', '.join(h for h, _ in hosts)})"
+        if not (url.password and url.sentinel_password):
+            raise ConfigError("--join with --this-host: the URL must carry the Redis password and "
+                              "sentinel_password=, which this host's Redis and sentinel are given")
+    addresses = [host for host, _ in hosts]
+    for host in addresses:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"{what}: {host!r} is not an IP address; sentinels and replicas "
+                              "are configured by address here") from None
+    twice = sorted({host for host in addresses if addresses.count(host) > 1})
+    if twice:
+        raise ConfigError(f"{what}: {', '.join(twice)} named twice")
+    if len(addresses) < 3 or len(addresses) % 2 == 0:
+        raise ConfigError(f"{what}: {len(addresses)} hosts; a Sentinel layout needs an odd number, 3 or more, "
+                          "so that a majority of the sentinels can elect one to run a failover")
+    this = this_host if this_host is not None else addresses[0]
+    if this not in addresses:
+        raise ConfigError(f"--this-host {this!r} is not among {what}")
+    return hosts, this
 
 
 def code_dirs(binary: Path) -> list[Path]:
@@ -266,11 +376,14 @@ def _under(root: Path, path: Path) -> Path:
 
 
 def _reuse_secrets(plan: HostPlan, root: Path) -> None:
-    conf = _under(root, plan.redis_conf_dir / "devicefleet.conf")
-    if plan.runs_redis and conf.is_file():
-        for line in conf.read_text().splitlines():
-            if line.startswith("requirepass "):
-                plan.redis_password = line.split(None, 1)[1].strip()
+    # A host that joins takes its passwords from the URL; the one that made them reads them back.
+    made_here = plan.join_url is None
+    for name, attr in (("devicefleet.conf", "redis_password"), (SENTINEL_FILE, "sentinel_password")):
+        conf = _under(root, plan.redis_conf_dir / name)
+        if made_here and plan.runs_redis and conf.is_file():
+            for line in conf.read_text().splitlines():
+                if line.startswith("requirepass "):
+                    setattr(plan, attr, line.split(None, 1)[1].strip())
     flower = _under(root, plan.config_dir / "flower.env")
     if flower.is_file():
         match = re.search(r'^FLOWER_BASIC_AUTH="([^"]+)"', flower.read_text(), re.MULTILINE)
@@ -383,9 +496,9 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     for device in plan.devices:  # validate every file now, not in a worker's journal
         load_worker_config(configs_here, Device.parse(device))
 
-    after = REDIS_UNIT if plan.runs_redis else ""
+    after = " ".join(plan.local_units)
     workers = [f"devicefleet-worker@{d}.service" for d in plan.devices]
-    wanted = ([REDIS_UNIT] if plan.runs_redis else []) + workers + [FLOWER_UNIT, METRICS_UNIT]
+    wanted = plan.local_units + workers + [FLOWER_UNIT, METRICS_UNIT]
     margin = plan.stop_margin_s
     timeouts = {d: stop_timeout(configs_here, Device.parse(d), margin) for d in plan.devices}
     binds = plan.hidden_code_dirs
@@ -450,7 +563,9 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
     write(plan.tmpfiles_file, template("devicefleet.tmpfiles"))
     write(plan.config_dir / "devicefleet.env", template("devicefleet.env"), 0o640)
     write(plan.config_dir / "flower.env", template("flower.env"), 0o640)
-    if plan.runs_redis:
+    if plan.runs_sentinel:
+        _render_sentinel_host(plan, template, write)
+    elif plan.runs_redis:
         redis_values = {
             "redis_bind": _bind_addresses(plan.serve_address),
             "redis_port": plan.redis_port if plan.serve_address is None else 0,
@@ -463,6 +578,54 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             text += template("redis-devicefleet-tls.conf", redis_values)
         write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
     return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT, METRICS_UNIT])
+
+
+def _render_sentinel_host(plan: HostPlan, template: Callable[[str, dict[str, object]], str],
+                          write: Callable[[Path, str, int], None]) -> None:
+    """This host's Redis (a primary or replica) and sentinel, and the drop-ins of their units."""
+    assert plan.this_host is not None
+    hosts = plan.sentinel_hosts
+    values: dict[str, object] = {
+        "this_host": plan.this_host,
+        "hosts": ", ".join(hosts),
+        "host_count": len(hosts),
+        "primary": plan.primary,
+        "role": "the initial primary" if plan.this_host == plan.primary else f"a replica of {plan.primary} at first",
+        "redis_port": plan.redis_port,
+        "redis_password": _check_safe("Redis password", plan.redis_password),
+        "sentinel_port": plan.sentinel_port,
+        "sentinel_password": _check_safe("sentinels' password", plan.sentinel_password),
+        "master_name": _check_safe("master_name", plan.master_name),
+        # A majority: enough sentinels to call the primary down, and to elect one to fail over.
+        "quorum": len(hosts) // 2 + 1,
+        "down_after_ms": SENTINEL_DOWN_AFTER_MS,
+        "failover_timeout_ms": SENTINEL_FAILOVER_TIMEOUT_MS,
+    }
+    conf = plan.redis_conf_dir
+    write(conf / "devicefleet.conf", template("redis-devicefleet-replicated.conf", values), 0o640)
+    write(conf / SENTINEL_FILE, template("redis-sentinel-devicefleet.conf", values), 0o640)
+    for unit in (REDIS_UNIT, SENTINEL_UNIT):
+        write(plan.unit_dir / f"{unit}.d" / "devicefleet.conf",
+              template("redis-network-online.conf", values | {"unit": unit}), 0o644)
+
+
+def redis_conf_lines(plan: HostPlan) -> list[str]:
+    """The lines the printed commands add to Debian's ``/etc/redis/redis.conf`` (once): the
+    include of devicefleet's snippet, and on a replica of a Sentinel layout ``replicaof``, which
+    must be in that file itself because Sentinel's ``CONFIG REWRITE`` rewrites it there."""
+    lines = [f"include {plan.redis_conf_dir / 'devicefleet.conf'}"]
+    if plan.runs_sentinel and plan.this_host != plan.primary:
+        lines.append(f"replicaof {plan.primary} {plan.redis_port}")
+    return lines
+
+
+def join_commands(plan: HostPlan) -> dict[str, str]:
+    """For the first host of a Sentinel layout: the command each other host runs, by address.
+    It carries the URL, with both passwords."""
+    if not plan.runs_sentinel or plan.join_url is not None:
+        return {}
+    return {host: f"devicefleet deploy --join '{plan.redis_url}' --this-host {host}"
+            for host in plan.sentinel_hosts if host != plan.this_host}
 
 
 def _bind_addresses(serve_address: str | None) -> str:
@@ -494,7 +657,9 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
         f"systemd-tmpfiles --create {plan.tmpfiles_file}   # its state and artifacts folders",
         f"chown root:{user} {plan.config_dir}/devicefleet.env {plan.config_dir}/flower.env",
     ]
-    if plan.runs_redis:
+    if plan.runs_sentinel:
+        out += _sentinel_commands(plan)
+    elif plan.runs_redis:
         conf = plan.redis_conf_dir / "devicefleet.conf"
         include = f"include {conf}"
         out += [
@@ -510,10 +675,37 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
         out.append("systemctl restart redis-server")
     elif plan.join_url and "ssl_ca_certs=" in plan.join_url:
         out.append(f"ls {plan.config_dir}/tls/ca.crt   # the fleet's CA certificate, from the Redis host")
-    out += ["systemctl daemon-reload", f"systemctl enable --now {TARGET_UNIT}"]
+    out += [line for line in ("systemctl daemon-reload",) if line not in out]
+    if plan.runs_sentinel and plan.join_url is None:
+        # The first host: its Redis refuses writes until a replica has them (min-replicas-to-write
+        # 1), and a worker whose registration is refused (NOREPLICAS) exits, with status 0 today,
+        # which Restart=on-failure does not restart.
+        out += [f"systemctl enable {TARGET_UNIT}",
+                f"systemctl start {TARGET_UNIT}   # once another host's Redis replicates this one"]
+    else:
+        out.append(f"systemctl enable --now {TARGET_UNIT}")
     out.append(f"(set -a; . {plan.config_dir}/devicefleet.env; {plan.devicefleet_bin} status)"
                "   # the fleet, as the workers see it")
     return out
+
+
+def _sentinel_commands(plan: HostPlan) -> list[str]:
+    conf = plan.redis_conf_dir
+    include, *replicaof = redis_conf_lines(plan)
+    first = [f"install -o redis -g redis -m 0640 {conf / SENTINEL_FILE} {conf}/sentinel.conf"]
+    first += [f"echo '{line}' >> {conf}/redis.conf" for line in replicaof]
+    monitor = f"sentinel monitor {plan.master_name} "
+    return [
+        "apt-get install -y redis-server redis-sentinel",
+        f"chown root:redis {conf / 'devicefleet.conf'} {conf / SENTINEL_FILE}",
+        f"grep -qxF '{include}' {conf}/redis.conf || echo '{include}' >> {conf}/redis.conf",
+        # Once only: from then on the sentinel rewrites its file, and Sentinel's CONFIG REWRITE
+        # the replicaof line (which on a promoted replica is gone, and must stay gone).
+        f"grep -q '^{monitor}' {conf}/sentinel.conf || ({' && '.join(first)})"
+        "   # first install only: the sentinel owns these lines from then on",
+        "systemctl daemon-reload",
+        f"systemctl restart {REDIS_UNIT} {SENTINEL_UNIT}",
+    ]
 
 
 def read_env_value(text: str, name: str) -> str | None:
@@ -529,8 +721,10 @@ __all__ = [
     "command_paths",
     "commands",
     "fill",
+    "join_commands",
     "plan_host",
     "read_env_value",
+    "redis_conf_lines",
     "render",
     "stop_timeout",
     "templates_dir",
