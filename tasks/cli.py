@@ -136,6 +136,7 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
     from .core.app import create_app
     from .core.devices import host_name
     from .core.worker_config import load_worker_config
+    from .ops import celery_main
 
     # Validated here, at the edge, and handed to the worker's app: the worker's bootstep reads
     # these settings, never the environment again.
@@ -160,7 +161,9 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         "--without-gossip",
     ]
     # The device's own queues, visibility, cores and jobs are the bootstep's (tasks.worker).
-    create_app(settings).worker_main(argv)
+    # With the worker's exit status, which app.worker_main() drops: a worker that could not
+    # start (Redis refused its registration) exits 1 and systemd's Restart=on-failure restarts it.
+    raise SystemExit(celery_main.run(create_app(settings), argv))
 
 
 # -- run / status / demo -----------------------------------------------------------------------

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 
 import tasks
 from tasks.core.app import create_app
 from tasks.core.devices import count_gpus
 from tasks.core.registry import connect, live_workers
 from tasks.core.settings import Settings
+from tasks.ops.proc import free_port
+from tasks.ops.redis_server import find_redis_server
 
 from .conftest import cli_env, standalone_worker, wait_for
 
@@ -274,6 +277,32 @@ def test_celery_commands_load_the_app_without_a_fleet(tmp_path):
     assert inspect.returncode != 0
     assert "Traceback" not in output and len(output.splitlines()) == 1, output
     assert "no Redis to connect to" in output and str(tmp_path) in output and "devicefleet up" in output
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_redis_refuses_its_registration_exits_1_for_systemd_to_restart_it(tmp_path):
+    # A primary cut off from its replicas refuses writes (min-replicas-to-write): the worker
+    # cannot join. Celery's worker_main() made that exit 0, which Restart=on-failure ignores.
+    refusing = subprocess.Popen([str(find_redis_server()), "--port", str(port := free_port()), "--bind", "127.0.0.1",
+                                 "--save", "", "--appendonly", "no", "--min-replicas-to-write", "1"],
+                                stdout=subprocess.DEVNULL)
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for(lambda: _answers(url), 10, "the redis-server to answer")
+        env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_REDIS_URL=url)
+        worker = subprocess.run([*CLI, "worker", "cpu5"], env=env, capture_output=True, text=True, timeout=50)
+    finally:
+        refusing.kill()
+        refusing.wait(10)
+    assert worker.returncode == 1, worker.stdout[-2000:] + worker.stderr[-2000:]
+    assert "NOREPLICAS" in worker.stdout + worker.stderr
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(connect(url).ping())
+    except redis.RedisError:
+        return False
 
 
 @pytest.mark.timeout(120)

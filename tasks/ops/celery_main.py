@@ -12,6 +12,30 @@ returns it from ``sys.modules``. The launcher starts Flower through it (``-A tas
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+
+def run(app: Celery, argv: list[str]) -> int:
+    """Run Celery's ``celery ARGV`` command with ``app`` and return its exit status.
+
+    What ``app.start(argv)`` and ``app.worker_main(argv)`` do, less their loss of the status:
+    click, run with ``standalone_mode=False`` as they run it, returns the status of a command
+    that ends with ``ctx.exit(code)`` (``celery worker`` always does) where they expect an
+    exception, so a worker that could not start exited 0 and systemd's ``Restart=on-failure``
+    left it down.
+    """
+    from celery.bin.celery import celery as celery_command
+
+    # Celery internal, as Celery.start() sets it (Celery 5.7.0): the --app option's default.
+    celery_command.params[0].default = app
+    try:
+        status = celery_command.main(args=argv, standalone_mode=False)
+    finally:
+        celery_command.params[0].default = None
+    return status if isinstance(status, int) else 0
 
 
 def main() -> None:
