@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,13 +23,16 @@ from celery import Celery
 import tasks
 from tasks import fan_out
 from tasks.core.app import SENTINEL_BACKEND, SENTINEL_TRANSPORT, celery_config, redis_url_of
-from tasks.core.errors import ConfigError
+from tasks.core.errors import ConfigError, FleetError
+from tasks.core.registry import check_sentinels, connect
 from tasks.core.sentinel import SentinelURL, first_host, redact
 from tasks.core.settings import Settings, redact_url
 from tasks.core.transport import FleetConnection, SentinelTransport
 from tasks.ops.fleet import Fleet
-from tests.conftest import TEST_JOB_MODULES, make_settings, read_markers, supervised_fleet, wait_for
+from tasks.ops.proc import free_port
+from tests.conftest import TEST_JOB_MODULES, cli_env, make_settings, read_markers, supervised_fleet, wait_for
 from tests.sentinel_cluster import SentinelCluster, sentinel_cluster
+from tests.test_cli import CLI
 
 URL = ("sentinel://:r%40pw@10.0.0.1:26379,10.0.0.2:26380,10.0.0.3/2"
        "?master_name=devicefleet&sentinel_password=s3cret")
@@ -250,6 +254,34 @@ def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: 
           f"old primary a replica again {rejoined_s:.1f} s after the kill (restarted at once)")
 
 
+@pytest.mark.timeout(60)
+def test_a_wrong_or_unreachable_sentinel_setting_fails_at_once_naming_it(cluster, tmp_path):
+    parsed = cluster.parsed()
+    assert parsed.problem() is None
+    hosts = ",".join(f"127.0.0.1:{node.port}" for node in cluster.sentinels)
+    wrong = {
+        "sentinel_password=nope": (f"sentinel://:{cluster.password}@{hosts}/0?master_name=devicefleet"
+                                   "&sentinel_password=nope", "invalid username-password pair"),
+        "master_name=elsewhere": (f"sentinel://:{cluster.password}@{hosts}/0?master_name=elsewhere"
+                                  f"&sentinel_password={cluster.sentinel_password}", "monitors no master_name='elsewhere'"),
+        "closed ports": (f"sentinel://:pw@127.0.0.1:{free_port()},127.0.0.1:{free_port()}/0?master_name=devicefleet"
+                         "&sentinel_password=s", "Connection refused"),
+    }
+    for what, (url, says) in wrong.items():
+        with pytest.raises(FleetError) as caught:
+            check_sentinels(url)
+        message = str(caught.value)
+        assert says in message and message.count("127.0.0.1:") >= 2, (what, message)
+        assert "nope" not in message and cluster.password not in message  # redacted
+    # At the edges: `devicefleet status` and a worker's start say it, and exit 1 (not after a
+    # failover's worth of retries: each sentinel is asked once).
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_REDIS_URL=wrong["master_name=elsewhere"][0])
+    status = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True, timeout=50)
+    assert status.returncode == 1 and "monitors no master_name='elsewhere'" in status.stderr, status.stderr
+    worker = subprocess.run([*CLI, "worker", "cpu5"], env=env, capture_output=True, text=True, timeout=50)
+    assert worker.returncode == 1 and "monitors no master_name='elsewhere'" in worker.stderr, worker.stderr[-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_sentinel_changes_nothing(cluster, sapp, tmp_path):
@@ -267,3 +299,44 @@ def test_a_killed_sentinel_changes_nothing(cluster, sapp, tmp_path):
         assert cluster.role(cluster.node_on(primary)) == "master"
     finally:
         victim.start(cluster.binary, sentinel=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_demoted_live_primary_and_a_primary_without_replicas_hold_writes_back_not_fail_them(cluster, sapp):
+    client = connect(cluster.url)
+    client.set("devicefleet:test:before", "1")
+    old_port = cluster.primary_port()
+    assert old_port is not None
+    old = cluster.node_on(old_port)
+
+    # min-replicas-to-write unmet (as on a primary just promoted, before its replicas follow):
+    # NOREPLICAS holds the write back until the replicas count again.
+    admin = cluster.client(old)
+    admin.config_set("min-replicas-to-write", 3)  # two replicas: writes refused
+    restored = threading.Event()
+
+    def restore() -> None:
+        with cluster.client(old) as other:
+            other.config_set("min-replicas-to-write", 1)
+        restored.set()
+
+    timer = threading.Timer(1.0, restore)
+    timer.start()
+    client.set("devicefleet:test:held", "1")
+    assert restored.is_set(), "the write went through while the primary refused writes"
+    timer.join()
+    admin.close()
+
+    # A failover with the old primary alive: it becomes a replica and answers READONLY to the
+    # connections it still has; the fleet's clients, and the workers, go to the new primary.
+    with cluster.sentinel_client(cluster.sentinels[1]) as sentinel:
+        sentinel.execute_command("SENTINEL", "FAILOVER", "devicefleet")
+    wait_for(lambda: cluster.primary_port() not in (old_port, None) and cluster.role(old) == "slave", 30,
+             "the live primary demoted")
+    client.set("devicefleet:test:after", "1")
+    with cluster.client(cluster.node_on(cluster.primary_port())) as new:  # type: ignore[arg-type]
+        assert new.mget("devicefleet:test:before", "devicefleet:test:held", "devicefleet:test:after") == ["1"] * 3
+    client.close()
+    got = fan_out("echo", "cpu", kwargs={"value": "demoted"}, app=sapp).get(timeout=60)
+    assert {e["output"]["value"] for e in got.values()} == {"demoted"}

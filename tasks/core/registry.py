@@ -61,6 +61,7 @@ def reading(url: str) -> Iterator[redis.Redis]:
         FleetError: a read failed (Redis down, wrong password); the message has the URL without
             its password and redis-py's reason.
     """
+    check_sentinels(url)
     client = connect(url)
     try:
         yield client
@@ -68,6 +69,21 @@ def reading(url: str) -> Iterator[redis.Redis]:
         raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
     finally:
         client.close()
+
+
+def check_sentinels(url: str) -> None:
+    """For a ``sentinel://`` URL, fail at once when no sentinel names the primary (each is asked
+    once: :meth:`tasks.core.sentinel.SentinelURL.problem`); any other URL passes.
+
+    Raises:
+        FleetError: every sentinel is unreachable, refuses the password, or monitors no such
+            master; the message names each, with the URL's passwords redacted.
+    """
+    if not is_sentinel(url):
+        return
+    problem = SentinelURL.parse(url).problem()
+    if problem is not None:
+        raise FleetError(f"cannot reach the fleet at {redact_url(url)}: {problem}")
 
 
 def _parse(device: str, raw: str | bytes | None) -> WorkerRecord | None:

@@ -60,7 +60,8 @@ class ReadOnlyAwareConnection(SentinelManagedConnection):
     """redis-py's Sentinel-managed connection, which turns ``READONLY`` from a primary that was
     demoted into a lost connection (the next try asks the sentinels for the new primary), also
     when the write was inside a Lua script: Redis 6 reports that as ``ERR Error running script
-    ... -READONLY ...``, which redis-py parses as a plain ``ResponseError``.
+    ... -READONLY ...``, which redis-py parses as a plain ``ResponseError``. ``NOREPLICAS`` (a
+    primary with ``min-replicas-to-write`` whose replicas are not there yet) is taken the same way.
 
     It also asks the sentinels again on each try of a reconnect. redis-py 8.1's
     ``send_packed_command`` reconnects a dropped connection through ``connect_check_health``,
@@ -80,9 +81,18 @@ class ReadOnlyAwareConnection(SentinelManagedConnection):
         try:
             return super().read_response(*args, **kwargs)
         except ResponseError as exc:
-            if self.connection_pool.is_master and "READONLY" in str(exc):
+            if not self.connection_pool.is_master:
+                raise
+            if "READONLY" in str(exc):
                 self.disconnect()
                 raise RedisConnectionError(f"the primary was demoted ({exc}); asking the sentinels again") from exc
+            if "NOREPLICAS" in str(exc):
+                # min-replicas-to-write: a primary just promoted, whose replicas have not
+                # followed it yet (or one cut off from them), takes no writes for now. Retried as
+                # a lost connection is, not an error: kombu's consumer took it for one and the
+                # worker exited, a few seconds after a failover.
+                self.disconnect()
+                raise RedisConnectionError(f"the primary takes no writes now ({exc}); trying again") from exc
             raise
 
 
@@ -203,6 +213,29 @@ class SentinelURL:
             self.master_name, redis_class=AsyncRedis, db=self.db, username=self.username,
             password=self.password, retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError], **kwargs,
         )
+
+    def problem(self, timeout_s: float = 2.0) -> str | None:
+        """Why no client could find the primary now, asking each sentinel once (no retry), or
+        ``None`` when one names it. For the edges (``devicefleet status``, a worker's start): a
+        wrong address, port, password or master name is said at once, where the clients would
+        retry for a failover's length (:data:`FAILOVER_RETRIES`) and then report redis-py's
+        objects. A failover in progress (the sentinels answer, none names a primary yet) is no
+        problem here: the clients wait it out."""
+        said: list[str] = []
+        for host, port in self.sentinels:
+            client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                 retry=Retry(NoBackoff(), 0), decode_responses=True, **self.sentinel_kwargs())
+            try:
+                if client.execute_command("SENTINEL", "get-master-addr-by-name", self.master_name):
+                    return None
+                said.append(f"{_join(host, port)} monitors no master_name={self.master_name!r}")
+            except ResponseError as exc:
+                said.append(f"{_join(host, port)} refused: {exc}")
+            except redis.RedisError as exc:
+                said.append(f"{_join(host, port)}: {exc}")
+            finally:
+                client.close()
+        return "no sentinel names a primary: " + "; ".join(said)
 
     def _asking(self, kwargs: dict[str, Any], retry: Any) -> dict[str, Any]:
         """How the fleet's own clients talk to the sentinels: their login, the connect and read

@@ -38,7 +38,7 @@ from ..core.devices import (
 from ..core.errors import ConfigError, DeviceVisibilityError, FleetError, NoFleetError
 from ..core.queues import worker_queues
 from ..core.records import SlotRecord, Visibility, WorkerRecord
-from ..core.registry import connect, read_worker
+from ..core.registry import check_sentinels, connect, read_worker
 from ..core.settings import Settings, redact_url
 from ..core.shadow import child_pythonpath
 from ..core.wire import ProcessSpec
@@ -273,6 +273,7 @@ class DeviceWorker:
     def join(self, app: Celery) -> None:
         """Join the fleet: the registry heartbeat, the lease keeper and the reaper."""
         url = self.settings.resolve_redis_url()
+        check_sentinels(url)
         client = self._client = connect(url)
         self.check_unique(client)
         self.heartbeat = Heartbeat(client, self.record(), self.settings.heartbeat_interval_s,
