@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ MASTER_NAME = "devicefleet"
 #: How long the sentinels wait before they call an unanswering primary down (the deployment's
 #: default is 5000 ms: see deploy/redis-sentinel-devicefleet.conf).
 DOWN_AFTER_MS = 1000
-FAILOVER_TIMEOUT_MS = 4000
+#: How long a promoted replica has to confirm (and twice that: the wait before another try). On a
+#: loaded 2-core machine 4 s was once too short for a forced failover (-failover-abort-slave-timeout).
+FAILOVER_TIMEOUT_MS = 10_000
 #: The nice value of the Redis and sentinel processes where the test may set it (see Node.start).
 PRIORITY = -10
 
@@ -167,6 +170,23 @@ class SentinelCluster:
             except redis.RedisError:
                 continue
         return None
+
+    def force_failover(self, timeout_s: float = 60) -> None:
+        """``SENTINEL FAILOVER`` with the primary alive (it is demoted to a replica); asked
+        again if a try was aborted (Sentinel does not retry a failover it was asked for)."""
+        old = self.primary_port()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(redis.ResponseError), self.sentinel_client(self.sentinels[1]) as sentinel:
+                sentinel.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)  # INPROG: one runs already
+            try:
+                wait_for(lambda: self.primary_port() not in (old, None) and self.role(self.node_on(old)) == "slave",
+                         min(3 * FAILOVER_TIMEOUT_MS / 1000, max(1.0, deadline - time.monotonic())),
+                         "the live primary demoted")
+                return
+            except AssertionError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def tilts(self) -> list[str]:
         """The sentinels' TILT-mode log lines (a sentinel starved of CPU stops failing over for
