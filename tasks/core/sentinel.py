@@ -191,11 +191,8 @@ class SentinelURL:
         sentinel = Sentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, Retry(NoBackoff(), 0)))
         retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), FAILOVER_RETRIES,
                       supported_errors=(RedisConnectionError, RedisTimeoutError, ConnectionResetError))
-        return sentinel.master_for(
-            self.master_name, redis_class=redis.Redis, connection_class=ReadOnlyAwareConnection,
-            db=self.db, username=self.username, password=self.password, decode_responses=decode_responses,
-            retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError], **kwargs,
-        )
+        return sentinel.master_for(self.master_name, redis_class=redis.Redis, connection_class=ReadOnlyAwareConnection,
+                                   decode_responses=decode_responses, **self._primary(retry), **kwargs)
 
     def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
         """The same for :mod:`redis.asyncio` (a producer's awaited reads and its pub/sub
@@ -209,10 +206,7 @@ class SentinelURL:
         sentinel = AsyncSentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, AsyncRetry(NoBackoff(), 0)))
         retry = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), FAILOVER_RETRIES,
                            supported_errors=(RedisConnectionError, RedisTimeoutError))
-        return sentinel.master_for(
-            self.master_name, redis_class=AsyncRedis, db=self.db, username=self.username,
-            password=self.password, retry=retry, retry_on_error=[RedisConnectionError, RedisTimeoutError], **kwargs,
-        )
+        return sentinel.master_for(self.master_name, redis_class=AsyncRedis, **self._primary(retry), **kwargs)
 
     def problem(self, timeout_s: float = 2.0) -> str | None:
         """Why no client could find the primary now, asking each sentinel once (no retry), or
@@ -236,6 +230,12 @@ class SentinelURL:
             finally:
                 client.close()
         return "no sentinel names a primary: " + "; ".join(said)
+
+    def _primary(self, retry: Any) -> dict[str, Any]:
+        """What the primary's connections take, blocking or asyncio: the database, the login, and
+        ``retry`` (through a failover) on a lost connection or a timeout."""
+        return {"db": self.db, "username": self.username, "password": self.password, "retry": retry,
+                "retry_on_error": [RedisConnectionError, RedisTimeoutError]}
 
     def _asking(self, kwargs: dict[str, Any], retry: Any) -> dict[str, Any]:
         """How the fleet's own clients talk to the sentinels: their login, the connect and read

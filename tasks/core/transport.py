@@ -129,6 +129,9 @@ class HardenedChannel(_ChannelBase):
     QoS = QoS
 
     _pool_client: Any = None
+    #: The fleet's :class:`~tasks.core.sentinel.Replication` as a dict, from the transport option
+    #: :data:`REPLICATION_OPTION` where the channel takes it (:class:`SentinelChannel`).
+    devicefleet_replication: Any = None
 
     # kombu internal: the channel's client factory (its `asynchronous` argument), kombu 5.7.0.
     def _create_client(self, asynchronous: bool = False) -> Any:
@@ -158,8 +161,7 @@ class HardenedChannel(_ChannelBase):
                     with client.pipeline() as pipe:
                         self._do_restore_message(*popped, pipe, leftmost=False)
                         pipe.execute()
-                    Replication.of(getattr(self, "devicefleet_replication", None)).wait(
-                        client, "a message given back to its queue")
+                    Replication.of(self.devicefleet_replication).wait(client, "a message given back to its queue")
             except Exception as exc:  # noqa: BLE001  (kept whatever went wrong: it is the only copy)
                 with _POPPED_LOCK:
                     POPPED.appendleft(popped)
@@ -194,8 +196,6 @@ class SentinelChannel(HardenedChannel, kombu_redis.SentinelChannel):
                               REPLICATION_OPTION)
     # kombu internal: the connection class its Sentinel pool is made with (kombu 5.7.0).
     connection_class = ReadOnlyAwareConnection
-
-    devicefleet_replication: Any = None
 
     # kombu internals: the publish of one message to a queue (LPUSH) and conn_or_acquire,
     # kombu 5.7.0. A kombu publish batch (which devicefleet and Celery do not use) is left to

@@ -675,11 +675,12 @@ def commands(plan: HostPlan, root: Path = Path("/")) -> list[str]:
         out.append("systemctl restart redis-server")
     elif plan.join_url and "ssl_ca_certs=" in plan.join_url:
         out.append(f"ls {plan.config_dir}/tls/ca.crt   # the fleet's CA certificate, from the Redis host")
-    out += [line for line in ("systemctl daemon-reload",) if line not in out]
+    if "systemctl daemon-reload" not in out:  # the Sentinel commands reload before their restart
+        out.append("systemctl daemon-reload")
     if plan.runs_sentinel and plan.join_url is None:
         # The first host: its Redis refuses writes until a replica has them (min-replicas-to-write
-        # 1), and a worker whose registration is refused (NOREPLICAS) exits, with status 0 today,
-        # which Restart=on-failure does not restart.
+        # 1); a worker whose registration is refused (NOREPLICAS) exits 1 and systemd starts it
+        # again and again until then: start them once a replica follows.
         out += [f"systemctl enable {TARGET_UNIT}",
                 f"systemctl start {TARGET_UNIT}   # once another host's Redis replicates this one"]
     else:

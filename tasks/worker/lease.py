@@ -76,7 +76,7 @@ from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
 from ..core.jobstate import EXPIRED_LEASES, REAPED, RELEASE, RENEW, TAKE
 from ..core.periodic import PeriodicThread
-from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord
+from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, WorkerRecord
 from ..core.registry import read_worker
 from ..core.sentinel import Replication
 from ..core.settings import Settings
@@ -128,19 +128,20 @@ def _parse(raw: str | bytes | None) -> LeaseRecord | None:
         return None
 
 
+def live_owner(client: redis.Redis, lease: LeaseRecord) -> WorkerRecord | None:
+    """The registry record of the lease's owner if it is still the live worker of its device."""
+    record = read_worker(client, lease.device)
+    return record if record is not None and record.same_process(lease.host, lease.pid) else None
+
+
 def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
     """Whether the lease's owner is still the live worker of its device."""
-    record = read_worker(client, lease.device)
-    return record is not None and record.same_process(lease.host, lease.pid)
+    return live_owner(client, lease) is not None
 
 
-def owner_runs(client: redis.Redis, lease: LeaseRecord) -> bool:
-    """Whether the lease's owner, alive, says in its registry record that one of its slots runs
-    the lease's job (``False`` if it is not alive)."""
-    record = read_worker(client, lease.device)
-    if record is None or not record.same_process(lease.host, lease.pid):
-        return False
-    return any(slot.busy is not None and slot.busy.job_id == lease.task_id for slot in record.slots)
+def runs_job(owner: WorkerRecord, task_id: str) -> bool:
+    """Whether ``owner``'s record says one of its slots runs job ``task_id``."""
+    return any(slot.busy is not None and slot.busy.job_id == task_id for slot in owner.running)
 
 
 class Orphans:
@@ -444,10 +445,11 @@ def reap_once(client: redis.Redis, app: Celery, orphans: Orphans | None = None) 
                 client.hdel(keys.LEASES, task_id)
                 continue
             dead = death_note(record)
-            if owner_alive(client, record):
+            owner = live_owner(client, record)
+            if owner is not None:
                 # Alive and late to renew (Redis was away): it renews on its next beat. Unless
                 # it has not run the job for a while: the write that ended the job was lost.
-                if orphans is None or owner_runs(client, record) or not orphans.due(task_id, raw):
+                if orphans is None or runs_job(owner, task_id) or not orphans.due(task_id, raw):
                     continue
                 dead = ""
                 logger.warning("job %s: its lease expired %g s ago or more and its owner %s (pid %s), alive, "
