@@ -23,6 +23,15 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
+from .core.defaults import (
+    CANCEL_WAIT_S,
+    FLEET_STOP_TIMEOUT_S,
+    RUN_FLEET_STOP_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    STATUS_WATCH_INTERVAL_S,
+    STOP_MARGIN_S,
+    SWEEP_TIMEOUT_S,
+)
 from .core.errors import ConfigError, DeviceFleetError
 from .core.records import DistBackend, WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
@@ -73,7 +82,7 @@ def cli(verbose: int) -> None:
 @click.option("--cpu-workers", type=click.IntRange(1, 256), help="CPU devices to run (default: 2 on a host with no GPU, else 1).")
 @click.option("--gpus", type=click.IntRange(0, 64), help="GPU workers to run (default: one per visible GPU).")
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Where Redis data, logs and the fleet file go.")
-@click.option("--stop-timeout", type=float, default=60.0, show_default=True, help="Seconds a stopping worker may finish its job.")
+@click.option("--stop-timeout", type=float, default=FLEET_STOP_TIMEOUT_S, show_default=True, help="Seconds a stopping worker may finish its job.")
 @click.option("--flower/--no-flower", default=True, show_default=True, help="Start Flower (loopback, basic auth) with the fleet.")
 def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_timeout: float, flower: bool) -> None:
     """Start Redis (embedded unless DEVICEFLEET_REDIS_URL is set) and a worker per device.
@@ -237,7 +246,7 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @_command_options
 @click.option("--kwargs", "kwargs_text", help='Job kwargs as a JSON object, e.g. \'{"epochs": 5}\'.')
 @click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
-@click.option("--timeout", type=float, default=3600.0, show_default=True, help="Seconds to wait for every device.")
+@click.option("--timeout", type=float, default=RUN_TIMEOUT_S, show_default=True, help="Seconds to wait for every device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result dict as JSON.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Live progress bar per device (on stderr).")
 @click.option("--fallback", type=click.Choice(["cpu"]), help="On out-of-memory, run the job again on the CPU.")
@@ -297,8 +306,6 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     raise SystemExit(_exit_code([e["status"] for e in results.values()], cancelled))
 
 
-#: Seconds a cancelled run or sweep waits for its running jobs to stop and report.
-CANCEL_WAIT_S = 120.0
 
 
 def _producer_app(settings: Settings) -> Any:
@@ -375,7 +382,7 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials queued or running at once (default: all).")
 @click.option("--objective", help="Output field to rank the trials by (and the best so far).")
 @click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
-@click.option("--timeout", type=float, default=86_400.0, show_default=True, help="Seconds to wait for every trial.")
+@click.option("--timeout", type=float, default=SWEEP_TIMEOUT_S, show_default=True, help="Seconds to wait for every trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print every trial's entry as JSON.")
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
@@ -484,7 +491,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the fleet as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(0.2, 3600), default=1.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=STATUS_WATCH_INTERVAL_S, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--redis-url", help="Fleet to show (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -> None:
     """Show the live fleet: each device's worker, busy or idle, throughput, queue depths."""
@@ -537,7 +544,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
         say = err_console.print if as_json else console.print
         say("starting an embedded fleet (redis-server + one worker per device)...")
         try:
-            with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
+            with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=RUN_FLEET_STOP_TIMEOUT_S).start() as fleet:
                 devices = list(fleet.workers)
                 say(f"fleet ready in {time.perf_counter() - started:.1f} s: {', '.join(devices)}; "
                     f"training {model} on digits for {epochs} epochs on each")
@@ -569,7 +576,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
               help="With --join sentinel://...: run this host's Redis (a replica) and sentinel on ADDRESS.")
 @click.option("--device-names", type=click.Choice(["short", "host"]), help="Default: host with --join/--serve, else short.")
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("/var/lib/devicefleet"), show_default=True)
-@click.option("--stop-margin", type=click.IntRange(0, 86_400), default=60, show_default=True,
+@click.option("--stop-margin", type=click.IntRange(0, 86_400), default=STOP_MARGIN_S, show_default=True,
               help="Seconds of stop timeout beyond each worker's max_job_seconds.")
 @click.option("--bin", "devicefleet_bin", type=click.Path(dir_okay=False, path_type=Path),
               help="The devicefleet executable the units run (default: this one).")

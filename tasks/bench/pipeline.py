@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ..jobs.loader import DEFAULT_PREFETCH, build_loader
+from ..core.defaults import LOADER_PREFETCH
+from ..jobs.loader import build_loader
 from . import ray_pipeline
 from .workload import Workload, consume, make_batch
 
@@ -85,7 +86,7 @@ def wait_fleet(work: Workload) -> float:
         # More workers than cores on purpose: they mostly wait (latency_s), which needs no core.
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         loader = build_loader(SlowBatches(work, total), batch_size=None, num_workers=work.producers,
-                              cuda=cuda, prefetch_factor=DEFAULT_PREFETCH)
+                              cuda=cuda, prefetch_factor=LOADER_PREFETCH)
         return consume(loader, total, work.warmup, work.step_s, to_device)
 
 

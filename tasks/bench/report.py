@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ..core.worker_config import DEFAULT_CANCEL_GRACE_S
+from ..core.defaults import CANCEL_GRACE_S
 
 #: Every key ``devicefleet bench --json`` prints on any host; GPU_KEYS only where a GPU is.
 KEYS = (
@@ -176,7 +176,7 @@ def table(figures: dict[str, Any]) -> Table:
         extra["commands.log_latency_s"] = (f"p90 {flat['commands.log_latency_s_p90']:.3f} s, max "
                                            f"{flat['commands.log_latency_s_max']:.3f} s over "
                                            f"{flat['commands.log_lines']} lines")
-    extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {DEFAULT_CANCEL_GRACE_S:g} s)"
+    extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {CANCEL_GRACE_S:g} s)"
     host = figures.get("host", {})
     out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "
                       f"{host.get('cores')} cores, {host.get('cpu')}, load {host.get('load_avg_1m', 0):.2f}")

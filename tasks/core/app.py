@@ -19,6 +19,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
+from .defaults import BACKEND_HEALTH_CHECK_INTERVAL_S, BACKEND_MAX_RETRIES, REDIS_OUTAGE_RETRY_POLICY
 from .errors import NoFleetError
 from .queues import QueueName
 from .sentinel import Replication, SentinelURL, is_sentinel
@@ -46,9 +47,6 @@ NO_FLEET_TRANSPORT = "tasks.core.transport:NoFleetTransport"
 NO_FLEET_BACKEND = "tasks.core.backend:NoFleetBackend"
 #: A URL that names no reachable host: only ever used with the no-fleet transport and backend.
 NO_FLEET_URL = "redis://no-fleet.invalid/0"
-#: How a result-backend connection retries through a Redis outage: up to 120 tries, at most 1 s
-#: apart (kombu's retry_over_time), long enough for `devicefleet up` or systemd to restart Redis.
-REDIS_OUTAGE_RETRY_POLICY = {"max_retries": 120, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -98,14 +96,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry": True,
         "broker_connection_max_retries": None,
         "result_backend_always_retry": True,
-        "result_backend_max_retries": 60,
+        "result_backend_max_retries": BACKEND_MAX_RETRIES,
         # A producer waiting on results re-makes its pub/sub connection under this policy.
         # Celery's default (20 tries, 1 s apart) gave up during a Redis restart of `devicefleet
         # up` ("Retry limit exceeded ... The Celery application must be restarted"): two minutes.
         "result_backend_transport_options": {"retry_policy": REDIS_OUTAGE_RETRY_POLICY},
         "redis_retry_on_timeout": True,
         "redis_socket_keepalive": True,
-        "redis_backend_health_check_interval": 5,
+        "redis_backend_health_check_interval": BACKEND_HEALTH_CHECK_INTERVAL_S,
         "worker_redirect_stdouts": False,
         "enable_utc": True,
     }

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from .commands import CommandRules
+from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS
 
 
 class EntryStatus(str, Enum):
@@ -153,13 +154,13 @@ class DistributedOptions(_Record):
     backend: DistBackend = DistBackend.AUTO
     #: How many times the whole gang runs again after a rank's worker died (from the job's
     #: last checkpoint); a job's own error is not retried.
-    max_restarts: int = Field(default=2, ge=0, le=100)
+    max_restarts: int = Field(default=GANG_MAX_RESTARTS, ge=0, le=100)
     #: How long a rank waits for the others to start; then the gang fails, naming the devices
     #: that did not come (they may be busy with other jobs: count their queue in).
-    join_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    join_timeout_s: float = Field(default=GANG_JOIN_TIMEOUT_S, gt=0, le=86_400)
     #: How long a collective may wait for a peer (``init_process_group(timeout=...)``), instead
     #: of torch's 30 minutes; a dead peer's gloo connection fails at once.
-    collective_timeout_s: float = Field(default=120.0, gt=0, le=86_400)
+    collective_timeout_s: float = Field(default=GANG_COLLECTIVE_TIMEOUT_S, gt=0, le=86_400)
 
 
 class GangSpec(_Record):
@@ -208,7 +209,7 @@ class JobOptions(_Record):
     time_limit_s: float | None = Field(default=None, gt=0, le=30 * 86_400)
     #: Runs of the job that may take their whole worker down before it ends as ``WorkerLost``
     #: (a crash of the job's own process is an error entry at once, not an attempt).
-    max_attempts: int = Field(default=3, ge=1, le=100)
+    max_attempts: int = Field(default=MAX_ATTEMPTS, ge=1, le=100)
 
     @property
     def is_default(self) -> bool:

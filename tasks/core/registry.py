@@ -18,6 +18,7 @@ from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
 
 from . import keys
+from .defaults import REDIS_CONNECT_TIMEOUT_S, REDIS_HEALTH_CHECK_INTERVAL_S
 from .errors import FleetError
 from .records import WorkerRecord
 from .sentinel import SentinelURL, is_sentinel
@@ -35,7 +36,7 @@ def connect(url: str, *, decode_responses: bool = True) -> redis.Redis:
     For a ``sentinel://`` URL, a client of the current primary that follows a failover
     (:meth:`tasks.core.sentinel.SentinelURL.client`).
     """
-    options = {"socket_connect_timeout": 5, "health_check_interval": 30}
+    options = {"socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S, "health_check_interval": REDIS_HEALTH_CHECK_INTERVAL_S}
     if is_sentinel(url):
         return SentinelURL.parse(url).client(decode_responses=decode_responses, **options)
     return redis.Redis.from_url(url, decode_responses=decode_responses, **options)

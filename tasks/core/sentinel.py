@@ -38,6 +38,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from .defaults import FAILOVER_BACKOFF_S, FAILOVER_RETRIES, REDIS_WAIT_TIMEOUT_MS, SENTINEL_PROBE_TIMEOUT_S
+
 if TYPE_CHECKING:
     import redis.asyncio
 
@@ -48,10 +50,6 @@ DEFAULT_PORT = 26379
 #: The options a Sentinel URL's query may carry; anything else is refused (a typo would
 #: otherwise reach redis-py as an unknown connection argument).
 QUERY_OPTIONS = ("master_name", "sentinel_password", "sentinel_username")
-#: How long the fleet's own clients keep retrying a command while a failover runs: the
-#: sentinels' ``down-after-milliseconds`` plus an election (a few seconds), with room to spare.
-#: Backoff from 50 ms to 1 s: about 40 s in all.
-FAILOVER_RETRIES = 45
 #: The sentinels' password in a URL's query, for :func:`redact`.
 _PASSWORD_OPTION = re.compile(r"((?:^|&)sentinel_password=)[^&]*")
 
@@ -189,7 +187,7 @@ class SentinelURL:
         is, ``READONLY`` sends it to ask again, and a command retries through a failover
         (:data:`FAILOVER_RETRIES`)."""
         sentinel = Sentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, Retry(NoBackoff(), 0)))
-        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), FAILOVER_RETRIES,
+        retry = Retry(ExponentialBackoff(cap=FAILOVER_BACKOFF_S[1], base=FAILOVER_BACKOFF_S[0]), FAILOVER_RETRIES,
                       supported_errors=(RedisConnectionError, RedisTimeoutError, ConnectionResetError))
         return sentinel.master_for(self.master_name, redis_class=redis.Redis, connection_class=ReadOnlyAwareConnection,
                                    decode_responses=decode_responses, **self._primary(retry), **kwargs)
@@ -204,11 +202,11 @@ class SentinelURL:
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
         sentinel = AsyncSentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, AsyncRetry(NoBackoff(), 0)))
-        retry = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), FAILOVER_RETRIES,
+        retry = AsyncRetry(ExponentialBackoff(cap=FAILOVER_BACKOFF_S[1], base=FAILOVER_BACKOFF_S[0]), FAILOVER_RETRIES,
                            supported_errors=(RedisConnectionError, RedisTimeoutError))
         return sentinel.master_for(self.master_name, redis_class=AsyncRedis, **self._primary(retry), **kwargs)
 
-    def problem(self, timeout_s: float = 2.0) -> str | None:
+    def problem(self, timeout_s: float = SENTINEL_PROBE_TIMEOUT_S) -> str | None:
         """Why no client could find the primary now, asking each sentinel once (no retry), or
         ``None`` when one names it. For the edges (``devicefleet status``, a worker's start): a
         wrong address, port, password or master name is said at once, where the clients would
@@ -283,7 +281,7 @@ class Replication:
     """
 
     replicas: int = 0
-    timeout_ms: int = 1000
+    timeout_ms: int = REDIS_WAIT_TIMEOUT_MS
 
     def to_dict(self) -> dict[str, int]:
         """As a Celery setting or a transport option carries it (plain JSON)."""

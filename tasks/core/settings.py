@@ -17,6 +17,14 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .defaults import (
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    LEASE_TTL_S,
+    REAPER_INTERVAL_S,
+    REDIS_WAIT_TIMEOUT_MS,
+    RESULT_EXPIRES_S,
+)
 from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, NoFleetError
 from .records import FleetFile
@@ -74,20 +82,20 @@ class Settings(BaseSettings):
     #: Default: the worker config's ``cores``, else an even share of the host.
     cores: str | None = None
     #: How often a worker refreshes its registry entry, and how long the entry lives.
-    heartbeat_interval_s: float = Field(default=2.0, gt=0, le=60)
-    heartbeat_ttl_s: float = Field(default=10.0, gt=0, le=600)
+    heartbeat_interval_s: float = Field(default=HEARTBEAT_INTERVAL_S, gt=0, le=60)
+    heartbeat_ttl_s: float = Field(default=HEARTBEAT_TTL_S, gt=0, le=600)
     #: Lease of a running job (renewed every third of it) and how often a worker looks for the
     #: expired leases of dead workers: a killed worker's job runs again after about
     #: max(lease_ttl_s, heartbeat_ttl_s) + reaper_interval_s.
-    lease_ttl_s: float = Field(default=10.0, gt=0, le=600)
-    reaper_interval_s: float = Field(default=1.0, gt=0, le=60)
+    lease_ttl_s: float = Field(default=LEASE_TTL_S, gt=0, le=600)
+    reaper_interval_s: float = Field(default=REAPER_INTERVAL_S, gt=0, le=60)
     #: Replicas that must have a job's lease, its result, a published message and an Optuna
     #: journal entry before the fleet goes on (Redis's WAIT), and how long to wait for them.
     #: Default: 1 on Sentinel (a failover keeps those writes), 0 on one Redis (no replica).
     redis_wait_replicas: int | None = Field(default=None, ge=0, le=16)
-    redis_wait_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
+    redis_wait_timeout_ms: int = Field(default=REDIS_WAIT_TIMEOUT_MS, ge=1, le=60_000)
     #: How long results stay in Redis.
-    result_expires_s: int = Field(default=86_400, ge=60)
+    result_expires_s: int = Field(default=RESULT_EXPIRES_S, ge=60)
     #: Producers send Celery's ``task-sent`` event for each job, so Flower lists a queued job as
     #: SENT before a worker takes it. Off by default: one more publish per job on the producer's
     #: path, and workers' events (received, started, succeeded) show every job anyway.

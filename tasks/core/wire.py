@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
 from .commands import CommandRules
+from .defaults import CANCEL_GRACE_S
 from .records import ErrorInfo
 
 
@@ -66,7 +67,7 @@ class ProcessSpec(_Message):
     #: resolved); None: this device runs no commands.
     commands: CommandRules | None = None
     #: Seconds a job asked to stop has before the worker ends its process group.
-    cancel_grace_s: float = 5.0
+    cancel_grace_s: float = CANCEL_GRACE_S
 
 
 class JobInfo(BaseModel):

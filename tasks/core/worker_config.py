@@ -15,23 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .commands import CommandPolicy
+from .defaults import CANCEL_GRACE_S, LOADER_CORES, MAX_JOB_SECONDS, MAX_MEMORY_GROWTH_MIB, MAX_SLOTS
 from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
 from .validation import describe_validation_error
-
-#: Cores a GPU worker keeps for its data loading when its config does not say (``loader_cores``).
-DEFAULT_LOADER_CORES = 4
-#: Longest job a worker is expected to run when its config does not say (``max_job_seconds``):
-#: also a job's time limit unless it sets its own.
-DEFAULT_MAX_JOB_SECONDS = 3600
-#: Seconds a job asked to stop (cancelled, past its time limit, its worker stopping) has to stop
-#: at its next ``ctx.progress()`` before its process is ended (``cancel_grace_s``).
-DEFAULT_CANCEL_GRACE_S = 5.0
-#: Most slots one device may have (``slots``).
-MAX_SLOTS = 64
-#: Growth of a job process's resident memory, since it was ready, past which it is retired after
-#: its job (``max_memory_growth_mib``).
-DEFAULT_MAX_MEMORY_GROWTH_MIB = 2048
 
 
 class Pool(str, Enum):
@@ -65,7 +52,7 @@ class WorkerConfig(BaseModel):
     #: ``"auto"`` (a share of the host's cores, see ``devices.plan_cores``) or a CPU list.
     cores: str = "auto"
     #: Cores a GPU worker keeps for its data loading when cores are ``auto``.
-    loader_cores: int = Field(default=DEFAULT_LOADER_CORES, ge=1, le=256)
+    loader_cores: int = Field(default=LOADER_CORES, ge=1, le=256)
     #: ``torch.set_num_threads``; ``"auto"`` is the number of cores the worker owns.
     torch_threads: int | Literal["auto"] = "auto"
     #: Extra queues to consume besides ``<kind>``, ``device.<name>`` and ``fleet``.
@@ -74,19 +61,19 @@ class WorkerConfig(BaseModel):
     loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     #: Longest job this worker is expected to run: a job's time limit unless the job sets its
     #: own (``time_limit_s``); systemd's stop timeout is derived from it.
-    max_job_seconds: int = Field(default=DEFAULT_MAX_JOB_SECONDS, ge=1)
+    max_job_seconds: int = Field(default=MAX_JOB_SECONDS, ge=1)
     #: How long a running job may go on once the worker is asked to stop; then its process is
     #: ended and its entry stored (``WorkerStopped``). Default: ``max_job_seconds``.
     stop_timeout_s: int | None = Field(default=None, ge=1)
     #: Seconds a job asked to stop has to stop at ``ctx.progress()``; then its process group is
     #: ended (SIGTERM, then SIGKILL).
-    cancel_grace_s: float = Field(default=DEFAULT_CANCEL_GRACE_S, gt=0, le=3600)
+    cancel_grace_s: float = Field(default=CANCEL_GRACE_S, gt=0, le=3600)
     #: Jobs one job process runs before it is replaced by a fresh one; 0: no limit (it is
     #: replaced anyway after a crash, a kill, a CUDA error or past the memory threshold).
     jobs_per_process: int = Field(default=0, ge=0)
     #: Replace a job process whose resident memory grew by more than this (MiB) since it was
     #: ready; 0: never.
-    max_memory_growth_mib: int = Field(default=DEFAULT_MAX_MEMORY_GROWTH_MIB, ge=0)
+    max_memory_growth_mib: int = Field(default=MAX_MEMORY_GROWTH_MIB, ge=0)
     #: The ``[commands]`` table: the programs and folders commands may use on this device
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.commands import COMMAND_JOB, CommandParams, CommandRules, resolve_command
+from ..core.defaults import COMMAND_DESCENDANTS_GRACE_S, COMMAND_STOP_MARGIN_S, GANG_WATCH_INTERVAL_S
 from ..core.errors import CommandFailed, GangFailed, JobCancelled
 from ..core.job import JobContext, JobDefinition
 from ..core.records import GangSpec
@@ -105,7 +106,7 @@ class CommandJob:
         with events_pipe() as (events_path, events_fd):
             env = {**command_environment(self.base_env, self.spec, ctx, params, events_path), **extra_env}
             run = CommandRun(argv=argv, cwd=cwd, env=env, sink=LogSink(ctx.artifacts_dir, publish),
-                             events=events, events_fd=events_fd, grace_s=max(0.5, self.spec.cancel_grace_s - 1.5),
+                             events=events, events_fd=events_fd, grace_s=max(COMMAND_DESCENDANTS_GRACE_S, self.spec.cancel_grace_s - COMMAND_STOP_MARGIN_S),
                              should_stop=lambda: _stop_error(ctx), watch=watch)
             logger.info("%s: running %s in %s", self.spec.device, " ".join(argv), cwd)
             try:
@@ -225,7 +226,6 @@ class _GangWatch:
     """Looks at the gang while a rank's command runs (a few times a second): True once it has
     failed or moved to another generation, so the command is stopped."""
 
-    INTERVAL_S = 0.25
 
     def __init__(self, rdv: Any, gen: int) -> None:
         self.rdv = rdv
@@ -237,7 +237,7 @@ class _GangWatch:
         now = time.monotonic()
         if now < self._next:
             return False
-        self._next = now + self.INTERVAL_S
+        self._next = now + GANG_WATCH_INTERVAL_S
         failed, current = self.rdv.client.hmget(self.rdv.key, ["failed", "gen"])
         if failed:
             self.failed = failed.decode() if isinstance(failed, bytes) else str(failed)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import keys
+from ..core.defaults import COMMAND_FLUSH_INTERVAL_S as FLUSH_INTERVAL_S
 from ..core.job import JobContext
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,6 @@ TAIL_LINES = 20
 MAX_LINE_CHARS = 8192
 #: Bytes of a line without its end kept before they are sent as a line of their own.
 MAX_PARTIAL_BYTES = 1 << 20
-#: How long lines wait to be sent as one batch; the producer sees a line within about this.
-FLUSH_INTERVAL_S = 0.05
 #: Batches a command's stream keeps (older ones are trimmed; the files keep everything).
 STREAM_MAX_BATCHES = 5000
 

@@ -27,15 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.children import spawn_child
+from ..core.defaults import COMMAND_DESCENDANTS_GRACE_S, COMMAND_REAP_S
+from ..core.defaults import COMMAND_DRAIN_S as DRAIN_S
+from ..core.defaults import COMMAND_POLL_S as POLL_S
 from .command_output import EventReader, LogSink
 
 logger = logging.getLogger(__name__)
 
-#: How often the loop wakes without output, to look for a stop request or the command's end.
-POLL_S = 0.05
-#: After the command ends, how long its pipes are read for what is left when something it
-#: started still holds them open.
-DRAIN_S = 0.5
 #: From <linux/prctl.h>.
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -81,7 +79,7 @@ def end_descendants(grace_s: float) -> list[int]:
     for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(alive, timeout=2.0)
+    psutil.wait_procs(alive, timeout=COMMAND_REAP_S)
     return [c.pid for c in children]
 
 
@@ -143,7 +141,7 @@ class CommandRun:
             deadline = time.monotonic() + DRAIN_S
             while streams and time.monotonic() < deadline:
                 self._read(selector, streams, 0.02)
-            end_descendants(0.5)
+            end_descendants(COMMAND_DESCENDANTS_GRACE_S)
             deadline = time.monotonic() + DRAIN_S  # what they left in the pipes
             while streams and time.monotonic() < deadline:
                 self._read(selector, streams, 0.02)
@@ -156,7 +154,7 @@ class CommandRun:
             if process.poll() is None:
                 _signal_tree(process.pid, signal.SIGKILL)
                 process.wait()
-            end_descendants(0.5)
+            end_descendants(COMMAND_DESCENDANTS_GRACE_S)
             selector.close()
             if exited is not None:
                 os.close(exited)

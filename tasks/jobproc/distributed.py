@@ -48,19 +48,14 @@ from typing import Any
 import redis
 
 from ..core import keys
+from ..core.defaults import GANG_ALIVE_TTL_MS as ALIVE_TTL_MS
+from ..core.defaults import GANG_POLL_S as POLL_S
 from ..core.errors import DeviceFleetError, GangFailed, JobCancelled
 from ..core.job import DistributedInfo, JobContext
 from ..core.records import GangSpec
 
 logger = logging.getLogger(__name__)
 
-#: How often a waiting rank looks at its gang (one pipelined round trip).
-POLL_S = 0.02
-#: A waiting rank refreshes its gang's ``alive`` key with this TTL: a gang whose ranks all died
-#: while assembling stops holding younger gangs back this long after.
-ALIVE_TTL_MS = 3_000
-#: A rank that gave its device up comes back after this long.
-GIVE_WAY_S = 0.5
 #: The torch.distributed environment of torchrun, set while a rank's job runs.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: Words in a RuntimeError that mean a collective lost a peer (gloo's transport errors are plain
@@ -134,7 +129,7 @@ return 1
 
 class GiveWay(DeviceFleetError):
     """A rank gives its device up to an older gang that needs it; the runner sends its message
-    back to the queue (``task.retry``), to run again in :data:`GIVE_WAY_S`."""
+    back to the queue (``task.retry``), to run again in :data:`~tasks.core.defaults.GIVE_WAY_S`."""
 
     def __init__(self, device: str, older: str) -> None:
         super().__init__(f"{device} is needed by the older gang {older}; this rank comes back later")

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-#: Reports closer together than this are folded into the next one (a few updates per second).
-MIN_INTERVAL_S = 0.25
+from ..core.defaults import PROGRESS_MIN_INTERVAL_S as MIN_INTERVAL_S
+
 #: ``[step, value]`` pairs every report carries (the latest ones).
 VALUES_KEPT = 256
 

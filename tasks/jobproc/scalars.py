@@ -25,12 +25,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from ..core.defaults import SCALARS_DRAIN_INTERVAL_S as DRAIN_INTERVAL_S
+from ..core.defaults import SCALARS_FLUSH_S
 from ..core.periodic import PeriodicThread
 
 logger = logging.getLogger(__name__)
 
-#: How often the background thread moves buffered scalars into the event file, in seconds.
-DRAIN_INTERVAL_S = 1.0
 
 
 def run_dir(tensorboard_root: Path, job: str, fan_out_id: str, device: str) -> Path:
@@ -82,7 +82,7 @@ class ScalarLog:
                 from tensorboardX import SummaryWriter  # imported by the first job that logs
 
                 self.logdir.mkdir(parents=True, exist_ok=True)
-                self._writer = SummaryWriter(str(self.logdir), flush_secs=2)
+                self._writer = SummaryWriter(str(self.logdir), flush_secs=SCALARS_FLUSH_S)
             while self._pending:
                 step, values, wall_time = self._pending.popleft()
                 for tag, value in values.items():

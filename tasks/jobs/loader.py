@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..core.defaults import LOADER_PREFETCH
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH = 4
 
 
 def build_loader(
@@ -29,7 +30,7 @@ def build_loader(
     cuda: bool,
     shuffle: bool = False,
     seed: int = 0,
-    prefetch_factor: int = DEFAULT_PREFETCH,
+    prefetch_factor: int = LOADER_PREFETCH,
     sampler: Sampler[Any] | None = None,
 ) -> DataLoader[Any]:
     """A DataLoader over ``dataset`` with ``num_workers`` persistent producer processes.

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ..core.defaults import CHECKPOINT_EVERY_S
 from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
 from . import data, resume
@@ -54,7 +55,7 @@ class TrainParams(BaseModel):
     test_fraction: float = Field(default=0.2, gt=0, lt=1)
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
     #: A job that runs again after its worker died resumes from it.
-    checkpoint_every_s: float = Field(default=10.0, ge=0)
+    checkpoint_every_s: float = Field(default=CHECKPOINT_EVERY_S, ge=0)
 
 
 def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:

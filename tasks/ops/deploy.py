@@ -41,12 +41,19 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..core.commands import CommandPolicy
+from ..core.defaults import (
+    CANCEL_GRACE_S,
+    MAX_JOB_SECONDS,
+    SENTINEL_DOWN_AFTER_MS,
+    SENTINEL_FAILOVER_TIMEOUT_MS,
+    STOP_MARGIN_S,
+)
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
 from ..core.sentinel import DEFAULT_PORT as DEFAULT_SENTINEL_PORT
 from ..core.sentinel import SentinelURL, is_sentinel
 from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
-from ..core.worker_config import DEFAULT_CANCEL_GRACE_S, DEFAULT_MAX_JOB_SECONDS, config_file, load_worker_config
+from ..core.worker_config import config_file, load_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +69,8 @@ REDIS_UNIT = "redis-server.service"
 SENTINEL_UNIT = "redis-sentinel.service"
 #: The name the sentinels monitor the primary under (``master_name=`` in the URL).
 MASTER_NAME = "devicefleet"
-#: A primary that answers no PING this long is down for a sentinel (Redis's default: 30 s).
-SENTINEL_DOWN_AFTER_MS = 5000
-#: A failover not done by then is tried again; replicas have this long to follow (default 180 s).
-SENTINEL_FAILOVER_TIMEOUT_MS = 60_000
 #: The sentinel's config as rendered, copied once over Debian's ``/etc/redis/sentinel.conf``.
 SENTINEL_FILE = "sentinel-devicefleet.conf"
-#: Seconds a stop may take beyond the longest job: Celery's shutdown and storing the result.
-DEFAULT_STOP_MARGIN_S = 60
 DEFAULT_REDIS_PORT = 6379
 DEFAULT_REDIS_TLS_PORT = 6380
 
@@ -147,7 +148,7 @@ class HostPlan:
     master_name: str = MASTER_NAME
     device_names: DeviceNames = DeviceNames.SHORT
     device_host: str = field(default_factory=socket.gethostname)
-    stop_margin_s: int = DEFAULT_STOP_MARGIN_S
+    stop_margin_s: int = STOP_MARGIN_S
     flower_address: str = "127.0.0.1"
     flower_port: int = 5555
     metrics_port: int = DEFAULT_METRICS_PORT
@@ -515,7 +516,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
         "celery_bin": _check_safe("celery binary", str(plan.celery_bin)),
         "timeout_stop_s": max([t for t, _, _, _ in timeouts.values()],
-                              default=DEFAULT_MAX_JOB_SECONDS + math.ceil(DEFAULT_CANCEL_GRACE_S) + margin),
+                              default=MAX_JOB_SECONDS + math.ceil(CANCEL_GRACE_S) + margin),
         "flower_address": plan.flower_address,
         "flower_port": plan.flower_port,
         "metrics_port": plan.metrics_port,

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..core import keys
+from ..core.defaults import RATE_WINDOW_S
 from ..core.job import JobMetric
 from ..core.queues import QueueName, device_queue
 from ..core.records import WorkerRecord
@@ -41,8 +42,6 @@ from ..core.registry import connect, live_workers
 
 logger = logging.getLogger(__name__)
 
-#: Jobs/s is counted over this window.
-RATE_WINDOW_S = 60.0
 #: kombu's Redis transport keeps one list per priority step (its channel's ``priority_steps``,
 #: named by ``_q_for_pri``); priority 0 is the bare queue name.
 PRIORITY_STEPS: tuple[int, ...] = tuple(RedisChannel.priority_steps)

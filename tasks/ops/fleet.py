@@ -25,23 +25,28 @@ from celery import Celery
 
 from ..core.app import create_app
 from ..core.children import spawn_child
+from ..core.defaults import (
+    FLEET_KILL_STOP_S,
+    FLEET_START_TIMEOUT_S,
+    FLEET_STOP_TIMEOUT_S,
+    FLEET_SUPERVISE_S,
+    LOADER_CORES,
+    REDIS_GONE_STOP_S,
+    REDIS_RESTART_BACKOFF_S,
+)
 from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from ..core.errors import ConfigError, FleetError, RedisServerError
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
 from ..core.shadow import python_child
-from ..core.worker_config import DEFAULT_LOADER_CORES, load_worker_config
+from ..core.worker_config import load_worker_config
 from .monitor import FleetMonitor
 from .proc import kill_group, log_tail, wait_until
 from .redis_server import EmbeddedRedis
 
 logger = logging.getLogger(__name__)
 
-#: Back-off between tries to restart an embedded redis-server that keeps failing (doubling).
-REDIS_RESTART_BACKOFF_S = (0.5, 10.0)
-#: How long stopping workers may take when Redis is gone for good: they cannot store a result.
-REDIS_GONE_STOP_S = 5.0
 
 
 @dataclass
@@ -89,7 +94,7 @@ class Fleet:
     settings: Settings
     cpu_workers: int | None = None
     gpus: int | None = None
-    stop_timeout: float = 60.0
+    stop_timeout: float = FLEET_STOP_TIMEOUT_S
     extra_env: dict[str, str] = field(default_factory=dict)
     #: Start Flower (``devicefleet up`` does) and the Prometheus exporter with the fleet.
     flower: bool = False
@@ -115,7 +120,7 @@ class Fleet:
         if gpus is None:
             gpus = count_gpus()
         cpus = self.cpu_workers or self.settings.cpu_workers or default_cpu_workers(gpus, len(cores))
-        loader = DEFAULT_LOADER_CORES
+        loader = LOADER_CORES
         if gpus:
             loader = load_worker_config(self.settings.worker_configs_path, Device(DeviceKind.GPU, 0)).loader_cores
         plan = plan_cores(cores, cpus, gpus, loader)
@@ -123,7 +128,7 @@ class Fleet:
             load_worker_config(self.settings.worker_configs_path, Device.parse(name))
         return plan
 
-    def start(self, timeout: float = 120.0) -> Fleet:
+    def start(self, timeout: float = FLEET_START_TIMEOUT_S) -> Fleet:
         """Start Redis (unless ``settings.redis_url``) and every worker; wait until all are ready.
 
         Raises:
@@ -212,7 +217,7 @@ class Fleet:
             handle.write(info.model_dump_json(indent=2))
         os.replace(tmp, path)
 
-    def wait_ready(self, timeout: float = 120.0, names: list[str] | None = None) -> None:
+    def wait_ready(self, timeout: float = FLEET_START_TIMEOUT_S, names: list[str] | None = None) -> None:
         """Wait until each worker has joined the registry and is consuming.
 
         Raises:
@@ -256,7 +261,7 @@ class Fleet:
         """A Celery app connected to this fleet, for producers in this process."""
         return create_app(self.settings.model_copy(update={"redis_url": self.redis_url}))
 
-    def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
+    def supervise(self, stop: threading.Event, poll_s: float = FLEET_SUPERVISE_S) -> None:
         """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, and the
         embedded Redis if it dies (on its port, from its append-only file), until ``stop``."""
         while not stop.wait(poll_s):
@@ -344,7 +349,7 @@ class Fleet:
         for worker in self.workers.values():
             if worker.alive:
                 kill_group(worker.process)  # type: ignore[arg-type]
-        self.stop(timeout=5)
+        self.stop(timeout=FLEET_KILL_STOP_S)
 
     def __enter__(self) -> Fleet:
         if not self.workers:

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from ..core.children import spawn_child
+from ..core.defaults import FLOWER_POLL_S, FLOWER_REQUEST_TIMEOUT_S, FLOWER_START_TIMEOUT_S, PROCESS_STOP_TIMEOUT_S
 from ..core.errors import FlowerError
 from ..core.shadow import python_child
 from .proc import free_port, log_tail, stop_process, wait_until
@@ -78,7 +79,7 @@ class FlowerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> FlowerProcess:
+    def start(self, timeout: float = FLOWER_START_TIMEOUT_S) -> FlowerProcess:
         """Start Flower and wait until it answers an authenticated request.
 
         Raises:
@@ -100,7 +101,7 @@ class FlowerProcess:
             self.process = spawn_child(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL)
         try:
-            wait_until(self._answers, timeout, f"flower to answer at {self.url}/healthcheck", poll=0.2,
+            wait_until(self._answers, timeout, f"flower to answer at {self.url}/healthcheck", poll=FLOWER_POLL_S,
                        proc=self.process, error=FlowerError,
                        detail=lambda: f"log {self.log}: {log_tail(self.log)}")
         except FlowerError:
@@ -113,10 +114,10 @@ class FlowerProcess:
         request = urllib.request.Request(f"{self.url}/healthcheck",
                                          headers={"Authorization": auth_header(self.basic_auth)})
         try:
-            with urllib.request.urlopen(request, timeout=2) as reply:
+            with urllib.request.urlopen(request, timeout=FLOWER_REQUEST_TIMEOUT_S) as reply:
                 return bool(reply.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
         stop_process(self.process, timeout)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ..core.defaults import PROCESS_STOP_TIMEOUT_S, WAIT_UNTIL_POLL_S
 from ..core.errors import FleetError
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
     """SIGTERM ``process``, then :func:`kill_group` if it is still running after ``timeout`` seconds."""
     if process is None or process.poll() is not None:
         return
@@ -79,7 +80,7 @@ def wait_until(
     timeout: float,
     what: str,
     *,
-    poll: float = 0.05,
+    poll: float = WAIT_UNTIL_POLL_S,
     proc: subprocess.Popen[bytes] | None = None,
     error: type[FleetError] = FleetError,
     detail: Callable[[], str] | None = None,

@@ -14,6 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from ..core.defaults import VIEW_REFRESH_S
+
 logger = logging.getLogger(__name__)
 
 #: Field pairs ``(done, total)`` a job may report, in the order they are looked for.
@@ -40,7 +42,7 @@ def describe(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def watch(handle: Any, console: Console, interval_s: float = 0.25, timeout: float | None = None) -> None:
+def watch(handle: Any, console: Console, interval_s: float = VIEW_REFRESH_S, timeout: float | None = None) -> None:
     """Draw one progress bar per device of ``handle`` (a FanOut) until every device is done.
 
     Returns when the fan-out is ready or ``timeout`` seconds passed; the caller then calls

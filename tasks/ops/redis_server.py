@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from ..core.children import spawn_child
+from ..core.defaults import PROCESS_STOP_TIMEOUT_S, REDIS_PING_TIMEOUT_S, REDIS_START_POLL_S, REDIS_START_TIMEOUT_S
 from ..core.errors import RedisServerError
 from .proc import free_port, log_tail, stop_process, wait_until
 
@@ -71,7 +72,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 15.0) -> None:
+    def start(self, timeout: float = REDIS_START_TIMEOUT_S) -> None:
         """Start the server and wait until it answers PING.
 
         Raises:
@@ -101,7 +102,7 @@ class EmbeddedRedis:
         self.process = spawn_child([str(self.binary), str(conf)], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                             socket_connect_timeout=1)
+                             socket_connect_timeout=REDIS_PING_TIMEOUT_S)
 
         def answers() -> bool:
             try:
@@ -111,7 +112,7 @@ class EmbeddedRedis:
 
         try:
             wait_until(answers, timeout, f"{self.binary} to answer PING on 127.0.0.1:{self.port}",
-                       poll=0.02, proc=self.process, error=RedisServerError,
+                       poll=REDIS_START_POLL_S, proc=self.process, error=RedisServerError,
                        detail=lambda: f"log {log}: {log_tail(log, 5, sep=' | ')}")
         except RedisServerError:
             self.stop()
@@ -120,6 +121,6 @@ class EmbeddedRedis:
             client.close()
         logger.info("redis-server %s on 127.0.0.1:%d (pid %d)", self.binary, self.port, self.process.pid)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = PROCESS_STOP_TIMEOUT_S) -> None:
         """SIGTERM: Redis flushes its append-only file and exits."""
         stop_process(self.process, timeout)

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..core.commands import CommandParams
+from ..core.defaults import VIEW_REFRESH_S
 from .result_table import params_text, ranked_table
 
 __all__ = ["StudyView", "best_entry", "objective_of", "ranked_table", "study_rows", "sweep_rows", "watch_sweep"]
@@ -72,7 +73,7 @@ def _sweep_view(handle: Any, objective: str | None, direction: str) -> Group:
 
 
 def watch_sweep(handle: Any, console: Console, *, objective: str | None = None, direction: str = "maximize",
-                interval_s: float = 0.25, timeout: float | None = None) -> None:
+                interval_s: float = VIEW_REFRESH_S, timeout: float | None = None) -> None:
     """Redraw the sweep's summary until every trial has finished or ``timeout`` passed."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with Live(_sweep_view(handle, objective, direction), console=console, transient=False,
@@ -88,7 +89,7 @@ def watch_sweep(handle: Any, console: Console, *, objective: str | None = None, 
 class StudyView:
     """The live summary of an optimize run; pass it as ``on_update`` (redraws 4 times a second)."""
 
-    def __init__(self, console: Console, objective: str, interval_s: float = 0.25) -> None:
+    def __init__(self, console: Console, objective: str, interval_s: float = VIEW_REFRESH_S) -> None:
         self.objective = objective
         self.interval_s = interval_s
         self._last = 0.0

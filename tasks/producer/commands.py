@@ -26,14 +26,13 @@ import redis
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
+from ..core.defaults import FOLLOW_BLOCK_MS
 from ..core.errors import ConfigError
 from ..core.records import JobOptions
 from .fanout import JobSpec
 
 logger = logging.getLogger(__name__)
 
-#: How long one read of the output streams blocks for new lines (milliseconds).
-FOLLOW_BLOCK_MS = 200
 
 
 def command(argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,

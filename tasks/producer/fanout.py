@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, check_command, command_params
+from ..core.defaults import GANG_SEND_WAIT_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, task_name
@@ -408,8 +409,6 @@ def gang_spec(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord],
                     collective_timeout_s=opts.collective_timeout_s)
 
 
-#: How long a producer waits for another producer to finish sending its gang.
-GANG_SEND_WAIT_S = 30.0
 
 
 def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerRecord],

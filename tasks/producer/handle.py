@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar
 
 from celery import Celery, states
 
+from ..core.defaults import MAX_POLL_S, MIN_POLL_S
 from ..core.errors import FanOutTimeout
 from .connections import Connections
 from .listener import RECHECK_S
@@ -43,10 +44,6 @@ from .reader import RUNNING_STATES, Meta, StateReader, device_of, entry_of, stat
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between a blocking handle's reads while jobs finish often; it backs off to
-#: :data:`MAX_POLL_S` while nothing changes (awaiting listens instead).
-MIN_POLL_S = 0.002
-MAX_POLL_S = 0.1
 
 K = TypeVar("K")
 R = TypeVar("R")

@@ -27,16 +27,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from ..core.defaults import LISTENER_CONFIRM_S as CONFIRM_S
+from ..core.defaults import LISTENER_RECHECK_S as RECHECK_S
+from ..core.defaults import LISTENER_RETRY_S as RETRY_S
+
 logger = logging.getLogger(__name__)
 
-#: Seconds a waiter that heard nothing reads the stored states again (lost messages, see above).
-RECHECK_S = 5.0
-#: Seconds to wait for Redis to confirm a subscription before reading anyway.
-CONFIRM_S = 10.0
 #: The PING payload of :meth:`StateListener.barrier` (redis-py's own health check sends another).
 BARRIER = b"devicefleet-barrier"
-#: Seconds before the reader tries again after its connection failed for good.
-RETRY_S = 0.5
 
 
 class Subscription:

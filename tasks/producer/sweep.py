@@ -35,6 +35,7 @@ from celery import Celery
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
+from ..core.defaults import RESULT_EXPIRES_S
 from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.records import SweepRecord
 from .connections import Connections, default_app
@@ -241,7 +242,7 @@ def digest(specs: Sequence[JobSpec]) -> str:
 
 def _expires(app: Celery) -> int:
     """Seconds a sweep's keys live: as long as its trials' results (the backend's ``expires``)."""
-    return max(60, int(app.backend.expires or 86_400))
+    return max(60, int(app.backend.expires or RESULT_EXPIRES_S))
 
 
 def _save(app: Celery, record: SweepRecord, connections: Connections) -> None:

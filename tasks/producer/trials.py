@@ -31,6 +31,8 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.defaults import SWEEP_ATTACH_TIMEOUT_S
+from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
 from ..core.queues import QueueName, sweep_queue
 from ..core.records import WorkerRecord
@@ -44,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: Namespace of trial task ids: ``uuid5(TRIAL_NAMESPACE, "<queue id>/<trial>")``.
 TRIAL_NAMESPACE = uuid.UUID("5b0d2f57-29a4-4c53-9b39-d9f3b7b5a3c1")
-#: Seconds between checks that every chosen device's worker still consumes the queue.
-REFRESH_S = 5.0
 
 
 def trial_task_id(queue_id: str, trial: int) -> str:
@@ -93,7 +93,7 @@ class TrialQueue:
         if not self.own:
             return
         nodenames = [record.worker for record in self._workers.values()]
-        replies = self.app.control.add_consumer(self.queue, destination=nodenames, reply=True, timeout=2.0)
+        replies = self.app.control.add_consumer(self.queue, destination=nodenames, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
         answered = {name for reply in replies or [] for name in reply}
         silent = [d for d, record in self._workers.items() if record.worker not in answered]
         if silent:

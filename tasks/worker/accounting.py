@@ -12,13 +12,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.defaults import FINISHED_KEEP_S as KEEP_S
 from ..core.job import JobMetric
 
 logger = logging.getLogger(__name__)
 
-#: Finish times older than this are dropped from ``keys.finished(device)`` (jobs/s is counted
-#: over the last minute: tasks.ops.exporter.RATE_WINDOW_S).
-KEEP_S = 600.0
 
 
 def job_count(

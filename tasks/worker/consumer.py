@@ -24,6 +24,7 @@ from celery.app.task import Context
 from celery.worker.consumer import Consumer
 
 from ..core.backend import attach_entry
+from ..core.defaults import EVENT_FLUSH_S
 from ..core.job import TASK_PREFIX
 from ..core.jobstate import FINISH_ATTR, JobFinish
 from ..core.records import Entry, ErrorInfo
@@ -31,9 +32,6 @@ from . import accounting
 
 logger = logging.getLogger(__name__)
 
-#: How long a task event waits in the worker's buffer for others to go out with it (Flower and
-#: the monitor see events this much later; a job's result is never delayed by it).
-EVENT_FLUSH_S = 0.1
 
 
 def _embed(message: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import redis
 from celery import Celery
 
 from ..core.commands import CommandRules
+from ..core.defaults import STOP_SLACK_S
 from ..core.devices import (
     Device,
     DeviceKind,
@@ -302,7 +303,7 @@ class DeviceWorker:
         after the stop timeout and the grace period; this waits a little longer than both)."""
         supervisor = self.supervisor
         if supervisor is not None:
-            supervisor.wait_idle(self.stop_timeout_s + self.config.cancel_grace_s + 5.0)
+            supervisor.wait_idle(self.stop_timeout_s + self.config.cancel_grace_s + STOP_SLACK_S)
 
     def leave(self) -> None:
         """Stop the background threads, remove the registry record, end the job processes."""

@@ -3,7 +3,7 @@
 The record (:class:`~tasks.core.records.WorkerRecord`) lives at ``keys.worker(device)`` with a
 TTL of ``heartbeat_ttl_s`` and is written every ``heartbeat_interval_s``; :meth:`Heartbeat.update`
 changes fields (the job running now, its progress) and wakes the thread, which writes them at
-once or after a short delay that folds close updates into one write (:data:`COALESCE_S`), so
+once or after a short delay that folds close updates into one write (:data:`~tasks.core.defaults.HEARTBEAT_COALESCE_S`), so
 producers see the change without the job's own thread waiting on Redis.
 """
 
@@ -22,9 +22,6 @@ from ..core.records import WorkerRecord
 
 logger = logging.getLogger(__name__)
 
-#: A running job's updates (busy, progress, idle) are written at most this late: a job shorter
-#: than this costs no registry write of its own, and a stream of short jobs one write per period.
-COALESCE_S = 0.05
 
 
 class Heartbeat(PeriodicThread):

@@ -25,6 +25,7 @@ from typing import IO
 from pydantic import ValidationError
 
 from ..core.children import spawn_child
+from ..core.defaults import EXIT_STATUS_WAIT_S, OUTPUT_RELAY_JOIN_S, OUTPUT_TAIL_WAIT_S, TERM_GRACE_S
 from ..core.shadow import CHILD_FLAGS
 from ..core.wire import (
     Finished,
@@ -41,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 #: Lines of a job's output kept for its crash report.
 TAIL_LINES = 20
-#: How long a job process's group has between SIGTERM and SIGKILL.
-TERM_GRACE_S = 1.0
 
 
 class ProcessGone(Exception):
@@ -175,7 +174,7 @@ class JobProcess:
         # the job started may still hold the device.
         self._signal_group(signal.SIGKILL)
         self.popen.wait()
-        self._relay.join(1.0)
+        self._relay.join(OUTPUT_RELAY_JOIN_S)
         self._conn.close()
 
     def kill_now(self, because: str) -> None:
@@ -195,7 +194,7 @@ class JobProcess:
         code = self.popen.poll()
         if code is None:
             try:
-                code = self.popen.wait(1.0)
+                code = self.popen.wait(EXIT_STATUS_WAIT_S)
             except subprocess.TimeoutExpired:
                 return "closed its pipe but is still running"
         if code < 0:
@@ -210,7 +209,7 @@ class JobProcess:
     def tail_text(self) -> str:
         """The last lines the running job printed (waits briefly for the relay to catch up)."""
         if not self.alive:
-            self._relay.join(0.5)
+            self._relay.join(OUTPUT_TAIL_WAIT_S)
         lines = list(self._tail)
         return " | ".join(lines) if lines else "(no output)"
 

@@ -4,7 +4,7 @@ A slot's budget (:mod:`tasks.worker.slots`) is enforced twice. The job process c
 caching allocator below it before the job runs (``allocator_limit_bytes`` of
 :class:`~tasks.core.wire.RunJob`), so a job that asks for too much gets torch's out-of-memory
 error in its own process. And the supervisor measures what the job's whole process tree really
-holds, every :data:`SAMPLE_S`, with a :class:`MemoryMeter`, and ends a job past its budget
+holds, every :data:`~tasks.core.defaults.MEMORY_SAMPLE_S`, with a :class:`MemoryMeter`, and ends a job past its budget
 (``OutOfMemory``, with the figures) before it can take its neighbours' memory: memory the
 allocator does not see (the CUDA context, cuBLAS workspaces, another library's allocations, a
 command's own processes) counts too.
@@ -29,8 +29,6 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-#: How often a running job's memory is sampled. A job shorter than this is never sampled.
-SAMPLE_S = 0.25
 MiB = 1 << 20
 
 

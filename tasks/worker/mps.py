@@ -20,6 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..core.defaults import MPS_CONTROL_TIMEOUT_S as CONTROL_TIMEOUT_S
 from ..core.devices import Device
 from ..core.errors import ConfigError, FleetError
 from .memory import MiB
@@ -28,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 #: The MPS control program (NVIDIA's driver package ships it).
 MPS_CONTROL = "nvidia-cuda-mps-control"
-#: Seconds the control program has to start the daemon or to answer ``quit``.
-CONTROL_TIMEOUT_S = 15.0
 
 
 class MpsServer:

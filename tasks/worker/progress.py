@@ -34,8 +34,8 @@ import logging
 from typing import Any
 
 from ..core import keys
+from ..core.defaults import HEARTBEAT_COALESCE_S, RESULT_EXPIRES_S
 from ..core.job import PROGRESS_EVENT, PROGRESS_STATE
-from .heartbeat import COALESCE_S
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def summary(fields: dict[str, Any]) -> str:
 
 
 def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None, client: Any = None,
-            expires_s: int = 86_400, slot: int = 0) -> None:
+            expires_s: int = RESULT_EXPIRES_S, slot: int = 0) -> None:
     """Publish one report ``meta`` of the job ``task`` whose request is ``request`` (from any
     thread: nothing here reads Celery's per-thread ``task.request``), running in ``slot``; never
     raises."""
@@ -72,6 +72,6 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
         logger.debug("progress event failed: %s", exc)
     if heartbeat is not None:
         try:
-            heartbeat.update_slot(slot, progress=meta, after_s=COALESCE_S)
+            heartbeat.update_slot(slot, progress=meta, after_s=HEARTBEAT_COALESCE_S)
         except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to the registry failed: %s", exc)

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from ..core import errors
 from ..core.backend import attach_entry
+from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobstate import FINISH_ATTR, JobFinish, StoredAck
@@ -42,7 +43,7 @@ from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, heartbeat, progress
+from . import accounting, progress
 from .device import DeviceWorker
 from .slots import Slot
 from .supervisor import Ended
@@ -120,10 +121,6 @@ class JobRequest(Request):  # type: ignore[misc]
         return None
 
 
-#: A distributed job's rank that gave its device to an older gang comes back after this long.
-GIVE_WAY_S = 0.5
-#: A running job's memory samples reach its slot's registry record at most this late.
-MEMORY_WRITE_S = 1.0
 
 
 class JobTask(Task):  # type: ignore[misc]
@@ -282,7 +279,7 @@ class JobRun:
         self.job_id = str(task.request.id or f"local-{self.started}")
         if worker.heartbeat is not None and slot is not None:
             worker.heartbeat.update_slot(slot.index, busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
-                                         after_s=heartbeat.COALESCE_S)
+                                         after_s=HEARTBEAT_COALESCE_S)
 
     def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
         request = self.task.request
@@ -296,10 +293,10 @@ class JobRun:
             jobs_done = worker.jobs_done
         if worker.heartbeat is not None:
             if self.slot is None:
-                worker.heartbeat.update(jobs_done=jobs_done, after_s=heartbeat.COALESCE_S)
+                worker.heartbeat.update(jobs_done=jobs_done, after_s=HEARTBEAT_COALESCE_S)
             else:
                 worker.heartbeat.update_slot(self.slot.index, busy=None, progress=None, memory_bytes=None,
-                                             worker_fields={"jobs_done": jobs_done}, after_s=heartbeat.COALESCE_S)
+                                             worker_fields={"jobs_done": jobs_done}, after_s=HEARTBEAT_COALESCE_S)
 
     def end(self, ended: Ended | None = None, failed: BaseException | None = None) -> dict[str, Any]:
         """Store the job's end and return its entry.

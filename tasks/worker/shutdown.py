@@ -24,10 +24,10 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+from ..core.defaults import REQUEUE_TIMEOUT_S
+
 logger = logging.getLogger(__name__)
 
-#: Seconds the forced stop waits for Redis while it puts the running jobs back.
-REQUEUE_TIMEOUT_S = 5.0
 #: Exit status of a forced stop: a failure, so ``Restart=on-failure`` starts the worker again.
 FORCED_EXIT_STATUS = 1
 

@@ -11,7 +11,7 @@ and a spare, hands each running job to one of them (:meth:`Supervisor.run`) and 
 - a process that dies ends its job as ``JobCrashed``, naming the signal or exit status and the
   job's last lines;
 - a job whose processes hold more memory than its slot's budget (sampled every
-  :data:`~tasks.worker.memory.SAMPLE_S` by a :class:`~tasks.worker.memory.MemoryMeter`) has its
+  :data:`~tasks.core.defaults.MEMORY_SAMPLE_S` by a :class:`~tasks.worker.memory.MemoryMeter`) has its
   process group ended at once, as ``OutOfMemory`` with the figures: its slot's neighbours keep
   theirs.
 
@@ -36,6 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..core.defaults import (
+    CANCEL_GRACE_S,
+    MEMORY_SAMPLE_S,
+    PROCESS_START_TIMEOUT_S,
+    RESPAWN_BACKOFF_S,
+    SPARE_PROCESSES,
+    SUPERVISOR_JOIN_S,
+)
+from ..core.defaults import JOB_POLL_S as POLL_S
 from ..core.errors import JobCancelled, JobCrashed, JobTimeout, NoJobProcess, OutOfMemory, WorkerStopped
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
@@ -46,13 +55,6 @@ from .slots import Slot
 
 logger = logging.getLogger(__name__)
 
-#: Spare job processes kept alive beside one per slot, for when one is retired.
-SPARE_PROCESSES = 1
-#: How often a running job's watch is asked whether to stop it (also the longest a cancel waits
-#: before its stop request goes out).
-POLL_S = 0.05
-#: Back-off between failed spawns (doubling, up to the maximum).
-RESPAWN_MIN_S, RESPAWN_MAX_S = 0.5, 30.0
 
 #: The error and outcome of a job whose process was ended, by the reason it was stopped.
 _KILLED: dict[StopReason, tuple[type[Exception], Outcome]] = {
@@ -71,9 +73,9 @@ class ProcessPolicy:
     #: Retire a process whose resident memory grew by more than this since it was ready; 0: never.
     max_memory_growth_bytes: int = 0
     #: Seconds a job has to stop at ``ctx.progress()`` once asked, before its process is ended.
-    cancel_grace_s: float = 5.0
+    cancel_grace_s: float = CANCEL_GRACE_S
     #: Seconds a new process has to import torch and the job modules and say hello.
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = PROCESS_START_TIMEOUT_S
 
 
 class Watch(Protocol):
@@ -168,7 +170,7 @@ class Supervisor:
         for process in processes:
             process.kill("the worker is leaving")
         if self._thread.is_alive():
-            self._thread.join(5.0)
+            self._thread.join(SUPERVISOR_JOIN_S)
 
     def kill_all_now(self) -> None:
         """SIGKILL every job process group at once (a worker that must exit now; called from a
@@ -284,7 +286,7 @@ class Supervisor:
         return JobProcess(self.spec, self._env, self._cwd, self.label)
 
     def _keep_warm(self) -> None:
-        backoff = RESPAWN_MIN_S
+        backoff = RESPAWN_BACKOFF_S[0]
         while True:
             with self._cond:
                 while not self._closed and len(self._idle) + len(self._busy) + self._spawning >= self.warm:
@@ -313,7 +315,7 @@ class Supervisor:
                 process.kill("the worker is leaving")  # spawned while the supervisor closed
             elif failure is None:
                 self._changed()
-            backoff = RESPAWN_MIN_S if failure is None else min(RESPAWN_MAX_S, backoff * 2)
+            backoff = RESPAWN_BACKOFF_S[0] if failure is None else min(RESPAWN_BACKOFF_S[1], backoff * 2)
 
 
 @dataclass
@@ -329,7 +331,7 @@ class _Budget:
         now = time.monotonic()
         if now < self.next_sample:
             return None
-        self.next_sample = now + memory.SAMPLE_S
+        self.next_sample = now + MEMORY_SAMPLE_S
         used = self.meter.used(process.pid)
         if used is None:
             return None
@@ -356,8 +358,8 @@ class _Run:
 
     def wait(self) -> Ended:
         self.process.send(self.job)
-        if self.budget is not None:  # the first sample once the job had SAMPLE_S to start
-            self.budget.next_sample = time.monotonic() + memory.SAMPLE_S
+        if self.budget is not None:  # the first sample once the job had MEMORY_SAMPLE_S to start
+            self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
         while True:
             try:
                 message = self.process.receive(POLL_S)

@@ -1,0 +1,253 @@
+"""Every tunable of devicefleet in one place: its timing budget, retry counts and thresholds.
+
+Each value is spelled here once, with the reason for it; the modules that use one import it from
+here, and :class:`~tasks.core.settings.Settings`, :class:`~tasks.core.worker_config.WorkerConfig`
+and the wire (:mod:`tasks.core.wire`) take their defaults from here. A setting a user may change
+(``DEVICEFLEET_*``, a worker config's key) is named in its comment; the others are constants of
+the design. (rq keeps its tunables the same way, in ``rq/defaults.py``; huey in
+``huey/consumer_options.py``.) ``tests/test_defaults.py`` fails on a ``*_S = <number>`` constant
+defined anywhere else in the package.
+
+Seconds unless the name ends in ``_MS`` (milliseconds). Sections follow who runs the code:
+the fleet's Redis, the worker's registry life, the worker and its job processes, a job process,
+distributed gangs, producers, the launcher and operations, deployment.
+"""
+
+from __future__ import annotations
+
+# -- The fleet's Redis: connections, retries, replication --------------------------------------
+
+#: A registry client (:func:`tasks.core.registry.connect`) gives up connecting after this and
+#: checks an idle connection after that (redis-py's ``socket_connect_timeout`` and
+#: ``health_check_interval``): a dead Redis is said within seconds, a half-open socket is found
+#: before it is used.
+REDIS_CONNECT_TIMEOUT_S = 5
+REDIS_HEALTH_CHECK_INTERVAL_S = 30
+#: The result backend's own idle-connection check (Celery's ``redis_backend_health_check_interval``).
+BACKEND_HEALTH_CHECK_INTERVAL_S = 5
+#: Tries of a result write or read through a Redis outage (Celery's ``result_backend_max_retries``).
+BACKEND_MAX_RETRIES = 60
+#: How a result-backend connection retries through a Redis outage: up to 120 tries, at most 1 s
+#: apart (kombu's retry_over_time), long enough for `devicefleet up` or systemd to restart Redis.
+#: Celery's default (20 tries, 1 s apart) gave up during a Redis restart of ``devicefleet up``.
+REDIS_OUTAGE_RETRY_POLICY = {"max_retries": 120, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
+#: How long the fleet's own clients keep retrying a command while a Sentinel failover runs: the
+#: sentinels' ``down-after-milliseconds`` (:data:`SENTINEL_DOWN_AFTER_MS`) plus an election (a
+#: few seconds), with room to spare. Backoff from :data:`FAILOVER_BACKOFF_S`'s first value to its
+#: second (doubling): about 40 s in all.
+FAILOVER_RETRIES = 45
+FAILOVER_BACKOFF_S = (0.05, 1.0)
+#: How long the edges (``devicefleet status``, a worker's start) wait for each sentinel's answer
+#: before they say it is unreachable.
+SENTINEL_PROBE_TIMEOUT_S = 2.0
+#: How long a write waits for its replicas (Redis's WAIT) before the fleet goes on with it not
+#: yet replicated (``DEVICEFLEET_REDIS_WAIT_TIMEOUT_MS``): a replica down or slow costs at most
+#: this per write.
+REDIS_WAIT_TIMEOUT_MS = 1000
+#: How long results stay in Redis (``DEVICEFLEET_RESULT_EXPIRES_S``): a day, for a producer that
+#: comes back to a fan-out's handle; also a command's output stream and a job's progress.
+RESULT_EXPIRES_S = 86_400
+
+# -- A worker's life in the registry: heartbeat, leases, reaper ---------------------------------
+
+#: How often a worker refreshes its registry entry, and how long the entry lives without it
+#: (``DEVICEFLEET_HEARTBEAT_INTERVAL_S``, ``DEVICEFLEET_HEARTBEAT_TTL_S``): five beats may be
+#: missed (a stalled event loop, a slow Redis) before the worker counts as gone.
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TTL_S = 10.0
+#: A running job's lease (renewed every third of it) and how often a worker looks for the expired
+#: leases of dead workers (``DEVICEFLEET_LEASE_TTL_S``, ``DEVICEFLEET_REAPER_INTERVAL_S``): a
+#: killed worker's job runs again after about max(lease, heartbeat TTL) + reaper interval,
+#: whatever the job's length (Celery's visibility timeout would be an hour: celery#4984, #3501).
+LEASE_TTL_S = 10.0
+REAPER_INTERVAL_S = 1.0
+#: A running job's updates (busy, progress, idle) are written at most this late: a job shorter
+#: than this costs no registry write of its own, and a stream of short jobs one write per period.
+HEARTBEAT_COALESCE_S = 0.05
+#: A running job's memory samples reach its slot's registry record at most this late.
+MEMORY_WRITE_S = 1.0
+#: Finish times older than this are dropped from ``keys.finished(device)`` (jobs/s is counted
+#: over :data:`RATE_WINDOW_S`; the rest is room for a slow scrape).
+FINISHED_KEEP_S = 600.0
+#: How long a task event waits in the worker's buffer for others to go out with it (Flower and
+#: the monitor see events this much later; a job's result is never delayed by it).
+EVENT_FLUSH_S = 0.1
+
+# -- The worker and its job processes (worker configs: ``worker_configs/*.toml``) ---------------
+
+#: Longest job a worker is expected to run when its config does not say (``max_job_seconds``):
+#: also a job's time limit unless it sets its own; systemd's stop timeout is derived from it.
+MAX_JOB_SECONDS = 3600
+#: Seconds a job asked to stop (cancelled, past its time limit, its worker stopping) has to stop
+#: at its next ``ctx.progress()`` before its process is ended (``cancel_grace_s``): a training
+#: step of a few seconds ends cleanly, a job that never reports is not waited on long.
+CANCEL_GRACE_S = 5.0
+#: Cores a GPU worker keeps for its data loading when its config does not say (``loader_cores``):
+#: PyTorch's usual starting point of 4 DataLoader workers per GPU.
+LOADER_CORES = 4
+#: Most slots one device may have (``slots``).
+MAX_SLOTS = 64
+#: Growth of a job process's resident memory, since it was ready, past which it is retired after
+#: its job (``max_memory_growth_mib``): a leak is cut before it takes the host.
+MAX_MEMORY_GROWTH_MIB = 2048
+#: Seconds a new job process has to import torch and the job modules and say hello (a cold
+#: ``import torch`` on a loaded host takes tens of seconds).
+PROCESS_START_TIMEOUT_S = 120.0
+#: Spare job processes kept alive beside one per slot, so a retired one is replaced at once.
+SPARE_PROCESSES = 1
+#: How often a running job's watch is asked whether to stop it (also the longest a cancel waits
+#: before its stop request goes out).
+JOB_POLL_S = 0.05
+#: Back-off between failed job-process spawns (doubling, from the first to the second).
+RESPAWN_BACKOFF_S = (0.5, 30.0)
+#: How long a job process's group has between SIGTERM and SIGKILL.
+TERM_GRACE_S = 1.0
+#: How long the worker waits, once a job process has gone, for the last lines its output relay
+#: reads (for the crash report), and for the process's exit status.
+OUTPUT_RELAY_JOIN_S = 1.0
+OUTPUT_TAIL_WAIT_S = 0.5
+EXIT_STATUS_WAIT_S = 1.0
+#: How long a leaving worker waits for its supervisor's thread to end the job processes.
+SUPERVISOR_JOIN_S = 5.0
+#: How long a stopping worker waits for its job processes, beyond the stop timeout and the
+#: cancel grace: room for ending their groups and storing the entries.
+STOP_SLACK_S = 5.0
+#: How often a running job's memory is sampled. A job shorter than this is never sampled.
+MEMORY_SAMPLE_S = 0.25
+#: Seconds the forced stop (a second signal) waits for Redis while it puts the running jobs back.
+REQUEUE_TIMEOUT_S = 5.0
+#: Seconds the MPS control program has to start the daemon or to answer ``quit``.
+MPS_CONTROL_TIMEOUT_S = 15.0
+
+# -- A job process ----------------------------------------------------------------------------
+
+#: Progress reports closer together than this are folded into the next one (a few updates a
+#: second: a bar moves smoothly, a job reporting every step costs no pipe traffic).
+PROGRESS_MIN_INTERVAL_S = 0.25
+#: How often the background thread moves buffered scalars into the event file, and how often
+#: tensorboardX flushes that file (``flush_secs``): TensorBoard shows a run a few seconds behind.
+SCALARS_DRAIN_INTERVAL_S = 1.0
+SCALARS_FLUSH_S = 2
+#: How often a command's reading loop wakes without output, to look for a stop request or the
+#: command's end.
+COMMAND_POLL_S = 0.05
+#: After a command ends, how long its pipes are read for what is left when something it
+#: started still holds them open.
+COMMAND_DRAIN_S = 0.5
+#: How long what a command left running has between SIGTERM and SIGKILL once it ended, and how
+#: long those it killed have to be reaped.
+COMMAND_DESCENDANTS_GRACE_S = 0.5
+COMMAND_REAP_S = 2.0
+#: A command asked to stop gets the job's cancel grace less this (at least
+#: :data:`COMMAND_DESCENDANTS_GRACE_S`) before SIGKILL: the job process needs the rest to report.
+COMMAND_STOP_MARGIN_S = 1.5
+#: How long a command's output lines wait to be sent as one batch; the producer sees a line
+#: within about this.
+COMMAND_FLUSH_INTERVAL_S = 0.05
+
+# -- Distributed gangs ------------------------------------------------------------------------
+
+#: How often a waiting rank looks at its gang (one pipelined round trip).
+GANG_POLL_S = 0.02
+#: A waiting rank refreshes its gang's ``alive`` key with this TTL: a gang whose ranks all died
+#: while assembling stops holding younger gangs back this long after.
+GANG_ALIVE_TTL_MS = 3_000
+#: A rank that gave its device up to an older gang (wait-die) comes back after this long.
+GIVE_WAY_S = 0.5
+#: How often a rank's running command looks at its gang (failed, or moved to a new generation).
+GANG_WATCH_INTERVAL_S = 0.25
+#: A distributed job's defaults (``DistributedOptions``): how many times the whole gang runs
+#: again after a rank's worker died, how long a rank waits for the others to start, and how long
+#: a collective may wait for a peer (``init_process_group(timeout=...)``, instead of torch's 30
+#: minutes: a dead peer's gloo connection fails at once).
+GANG_MAX_RESTARTS = 2
+GANG_JOIN_TIMEOUT_S = 120.0
+GANG_COLLECTIVE_TIMEOUT_S = 120.0
+#: How long a producer waits for another producer to finish sending its gang.
+GANG_SEND_WAIT_S = 30.0
+
+# -- Producers ---------------------------------------------------------------------------------
+
+#: Seconds between a blocking handle's reads while jobs finish often; it backs off (doubling) to
+#: :data:`MAX_POLL_S` while nothing changes (awaiting listens instead).
+MIN_POLL_S = 0.002
+MAX_POLL_S = 0.1
+#: Seconds a waiter that heard nothing reads the stored states again (a pub/sub message lost in
+#: a reconnect is found this late).
+LISTENER_RECHECK_S = 5.0
+#: Seconds to wait for Redis to confirm a subscription before reading anyway.
+LISTENER_CONFIRM_S = 10.0
+#: Seconds before the state listener tries again after its connection failed for good.
+LISTENER_RETRY_S = 0.5
+#: How long one read of a command's output streams blocks for new lines (milliseconds).
+FOLLOW_BLOCK_MS = 200
+#: Seconds between a sweep's checks that every chosen device's worker still consumes its queue,
+#: and how long it waits for the workers' replies to ``add_consumer``.
+SWEEP_REFRESH_S = 5.0
+SWEEP_ATTACH_TIMEOUT_S = 2.0
+#: Seconds a cancelled ``devicefleet run`` or sweep waits for its running jobs to stop and report.
+CANCEL_WAIT_S = 120.0
+#: Runs of a job that may take their whole worker down before it ends as ``WorkerLost``
+#: (``JobOptions.max_attempts``): a worker killed under it is not the job's fault twice.
+MAX_ATTEMPTS = 3
+#: How long ``devicefleet run`` waits for every device, and ``devicefleet sweep`` for every
+#: trial (``--timeout``), and how often ``devicefleet status --watch`` redraws (``--interval``).
+RUN_TIMEOUT_S = 3600.0
+SWEEP_TIMEOUT_S = 86_400.0
+STATUS_WATCH_INTERVAL_S = 1.0
+
+# -- The launcher (``devicefleet up``, the test fleet) and operations ---------------------------
+
+#: How long the launcher waits for Redis and every worker to be ready (a cold ``import torch``
+#: per worker on a loaded host), and for them to stop.
+FLEET_START_TIMEOUT_S = 120.0
+FLEET_STOP_TIMEOUT_S = 60.0
+#: The stop timeout of the fleet ``devicefleet run`` starts for itself (its jobs are done by then).
+RUN_FLEET_STOP_TIMEOUT_S = 30.0
+#: How long stopping everything at once (a second Ctrl-C) may take.
+FLEET_KILL_STOP_S = 5.0
+#: How often the launcher looks for a dead worker or Redis to restart.
+FLEET_SUPERVISE_S = 0.5
+#: Back-off between tries to restart an embedded redis-server that keeps failing (doubling).
+REDIS_RESTART_BACKOFF_S = (0.5, 10.0)
+#: How long stopping workers may take when Redis is gone for good: they cannot store a result.
+REDIS_GONE_STOP_S = 5.0
+#: How long an embedded redis-server has to answer PING; how long one PING may take, and how
+#: often it is sent.
+REDIS_START_TIMEOUT_S = 15.0
+REDIS_PING_TIMEOUT_S = 1
+REDIS_START_POLL_S = 0.02
+#: How long Flower has to answer its health check; how often it is asked, and how long one ask
+#: may take.
+FLOWER_START_TIMEOUT_S = 60.0
+FLOWER_POLL_S = 0.2
+FLOWER_REQUEST_TIMEOUT_S = 2
+#: How long a child process (a worker, redis-server, Flower) has between SIGTERM and SIGKILL
+#: when the launcher stops it.
+PROCESS_STOP_TIMEOUT_S = 10.0
+#: How often :func:`tasks.ops.proc.wait_until` checks its condition.
+WAIT_UNTIL_POLL_S = 0.05
+#: How often the live views (``devicefleet status --watch``, a sweep's table) redraw.
+VIEW_REFRESH_S = 0.25
+#: Jobs/s is counted over this window (the exporter).
+RATE_WINDOW_S = 60.0
+
+# -- Deployment (deploy/, ``devicefleet deploy``) -----------------------------------------------
+
+#: Seconds a worker's stop may take beyond its longest job: Celery's shutdown and storing the
+#: result (systemd's ``TimeoutStopSec``).
+STOP_MARGIN_S = 60
+#: A primary that answers no PING this long is down for a sentinel (Redis's default: 30 s).
+SENTINEL_DOWN_AFTER_MS = 5000
+#: A failover not done by then is tried again; replicas have this long to follow (default 180 s).
+SENTINEL_FAILOVER_TIMEOUT_MS = 60_000
+
+# -- The built-in jobs (tasks.jobs) -----------------------------------------------------------
+
+#: How often the ``train`` job saves a resumable checkpoint (``checkpoint_every_s``): a job that
+#: runs again after its worker died loses at most this much work, and a short epoch does not pay
+#: a write each time.
+CHECKPOINT_EVERY_S = 10.0
+
+#: Batches each DataLoader worker keeps ready ahead of the training loop (``prefetch_factor``).
+LOADER_PREFETCH = 4
