@@ -306,8 +306,6 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     raise SystemExit(_exit_code([e["status"] for e in results.values()], cancelled))
 
 
-
-
 def _producer_app(settings: Settings) -> Any:
     from .core.app import create_app
 

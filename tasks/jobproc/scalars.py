@@ -32,7 +32,6 @@ from ..core.periodic import PeriodicThread
 logger = logging.getLogger(__name__)
 
 
-
 def run_dir(tensorboard_root: Path, job: str, fan_out_id: str, device: str) -> Path:
     """The run folder of one job on one device under ``tensorboard_root``
     (:attr:`Settings.tensorboard_path`): sibling devices of a fan-out share a parent."""

@@ -21,7 +21,6 @@ from ..core.defaults import LOADER_PREFETCH
 logger = logging.getLogger(__name__)
 
 
-
 def build_loader(
     dataset: Dataset[Any],
     *,

@@ -48,7 +48,6 @@ from .redis_server import EmbeddedRedis
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class WorkerProcess:
     """One device worker the launcher runs."""

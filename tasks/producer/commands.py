@@ -34,7 +34,6 @@ from .fanout import JobSpec
 logger = logging.getLogger(__name__)
 
 
-
 def command(argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
             options: JobOptions | Mapping[str, Any] | None = None, **params: Any) -> JobSpec:
     """The job that runs ``argv`` on a device: give it to ``fan_out``, ``sweep`` or ``optimize``.

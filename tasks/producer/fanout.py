@@ -409,8 +409,6 @@ def gang_spec(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord],
                     collective_timeout_s=opts.collective_timeout_s)
 
 
-
-
 def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerRecord],
                distributed: bool | DistributedOptions | Mapping[str, Any], connections: Connections) -> FanOut:
     client = connections.redis

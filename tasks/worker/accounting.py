@@ -18,7 +18,6 @@ from ..core.job import JobMetric
 logger = logging.getLogger(__name__)
 
 
-
 def job_count(
     device: str,
     worker: str,

@@ -33,7 +33,6 @@ from . import accounting
 logger = logging.getLogger(__name__)
 
 
-
 def _embed(message: Any) -> dict[str, Any]:
     """The callbacks, errbacks, chain and chord of a protocol 2 message body (``{}`` if none)."""
     try:

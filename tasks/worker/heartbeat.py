@@ -23,7 +23,6 @@ from ..core.records import WorkerRecord
 logger = logging.getLogger(__name__)
 
 
-
 class Heartbeat(PeriodicThread):
     """Keeps one worker's registry record alive."""
 

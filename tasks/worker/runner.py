@@ -121,8 +121,6 @@ class JobRequest(Request):  # type: ignore[misc]
         return None
 
 
-
-
 class JobTask(Task):  # type: ignore[misc]
     """The Celery task of one job on one device worker (made by the bootstep per job)."""
 
