@@ -35,7 +35,7 @@ from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
 from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
-from tasks.core.errors import GangFailed, JobCancelled, JobError, OutOfMemory, WorkerLost
+from tasks.core.errors import GangFailed, GiveWay, JobCancelled, JobError, OutOfMemory, PeerLost, WorkerLost
 from tasks.core.job import JobContext, JobMetric
 from tasks.core.jobstate import FINISH_ATTR, JobFinish
 from tasks.core.records import (
@@ -51,14 +51,15 @@ from tasks.core.records import (
 )
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
-from tasks.jobproc.distributed import GiveWay, PeerLost, Rendezvous, peer_lost
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
+from tasks.jobproc.rank import peer_lost
 from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
 from tasks.worker import accounting
 from tasks.worker import lease as lease_module
+from tasks.worker.gang import Rendezvous
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Orphans, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
@@ -1000,7 +1001,7 @@ def test_cancelled_context_stops_at_its_next_progress_call(tmp_path):
     assert entry.status is EntryStatus.CANCELLED
 
 
-# -- the gang rendezvous of distributed jobs (tasks.worker.distributed) ------------------------------
+# -- the gang rendezvous of distributed jobs (tasks.worker.gang) -------------------------------------
 
 
 def _gang(gang_id: str, seq: int, devices: list[str], max_restarts: int = 1) -> GangSpec:

@@ -154,8 +154,12 @@ GANG_POLL_S = 0.02
 GANG_ALIVE_TTL_MS = 3_000
 #: A rank that gave its device up to an older gang (wait-die) comes back after this long.
 GIVE_WAY_S = 0.5
-#: How often a rank's running command looks at its gang (failed, or moved to a new generation).
+#: How often a running rank's worker looks at its gang (failed, or moved to a new generation:
+#: the rank is stopped).
 GANG_WATCH_INTERVAL_S = 0.25
+#: How long a rank whose job raised waits for its worker to fail the gang before it takes its
+#: process group down (a worker that does not answer is stuck or gone: the rank goes on).
+RANK_FAILED_ASK_S = 10.0
 #: A distributed job's defaults (``DistributedOptions``): how many times the whole gang runs
 #: again after a rank's worker died, how long a rank waits for the others to start, and how long
 #: a collective may wait for a peer (``init_process_group(timeout=...)``, instead of torch's 30

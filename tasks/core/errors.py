@@ -29,6 +29,14 @@ The tree, by area::
         ├── WorkerStopped         the worker stopped and the job did not end within its stop timeout
         └── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
 
+Control flow, apart (as dramatiq keeps its ``Retry`` and ``Skip``): raised and caught inside the
+worker wing to steer a distributed job's rank, never reported in an entry::
+
+    DeviceFleetError
+    └── ControlFlow
+        ├── GiveWay               a rank gives its device to an older assembling gang (wait-die)
+        └── PeerLost              a rank's gang lost a peer: it runs again in the next generation
+
 Every message says what was wrong, with the offending value, and what to do.
 """
 
@@ -182,3 +190,23 @@ class WorkerLost(JobError):
 class WorkerStopped(JobError):
     """The worker was asked to stop (``systemctl stop``, Ctrl-C on ``up``) and the job did not
     end within the worker's stop timeout; its process was ended."""
+
+
+class ControlFlow(DeviceFleetError):
+    """Not a failure: the worker wing steers a distributed job's rank with these (see the
+    module's docstring); they never reach an entry or a producer."""
+
+
+class GiveWay(ControlFlow):
+    """A rank gives its device up to an older gang that needs it (wait-die,
+    :mod:`tasks.worker.gang`); its message goes back to the queue and runs again later."""
+
+    def __init__(self, device: str, older: str) -> None:
+        super().__init__(f"{device} is needed by the older gang {older}; this rank comes back later")
+        self.device = device
+        self.older = older
+
+
+class PeerLost(ControlFlow):
+    """A rank's gang lost a peer (its collective failed, or the gang moved to a later
+    generation meanwhile): the rank runs again with the gang's next generation."""

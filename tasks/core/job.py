@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from .errors import JobCancelled, JobError, UnknownJob
+from .errors import DeviceFleetError, JobCancelled, UnknownJob
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class JobContext:
     #: the worker asked it to stop (its time limit, the worker's stop).
     cancelled: Callable[[], bool] | None = None
     #: The error :meth:`progress` raises once ``cancelled`` is true (default: JobCancelled).
-    interruption: Callable[[], JobError] | None = None
+    interruption: Callable[[], DeviceFleetError] | None = None
     #: Set when this run is one rank of a distributed job (``fan_out(..., distributed=True)``).
     distributed: DistributedInfo | None = None
 

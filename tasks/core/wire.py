@@ -4,14 +4,20 @@ A device worker (:mod:`tasks.worker.supervisor`) runs every job in a child *job 
 (:mod:`tasks.jobproc`) and talks to it over one socket pair, one message per frame:
 
 - worker -> job process: :class:`ProcessSpec` (first, once: what the process is for),
-  :class:`RunJob` (one job), :class:`StopJob` (ask the running job to stop at its next
-  ``ctx.progress()``);
+  :class:`RunJob` (one job; for a rank of a distributed job with its :class:`Rank`),
+  :class:`StopJob` (ask the running job to stop at its next ``ctx.progress()``),
+  :class:`Proceed` (the answer to a :class:`RankFailed`);
 - job process -> worker: :class:`Hello` (ready: the jobs it loaded, what torch sees) or
   :class:`Refused` (it cannot run jobs: a job module does not import, the device is not
-  visible), :class:`Report` (a job's throttled progress), :class:`Finished` (a job's outcome).
+  visible), :class:`Report` (a job's throttled progress), :class:`LogLines` (a batch of a
+  command's output lines), :class:`StoreOpened` (rank 0's ``TCPStore`` listens),
+  :class:`RankFailed` (a rank's own error, before its process group goes), :class:`Finished`
+  (a job's outcome).
 
 JSON, not pickle, in both directions: the job process runs untrusted code, and nothing it writes
-to the pipe may become an object in the worker other than these records.
+to the pipe may become an object in the worker other than these records. The job process holds
+no key to the fleet: no Redis URL or password travels here, and what a job sends out (progress,
+log lines, a gang's store) the worker relays.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
-from .records import ErrorInfo
+from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, WorkerStopped
+from .records import ErrorInfo, Visibility
 
 
 class _Message(BaseModel):
@@ -42,10 +49,12 @@ class StopReason(str, Enum):
     TIMEOUT = "timeout"
     #: The worker is stopping.
     SHUTDOWN = "shutdown"
+    #: A rank's gang failed or moved to another generation while it ran (a peer died).
+    GANG = "gang"
 
 
 class ProcessSpec(_Message):
-    """What a job process is for; sent once, first (not in argv: the Redis URL may hold a password)."""
+    """What a job process is for; sent once, first. Nothing in it opens the fleet's Redis."""
 
     kind: Literal["spec"] = "spec"
     device: str
@@ -56,13 +65,9 @@ class ProcessSpec(_Message):
     torch_threads: int
     #: The allowlist: modules whose jobs the process imports before it says hello.
     job_modules: list[str]
-    #: The fleet's Redis (distributed jobs meet there); None outside a fleet.
-    redis_url: str | None = None
     artifacts_dir: str
     tensorboard_dir: str
     result_expires_s: int
-    #: Where a distributed job's rank 0 is reached by the other ranks.
-    address: str = "127.0.0.1"
     #: The programs and folders commands may use (the worker config's ``[commands]``,
     #: resolved); None: this device runs no commands.
     commands: CommandRules | None = None
@@ -80,14 +85,37 @@ class JobInfo(BaseModel):
     doc: str | None = None
 
 
+class DeviceView(BaseModel):
+    """What a job process sees of its device (:func:`tasks.core.devices.visibility`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cuda_visible_devices: str | None = None
+    cuda_available: bool | None = None
+    cuda_device_count: int | None = None
+    device_name: str | None = None
+    #: Bytes of device memory (a GPU's); None on a CPU.
+    total_memory: int | None = None
+    #: How NVML finds the same GPU: ``GPU-<uuid>``; None on a CPU.
+    uuid: str | None = None
+    torch_version: str | None = None
+    torch_threads: int | None = None
+
+    @property
+    def entry(self) -> Visibility:
+        """What entries report of it."""
+        return Visibility(cuda_visible_devices=self.cuda_visible_devices, cuda_available=self.cuda_available,
+                          device_name=self.device_name)
+
+
 class Hello(_Message):
     """The job process is ready: its jobs are imported and torch sees the device."""
 
     kind: Literal["hello"] = "hello"
     pid: int
     jobs: list[JobInfo]
-    #: :func:`tasks.core.devices.visibility` of the process.
-    visibility: dict[str, JsonValue]
+    #: What the process sees of its device.
+    visibility: DeviceView
     #: Resident memory once ready: the baseline the worker's memory threshold counts from.
     rss_bytes: int
 
@@ -98,6 +126,28 @@ class Refused(_Message):
     kind: Literal["refused"] = "refused"
     error: ErrorInfo
     config: bool = False
+
+
+class Rank(BaseModel):
+    """One rank of a distributed job, as the worker's gang (:mod:`tasks.worker.gang`) assembled
+    it: the job process runs ``init_process_group`` with it, and the user's code."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gang_id: str
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    #: The rank's index among the gang's ranks on its host, as torchrun numbers them.
+    local_rank: int = Field(ge=0)
+    #: The gang's generation: how many times it has restarted.
+    generation: int = Field(ge=0)
+    max_restarts: int = Field(ge=0)
+    backend: Literal["gloo", "nccl"]
+    collective_timeout_s: float = Field(gt=0)
+    #: Rank 0's TCP store. Rank 0 gets its own address and no port: it opens the store on a
+    #: port the OS picks and says which (:class:`StoreOpened`).
+    master_addr: str
+    master_port: int | None = None
 
 
 class RunJob(_Message):
@@ -120,6 +170,8 @@ class RunJob(_Message):
     #: (``torch.cuda.set_per_process_memory_fraction``): the slot's budget less what the process
     #: held before the job. None: no cap.
     allocator_limit_bytes: int | None = Field(default=None, ge=0)
+    #: Set on a rank of a distributed job.
+    rank: Rank | None = None
 
 
 class StopJob(_Message):
@@ -132,6 +184,13 @@ class StopJob(_Message):
     message: str
 
 
+class Proceed(_Message):
+    """The worker has failed the gang with the reason of a :class:`RankFailed`: the rank may
+    take its process group down (its peers then find the reason)."""
+
+    kind: Literal["proceed"] = "proceed"
+
+
 class Report(_Message):
     """A running job's progress (already throttled by the job process)."""
 
@@ -139,13 +198,50 @@ class Report(_Message):
     fields: dict[str, JsonValue]
 
 
+class LogLines(_Message):
+    """A batch of a running command's output lines, ``[stream, text]`` with stream ``out`` or
+    ``err``: the worker appends it to ``keys.command_log(job id)``."""
+
+    kind: Literal["log"] = "log"
+    lines: list[tuple[Literal["out", "err"], str]]
+
+
+class StoreOpened(_Message):
+    """Rank 0's ``TCPStore`` listens on ``port`` (of the rank's ``master_addr``): the worker
+    publishes it to the gang's other ranks."""
+
+    kind: Literal["store"] = "store"
+    port: int = Field(gt=0, lt=65536)
+
+
+class RankFailed(_Message):
+    """A rank's job raised an error of its own: the worker fails the gang with ``reason`` and
+    answers :class:`Proceed` before the rank takes its process group down."""
+
+    kind: Literal["rank_failed"] = "rank_failed"
+    reason: str
+
+
 class Outcome(str, Enum):
     OK = "ok"
     ERROR = "error"
     CANCELLED = "cancelled"
-    #: A rank gives its device to an older gang (``tasks.jobproc.distributed.GiveWay``): the
-    #: worker sends its message back to the queue.
+    #: A rank gives its device to an older gang (:class:`~tasks.core.errors.GiveWay`, decided by
+    #: the worker's gang): the worker sends its message back to the queue.
     GIVE_WAY = "give_way"
+    #: A rank's gang lost a peer (:class:`~tasks.core.errors.PeerLost`): the worker's gang runs
+    #: it again in the next generation.
+    PEER_LOST = "peer_lost"
+
+
+#: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
+#: ``ctx.progress()`` in the job process, or given by the worker when it had to end the process.
+STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
+    StopReason.CANCEL: (JobCancelled, Outcome.CANCELLED),
+    StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
+    StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
+    StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
+}
 
 
 class Finished(_Message):
@@ -168,20 +264,22 @@ class Finished(_Message):
     retire: str | None = None
 
 
-FromWorker = Annotated[ProcessSpec | RunJob | StopJob, Field(discriminator="kind")]
-FromJobProcess = Annotated[Hello | Refused | Report | Finished, Field(discriminator="kind")]
+FromWorker = Annotated[ProcessSpec | RunJob | StopJob | Proceed, Field(discriminator="kind")]
+FromJobProcess = Annotated[Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished,
+                           Field(discriminator="kind")]
 
 _FROM_WORKER: TypeAdapter[Any] = TypeAdapter(FromWorker)
 _FROM_JOB_PROCESS: TypeAdapter[Any] = TypeAdapter(FromJobProcess)
 
 
-def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | StopJob:
+def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | StopJob | Proceed:
     """A message the worker sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: ProcessSpec | RunJob | StopJob = _FROM_WORKER.validate_json(data)
+    message: ProcessSpec | RunJob | StopJob | Proceed = _FROM_WORKER.validate_json(data)
     return message
 
 
-def decode_from_job_process(data: bytes) -> Hello | Refused | Report | Finished:
+def decode_from_job_process(data: bytes) -> Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished:
     """A message a job process sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: Hello | Refused | Report | Finished = _FROM_JOB_PROCESS.validate_json(data)
+    message: Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished = \
+        _FROM_JOB_PROCESS.validate_json(data)
     return message

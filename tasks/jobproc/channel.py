@@ -1,7 +1,8 @@
-"""The job process's end of its pipe to the worker: jobs in, reports and outcomes out.
+"""The job process's end of its pipe to the worker: jobs in, reports, log lines and outcomes out.
 
 A reader thread takes what the worker sends: jobs go to a queue the main thread runs them from,
-a stop request is kept for the running job's next ``ctx.progress()``. When the pipe closes (the
+a stop request is kept for the running job's next ``ctx.progress()``, a :class:`Proceed`
+answers the :meth:`Channel.ask` that waits for it. When the pipe closes (the
 worker is gone, however it went), the thread ends this process and everything it started:
 nothing a job began may outlive the worker that supervised it.
 """
@@ -17,26 +18,26 @@ from multiprocessing.connection import Connection
 
 from pydantic import ValidationError
 
-from ..core.errors import JobCancelled, JobError, JobTimeout, WorkerStopped
+from ..core.defaults import RANK_FAILED_ASK_S
+from ..core.errors import DeviceFleetError, JobCancelled
 from ..core.wire import (
+    STOPS,
     Finished,
     Hello,
+    LogLines,
+    Proceed,
+    RankFailed,
     Refused,
     Report,
     RunJob,
     StopJob,
-    StopReason,
+    StoreOpened,
     decode_from_worker,
 )
 
 logger = logging.getLogger(__name__)
 
-#: The error ``ctx.progress()`` raises for each reason the worker gives.
-INTERRUPTIONS: dict[StopReason, type[JobError]] = {
-    StopReason.CANCEL: JobCancelled,
-    StopReason.TIMEOUT: JobTimeout,
-    StopReason.SHUTDOWN: WorkerStopped,
-}
+ToWorker = Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished
 
 
 class Channel:
@@ -47,14 +48,22 @@ class Channel:
         self._send_lock = threading.Lock()
         self._jobs: queue.Queue[RunJob | None] = queue.Queue()
         self._stop: StopJob | None = None
+        self._proceed = threading.Event()
 
     def receive_first(self) -> bytes:
         """The first frame (the process spec), read before the reader thread starts."""
         return self._conn.recv_bytes()
 
-    def send(self, message: Hello | Refused | Report | Finished) -> None:
+    def send(self, message: ToWorker) -> None:
         with self._send_lock:
             self._conn.send_bytes(message.encode())
+
+    def ask(self, message: RankFailed) -> bool:
+        """Send ``message`` and wait for the worker's :class:`Proceed` (at most
+        :data:`~tasks.core.defaults.RANK_FAILED_ASK_S`); whether it came."""
+        self._proceed.clear()
+        self.send(message)
+        return self._proceed.wait(RANK_FAILED_ASK_S)
 
     def start(self) -> None:
         threading.Thread(target=self._read, name="devicefleet-jobproc-reader", daemon=True).start()
@@ -68,12 +77,14 @@ class Channel:
         stop = self._stop
         return stop is not None and stop.job_id == job_id
 
-    def interruption(self, job_id: str) -> JobError:
-        """The error ``ctx.progress()`` raises for the stop the worker asked of ``job_id``."""
+    def interruption(self, job_id: str) -> DeviceFleetError:
+        """The error ``ctx.progress()`` raises for the stop the worker asked of ``job_id``
+        (:data:`tasks.core.wire.STOPS`)."""
         stop = self._stop
         if stop is None or stop.job_id != job_id:
             return JobCancelled(f"job {job_id} was cancelled; it stopped at ctx.progress()")
-        return INTERRUPTIONS[stop.reason](stop.message)
+        error, _ = STOPS[stop.reason]
+        return error(stop.message)
 
     def _read(self) -> None:
         while True:
@@ -88,9 +99,14 @@ class Channel:
                 logger.error("ignoring a message the worker did not send: %s", exc)
                 continue
             if isinstance(message, RunJob):
+                # A stop was for the run before (a rank runs again under the same job id in
+                # its gang's next generation).
+                self._stop = None
                 self._jobs.put(message)
             elif isinstance(message, StopJob):
                 self._stop = message
+            elif isinstance(message, Proceed):
+                self._proceed.set()
 
     def _orphaned(self) -> None:
         """The worker closed the pipe or died: end this process group (the job process leads

@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..core import keys
 from ..core.defaults import COMMAND_FLUSH_INTERVAL_S as FLUSH_INTERVAL_S
 from ..core.job import JobContext
 
@@ -44,14 +43,10 @@ TAIL_LINES = 20
 MAX_LINE_CHARS = 8192
 #: Bytes of a line without its end kept before they are sent as a line of their own.
 MAX_PARTIAL_BYTES = 1 << 20
-#: Batches a command's stream keeps (older ones are trimmed; the files keep everything).
-STREAM_MAX_BATCHES = 5000
-
-
 
 class LogSink:
     """A command's output: whole in ``stdout.log``/``stderr.log``, its last lines kept, and
-    batches of lines streamed to Redis (``publish``, None: no stream)."""
+    batches of lines sent to the worker (``publish``, None: no stream)."""
 
     def __init__(self, folder: Path, publish: Callable[[list[list[str]]], None] | None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -109,19 +104,6 @@ class LogSink:
         self.flush()
         for handle in self.files.values():
             handle.close()
-
-
-def redis_publisher(client: Any, job_id: str, expires_s: int) -> Callable[[list[list[str]]], None]:
-    """A batch of lines to ``keys.command_log(job_id)``: one pipelined round trip."""
-    key = keys.command_log(job_id)
-
-    def publish(batch: list[list[str]]) -> None:
-        pipe = client.pipeline(transaction=False)
-        pipe.xadd(key, {"lines": json.dumps(batch)}, maxlen=STREAM_MAX_BATCHES, approximate=True)
-        pipe.expire(key, expires_s)
-        pipe.execute()
-
-    return publish
 
 
 class EventReader:

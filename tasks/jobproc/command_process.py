@@ -97,8 +97,6 @@ class CommandRun:
     grace_s: float
     #: Called each loop: an error to stop the command with (cancelled, timed out), else None.
     should_stop: Callable[[], BaseException | None]
-    #: Called each loop; True stops the command with :class:`Superseded` (its gang moved on).
-    watch: Callable[[], bool] = lambda: False
     started: float = field(default=0.0)
 
     def wait(self) -> Exit:
@@ -128,8 +126,6 @@ class CommandRun:
                 self._read(selector, streams, POLL_S)
                 if stopped is None:
                     stopped = self.should_stop()
-                    if stopped is None and self.watch():
-                        stopped = Superseded()
                     if stopped is not None:
                         logger.info("stopping command %s: %s", self.argv[0], stopped)
                         _signal_tree(process.pid, signal.SIGTERM)
@@ -193,10 +189,6 @@ def _pidfd(pid: int) -> int | None:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
-
-
-class Superseded(Exception):
-    """The command was stopped because its gang moved to another generation."""
 
 
 def _signal_tree(pid: int, signum: int) -> None:

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(spec, ProcessSpec):
         return EXIT_NO_WORKER
     try:
-        runtime = JobRuntime.prepare(spec)
+        runtime = JobRuntime.prepare(spec, channel)
     except DeviceFleetError as exc:
         channel.send(Refused(error=ErrorInfo.of(exc), config=isinstance(exc, ConfigError)))
         return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_NO_WORKER

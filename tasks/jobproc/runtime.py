@@ -19,18 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.devices import Device, check_visibility, host_name
-from ..core.errors import DeviceFleetError, GangFailed, JobCancelled, JobError, OutOfMemory
+from ..core.devices import Device, check_visibility
+from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost
 from ..core.job import JobContext, JobDefinition, JobFunc
-from ..core.records import ErrorInfo, GangSpec, JobOptions
-from ..core.registry import connect
-from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob
+from ..core.records import ErrorInfo, JobOptions
+from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessSpec, Rank, Report, RunJob
 from .channel import Channel
-from .command import CommandJob, run_command_rank
+from .command import CommandJob
 from .command_process import become_subreaper
-from .distributed import GiveWay, Rendezvous, run_rank
 from .oom import release_memory, run_guarded
 from .progress import ProgressThrottle
+from .rank import run_command_rank, run_rank
 from .registry import JobRegistry, validate_kwargs
 from .scalars import ScalarLog, run_dir
 
@@ -94,13 +93,13 @@ class JobRuntime:
 
     spec: ProcessSpec
     registry: JobRegistry
-    visibility: dict[str, Any]
+    visibility: DeviceView
     baseline: _Baseline
-    _redis: Any = field(default=None, repr=False)
 
     @classmethod
-    def prepare(cls, spec: ProcessSpec) -> JobRuntime:
-        """Pin the cores, load torch and the jobs, check the device.
+    def prepare(cls, spec: ProcessSpec, channel: Channel) -> JobRuntime:
+        """Pin the cores, load torch and the jobs, check the device; a command's output lines
+        go to the worker over ``channel``.
 
         Raises:
             ConfigError: a job module cannot be imported.
@@ -116,11 +115,13 @@ class JobRuntime:
         seen["torch_threads"] = spec.torch_threads
         baseline = _Baseline(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path),
                              cores=list(spec.cores), threads=spec.torch_threads)
-        runtime = cls(spec=spec, registry=registry, visibility=seen, baseline=baseline)
+        runtime = cls(spec=spec, registry=registry, visibility=DeviceView.model_validate(seen), baseline=baseline)
         if spec.commands is not None and spec.commands.programs:
             # What a command leaves behind is re-parented here, and ended with the command.
             become_subreaper()
-            registry.add_builtin(CommandJob(spec, spec.commands, runtime.redis, baseline.environ).definition())
+            command = CommandJob(spec, spec.commands, baseline.environ,
+                                 publish=lambda batch: channel.send(LogLines.model_validate({"lines": batch})))
+            registry.add_builtin(command.definition())
         return runtime
 
     def hello(self) -> Hello:
@@ -158,40 +159,21 @@ class JobRuntime:
         self.reset(job)
         return run_job(self, job, channel)
 
-    def redis(self) -> Any:
-        """The fleet's Redis, for distributed jobs' rendezvous (connected on first use)."""
-        if self._redis is None:
-            if self.spec.redis_url is None:
-                return None
-            self._redis = connect(self.spec.redis_url)
-        return self._redis
-
-    def rank_of_gang(self, definition: JobDefinition, spec: GangSpec) -> JobFunc:
-        """The job as one rank of the distributed job ``spec`` (:mod:`tasks.jobproc.distributed`).
-
-        Raises:
-            GangFailed: this worker is not joined to a fleet, or its device is not one of the gang's.
-        """
-        device = self.spec.device
-        client = self.redis()
-        if client is None:
-            raise GangFailed(f"{device} is not joined to a fleet: a distributed job needs its Redis")
-        if device not in spec.devices:
-            raise GangFailed(f"{device} took a rank of {spec.id}, which runs on "
-                             f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)")
-        rdv = Rendezvous(client, spec, device, host_name(), self.spec.result_expires_s)
+    def rank_of(self, definition: JobDefinition, rank: Rank, channel: Channel) -> JobFunc:
+        """The job as one rank of a distributed job (:mod:`tasks.jobproc.rank`)."""
         if isinstance(definition.func, CommandJob):
             command = definition.func
 
             def command_rank(ctx: JobContext, params: Any) -> dict[str, Any]:
-                return run_command_rank(command, ctx, params, rdv, self.spec.address)
+                return run_command_rank(command, ctx, params, rank, channel)
 
             return command_rank
+        func = definition.func
 
-        def rank(ctx: JobContext, params: Any) -> dict[str, Any]:
-            return run_rank(definition.func, ctx, params, rdv, self.spec.address)
+        def one_rank(ctx: JobContext, params: Any) -> dict[str, Any]:
+            return run_rank(func, ctx, params, rank, channel)
 
-        return rank
+        return one_rank
 
 
 @dataclass
@@ -229,7 +211,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
             cancelled=lambda: channel.stop_requested(job.job_id),
             interruption=lambda: channel.interruption(job.job_id),
         )
-        func = definition.func if options.gang is None else runtime.rank_of_gang(definition, options.gang)
+        func = definition.func if job.rank is None else runtime.rank_of(definition, job.rank, channel)
         output, still_held = run_guarded(func, ctx, params, options.fallback)
         if not isinstance(output, dict):
             raise JobError(f"job {definition.name!r} returned {type(output).__name__}, not a dict")
@@ -245,9 +227,9 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
     except JobCancelled as exc:
         logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
         ending.failed(exc, Outcome.CANCELLED)
-    except GiveWay as exc:
-        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
-        ending.outcome = Outcome.GIVE_WAY
+    except PeerLost as exc:
+        logger.warning("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
+        ending.failed(exc, Outcome.PEER_LOST)
     except DeviceFleetError as exc:
         logger.warning("%s: job %s failed: %s", spec.device, job.job, exc)
         ending.failed(exc)

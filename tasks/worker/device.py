@@ -41,10 +41,10 @@ from ..core.queues import worker_queues
 from ..core.records import SlotRecord, Visibility, WorkerRecord
 from ..core.registry import check_sentinels, connect, read_worker
 from ..core.settings import Settings, redact_url
-from ..core.shadow import child_pythonpath
-from ..core.wire import ProcessSpec
+from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
 from .heartbeat import Heartbeat
+from .jobenv import fleet_secrets, hide_from_children, job_environment
 from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
@@ -102,7 +102,8 @@ class DeviceWorker:
         self.torch_device = "cuda:0" if self.device.kind is DeviceKind.GPU else "cpu"
         self.artifacts_path = Path(settings.artifacts_path)
         self.cores: list[int] = []
-        self.visibility: dict[str, object] = {}
+        #: What its first job process saw of the device (:meth:`prepare`).
+        self.visibility = DeviceView()
         #: The allowlist's jobs, as the first job process found them (:meth:`prepare`).
         self.jobs = JobCatalog([], settings.job_modules)
         #: The job processes that run this device's jobs (started by :meth:`prepare`).
@@ -131,11 +132,7 @@ class DeviceWorker:
     @property
     def seen(self) -> Visibility:
         """What this worker sees of its device, as entries report it."""
-        return Visibility(
-            cuda_visible_devices=self.visibility.get("cuda_visible_devices"),  # type: ignore[arg-type]
-            cuda_available=self.visibility.get("cuda_available"),  # type: ignore[arg-type]
-            device_name=self.visibility.get("device_name"),  # type: ignore[arg-type]
-        )
+        return self.visibility.entry
 
     @property
     def torch_threads(self) -> int:
@@ -163,11 +160,14 @@ class DeviceWorker:
             url = None  # join() says so; an in-process check of the jobs needs no fleet
         if url is not None:
             self.address = self.settings.advertise_address or route_address(url)
+        # Nothing that opens the fleet's Redis reaches a job process: not in its spec, not in
+        # its environment (tasks.worker.jobenv), not in this process's /proc/<pid>/environ.
+        hide_from_children()
         spec = ProcessSpec(
             device=self.device.name, torch_device=self.torch_device, cores=self.cores,
-            torch_threads=self.torch_threads, job_modules=self.settings.job_modules, redis_url=url,
+            torch_threads=self.torch_threads, job_modules=self.settings.job_modules,
             artifacts_dir=str(self.artifacts_path), tensorboard_dir=str(self.settings.tensorboard_path),
-            result_expires_s=self.settings.result_expires_s, address=self.address,
+            result_expires_s=self.settings.result_expires_s,
             commands=self.command_rules(), cancel_grace_s=self.config.cancel_grace_s,
         )
         policy = ProcessPolicy(
@@ -175,7 +175,7 @@ class DeviceWorker:
             max_memory_growth_bytes=self.config.max_memory_growth_mib * 2**20,
             cancel_grace_s=self.config.cancel_grace_s,
         )
-        env = job_environment(self.device, self.torch_threads)
+        env = job_environment(self.device, self.torch_threads, fleet_secrets(url))
         if self.config.mps:
             self.mps = MpsServer(self.device, self.settings.state_dir)
             env.update(self.mps.start(int(self.config.memory_gib * GiB) if self.config.memory_gib else None))
@@ -187,13 +187,13 @@ class DeviceWorker:
             if self.mps is not None:
                 self.mps.stop()
             raise _start_error(self.device, exc) from None
-        self.visibility = dict(hello.visibility)
+        self.visibility = hello.visibility
         self.jobs = JobCatalog(hello.jobs, self.settings.job_modules)
         self._plan_slots()
         logger.info(
             "%s: CUDA_VISIBLE_DEVICES=%s, cores %s, %d torch threads, device %s; job process %d ready "
-            "with jobs %s", self.device, self.visibility["cuda_visible_devices"],
-            format_core_list(self.cores), self.torch_threads, self.visibility["device_name"],
+            "with jobs %s", self.device, self.visibility.cuda_visible_devices,
+            format_core_list(self.cores), self.torch_threads, self.visibility.device_name,
             hello.pid, ", ".join(self.jobs.names),
         )
 
@@ -204,14 +204,13 @@ class DeviceWorker:
         gpu = self.device.kind is DeviceKind.GPU
         # One slot without memory_gib: no budget (the device's whole memory is the job's).
         enforced = config.slots > 1 or config.memory_gib is not None
-        total = (self.visibility.get("total_memory") if gpu else psutil.virtual_memory().total) if enforced else None
+        total = (self.visibility.total_memory if gpu else psutil.virtual_memory().total) if enforced else None
         threads = None if config.torch_threads == "auto" else config.torch_threads
         self.slots = Slots(plan_slots(self.cores, config.slots, threads, config.memory_gib,
-                                      int(total) if isinstance(total, int) else None))
+                                      total))
         supervisor = self.supervisor
         if supervisor is not None and enforced:
-            uuid = self.visibility.get("uuid")
-            supervisor.meter = open_meter(self.device.kind.value, uuid if isinstance(uuid, str) else None,
+            supervisor.meter = open_meter(self.device.kind.value, self.visibility.uuid,
                                           self.device.index, str(self.device))
         budget = self.slots.all[0].budget_bytes
         logger.info("%s: %d slot%s (cores %s), each with a budget of %s of %s memory", self.device,
@@ -244,12 +243,9 @@ class DeviceWorker:
                    for slot in self.slots.all],
             memory_kind="device" if self.device.kind is DeviceKind.GPU else "resident",
             started_at=time.time(),
-            cuda_visible_devices=v.get("cuda_visible_devices"),  # type: ignore[arg-type]
-            cuda_available=v.get("cuda_available"),  # type: ignore[arg-type]
-            device_name=v.get("device_name"),  # type: ignore[arg-type]
-            total_memory=v.get("total_memory"),  # type: ignore[arg-type]
-            torch_version=v.get("torch_version"),  # type: ignore[arg-type]
-            torch_threads=v.get("torch_threads"),  # type: ignore[arg-type]
+            cuda_visible_devices=v.cuda_visible_devices, cuda_available=v.cuda_available,
+            device_name=v.device_name, total_memory=v.total_memory, torch_version=v.torch_version,
+            torch_threads=v.torch_threads,
             job_pids=self.supervisor.pids if self.supervisor is not None else [],
             commands=self.supervisor.spec.commands if self.supervisor is not None else None,
         )
@@ -319,22 +315,6 @@ class DeviceWorker:
         if self.mps is not None:  # after its clients, the job processes
             self.mps.stop()
             self.mps = None
-
-
-def job_environment(device: Device, threads: int) -> dict[str, str]:
-    """The environment every job process of ``device`` starts with (and every job in it): this
-    worker's, with the device's visibility, and the folders this worker imports from first."""
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = device.cuda_visible_devices
-    # numpy and friends follow OpenMP's setting, torch its own (set by the job process).
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    # Prints reach the worker's log (and a crash report's last lines) as they happen.
-    env["PYTHONUNBUFFERED"] = "1"
-    # The same devicefleet as this worker's (first, as for every child: tasks.core.shadow), and
-    # the job modules it could import from its working directory (after it).
-    paths = [*child_pythonpath(env).split(os.pathsep), os.getcwd()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return env
 
 
 def _start_error(device: Device, exc: ProcessGone) -> FleetError | ConfigError:

@@ -30,11 +30,15 @@ from ..core.shadow import CHILD_FLAGS
 from ..core.wire import (
     Finished,
     Hello,
+    LogLines,
+    Proceed,
     ProcessSpec,
+    RankFailed,
     Refused,
     Report,
     RunJob,
     StopJob,
+    StoreOpened,
     decode_from_job_process,
 )
 
@@ -122,7 +126,7 @@ class JobProcess:
                 self.kill("it did not say hello in time")
                 raise ProcessGone(f"{self.label}: not ready after {timeout:g} s; its output: {self.tail_text()}")
 
-    def send(self, message: RunJob | StopJob) -> None:
+    def send(self, message: RunJob | StopJob | Proceed) -> None:
         """Send ``message``; a process that has gone is found by the next :meth:`receive`."""
         if isinstance(message, RunJob):
             self._tail.clear()
@@ -132,7 +136,7 @@ class JobProcess:
         except OSError as exc:
             logger.debug("%s: could not send %s: %s", self.label, message.kind, exc)
 
-    def receive(self, timeout: float) -> Hello | Refused | Report | Finished | None:
+    def receive(self, timeout: float) -> Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished | None:
         """The next message, or None if none came within ``timeout``.
 
         Raises:

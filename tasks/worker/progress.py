@@ -1,5 +1,8 @@
 """Job progress: throttled in the job process, published three ways by the worker, shown live by the CLI.
 
+(A command's output lines take the same road: batched by its job process, appended here to its
+log stream, :func:`publish_log`.)
+
 A job calls ``ctx.progress(epoch=3, epochs=15, loss=0.21)`` as often as it likes. Its job
 process keeps the latest report and sends it to the worker at most
 :data:`tasks.jobproc.progress.MIN_INTERVAL_S` apart (the first report at once); a report that
@@ -39,6 +42,10 @@ from ..core.job import PROGRESS_EVENT, PROGRESS_STATE
 
 logger = logging.getLogger(__name__)
 
+#: Batches a command's log stream keeps (older ones are trimmed; its log files keep everything).
+STREAM_MAX_BATCHES = 5000
+
+
 def summary(fields: dict[str, Any]) -> str:
     """``progress: epoch=3 epochs=15 loss=0.21``: the report as Flower shows it."""
     return "progress: " + " ".join(
@@ -75,3 +82,19 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
             heartbeat.update_slot(slot, progress=meta, after_s=HEARTBEAT_COALESCE_S)
         except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to the registry failed: %s", exc)
+
+
+def publish_log(client: Any, job_id: str, lines: list[tuple[str, str]], expires_s: int) -> None:
+    """Append a batch of a command's output lines to ``keys.command_log(job_id)`` (one pipelined
+    round trip), which ``devicefleet run`` follows; never raises (the command matters more than
+    its live view)."""
+    if client is None or not lines:
+        return
+    key = keys.command_log(job_id)
+    try:
+        pipe = client.pipeline(transaction=False)
+        pipe.xadd(key, {"lines": json.dumps(lines)}, maxlen=STREAM_MAX_BATCHES, approximate=True)
+        pipe.expire(key, expires_s)
+        pipe.execute()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not stream %d lines of %s's output: %s", len(lines), job_id, exc)

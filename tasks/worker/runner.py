@@ -43,10 +43,10 @@ from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, progress
+from . import accounting, gang, progress
 from .device import DeviceWorker
 from .slots import Slot
-from .supervisor import Ended
+from .supervisor import Ended, Watch
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +183,14 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot)
-        ended = run_in_process(worker, run.job_message(kwargs, options),
-                               JobWatch(worker, task, run.job_id, options, slot.index), slot,
-                               restarts=options.gang.max_restarts if options.gang is not None else 0)
+        message = run.job_message(kwargs, options)
+        watch = JobWatch(worker, task, run.job_id, options, slot.index)
+        if options.gang is None:
+            ended = run_in_process(worker, message, watch, slot)
+        else:
+            ended = gang.run_rank(worker.heartbeat.client if worker.heartbeat is not None else None, options.gang,
+                                  worker.device.name, worker.address, worker.settings.result_expires_s,
+                                  message, watch, lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
         if ended.outcome is Outcome.GIVE_WAY:
             run.idle(done=False)
         else:
@@ -194,30 +199,21 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
     raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
 
 
-def run_in_process(worker: DeviceWorker, job: RunJob, watch: JobWatch, slot: Slot | None = None,
-                   restarts: int = 0) -> Ended:
-    """Run ``job`` in one of the worker's job processes (in ``slot``). A rank of a distributed
-    job whose process crashed runs again in a fresh one, up to its gang's ``restarts``: its peers
-    lost it, and its fresh run moves the gang to its next generation
-    (:mod:`tasks.jobproc.distributed`)."""
+def run_in_process(worker: DeviceWorker, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
+    """Run ``job`` in one of the worker's job processes (in ``slot``); a rank of a distributed
+    job runs here once per generation of its gang (:mod:`tasks.worker.gang` owns its restarts)."""
     supervisor = worker.supervisor
     assert supervisor is not None, "the device worker has no job processes: prepare() was not called"
     try:
-        ended = supervisor.run(job, watch, slot)
+        return supervisor.run(job, watch, slot)
     except NoJobProcess as exc:
         logger.error("%s: %s", worker.device, exc)
         return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
-    for _ in range(restarts):
-        if not ended.crashed:
-            break
-        logger.warning("%s: rank %s lost its process (%s); running it again in a fresh one",
-                       worker.device, job.job_id, ended.error.message if ended.error else "")
-        ended = supervisor.run(job, watch, slot)
-    return ended
 
 
 class JobWatch:
-    """What a running job's supervisor asks of the worker: publish a report; stop it now?
+    """What a running job's supervisor asks of the worker: publish a report or a command's log
+    lines (the job process has no door to Redis: the worker relays them); stop it now?
 
     A job stops when the producer cancelled it (Celery's revoke adds its id to the worker's
     ``revoked`` set), when it is past its time limit, or when the worker is stopping and the
@@ -240,6 +236,15 @@ class JobWatch:
             fields = {**fields, "slot": self.slot}
         progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
                          self.worker.settings.result_expires_s, self.slot)
+
+    def log(self, lines: list[tuple[str, str]]) -> None:
+        progress.publish_log(self._client, self.job_id, lines, self.worker.settings.result_expires_s)
+
+    def store_opened(self, port: int) -> None:
+        """A plain job has no gang: nothing to publish."""
+
+    def rank_failed(self, reason: str) -> None:
+        """A plain job has no gang: nothing to fail."""
 
     def memory(self, used: int) -> None:
         if self.worker.heartbeat is not None:  # folded into the next write: the samples come often

@@ -4,7 +4,8 @@ A device worker never runs a job itself. :class:`Supervisor` keeps one job proce
 (:mod:`tasks.worker.jobprocess`) per slot alive and ready (torch and the job modules imported),
 and a spare, hands each running job to one of them (:meth:`Supervisor.run`) and watches it:
 
-- a report is handed to the job's :class:`Watch` (which publishes it);
+- a report, a batch of a command's log lines, a rank's store port or its own failure is handed
+  to the job's :class:`Watch` (which relays it to Redis: the job process has no door to it);
 - a stop the watch asks for (a cancel, the time limit, the worker's stop) is sent to the job,
   which raises at its next ``ctx.progress()``; a job that has not ended ``cancel_grace_s`` later
   has its process group ended (SIGTERM, then SIGKILL) and its entry says why;
@@ -45,9 +46,22 @@ from ..core.defaults import (
     SUPERVISOR_JOIN_S,
 )
 from ..core.defaults import JOB_POLL_S as POLL_S
-from ..core.errors import JobCancelled, JobCrashed, JobTimeout, NoJobProcess, OutOfMemory, WorkerStopped
+from ..core.errors import JobCrashed, NoJobProcess, OutOfMemory, WorkerStopped
 from ..core.records import ErrorInfo
-from ..core.wire import Finished, Hello, Outcome, ProcessSpec, Report, RunJob, StopJob, StopReason
+from ..core.wire import (
+    STOPS,
+    Finished,
+    Hello,
+    LogLines,
+    Outcome,
+    Proceed,
+    ProcessSpec,
+    RankFailed,
+    Report,
+    RunJob,
+    StopJob,
+    StoreOpened,
+)
 from . import memory
 from .jobprocess import JobProcess, ProcessGone
 from .memory import MemoryMeter
@@ -56,12 +70,6 @@ from .slots import Slot
 logger = logging.getLogger(__name__)
 
 
-#: The error and outcome of a job whose process was ended, by the reason it was stopped.
-_KILLED: dict[StopReason, tuple[type[Exception], Outcome]] = {
-    StopReason.CANCEL: (JobCancelled, Outcome.CANCELLED),
-    StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
-    StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
-}
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,15 @@ class Watch(Protocol):
 
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
+
+    def log(self, lines: list[tuple[str, str]]) -> None:
+        """Publish a batch of a command's output lines (``[stream, text]``)."""
+
+    def store_opened(self, port: int) -> None:
+        """Rank 0's store listens on ``port``: publish it to the gang (a plain job has none)."""
+
+    def rank_failed(self, reason: str) -> None:
+        """A rank's own error: fail its gang with ``reason`` now (a plain job has none)."""
 
     def stop(self) -> StopJob | None:
         """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
@@ -110,7 +127,7 @@ class Ended:
         return self.error is not None and self.error.type == "JobCrashed"
 
     @classmethod
-    def by_worker(cls, error: type[Exception], message: str, pid: int, retired: str | None,
+    def by_worker(cls, error: type[BaseException], message: str, pid: int, retired: str | None,
                   outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None) -> Ended:
         """A job the worker ended (or found ended), with one of devicefleet's job errors (and
         its memory ``figures`` when it ended past its budget)."""
@@ -372,6 +389,13 @@ class _Run:
                              error_module=message.error_module, pid=self.process.pid, retired=None)
             if isinstance(message, Report):
                 self.watch.report(message.fields)
+            elif isinstance(message, LogLines):
+                self.watch.log(message.lines)
+            elif isinstance(message, StoreOpened):
+                self.watch.store_opened(message.port)
+            elif isinstance(message, RankFailed):
+                self.watch.rank_failed(message.reason)
+                self.process.send(Proceed())
             # Asked after every message too: a job that reports often is stopped all the same.
             if self._should_end():
                 return self._ended()
@@ -393,7 +417,7 @@ class _Run:
         assert self.stop is not None
         stop = self.stop
         self.process.kill(f"{stop.reason.value}: no stop at ctx.progress() within {self.grace_s:g} s")
-        error, outcome = _KILLED[stop.reason]
+        error, outcome = STOPS[stop.reason]
         message = (f"{stop.message}; it did not stop at ctx.progress() within {self.grace_s:g} s, so "
                    f"its process {self.process.pid} and everything it started were ended "
                    f"({self.process.exit_text()})")

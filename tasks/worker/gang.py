@@ -1,0 +1,374 @@
+"""Distributed jobs' gangs, owned by the worker: membership, generations, wait-die, restarts.
+
+``tasks.fan_out(job, devices, distributed=True)`` sends one message per device, each carrying
+the gang's :class:`~tasks.core.records.GangSpec` in its options; rank ``i`` is the job on
+``devices[i]``. The worker that takes a rank (:func:`run_rank`), as torchrun's elastic agent
+does for its workers, and never in the job process (which holds no key to Redis):
+
+1. joins the gang's rendezvous, one Redis hash (:func:`tasks.core.keys.gang`), in the current
+   generation, and waits until every rank has joined it. A rank that waits longer than
+   ``join_timeout_s`` fails the gang with a message naming the devices that did not come;
+2. hands the job to a job process with its :class:`~tasks.core.wire.Rank` (rank, world size,
+   generation, rank 0's address): rank 0's job process opens the gang's ``TCPStore`` and says
+   on which port (:class:`~tasks.core.wire.StoreOpened`), which this worker publishes in the
+   gang's hash; the other ranks' workers wait for it before they start their job. The job
+   process runs ``init_process_group`` and the job (:mod:`tasks.jobproc.rank`);
+3. watches the gang while the rank runs (:class:`GangWatch`): a gang that failed or moved to
+   another generation stops the rank (``StopReason.GANG``).
+
+**Restarts.** One loop for ``@job`` ranks and command ranks. A rank whose job process crashed,
+or whose collective lost a peer (the outcome ``peer_lost``, :func:`tasks.jobproc.rank.peer_lost`)
+runs again, in a fresh job process where it crashed: it moves the gang to the next generation
+and waits there; its peers follow. A rank whose whole worker died runs again on its device (the
+lease's reaper gives its message back, :mod:`tasks.worker.lease`): its fresh run finds the
+generation it had joined complete and moves the gang on too; all meet in the next generation
+and the job resumes from its checkpoint (``train`` saves one). After ``max_restarts``
+generations the gang fails (the restart budget is the join script's). Any other error of a
+rank's job fails the gang at once (before the rank's group goes: :class:`~tasks.core.wire.RankFailed`),
+and the peers fail naming it.
+
+**No deadlock.** Two gangs over overlapping devices could each hold a device the other waits
+for. The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``), so every
+device's queue holds one gang's ranks before the next's; but order alone is not enough (the
+reaper gives a dead worker's rank back at the front of its queue after its restarted worker may
+have taken another gang's rank). So ranks also follow *wait-die* (Rosenkrantz, Stearns and
+Lewis, 1978): a gang's ``seq`` is its age; a rank waiting for its gang on a device that an
+older, still assembling gang needs (``keys.gangs_needing``) gives the device up (its message
+goes back to the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
+:data:`~tasks.core.defaults.GIVE_WAY_S` later. A younger gang waits only for older ones and never the other way
+round, so no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from ..core import keys
+from ..core.defaults import GANG_ALIVE_TTL_MS as ALIVE_TTL_MS
+from ..core.defaults import GANG_POLL_S as POLL_S
+from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
+from ..core.devices import host_name
+from ..core.errors import GangFailed, GiveWay, PeerLost
+from ..core.records import GangSpec
+from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
+from .supervisor import Ended, Watch
+
+logger = logging.getLogger(__name__)
+
+#: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
+#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), seq, gang id, max restarts, TTL s.
+#: Join the current generation; first move the gang to the next one when this rank's earlier
+#: run joined a generation that had assembled (it died in it: 'fresh'), or when a collective of
+#: generation <gen> failed ('after:<gen>'). Returns {generation, ''} or {-1, why it failed}.
+_JOIN = """
+local gang = KEYS[1]
+local world = #KEYS - 1
+local failed = redis.call('hget', gang, 'failed')
+if failed then return {-1, failed} end
+local gen = tonumber(redis.call('hget', gang, 'gen') or '0')
+local function joined(g)
+  local n = 0
+  for r = 0, world - 1 do
+    if redis.call('hexists', gang, 'm:' .. g .. ':' .. r) == 1 then n = n + 1 end
+  end
+  return n
+end
+local bump = false
+if ARGV[3] == 'fresh' then
+  bump = redis.call('hexists', gang, 'm:' .. gen .. ':' .. ARGV[1]) == 1 and joined(gen) == world
+else
+  bump = tonumber(string.sub(ARGV[3], 7)) == gen
+end
+if bump then
+  gen = gen + 1
+  if gen > tonumber(ARGV[6]) then
+    local why = 'gave up after ' .. ARGV[6] .. ' restarts (a rank died or lost its peers each time)'
+    redis.call('hset', gang, 'failed', why)
+    for r = 0, world - 1 do redis.call('zrem', KEYS[r + 2], ARGV[5]) end
+    return {-1, why}
+  end
+end
+redis.call('hset', gang, 'gen', gen, 'm:' .. gen .. ':' .. ARGV[1], ARGV[2])
+local complete = joined(gen) == world
+for r = 0, world - 1 do
+  if complete or redis.call('hexists', gang, 'm:' .. gen .. ':' .. r) == 1 then
+    redis.call('zrem', KEYS[r + 2], ARGV[5])
+  else
+    redis.call('zadd', KEYS[r + 2], ARGV[4], ARGV[5])
+  end
+end
+redis.call('expire', gang, ARGV[7])
+return {gen, ''}
+"""
+
+#: KEYS: gang hash, then every rank's gangs_needing key. ARGV: gang id, why.
+#: Fail the gang (the first reason stays) and stop holding any device for it.
+_FAIL = """
+redis.call('hsetnx', KEYS[1], 'failed', ARGV[2])
+for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[1]) end
+return redis.call('hget', KEYS[1], 'failed')
+"""
+
+#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, seq, generation, rank.
+#: Leave the generation (to give the device up): the gang needs this device again.
+_LEAVE = """
+if redis.call('hget', KEYS[1], 'gen') == ARGV[3] and not redis.call('hget', KEYS[1], 'failed') then
+  redis.call('hdel', KEYS[1], 'm:' .. ARGV[3] .. ':' .. ARGV[4])
+  redis.call('zadd', KEYS[2], ARGV[2], ARGV[1])
+end
+return 1
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    """A generation in which every rank has joined."""
+
+    generation: int
+    #: ``{rank: host}`` of the generation's ranks.
+    hosts: dict[int, str]
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s index among the generation's ranks on its host, as torchrun numbers them."""
+        same_host = [r for r in sorted(self.hosts) if self.hosts[r] == self.hosts.get(rank)]
+        return same_host.index(rank) if rank in same_host else 0
+
+
+class Rendezvous:
+    """One rank's side of its gang's rendezvous in Redis."""
+
+    def __init__(self, client: redis.Redis, spec: GangSpec, device: str, host: str,
+                 expires_s: int) -> None:
+        self.client = client
+        self.spec = spec
+        self.device = device
+        self.rank = spec.rank_of(device)
+        self.host = host
+        self.expires_s = expires_s
+        self.key = keys.gang(spec.id)
+        self._needing = [keys.gangs_needing(d) for d in spec.devices]
+        self._join = client.register_script(_JOIN)
+        self._fail = client.register_script(_FAIL)
+        self._leave = client.register_script(_LEAVE)
+
+    def join(self, after: int | None = None) -> int:
+        """Join the current generation and return it; ``after``: the generation whose
+        collective just failed (the gang moves past it).
+
+        Raises:
+            GangFailed: the gang has failed or used up its restarts.
+        """
+        mode = "fresh" if after is None else f"after:{after}"
+        gen, why = self._join(keys=[self.key, *self._needing], args=[
+            self.rank, self.host, mode, self.spec.seq, self.spec.id, self.spec.max_restarts,
+            self.expires_s])
+        if int(gen) < 0:
+            raise GangFailed(f"distributed job {self.spec.id}: {_text(why)}")
+        return int(gen)
+
+    def fail(self, why: str) -> str:
+        """Fail the gang (the first reason given wins) and return the reason it failed for."""
+        return _text(self._fail(keys=[self.key, *self._needing], args=[self.spec.id, why]))
+
+    def state(self) -> tuple[str | None, int | None]:
+        """Why the gang failed (None: it has not) and its current generation."""
+        failed, current = self.client.hmget(self.key, ["failed", "gen"])
+        return (_text(failed) if failed else None), (int(current) if current is not None else None)
+
+    def wait(self, gen: int, give_way: bool = True) -> Assembled:
+        """Wait until every rank has joined generation ``gen`` (joining again if the gang has
+        moved on meanwhile).
+
+        Raises:
+            GangFailed: the gang failed, or the wait outlasted ``join_timeout_s`` (the message
+                names the devices that did not come).
+            GiveWay: an older gang that is assembling needs this device.
+        """
+        deadline = time.monotonic() + self.spec.join_timeout_s
+        needing = keys.gangs_needing(self.device)
+        while True:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(keys.gang_alive(self.spec.id), 1, px=ALIVE_TTL_MS)
+            pipe.hgetall(self.key)
+            pipe.zrangebyscore(needing, "-inf", f"({self.spec.seq}", start=0, num=8)
+            _, fields, older = pipe.execute()
+            fields = {_text(k): _text(v) for k, v in fields.items()}
+            if "failed" in fields:
+                raise GangFailed(f"distributed job {self.spec.id}: {fields['failed']}")
+            current = int(fields.get("gen", gen))
+            if current != gen:
+                gen = self.join(after=None)
+                continue
+            hosts = {r: fields.get(f"m:{gen}:{r}") for r in range(self.spec.world_size)}
+            if all(hosts.values()):
+                return Assembled(gen, {r: str(h) for r, h in hosts.items()})
+            if give_way and older:
+                alive = [_text(g) for g, up in zip(older, self._alive(older), strict=True) if up]
+                if alive:
+                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.spec.seq, gen, self.rank])
+                    raise GiveWay(self.device, alive[0])
+            if time.monotonic() > deadline:
+                missing = [d for r, d in enumerate(self.spec.devices) if not hosts[r]]
+                why = (f"{', '.join(missing)} did not join within join_timeout_s="
+                       f"{self.spec.join_timeout_s:g} (rank {self.rank} on {self.device} waited; is "
+                       f"{'its' if len(missing) == 1 else 'their'} worker up and free?)")
+                raise GangFailed(f"distributed job {self.spec.id}: {self.fail(why)}")
+            time.sleep(POLL_S)
+
+    def _alive(self, gangs: list[Any]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for gang_id in gangs:
+            pipe.exists(keys.gang_alive(_text(gang_id)))
+        return [bool(n) for n in pipe.execute()]
+
+    def publish_store(self, gen: int, address: str, port: int) -> None:
+        """Rank 0's store for generation ``gen`` listens at ``address:port``."""
+        self.client.hset(self.key, f"master:{gen}", f"{address}:{port}")
+
+    def find_store(self, gen: int) -> tuple[str, int]:
+        """Wait until rank 0 has published its store for generation ``gen``: ``(address, port)``.
+
+        Raises:
+            GangFailed: the gang failed, or rank 0 did not publish its store within the join timeout.
+            PeerLost: the gang moved on to another generation meanwhile.
+        """
+        deadline = time.monotonic() + self.spec.join_timeout_s
+        field = f"master:{gen}"
+        while not (published := self.client.hget(self.key, field)):
+            failed, current = self.state()
+            if failed or time.monotonic() > deadline:
+                raise GangFailed(f"distributed job {self.spec.id}: rank 0 on {self.spec.devices[0]} "
+                                 "did not open its store" + (f" ({failed})" if failed else ""))
+            if current is not None and current != gen:
+                raise PeerLost(f"{self.spec.id} moved on from generation {gen} to {current}")
+            time.sleep(POLL_S)
+        host, _, port = _text(published).rpartition(":")
+        return host, int(port)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class GangWatch:
+    """The watch of one rank's run in one generation: the job's own watch (progress, stops), and
+    the gang's side of it: rank 0's store published, a rank's own failure failing the gang, a
+    gang that failed or moved on (a peer died) stopping the rank."""
+
+    def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str) -> None:
+        self.inner = inner
+        self.rdv = rdv
+        self.job_id = job_id
+        self.generation = generation
+        self.address = address
+        self._next = time.monotonic() + WATCH_INTERVAL_S
+
+    def report(self, fields: dict[str, Any]) -> None:
+        self.inner.report(fields)
+
+    def log(self, lines: list[tuple[str, str]]) -> None:
+        self.inner.log(lines)
+
+    def memory(self, used: int) -> None:
+        self.inner.memory(used)
+
+    def store_opened(self, port: int) -> None:
+        self.rdv.publish_store(self.generation, self.address, port)
+
+    def rank_failed(self, reason: str) -> None:
+        self.rdv.fail(reason)
+
+    def stop(self) -> StopJob | None:
+        stop = self.inner.stop()
+        if stop is not None:
+            return stop
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + WATCH_INTERVAL_S
+        failed, current = self.rdv.state()
+        if failed is not None:
+            return StopJob(job_id=self.job_id, reason=StopReason.GANG,
+                           message=f"distributed job {self.rdv.spec.id}: {failed}")
+        if current is not None and current != self.generation:
+            return StopJob(job_id=self.job_id, reason=StopReason.GANG,
+                           message=f"{self.rdv.spec.id} moved on from generation {self.generation} to {current}")
+        return None
+
+
+def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: str, expires_s: int,
+             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended]) -> Ended:
+    """Run ``job`` as the rank of gang ``spec`` on ``device`` (``run`` runs it in a job process):
+    join, assemble, run; run it again with the gang when it restarts. Never raises: the
+    :class:`Ended` says how it ended, ``give_way`` when an older gang needs the device (the
+    caller sends its message back to the queue, :data:`~tasks.core.defaults.GIVE_WAY_S` later)."""
+    if client is None:
+        return Ended.by_worker(GangFailed, f"{device} is not joined to a fleet: a distributed job needs its Redis",
+                               pid=0, retired=None)
+    if device not in spec.devices:
+        return Ended.by_worker(GangFailed, f"{device} took a rank of {spec.id}, which runs on "
+                               f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)",
+                               pid=0, retired=None)
+    rdv = Rendezvous(client, spec, device, host_name(), expires_s)
+    try:
+        return _run_rank(rdv, address, job, watch, run)
+    except GiveWay as exc:
+        logger.info("%s: job %s %s: %s", device, job.job, job.job_id, exc)
+        return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)
+    except GangFailed as exc:
+        stop = watch.stop()
+        if stop is not None and stop.reason is not StopReason.GANG:
+            # Every rank of a cancelled job is revoked: its entry says cancelled, not failed.
+            error, outcome = STOPS[stop.reason]
+            return Ended.by_worker(error, f"{stop.message} ({exc})", pid=0, retired=None, outcome=outcome)
+        return Ended.by_worker(GangFailed, str(exc), pid=0, retired=None)
+
+
+def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
+              run: Callable[[RunJob, Watch], Ended]) -> Ended:
+    spec = rdv.spec
+    gen = rdv.join()
+    while True:
+        stop = watch.stop()
+        if stop is not None:
+            rdv.fail(f"rank {rdv.rank} on {rdv.device} was stopped: {stop.message}")
+            error, outcome = STOPS[stop.reason]
+            return Ended.by_worker(error, stop.message, pid=0, retired=None, outcome=outcome)
+        assembled = rdv.wait(gen)
+        gen = assembled.generation
+        try:
+            master_addr, master_port = (address, None) if rdv.rank == 0 else rdv.find_store(gen)
+        except PeerLost as exc:
+            logger.warning("%s: rank %d of %s: %s; following the gang", rdv.device, rdv.rank, spec.id, exc)
+            gen = rdv.join(after=gen)
+            continue
+        rank = Rank(gang_id=spec.id, rank=rdv.rank, world_size=spec.world_size,
+                    local_rank=assembled.local_rank(rdv.rank), generation=gen, max_restarts=spec.max_restarts,
+                    backend=spec.backend, collective_timeout_s=spec.collective_timeout_s,
+                    master_addr=master_addr, master_port=master_port)
+        ended = run(job.model_copy(update={"rank": rank}), GangWatch(watch, rdv, job.job_id, gen, address))
+        if ended.outcome is Outcome.OK:
+            return ended
+        if ended.crashed and gen >= spec.max_restarts:
+            # No restart left: the gang fails naming the crash, which this rank's entry keeps.
+            rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: JobCrashed: {ended.error.message if ended.error else ''}")
+            return ended
+        if ended.outcome is Outcome.PEER_LOST or ended.crashed:
+            failed, _ = rdv.state()
+            if failed is not None:
+                raise GangFailed(f"distributed job {spec.id}: {failed}")
+            logger.warning("%s: rank %d of %s lost %s in generation %d (%s); running it again with the gang",
+                           rdv.device, rdv.rank, spec.id, "its process" if ended.crashed else "a peer", gen,
+                           ended.error.message if ended.error is not None else "")
+            gen = rdv.join(after=gen)
+            continue
+        error = ended.error
+        what = f"{error.type}: {error.message}" if error is not None else ended.outcome.value
+        rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: {what}")
+        return ended
