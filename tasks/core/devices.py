@@ -18,10 +18,8 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
 
 from .errors import ConfigError, DeviceVisibilityError
-from .sentinel import first_host, is_sentinel
 
 logger = logging.getLogger(__name__)
 
@@ -169,24 +167,6 @@ def cpu_model_name() -> str:
     import platform
 
     return platform.processor() or "cpu"
-
-
-def route_address(redis_url: str) -> str:
-    """This host's address on its route to Redis: what the other hosts of the fleet can reach
-    (``127.0.0.1`` when Redis is on loopback). Sends nothing (a UDP socket's ``connect``)."""
-    host = (first_host(redis_url) if is_sentinel(redis_url) else urlsplit(redis_url).hostname) or "127.0.0.1"
-    try:
-        infos = socket.getaddrinfo(host, 6379, type=socket.SOCK_DGRAM)
-        family, _, _, _, sockaddr = infos[0]
-        if family == socket.AF_INET and str(sockaddr[0]).startswith("127."):
-            return "127.0.0.1"
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        logger.warning("could not find this host's address towards %s (%s); distributed jobs "
-                       "will advertise 127.0.0.1: set DEVICEFLEET_ADVERTISE_ADDRESS", host, exc)
-        return "127.0.0.1"
 
 
 def host_name() -> str:

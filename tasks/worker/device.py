@@ -33,7 +33,6 @@ from ..core.devices import (
     parse_core_list,
     pid_alive,
     plan_cores,
-    route_address,
     usable_cores,
 )
 from ..core.errors import ConfigError, DeviceVisibilityError, FleetError, NoFleetError
@@ -43,6 +42,7 @@ from ..core.registry import check_sentinels, connect, read_worker
 from ..core.settings import Settings, redact_url
 from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
+from .gang import route_address
 from .heartbeat import Heartbeat
 from .jobenv import fleet_secrets, hide_from_children, job_environment
 from .jobprocess import ProcessGone

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
@@ -56,6 +58,7 @@ from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
 from ..core.records import GangSpec
+from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
 from .supervisor import Ended, Watch
 
@@ -250,6 +253,24 @@ class Rendezvous:
             time.sleep(POLL_S)
         host, _, port = _text(published).rpartition(":")
         return host, int(port)
+
+
+def route_address(redis_url: str) -> str:
+    """This host's address on its route to Redis: what the other hosts of the fleet can reach
+    (``127.0.0.1`` when Redis is on loopback). Sends nothing (a UDP socket's ``connect``)."""
+    host = (first_host(redis_url) if is_sentinel(redis_url) else urlsplit(redis_url).hostname) or "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, 6379, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        if family == socket.AF_INET and str(sockaddr[0]).startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        logger.warning("could not find this host's address towards %s (%s); distributed jobs "
+                       "will advertise 127.0.0.1: set DEVICEFLEET_ADVERTISE_ADDRESS", host, exc)
+        return "127.0.0.1"
 
 
 def _text(value: Any) -> str:
