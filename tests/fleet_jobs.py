@@ -290,3 +290,19 @@ def gpu_hog(ctx: JobContext, params: HogParams) -> dict[str, Any]:
     held = torch.ones(params.mib * 2**18, dtype=torch.float32, device=ctx.torch_device)
     _wait_for_file(params.release_file, params.timeout_s)
     return {"held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}
+
+
+class SnoopParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: The fleet's secrets, which the test knows: the scan says where it finds any of them.
+    needles: list[str] = []
+
+
+@job("snoop", params=SnoopParams)
+def snoop(ctx: JobContext, params: SnoopParams) -> dict[str, Any]:
+    """Look for the fleet's keys where a job could find them and try them (tests/scripts/snoop.py)."""
+    import runpy
+    from pathlib import Path
+
+    scan = runpy.run_path(str(Path(__file__).parent / "scripts" / "snoop.py"))["scan"]
+    return {"snoop": scan(params.needles)}

@@ -161,8 +161,9 @@ class DeviceWorker:
         if url is not None:
             self.address = self.settings.advertise_address or route_address(url)
         # Nothing that opens the fleet's Redis reaches a job process: not in its spec, not in
-        # its environment (tasks.worker.jobenv), not in this process's /proc/<pid>/environ.
-        hide_from_children()
+        # its environment, not in this process's /proc/<pid>/environ (tasks.worker.jobenv).
+        secrets = fleet_secrets(url)
+        hide_from_children(secrets)
         spec = ProcessSpec(
             device=self.device.name, torch_device=self.torch_device, cores=self.cores,
             torch_threads=self.torch_threads, job_modules=self.settings.job_modules,
@@ -175,7 +176,7 @@ class DeviceWorker:
             max_memory_growth_bytes=self.config.max_memory_growth_mib * 2**20,
             cancel_grace_s=self.config.cancel_grace_s,
         )
-        env = job_environment(self.device, self.torch_threads, fleet_secrets(url))
+        env = job_environment(self.device, self.torch_threads, secrets)
         if self.config.mps:
             self.mps = MpsServer(self.device, self.settings.state_dir)
             env.update(self.mps.start(int(self.config.memory_gib * GiB) if self.config.memory_gib else None))

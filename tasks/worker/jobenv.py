@@ -86,15 +86,43 @@ def job_environment(device: Device, threads: int, secrets: Iterable[str],
     return env
 
 
-def hide_from_children() -> bool:
-    """Make this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``): a process of the same
-    user, its job processes included, can no longer read its ``/proc/<pid>/environ`` (where the
-    Redis URL is) or memory, nor ptrace it. Linux only; whether it took."""
+def hide_from_children(secrets: Iterable[str]) -> None:
+    """Close this process's keys to its children (Linux).
+
+    - ``prctl(PR_SET_DUMPABLE, 0)``: a process of the same user, its job processes included,
+      can no longer read its ``/proc/<pid>/environ`` or memory, nor ptrace it;
+    - the ``secrets`` are overwritten with ``*`` in its initial environment and argument blocks
+      (what ``/proc/<pid>/environ`` and ``/proc/<pid>/cmdline`` show, to root as well, and the
+      cmdline to every user): ``os.environ`` is Python's copy, and keeps them.
+    """
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return int(libc.prctl(4, 0, 0, 0, 0)) == 0  # PR_SET_DUMPABLE = 4
-    except (OSError, AttributeError):
-        return False
+        if int(libc.prctl(4, 0, 0, 0, 0)) != 0:  # PR_SET_DUMPABLE = 4
+            logger.warning("prctl(PR_SET_DUMPABLE, 0) failed (errno %d)", ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        logger.warning("could not make this worker non-dumpable: %s", exc)
+    secrets = [s.encode() for s in secrets]
+    if not secrets:
+        return
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            # proc(5): after the command's ")", field 3 on; arg_start..env_end are fields 48-51.
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        blocks = {"cmdline": (int(fields[45]), int(fields[46])), "environ": (int(fields[47]), int(fields[48]))}
+        for name, (start, end) in blocks.items():
+            with open(f"/proc/self/{name}", "rb") as handle:
+                shown = handle.read()
+            # Only where the block is what /proc shows (else the addresses are not what they seem).
+            if end <= start or ctypes.string_at(start, end - start) != shown[:end - start]:
+                logger.warning("could not hide the fleet's secrets in /proc/self/%s", name)
+                continue
+            for secret in secrets:
+                at = shown.find(secret)
+                while at >= 0:
+                    ctypes.memset(start + at, ord("*"), len(secret))
+                    at = shown.find(secret, at + len(secret))
+    except (OSError, ValueError, IndexError) as exc:
+        logger.warning("could not hide the fleet's secrets from /proc: %s", exc)
