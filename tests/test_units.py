@@ -272,3 +272,34 @@ def test_cuda_errors_that_poison_a_context_are_told_from_a_jobs_own():
     assert poisons_cuda(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm"))
     assert not poisons_cuda(ValueError("boom"))
     assert not poisons_cuda(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)"))
+
+
+def test_a_job_process_gets_the_workers_environment_less_every_key_to_the_fleet():
+    import os
+
+    from tasks.worker.jobenv import fleet_secrets, job_environment
+
+    url = "redis://:s3cret-pass@10.0.0.5:6379/0"
+    base = {"PATH": "/usr/bin", "HOME": "/home/u", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "2",
+            "CUDA_HOME": "/usr/local/cuda", "WANDB_API_KEY": "the-users-own", "PYTHONPATH": "/src",
+            "DEVICEFLEET_REDIS_URL": url, "DEVICEFLEET_CORES": "0", "CELERY_BROKER_URL": url,
+            "COPY_OF_THE_URL": f"see {url}", "REDISCLI_AUTH": "s3cret-pass"}
+    env = job_environment(Device.parse("cpu0"), 4, fleet_secrets(url), base=base)
+    kept = ("PATH", "HOME", "LANG", "OMP_NUM_THREADS", "CUDA_HOME", "WANDB_API_KEY")
+    assert {name: env[name] for name in kept} == {name: base[name] for name in kept}
+    assert not [name for name in env if name.startswith(("DEVICEFLEET_", "CELERY_"))]
+    assert "COPY_OF_THE_URL" not in env and "REDISCLI_AUTH" not in env
+    assert not [name for name, value in env.items() if "s3cret-pass" in value]
+    assert env["CUDA_VISIBLE_DEVICES"] == "-1" and env["PYTHONUNBUFFERED"] == "1"
+    assert "/src" in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_the_fleets_secrets_are_its_url_and_every_password_in_it():
+    from tasks.worker.jobenv import fleet_secrets
+
+    sentinel = "sentinel://:redis-pw@h1:26379,h2:26379/0?master_name=m&sentinel_password=sentinel-pw"
+    assert set(fleet_secrets(sentinel)) == {sentinel, "redis-pw", "sentinel-pw"}
+    assert set(fleet_secrets("redis://:p%40ss-word@h:6379/0")) == {"redis://:p%40ss-word@h:6379/0", "p%40ss-word",
+                                                                   "p@ss-word"}
+    assert fleet_secrets("redis://127.0.0.1:6379/0") == ["redis://127.0.0.1:6379/0"]
+    assert fleet_secrets(None) == []

@@ -300,10 +300,16 @@ class GangWatch:
         self.inner.memory(used)
 
     def store_opened(self, port: int) -> None:
-        self.rdv.publish_store(self.generation, self.address, port)
+        try:
+            self.rdv.publish_store(self.generation, self.address, port)
+        except redis.RedisError as exc:  # the other ranks do not find it: they fail the gang, naming rank 0
+            logger.warning("%s: could not publish %s's store: %s", self.rdv.device, self.rdv.spec.id, exc)
 
     def rank_failed(self, reason: str) -> None:
-        self.rdv.fail(reason)
+        try:
+            self.rdv.fail(reason)
+        except redis.RedisError as exc:  # failed again once the job process says it ended
+            logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
 
     def stop(self) -> StopJob | None:
         stop = self.inner.stop()
@@ -313,7 +319,11 @@ class GangWatch:
         if now < self._next:
             return None
         self._next = now + WATCH_INTERVAL_S
-        failed, current = self.rdv.state()
+        try:
+            failed, current = self.rdv.state()
+        except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
+            logger.debug("%s: could not look at %s: %s", self.rdv.device, self.rdv.spec.id, exc)
+            return None
         if failed is not None:
             return StopJob(job_id=self.job_id, reason=StopReason.GANG,
                            message=f"distributed job {self.rdv.spec.id}: {failed}")
