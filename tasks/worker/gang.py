@@ -45,7 +45,7 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -293,7 +293,7 @@ class GangWatch:
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
 
-    def log(self, lines: list[tuple[str, str]]) -> None:
+    def log(self, lines: Sequence[tuple[str, str]]) -> None:
         self.inner.log(lines)
 
     def memory(self, used: int) -> None:
@@ -399,7 +399,6 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
                            ended.error.message if ended.error is not None else "")
             gen = rdv.join(after=gen)
             continue
-        error = ended.error
-        what = f"{error.type}: {error.message}" if error is not None else ended.outcome.value
+        what = f"{ended.error.type}: {ended.error.message}" if ended.error is not None else ended.outcome.value
         rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: {what}")
         return ended

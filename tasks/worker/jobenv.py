@@ -104,8 +104,8 @@ def hide_from_children(secrets: Iterable[str]) -> None:
             logger.warning("prctl(PR_SET_DUMPABLE, 0) failed (errno %d)", ctypes.get_errno())
     except (OSError, AttributeError) as exc:
         logger.warning("could not make this worker non-dumpable: %s", exc)
-    secrets = [s.encode() for s in secrets]
-    if not secrets:
+    needles = [secret.encode() for secret in secrets]
+    if not needles:
         return
     try:
         with open("/proc/self/stat", "rb") as handle:
@@ -119,10 +119,10 @@ def hide_from_children(secrets: Iterable[str]) -> None:
             if end <= start or ctypes.string_at(start, end - start) != shown[:end - start]:
                 logger.warning("could not hide the fleet's secrets in /proc/self/%s", name)
                 continue
-            for secret in secrets:
-                at = shown.find(secret)
+            for needle in needles:
+                at = shown.find(needle)
                 while at >= 0:
-                    ctypes.memset(start + at, ord("*"), len(secret))
-                    at = shown.find(secret, at + len(secret))
+                    ctypes.memset(start + at, ord("*"), len(needle))
+                    at = shown.find(needle, at + len(needle))
     except (OSError, ValueError, IndexError) as exc:
         logger.warning("could not hide the fleet's secrets from /proc: %s", exc)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ..core import keys
@@ -84,7 +85,7 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
             logger.debug("progress to the registry failed: %s", exc)
 
 
-def publish_log(client: Any, job_id: str, lines: list[tuple[str, str]], expires_s: int) -> None:
+def publish_log(client: Any, job_id: str, lines: Sequence[tuple[str, str]], expires_s: int) -> None:
     """Append a batch of a command's output lines to ``keys.command_log(job_id)`` (one pipelined
     round trip), which ``devicefleet run`` follows; never raises (the command matters more than
     its live view)."""

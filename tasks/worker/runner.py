@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -237,7 +238,7 @@ class JobWatch:
         progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
                          self.worker.settings.result_expires_s, self.slot)
 
-    def log(self, lines: list[tuple[str, str]]) -> None:
+    def log(self, lines: Sequence[tuple[str, str]]) -> None:
         progress.publish_log(self._client, self.job_id, lines, self.worker.settings.result_expires_s)
 
     def store_opened(self, port: int) -> None:

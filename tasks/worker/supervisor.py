@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,7 +92,7 @@ class Watch(Protocol):
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
-    def log(self, lines: list[tuple[str, str]]) -> None:
+    def log(self, lines: Sequence[tuple[str, str]]) -> None:
         """Publish a batch of a command's output lines (``[stream, text]``)."""
 
     def store_opened(self, port: int) -> None:
