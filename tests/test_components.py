@@ -51,6 +51,7 @@ from tasks.core.records import (
 )
 from tasks.core.registry import connect, live_workers, read_worker
 from tasks.core.settings import Settings
+from tasks.core.wire import Outcome, RunJob
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.jobproc.rank import peer_lost
@@ -58,11 +59,13 @@ from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
 from tasks.worker import accounting
+from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
 from tasks.worker.gang import Rendezvous
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Orphans, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
+from tasks.worker.supervisor import Ended
 from tests.conftest import cli_env, wait_for
 
 OTHER_HOST = "host-of-another-worker"
@@ -1050,6 +1053,49 @@ def test_a_rank_that_dies_moves_its_gang_on_until_the_restarts_run_out(client):
         rank1.join()
     with pytest.raises(GangFailed, match="gave up after 1 restarts"):
         rank0.wait(1)
+
+
+class _RankWatch:
+    """A job's watch that never stops it (the worker's JobWatch, for the gang's loop alone)."""
+
+    def report(self, fields: dict[str, Any]) -> None: ...
+    def log(self, lines: Any) -> None: ...
+    def store_opened(self, port: int) -> None: ...
+    def rank_failed(self, reason: str) -> None: ...
+    def memory(self, used: int) -> None: ...
+    def stop(self) -> None:
+        return None
+
+
+def _ended(outcome: Outcome, error: ErrorInfo | None = None) -> Ended:
+    return Ended(outcome=outcome, finished=None, error=error, error_module=None, pid=1, retired=None)
+
+
+@pytest.mark.timeout(30)
+def test_one_restart_loop_runs_a_rank_again_in_the_next_generation_until_the_budget_is_spent(client):
+    """The worker's gang (tasks.worker.gang.run_rank) hands each run its Rank; a lost peer or a
+    crashed process runs the rank again one generation on; a crash with no restart left fails
+    the gang naming it, and the rank's entry keeps the crash."""
+    job = RunJob(job_id="j1", job="ranked", kwargs={}, fan_out_id="f1")
+    runs: list[Any] = []
+    outcomes = iter([_ended(Outcome.PEER_LOST), _ended(Outcome.ERROR, ErrorInfo(type="JobCrashed", message="boom")),
+                     _ended(Outcome.OK)])
+
+    def run(message: RunJob, watch: Any) -> Ended:
+        runs.append(message.rank)
+        return next(outcomes)
+
+    ended = gang_module.run_rank(client, _gang("loop", 1, ["d0"], max_restarts=2), "d0", "10.0.0.7", 60, job,
+                                 _RankWatch(), run)
+    assert ended.outcome is Outcome.OK
+    assert [r.generation for r in runs] == [0, 1, 2]
+    assert {(r.rank, r.world_size, r.master_addr, r.master_port) for r in runs} == {(0, 1, "10.0.0.7", None)}
+
+    crashes = iter([_ended(Outcome.ERROR, ErrorInfo(type="JobCrashed", message="killed by SIGKILL"))])
+    ended = gang_module.run_rank(client, _gang("spent", 2, ["d0"], max_restarts=0), "d0", "h", 60, job,
+                                 _RankWatch(), lambda message, watch: next(crashes))
+    assert ended.error is not None and ended.error.type == "JobCrashed"
+    assert "rank 0 on d0 failed: JobCrashed: killed by SIGKILL" in client.hget(keys.gang("spent"), "failed")
 
 
 def test_peer_lost_tells_a_lost_collective_from_a_jobs_own_error():
