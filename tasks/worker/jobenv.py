@@ -90,7 +90,8 @@ def hide_from_children(secrets: Iterable[str]) -> None:
     """Close this process's keys to its children (Linux).
 
     - ``prctl(PR_SET_DUMPABLE, 0)``: a process of the same user, its job processes included,
-      can no longer read its ``/proc/<pid>/environ`` or memory, nor ptrace it;
+      can no longer read its ``/proc/<pid>/environ`` or memory, nor ptrace it (nor can
+      ``py-spy`` as that user: profile a worker as root);
     - the ``secrets`` are overwritten with ``*`` in its initial environment and argument blocks
       (what ``/proc/<pid>/environ`` and ``/proc/<pid>/cmdline`` show, to root as well, and the
       cmdline to every user): ``os.environ`` is Python's copy, and keeps them.
@@ -98,15 +99,15 @@ def hide_from_children(secrets: Iterable[str]) -> None:
     import ctypes
     import ctypes.util
 
+    needles = [secret.encode() for secret in secrets]
+    if not needles:  # no fleet (an in-process check of the jobs): nothing to hide, py-spy still works
+        return
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         if int(libc.prctl(4, 0, 0, 0, 0)) != 0:  # PR_SET_DUMPABLE = 4
             logger.warning("prctl(PR_SET_DUMPABLE, 0) failed (errno %d)", ctypes.get_errno())
     except (OSError, AttributeError) as exc:
         logger.warning("could not make this worker non-dumpable: %s", exc)
-    needles = [secret.encode() for secret in secrets]
-    if not needles:
-        return
     try:
         with open("/proc/self/stat", "rb") as handle:
             # proc(5): after the command's ")", field 3 on; arg_start..env_end are fields 48-51.
