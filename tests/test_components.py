@@ -37,7 +37,8 @@ from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
 from tasks.core.errors import GangFailed, GiveWay, JobCancelled, JobError, OutOfMemory, PeerLost, WorkerLost
 from tasks.core.job import JobContext, JobMetric
-from tasks.core.jobstate import FINISH_ATTR, JobFinish
+from tasks.core.jobcount import JobCount
+from tasks.core.jobstate import JobEnd, hand_over
 from tasks.core.records import (
     BusyInfo,
     Entry,
@@ -58,7 +59,6 @@ from tasks.jobproc.rank import peer_lost
 from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
-from tasks.worker import accounting
 from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
 from tasks.worker.gang import Rendezvous
@@ -304,11 +304,11 @@ def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, mon
         # The function has returned; Celery has not stored the result yet. A copy now:
         with pytest.raises(Ignore), copy.hold(task):
             runs.append("copy, before the result is stored")
-        # What the runner hands the backend, and Celery's store of the result:
-        finish = JobFinish(device="cpu1", lease=keeper.finishing(task_id),
-                           on_stored=lambda: keeper.forget(task_id))
-        setattr(task.request, FINISH_ATTR, finish)
+        # What the runner hands the backend, Celery's store of the result, and the worker's
+        # task_postrun after it:
+        hand_over(task.request, JobEnd(attempt=keeper.finishing(task_id)))
         app.backend.store_result(task_id, {"done": True}, "SUCCESS", request=task.request)
+        keeper.settle(task_id, task.request)
         assert keeper.held() == [] and client.exists(keys.lease(task_id)) == 0  # released with it
         # A copy after that finds the result stored.
         with pytest.raises(Ignore), copy.hold(task):
@@ -324,12 +324,12 @@ def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(
     keeper = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
     task_id = str(uuid.uuid4())
     assert keeper.acquire(task_id, None)
-    count = accounting.job_count("cpu3", "cpu3@here", ok=True, started=100.0, finished=102.5,
-                                 metrics={JobMetric.SAMPLES: 64, JobMetric.SAMPLES_PER_S: 0.25})
+    count = JobCount(device="cpu3", ok=True, worker="cpu3@here", busy_seconds=2.5, last_finished_at=102.5,
+                     metrics={JobMetric.SAMPLES: 64, JobMetric.SAMPLES_PER_S: 0.25})
     request = Context(id=task_id)
-    setattr(request, FINISH_ATTR, JobFinish(device="cpu3", lease=keeper.finishing(task_id), count=count,
-                                            on_stored=lambda: keeper.forget(task_id)))
+    hand_over(request, JobEnd(attempt=keeper.finishing(task_id), count=count))
     app.backend.store_result(task_id, {"done": True}, "SUCCESS", request=request)
+    keeper.settle(task_id, request)  # the worker's task_postrun
 
     assert app.backend.get_task_meta(task_id)["result"] == {"done": True}
     assert client.exists(keys.lease(task_id)) == 0 and client.hexists(keys.LEASES, task_id) == 0
@@ -343,7 +343,7 @@ def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(
 
     # A second store (a copy that ran anyway) over the finished result: nothing stored or counted.
     again = Context(id=task_id)
-    setattr(again, FINISH_ATTR, JobFinish(device="cpu3", count=count))
+    hand_over(again, JobEnd(count=count))
     app.backend.store_result(task_id, {"done": "twice"}, "SUCCESS", request=again)
     assert app.backend.get_task_meta(task_id, cache=False)["result"] == {"done": True}
     assert client.hget(keys.stats("cpu3"), "jobs_ok") == "1"
@@ -352,7 +352,7 @@ def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(
 def test_renewal_never_restores_a_lease_handed_to_the_store(client):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
     assert keeper.acquire("job-8", None)
-    assert keeper.finishing("job-8") == client.get(keys.lease("job-8"))
+    assert keeper.finishing("job-8").lease == client.get(keys.lease("job-8"))  # type: ignore[union-attr]
     client.delete(keys.lease("job-8"), keys.LEASES)  # as the store script does
     keeper.tick()  # before the worker forgot it: must not bring it back
     assert client.exists(keys.lease("job-8")) == 0 and client.hexists(keys.LEASES, "job-8") == 0

@@ -18,14 +18,15 @@ only; every other task keeps Celery's semantics (its integration tests check it:
   or a store without a task name: the fleet's own cancels) FAILURE and REVOKED are as final, so
   a redelivered copy of a failed or cancelled job never stores STARTED over it and runs again.
 
-Storing a state is one script call (:data:`tasks.core.jobstate.STORE`), not Celery's GET of the stored state and
-then a MULTI, and never over a final one (above). A device
-worker finishing a job hands the backend a :class:`~tasks.core.jobstate.JobFinish` on the task's request; the same
-script then also releases the job's lease and counts the job in the fleet's metrics, so the
-lease goes only together with the stored result (a copy of the message redelivered at any moment
-finds the lease held or the result stored) and a job's end costs one round trip. With the job's
-message (:class:`~tasks.core.jobstate.StoredAck`), the script acknowledges it too: it takes it out of kombu's unacked
-hash and index, as kombu's own acknowledgement would, right after the result is stored.
+Storing a state is one script call (:meth:`tasks.core.jobstate.JobState.finish`), not Celery's
+GET of the stored state and then a MULTI, and never over a final one (above). A device worker
+finishing a job hands the backend the job's :class:`~tasks.core.jobstate.JobEnd` with the task's
+request (:func:`tasks.core.jobstate.hand_over`: the one seam, see that module); the same script
+then also releases the job's lease, counts the job in the fleet's metrics and acknowledges its
+message (takes it out of kombu's unacked hash and index, as kombu's own acknowledgement would),
+so the lease goes only together with the stored result (a copy of the message redelivered at any
+moment finds the lease held or the result stored) and a job's end costs one round trip. What the
+store did is recorded on the hand-over, for the worker's lease keeper.
 
 On a fleet with replicas the store then waits for a replica to have it (Redis's ``WAIT``,
 :class:`tasks.core.sentinel.Replication`): the result, the lease's release and the
@@ -35,7 +36,6 @@ acknowledgement survive a failover that comes after. A ``sentinel://`` fleet's b
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -48,10 +48,9 @@ from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from . import keys
 from .errors import NoFleetError
 from .job import COLLECT_TASK, TASK_PREFIX
-from .jobstate import FINISH_ATTR, STORE, JobFinish, StoredAck
+from .jobstate import JobEnd, JobState, StateMeta, Stored, handover
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
 from .sentinel import ReadOnlyAwareConnection, Replication
@@ -146,9 +145,9 @@ class FleetBackend(RedisBackend):
         return prepared
 
     @cached_property
-    def _store_script(self) -> Any:
-        # Called by hash (EVALSHA): the script's text is sent once per connection pool.
-        return self.client.register_script(STORE)
+    def _jobs(self) -> JobState:
+        # Its scripts are called by hash (EVALSHA): each text is sent once per connection pool.
+        return JobState(self.client)
 
     # Celery internals: BaseKeyValueStoreBackend._store_result, the one writer of a task's
     # state, and what it uses: _get_result_meta, _MAX_STR_VALUE_SIZE, and failure_expires
@@ -167,14 +166,13 @@ class FleetBackend(RedisBackend):
         value = self.encode(meta)
         if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
             raise BackendStoreError("value too large for Redis backend", state=state, task_id=task_id)
-        finish = getattr(request, FINISH_ATTR, None) if state in states.READY_STATES else None
+        handed = handover(request) if state in states.READY_STATES else None
         expires = (self.failure_expires if state == states.FAILURE else None) or self.expires or 0
-        self.ensure(self._store, (bytes_to_str(task_id), value, int(expires), finish, fleet_task(request)))
-        if finish is not None:
-            if finish.ack is not None:
-                finish.ack.done = True
-            if finish.on_stored is not None:
-                finish.on_stored()
+        state_meta = StateMeta(key=bytes_to_str(self.get_key_for_task(task_id)), value=value, expires_s=int(expires))
+        stored = self.ensure(self._store, (bytes_to_str(task_id), state_meta, handed.end if handed else None,
+                                           fleet_task(request)))
+        if handed is not None:
+            handed.stored = stored
         return result
 
     @cached_property
@@ -182,16 +180,8 @@ class FleetBackend(RedisBackend):
         """The replicas a stored state waits for (the app's :data:`REPLICATION_OPTION`)."""
         return Replication.of(self.app.conf.get(REPLICATION_OPTION))
 
-    def _store(self, task_id: str, value: Any, expires: int, finish: JobFinish | None, final: bool) -> int:
-        finish = finish or JobFinish(device="")
-        ack = finish.ack or StoredAck(unacked_key="", unacked_index_key="", delivery_tag="")
-        stored = int(self._store_script(
-            keys=[self.get_key_for_task(task_id), keys.lease(task_id), keys.LEASES, keys.stats(finish.device),
-                  keys.STATS_DEVICES, keys.finished(finish.device), ack.unacked_key, ack.unacked_index_key],
-            args=[value, expires, finish.lease or "", task_id,
-                  json.dumps(finish.count) if finish.count is not None else "", ack.delivery_tag,
-                  "1" if final else ""],
-        ))
+    def _store(self, task_id: str, meta: StateMeta, end: JobEnd | None, final: bool) -> Stored:
+        stored = self._jobs.finish(task_id, meta, end, final=final)
         # A failover while waiting is a connection error: ensure() runs the script again on the
         # new primary, where it stores what was lost or finds it stored (it is idempotent).
         self.replication.wait(self.client, f"state of task {task_id}")

@@ -1,39 +1,64 @@
-"""A job's life in Redis, in one place: every script that takes, renews, finishes and reaps a
-job and counts the workers it took down, and the records they are handed.
+"""A job's life in Redis, in one place: every script that takes, renews, finishes, releases and
+reaps a job's lease, the Python side that drives them (:class:`JobState`), and the records they
+are handed and return.
 
-The scripts run from two places, each where it must: the device worker's lease keeper and reaper
-(:mod:`tasks.worker.lease`) and the result backend's store (:class:`tasks.core.backend.FleetBackend`,
+Each step is one script call through :class:`JobState`, which nothing else calls scripts for:
+the device worker's lease keeper and reaper (:mod:`tasks.worker.lease`: the threads, and what to
+do with each reply) and the result backend's store (:class:`tasks.core.backend.FleetBackend`,
 through which every Celery path of storing a state goes). The record a job's lease holds is
 :class:`tasks.core.records.LeaseRecord`; its keys are in :mod:`tasks.core.keys`.
 
 A job's life, one script call a step:
 
-1. **take** (:data:`TAKE`): unless its result is stored, the worker takes the job's lease
-   ``keys.lease(task_id)`` (a TTL key, and ``{task id: lease}`` in ``keys.LEASES``) and stores
-   its STARTED state. A lease held by a live owner refuses the copy (the job never runs twice at
-   once); a dead owner's lease is taken over and its death counted (``keys.worker_deaths``); a
-   job with ``max_attempts`` deaths is taken but not run (``lost``);
-2. **renew** (:data:`RENEW`): the worker's lease keeper, a third of the TTL apart, while the job's
-   process lives;
-3. **finish** (:data:`STORE`): the result stored unless a finished one is there, with the job's
-   :class:`JobFinish`: its lease released, its counts added to the fleet's metrics and its
-   message acknowledged (:class:`StoredAck`), so a copy arriving at any moment finds the lease or
-   the result;
-4. **reap** (:data:`EXPIRED_LEASES`, :data:`REAPED`): a lease whose key expired with its owner
-   dead is given back to its queue by any worker's reaper, which counts the death; so is an
-   orphan's, whose owner is alive but has not run the job for a while (the write that ended it
-   was lost in a failover), with no death counted; **release**
-   (:data:`RELEASE`) gives a lease up without a result (a dropped copy).
+1. **take** (:meth:`JobState.take`, :data:`TAKE`): unless its result is stored, the worker takes
+   the job's lease ``keys.lease(task_id)`` (a TTL key, and ``{task id: lease}`` in
+   ``keys.LEASES``) and stores its STARTED state. A lease held by a live owner refuses the copy
+   (the job never runs twice at once); a dead owner's lease is taken over and its death counted
+   (``keys.worker_deaths``); a job with ``max_attempts`` deaths is taken but not run
+   (``lost``). What it takes is an :class:`Attempt`, the handle every later step of that run
+   carries;
+2. **renew** (:meth:`JobState.renew`, :data:`RENEW`): the worker's lease keeper, a third of the
+   TTL apart, while the job's process lives;
+3. **finish** (:meth:`JobState.finish`, :data:`STORE`): the result stored unless a finished one
+   is there, with the job's :class:`JobEnd`: its attempt's lease released, its count
+   (:class:`~tasks.core.jobcount.JobCount`) added to the fleet's metrics and its message
+   acknowledged (:class:`MessageAck`), so a copy arriving at any moment finds the lease or the
+   result;
+4. **reap** (:meth:`JobState.expired`, :meth:`JobState.reaped`): a lease whose key expired with
+   its owner dead is given back to its queue by any worker's reaper, which counts the death; so
+   is an orphan's, whose owner is alive but has not run the job for a while (the write that
+   ended it was lost in a failover), with no death counted; **release**
+   (:meth:`JobState.release`) gives a lease up without a result (a dropped copy, a retry).
+
+The job's end crosses one seam it cannot avoid: a device worker builds it while the job's task
+runs, but Celery's tracer stores the task's result afterwards, through the result backend, and
+hands the backend nothing but the task's request. The end therefore rides on that request, in
+one field (:data:`END_FIELD`), written by :func:`hand_over` and read by :func:`handover`, and
+nowhere else. The request is the very object the tracer passes to the store and then to
+``task_postrun``, so the end goes with the run that built it: a second copy of the same task
+running in another thread of the process has a request of its own, and an end whose store
+never comes (a worker going down) goes with its request, leaving nothing behind to clean up,
+as a registry keyed by task id would. The store records what it did on the same
+:class:`Handover`, where the lease keeper reads it after the store (``task_postrun``).
+
+Fencing, to come: taking a lease will issue a number that only grows per job, carried by the
+:class:`Attempt` (and so by every write of that attempt: its renewals, its release, its
+:class:`JobEnd`); the scripts that store, renew and release will refuse an older one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-#: Attribute of a task's request that carries its :class:`JobFinish`.
-FINISH_ATTR = "devicefleet_finish"
+import redis
+from kombu.utils.encoding import bytes_to_str
+
+from . import keys
+from .jobcount import JobCount
+from .records import LeaseRecord
+from .transport import acked_in_redis
 
 #: Lua functions the state-storing scripts share (:data:`TAKE`, :data:`STORE`):
 #: ``finished(key)``, whether the meta stored under ``key`` is a finished state (SUCCESS, FAILURE,
@@ -119,12 +144,12 @@ return 1
 """
 
 
-#: Store a task's state unless a final one is stored; with a job's finish, release its lease,
-#: count it and acknowledge its message. KEYS: the task's meta key, its lease key,
+#: Store a task's state unless a final one is stored; with a job's end (:class:`JobEnd`), release
+#: its lease, count it and acknowledge its message. KEYS: the task's meta key, its lease key,
 #: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
 #: kombu's unacked hash and its index. ARGV: the encoded meta, expiry in seconds (0: none), the
-#: lease value ('' if none), the task id, the count as JSON ('' if none), the message's delivery
-#: tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
+#: lease value ('' if none), the task id, the count ('' if none: :meth:`JobCount.script_arg`,
+#: whose fields are :data:`tasks.core.jobcount.SCRIPT_FIELDS`), the message's delivery tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
 #: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task). Returns 1 if
 #: stored, 0 if a final state was there already (nothing stored or counted; the lease is
 #: released and the message acknowledged all the same).
@@ -190,33 +215,209 @@ return 1
 """
 
 
-@dataclass
-class StoredAck:
-    """A job's message, acknowledged by the script that stores the job's result: kombu's
-    unacked hash and index (the channel's names) and the message's delivery tag. ``done`` is
-    set once the script ran; the worker's request then skips kombu's own round trip."""
+@dataclass(frozen=True)
+class Attempt:
+    """One run of a job under its lease: the handle :meth:`JobState.take` returns, and what
+    renewing, releasing and storing the job's end take. (The fencing token to come is a field
+    here.)"""
+
+    task_id: str
+    #: The lease key's value (its :class:`~tasks.core.records.LeaseRecord` as JSON): a script
+    #: renews, releases or deletes a lease only while it is still this one.
+    lease: str
+
+
+class Took(str, Enum):
+    """What the take script found (:data:`TAKE`)."""
+
+    #: Taken: run the job.
+    OK = "ok"
+    #: Taken, but the job has taken its worker down ``max_attempts`` times: do not run it.
+    LOST = "lost"
+    #: Its result is stored: do not run it.
+    FINISHED = "finished"
+    #: Another lease is there.
+    HELD = "held"
+    #: Another lease is recorded, its key expired (its owner dead, or late to renew).
+    EXPIRED = "expired"
+    #: The lease we meant to replace was replaced by another meanwhile.
+    CHANGED = "changed"
+
+
+@dataclass(frozen=True)
+class TakeReply:
+    """The take script's reply: with :attr:`Took.OK` and :attr:`Took.LOST` the :class:`Attempt`
+    now held, with :attr:`Took.LOST` the workers the job took down (oldest first), with
+    :attr:`Took.HELD` and :attr:`Took.EXPIRED` the lease record found there."""
+
+    status: Took
+    attempt: Attempt | None = None
+    holder: str | None = None
+    lost_to: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StateMeta:
+    """A task's state as Celery stores it: its meta key, the encoded meta, and how long it is
+    kept in seconds (0: for ever)."""
+
+    key: str
+    value: str | bytes
+    expires_s: int
+
+
+@dataclass(frozen=True)
+class MessageAck:
+    """A job's message, acknowledged by the script that stores the job's end: kombu's unacked
+    hash and index (its channel's names, :func:`tasks.core.transport.stored_ack_keys`) and the
+    message's delivery tag. The channel's acknowledgement that follows is then only kombu's
+    bookkeeping (:func:`tasks.core.transport.acked_in_redis`)."""
 
     unacked_key: str
     unacked_index_key: str
     delivery_tag: str
-    done: bool = False
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """What goes with a job's finished state, in the one script call that stores it: built by
+    one builder (:func:`tasks.worker.accounting.job_end`) on every path a job ends by (it ran,
+    failed, crashed or was cancelled; it was refused: invalid options, lost; it is unknown).
+
+    Attributes:
+        attempt: the lease to release if it is still this attempt's; ``None``: no lease.
+        count: the job's figures for the fleet's metrics; ``None``: not counted.
+        ack: the job's message, acknowledged in the same call; ``None``: Celery acknowledges it.
+    """
+
+    attempt: Attempt | None = None
+    count: JobCount | None = None
+    ack: MessageAck | None = None
+
+
+class Stored(str, Enum):
+    """What the store script did (:data:`STORE`)."""
+
+    #: The state is stored; with a :class:`JobEnd`, its lease released, its count added and
+    #: its message acknowledged.
+    STORED = "stored"
+    #: A final state was there: nothing stored or counted; the end's lease released and its
+    #: message acknowledged all the same.
+    FINAL_THERE = "final state there"
+
+
+# -- the seam: a job's end, from the worker's run to the result backend's store ------------------
+
+#: The one field of a Celery task request that carries a job's :class:`Handover` (see the
+#: module's docstring); written by :func:`hand_over`, read by :func:`handover` only.
+END_FIELD = "devicefleet_end"
 
 
 @dataclass
-class JobFinish:
-    """What a device worker asks the backend to do with a job's finished state, in the same
-    script call that stores it (``setattr(task.request, FINISH_ATTR, finish)``).
+class Handover:
+    """A job's end handed to the store of its finished state, and what that store did
+    (``None`` until it ran: it failed, or has not come yet)."""
 
-    Attributes:
-        lease: the job's lease value, released if it is still ours; ``None``: no lease.
-        count: the job's counters for the fleet's metrics
-            (:func:`tasks.worker.accounting.job_count`); ``None``: not counted.
-        ack: the job's message, acknowledged in the same call; ``None``: Celery acknowledges it.
-        on_stored: called once the script has run (the worker forgets the lease).
-    """
+    end: JobEnd
+    stored: Stored | None = None
 
-    device: str
-    lease: str | None = None
-    count: dict[str, Any] | None = None
-    ack: StoredAck | None = None
-    on_stored: Callable[[], None] | None = None
+
+def hand_over(request: Any, end: JobEnd) -> Handover:
+    """Hand ``end`` to the store of the finished state of the task whose request is
+    ``request`` (the tracer's, or any request a store is then called with)."""
+    handed = Handover(end)
+    setattr(request, END_FIELD, handed)
+    return handed
+
+
+def handover(request: Any) -> Handover | None:
+    """The job's end handed with ``request`` (:func:`hand_over`), if any."""
+    handed = getattr(request, END_FIELD, None)
+    return handed if isinstance(handed, Handover) else None
+
+
+# -- the interface ---------------------------------------------------------------------------------
+
+
+class JobState:
+    """A job's life in Redis through ``client``: each method is one script call (one round trip),
+    called by hash (EVALSHA: each script's text is sent once per connection pool)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._take = client.register_script(TAKE)
+        self._renew = client.register_script(RENEW)
+        self._release = client.register_script(RELEASE)
+        self._store = client.register_script(STORE)
+        self._expired = client.register_script(EXPIRED_LEASES)
+        self._reaped = client.register_script(REAPED)
+
+    def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
+             dead: str = "", max_attempts: int = 0, keep_s: int = 0) -> TakeReply:
+        """Take the lease of ``record.task_id`` as ``record`` for ``ttl_ms`` and, with
+        ``started``, store the job's STARTED state, unless the job's result is stored.
+
+        ``replace``: the lease expected there ('' takes a free lease only; else the lease key's
+        value or, when that key has expired, the value recorded in ``keys.LEASES``); ``dead``:
+        the dead owner of that lease, whose death is counted (kept ``keep_s`` seconds, 0: for
+        ever); ``max_attempts``: the deaths after which the job is taken but not run (0: no
+        bound). See :data:`TAKE`."""
+        task_id = record.task_id
+        value = record.to_json()
+        reply = self._take(
+            keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id)],
+            args=[value, ttl_ms, task_id, started.value if started else "", started.expires_s if started else 0,
+                  replace, dead, max_attempts, keep_s],
+        )
+        status = Took(bytes_to_str(reply[0]))
+        if status in (Took.HELD, Took.EXPIRED):
+            return TakeReply(status, holder=bytes_to_str(reply[1]))
+        if status is Took.LOST:
+            return TakeReply(status, attempt=Attempt(task_id, value),
+                             lost_to=tuple(bytes_to_str(name) for name in reply[1]))
+        if status is Took.OK:
+            return TakeReply(status, attempt=Attempt(task_id, value))
+        return TakeReply(status)
+
+    def renew(self, attempt: Attempt, ttl_ms: int, *, restore: bool) -> bool:
+        """Renew ``attempt``'s lease for ``ttl_ms`` (and, with ``restore``, write it again if a
+        Redis restart lost it); False if another worker's lease is there (left alone)."""
+        return bool(self._renew(keys=[keys.lease(attempt.task_id), keys.LEASES],
+                                args=[attempt.lease, ttl_ms, attempt.task_id, "1" if restore else ""]))
+
+    def release(self, attempt: Attempt) -> None:
+        """Give ``attempt``'s lease up without a result, if it is still this attempt's (a worker
+        that was cut off must not delete its successor's)."""
+        self._release(keys=[keys.lease(attempt.task_id), keys.LEASES], args=[attempt.lease, attempt.task_id])
+
+    def finish(self, task_id: str, meta: StateMeta, end: JobEnd | None, *, final: bool) -> Stored:
+        """Store task ``task_id``'s state ``meta`` unless a final one is stored and, with a job's
+        ``end``, release its lease, count it and acknowledge its message (:data:`STORE`).
+        ``final``: every finished state is final (a devicefleet job), else only SUCCESS is
+        (Celery's rule). Idempotent: run again (after a failover), it finds its state stored."""
+        end = end or JobEnd()
+        count, ack = end.count, end.ack
+        device = count.device if count is not None else ""
+        stored = self._store(
+            keys=[meta.key, keys.lease(task_id), keys.LEASES, keys.stats(device), keys.STATS_DEVICES,
+                  keys.finished(device), ack.unacked_key if ack else "", ack.unacked_index_key if ack else ""],
+            args=[meta.value, meta.expires_s, end.attempt.lease if end.attempt else "", task_id,
+                  count.script_arg() if count is not None else "", ack.delivery_tag if ack else "",
+                  "1" if final else ""],
+        )
+        if ack is not None:
+            acked_in_redis(ack.delivery_tag)
+        return Stored.STORED if int(stored) else Stored.FINAL_THERE
+
+    def expired(self) -> dict[str, str]:
+        """``{task id: lease record}`` of the leases whose key is gone: the reaper's candidates,
+        whose owner may still be alive (late to renew)."""
+        reply = self._expired(keys=[keys.LEASES], args=[keys.lease("")])
+        return {bytes_to_str(task_id): bytes_to_str(raw) for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}
+
+    def reaped(self, task_id: str, raw: str, dead: str, keep_s: int) -> bool:
+        """The reaper gave back job ``task_id`` whose lease record read ``raw``: remove the
+        record if it is still that one and count ``dead``'s death ('' for an orphan: none),
+        kept ``keep_s`` seconds (0: for ever). True if the record was removed."""
+        return bool(self._reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id)],
+                                 args=[task_id, raw, dead, keep_s]))

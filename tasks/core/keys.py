@@ -107,7 +107,7 @@ def gangs_needing(device: str) -> str:
     return f"{PREFIX}gangs-needing:{device}"
 
 
-# -- throughput counters (tasks.worker.accounting writes, tasks.ops.exporter reads) --------------
+# -- throughput counters (tasks.core.jobcount's records: the store script writes, the exporter reads)
 
 #: Set of the devices that have counters.
 STATS_DEVICES = f"{PREFIX}stats-devices"

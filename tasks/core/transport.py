@@ -7,7 +7,8 @@ out of that loop and stops the whole worker. This transport catches those errors
 message, logs them, and keeps consuming. Celery uses it through ``broker_transport``.
 
 Its QoS lets a job's acknowledgement be made by the script that stores the job's result
-(:class:`tasks.core.jobstate.StoredAck`): :meth:`QoS.acked_in_redis` marks the message, and the
+(:class:`tasks.core.jobstate.MessageAck`, in the unacked hash and index
+:func:`stored_ack_keys` names): :func:`acked_in_redis` marks the message, and the
 acknowledgement that follows (on Celery's usual path, in the event loop) is then only kombu's
 in-memory bookkeeping, not a second round trip.
 
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from celery.app.amqp import AMQP
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
+from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
 
 from .errors import NoFleetError
@@ -63,41 +65,62 @@ REPLICATION_OPTION = "devicefleet_replication"
 POPPED: deque[tuple[Any, str, str]] = deque()
 _POPPED_LOCK = threading.Lock()
 
+#: Delivery tags of messages the result store's script acknowledged in Redis (out of the
+#: unacked hash and index already): their channel's acknowledgement is bookkeeping only. Kept
+#: per process: the store runs in the thread of the job's task, the channel's acknowledgement
+#: in the consumer's, and a delivery tag is unique.
+_ACKED_IN_REDIS: set[str] = set()
+_ACKED_LOCK = threading.Lock()
+
+
+def acked_in_redis(delivery_tag: str) -> None:
+    """The message ``delivery_tag`` is out of the unacked hash and index already (the result
+    store's script took it out): its acknowledgement skips kombu's round trip (:class:`QoS`)."""
+    with _ACKED_LOCK:
+        _ACKED_IN_REDIS.add(delivery_tag)
+
+
+def _take_mark(delivery_tag: str) -> bool:
+    with _ACKED_LOCK:
+        marked = delivery_tag in _ACKED_IN_REDIS
+        _ACKED_IN_REDIS.discard(delivery_tag)
+    return marked
+
+
+def stored_ack_keys(conf: Any) -> tuple[str, str] | None:
+    """kombu's unacked hash and index on the broker of a Celery configuration ``conf``, for the
+    script that stores a job's result to acknowledge the job's message in: ``None`` unless the
+    broker's transport is this module's (whose :class:`QoS` then skips its own round trip) and
+    its keys have no prefix (the script names them itself)."""
+    name = conf.broker_transport
+    if not name:
+        return None
+    transport = resolve_transport(name)
+    channel = getattr(transport, "Channel", None)
+    options = conf.broker_transport_options or {}
+    if not (isinstance(channel, type) and issubclass(channel, HardenedChannel)) or options.get("global_keyprefix"):
+        return None
+    return (str(options.get("unacked_key", channel.unacked_key)),
+            str(options.get("unacked_index_key", channel.unacked_index_key)))
+
 
 class QoS(kombu_redis.QoS):
     """kombu's Redis QoS; an acknowledgement already made in Redis is bookkeeping only.
 
     kombu internals (checked on kombu 5.7.0, pyproject.toml's floor and the newest release when
     checked): ack and reject, and virtual.QoS.ack as the in-memory part of an acknowledgement;
-    the unacked hash and index it names (unacked_key, unacked_index_key) are read by
-    tasks.worker.runner and tasks.worker.lease (with restore_by_tag).
+    the unacked hash and index it names (unacked_key, unacked_index_key, also named by
+    :func:`stored_ack_keys`) are read by tasks.worker.lease (with restore_by_tag).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._acked_in_redis: set[str] = set()
-        self._acked_lock = threading.Lock()
-
-    def acked_in_redis(self, delivery_tag: str) -> None:
-        """The message ``delivery_tag`` is out of the unacked hash and index already (the result
-        store's script took it out): its acknowledgement skips kombu's round trip."""
-        with self._acked_lock:
-            self._acked_in_redis.add(delivery_tag)
-
-    def _take_mark(self, delivery_tag: str) -> bool:
-        with self._acked_lock:
-            marked = delivery_tag in self._acked_in_redis
-            self._acked_in_redis.discard(delivery_tag)
-        return marked
-
     def ack(self, delivery_tag: str) -> None:
-        if self._take_mark(delivery_tag):
+        if _take_mark(delivery_tag):
             kombu_virtual.QoS.ack(self, delivery_tag)  # kombu's bookkeeping: the message is done
         else:
             super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        self._take_mark(delivery_tag)
+        _take_mark(delivery_tag)
         super().reject(delivery_tag, requeue=requeue)
 
     # kombu internal: the record of a delivered message in the unacked hash and index, made

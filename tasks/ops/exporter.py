@@ -5,10 +5,11 @@ Design: Flower already turns Celery's task events into ``/metrics`` (``flower_ev
 in Redis, so the fleet exports it itself, from one exporter thread the launcher starts:
 
 - each worker, when a job ends, adds to its device's counters in Redis
-  (:func:`tasks.worker.accounting.job_count`, stored with each result): jobs by status, busy seconds, the metrics the
-  job declared (samples, the last samples/s and data-wait fraction), GPU memory, and the finish
-  time in a sorted set (for jobs/s over the last minute). Counters in Redis survive a worker
-  restart and need no event stream, so they are exact;
+  (:class:`tasks.core.jobcount.JobCount`, stored with each result): jobs by status, busy
+  seconds, the metrics the job declared (samples, the last samples/s and data-wait fraction), GPU
+  memory, and the finish time in a sorted set (for jobs/s over the last minute). Counters in
+  Redis survive a worker restart and need no event stream, so they are exact; they are read
+  back through the same record's field names (:class:`tasks.core.jobcount.DeviceStats`);
 - queue depth is ``LLEN`` of kombu's Redis lists (one per priority step), and the oldest waiting
   message's age comes from the send-time header every producer stamps
   (:mod:`tasks.producer.sent_at`);
@@ -36,6 +37,7 @@ from prometheus_client.registry import Collector
 from ..core import keys
 from ..core.defaults import RATE_WINDOW_S
 from ..core.job import JobMetric
+from ..core.jobcount import DeviceStats
 from ..core.queues import QueueName, device_queue
 from ..core.records import WorkerRecord
 from ..core.registry import connect, live_workers
@@ -118,28 +120,27 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
     dead_letters = int(replies.pop())
     out: dict[str, dict[str, Any]] = {}
     for i, device in enumerate(devices):
-        stats: dict[str, str] = replies[2 * i]
+        stats = DeviceStats.parse(replies[2 * i])
         recent = int(replies[2 * i + 1])
         rec = live.get(device)
-        ok, err = int(stats.get("jobs_ok", 0)), int(stats.get("jobs_error", 0))
         out[device] = {
             "live": rec is not None,
             "kind": rec.kind if rec else device.split("@", 1)[0].rstrip("0123456789"),
-            "worker": rec.worker if rec else stats.get("worker"),
+            "worker": rec.worker if rec else stats.worker,
             "ready": bool(rec and rec.ready),
             "busy": rec.busy.to_dict() if rec and rec.busy else None,
             "progress": _first_progress(rec),
             "slots": [slot.to_dict() for slot in rec.slots] if rec else [],
             "memory_kind": rec.memory_kind if rec else None,
-            "jobs_ok": ok,
-            "jobs_error": err,
-            "jobs_total": ok + err,
-            "busy_seconds": float(stats.get("busy_seconds", 0.0)),
-            "samples": int(float(stats.get(JobMetric.SAMPLES.value, 0))),
+            "jobs_ok": stats.jobs_ok,
+            "jobs_error": stats.jobs_error,
+            "jobs_total": stats.jobs_total,
+            "busy_seconds": stats.busy_seconds,
+            "samples": int(stats.counters.get(JobMetric.SAMPLES, 0)),
             "jobs_per_s": recent / RATE_WINDOW_S,
-            "samples_per_s": _float(stats.get(f"last_{JobMetric.SAMPLES_PER_S.value}")),
-            "data_wait_fraction": _float(stats.get(f"last_{JobMetric.DATA_WAIT_FRACTION.value}")),
-            "gpu_memory_bytes": _float(stats.get("gpu_memory_bytes")),
+            "samples_per_s": stats.gauges.get(JobMetric.SAMPLES_PER_S),
+            "data_wait_fraction": stats.gauges.get(JobMetric.DATA_WAIT_FRACTION),
+            "gpu_memory_bytes": float(stats.gpu_memory_bytes) if stats.gpu_memory_bytes is not None else None,
         }
     queues = {}
     for name in fleet_queues(live, devices):
@@ -153,10 +154,6 @@ def _first_progress(rec: WorkerRecord | None) -> dict[str, Any] | None:
     if rec is None or rec.busy is None:
         return None
     return next((slot.progress for slot in rec.running if slot.busy == rec.busy), None)
-
-
-def _float(value: str | None) -> float | None:
-    return None if value is None else float(value)
 
 
 # -- Prometheus ----------------------------------------------------------------------------------

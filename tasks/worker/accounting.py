@@ -1,9 +1,15 @@
-"""Counting finished jobs for the fleet's metrics, in the round trip that stores the job's result.
+"""A job's end as this worker stores it: the one builder of :class:`~tasks.core.jobstate.JobEnd`.
 
-Counters in Redis (``keys.stats(device)``, ``keys.finished(device)``) survive a worker restart
-and need no event stream, so they are exact; :mod:`tasks.ops.exporter` reads them on each scrape.
-What a job's output adds is what the job declared (``@job(..., metrics=...)``), never a field
-name this module knows.
+Every path a job ends by builds its end here (:func:`job_end`): it ran (ok, failed, crashed,
+out of memory, past its time limit), it was cancelled, it was refused before running (invalid
+options, or lost: it took its worker down ``max_attempts`` times), or no worker runs it (an
+unknown job, :mod:`tasks.worker.consumer`). The end goes with the job's finished state, in the
+script call that stores it (:meth:`tasks.core.jobstate.JobState.finish`): the lease this
+process holds for the job, released; the job's count for the fleet's metrics
+(:class:`~tasks.core.jobcount.JobCount`, added to counters in Redis that survive a worker
+restart and need no event stream, so they are exact; :mod:`tasks.ops.exporter` reads them); and
+its message's acknowledgement. What a job's output adds to the count is what the job declared
+(``@job(..., metrics=...)``), never a field name this module knows.
 """
 
 from __future__ import annotations
@@ -12,42 +18,56 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.defaults import FINISHED_KEEP_S as KEEP_S
+from celery import Celery
+
 from ..core.job import JobMetric
+from ..core.jobcount import JobCount
+from ..core.jobstate import JobEnd, MessageAck
+from ..core.transport import stored_ack_keys
+from .device import DeviceWorker
 
 logger = logging.getLogger(__name__)
 
 
-def job_count(
-    device: str,
-    worker: str,
+def job_end(
+    worker: DeviceWorker,
+    app: Celery,
+    request: Any,
     *,
     ok: bool,
     started: float,
     finished: float,
     metrics: Mapping[JobMetric, float] | None = None,
     gpu_memory_bytes: int | None = None,
-) -> dict[str, Any]:
-    """One finished job's counts, as the result backend's store script adds them
-    (:class:`tasks.core.jobstate.JobFinish`): in the same round trip as the job's stored result.
+) -> JobEnd:
+    """The end of the job whose task request is ``request`` on ``worker``: the attempt this
+    process holds for it (handed to the store, which releases its lease), its count, and its
+    message's acknowledgement (``None`` when the message did not come through the fleet's
+    transport, or was rejected already).
+
+    A worker that is not in the fleet (it has not joined, or has left it: it holds no leases)
+    hands nothing: its end is empty, and the store is Celery's plain one.
 
     Args:
+        app: the worker's app, whose broker names the hash and index to acknowledge in.
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
-
-    Numbers travel as ``repr`` strings, so Redis stores what Python would have written.
     """
-    add = {"busy_seconds": repr(max(0.0, finished - started))}
-    latest: dict[str, str] = {"worker": worker, "last_finished_at": repr(finished)}
-    for metric, value in (metrics or {}).items():
-        if metric.is_counter:
-            add[metric.value] = repr(float(value))
-        else:
-            latest[f"last_{metric.value}"] = repr(value)
-    if gpu_memory_bytes is not None:
-        latest["gpu_memory_bytes"] = str(gpu_memory_bytes)
-    return {
-        "device": device, "outcome": "jobs_ok" if ok else "jobs_error", "add": add, "set": latest,
-        "finished": repr(finished), "keep_after": repr(finished - KEEP_S),
-    }
+    leases = worker.leases
+    if leases is None:
+        return JobEnd()
+    count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
+                     busy_seconds=max(0.0, finished - started), last_finished_at=finished,
+                     gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}))
+    return JobEnd(attempt=leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
 
+
+def message_ack(app: Celery, request: Any) -> MessageAck | None:
+    """How the store script acknowledges the message of ``request`` (its delivery tag, on the
+    app's broker), or ``None``: the broker's channels cannot be acknowledged in by a script, or
+    the request came with no message (an unknown job's, rejected already)."""
+    tag = (request.properties or {}).get("delivery_tag")
+    names = stored_ack_keys(app.conf)
+    if names is None or not isinstance(tag, str):
+        return None
+    return MessageAck(unacked_key=names[0], unacked_index_key=names[1], delivery_tag=tag)

@@ -80,16 +80,16 @@ class DeviceWorkerStep(bootsteps.StartStopStep):
         if parent.concurrency != slots:
             logger.info("%s: concurrency %s -> %d, its slots", device_worker.device, parent.concurrency, slots)
         parent.concurrency = parent.min_concurrency = slots
-        # A job's lease goes with its stored result (the store script releases it); one still
-        # held after Celery stored the outcome (the store failed, or stored no finish) is
-        # released here (LeaseKeeper.hold). Connected before the consumer builds its tracers,
-        # which read the receivers.
+        # A job's lease goes with its stored result (the store script releases it): once Celery
+        # stored the outcome, the lease keeper forgets it, or releases one the store did not
+        # (it failed, or stored no end) (LeaseKeeper.settle). Connected before the consumer
+        # builds its tracers, which read the receivers.
         signals.task_postrun.connect(self._release_lease, weak=False)
 
     def _release_lease(self, sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
         leases = self.device_worker.leases
         if leases is not None and task_id and isinstance(sender, JobTask):
-            leases.release_held(task_id)
+            leases.settle(task_id, sender.request)
 
     def start(self, parent: Any) -> None:
         try:

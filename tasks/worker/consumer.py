@@ -26,7 +26,7 @@ from celery.worker.consumer import Consumer
 from ..core.backend import attach_entry
 from ..core.defaults import EVENT_FLUSH_S
 from ..core.job import TASK_PREFIX
-from ..core.jobstate import FINISH_ATTR, JobFinish
+from ..core.jobstate import hand_over
 from ..core.records import Entry, ErrorInfo
 from . import accounting
 
@@ -100,9 +100,9 @@ class FleetConsumer(Consumer):  # type: ignore[misc]
             correlation_id=message.properties.get("correlation_id"),
             reply_to=message.properties.get("reply_to"), delivery_info=message.delivery_info,
         )
-        if device_worker.heartbeat is not None:  # counted as a failed job, with the stored failure
-            setattr(request, FINISH_ATTR, JobFinish(device=device_worker.device.name, count=accounting.job_count(
-                device_worker.device.name, device_worker.nodename, ok=False, started=now, finished=now)))
+        # Counted as a failed job, with the stored failure (the request came with no message to
+        # acknowledge: it is rejected above).
+        hand_over(request, accounting.job_end(device_worker, self.app, request, ok=False, started=now, finished=now))
         self.app.backend.mark_as_failure(task_id, attach_entry(failure, entry), request=request)
         if self.event_dispatcher:
             self.event_dispatcher.send("task-failed", uuid=task_id, exception=repr(failure))

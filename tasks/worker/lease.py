@@ -1,7 +1,9 @@
 """Leases: a running job is owned by one live worker, and a dead worker's job runs again fast.
 
-The threads and calls of a worker's side of a job's protocol in Redis; the scripts themselves,
-and the whole sequence (take, renew, finish, reap, deaths), are in :mod:`tasks.core.jobstate`.
+The threads of a worker's side of a job's protocol in Redis, and what they do with each reply;
+the scripts themselves, the one interface that calls them (:class:`tasks.core.jobstate.JobState`)
+and the whole sequence (take, renew, finish, release, reap, deaths) are in
+:mod:`tasks.core.jobstate`.
 
 Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
@@ -14,7 +16,7 @@ long timeout and adds a lease per running job:
   visibility-timeout restore while the first still runs) finds it held by a live owner and is
   dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
 - the lease is released by the script call that stores the job's result
-  (:class:`tasks.core.jobstate.JobFinish`), so a copy arriving at any moment finds the lease or
+  (:class:`tasks.core.jobstate.JobEnd`), so a copy arriving at any moment finds the lease or
   the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
 - a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
@@ -74,7 +76,7 @@ from ..core import keys
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
-from ..core.jobstate import EXPIRED_LEASES, REAPED, RELEASE, RENEW, TAKE
+from ..core.jobstate import Attempt, JobState, StateMeta, TakeReply, Took, handover
 from ..core.periodic import PeriodicThread
 from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, WorkerRecord
 from ..core.registry import read_worker
@@ -103,20 +105,13 @@ class Take(str, Enum):
 
 @dataclass(frozen=True)
 class Taken:
-    """What :meth:`LeaseKeeper.take` did, and with :attr:`Take.LOST` the workers the job took
-    down (``"<worker> pid <pid>"``, oldest first)."""
+    """What :meth:`LeaseKeeper.take` did: with :attr:`Take.TAKEN` and :attr:`Take.LOST` the
+    :class:`~tasks.core.jobstate.Attempt` now held, with :attr:`Take.LOST` the workers the job
+    took down (``"<worker> pid <pid>"``, oldest first)."""
 
     outcome: Take
     lost_to: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Started:
-    """The STARTED state to store when the lease is taken: Celery's meta key, value and expiry."""
-
-    key: str
-    value: str
-    expires_s: int
+    attempt: Attempt | None = None
 
 
 def _parse(raw: str | bytes | None) -> LeaseRecord | None:
@@ -183,9 +178,10 @@ def deaths_kept_s(app: Celery) -> int:
 class LeaseKeeper(PeriodicThread):
     """Takes, renews and releases the leases of the jobs this worker process runs.
 
-    A job's lease goes with its stored result: :meth:`finishing` hands it to the result backend
-    (:class:`tasks.core.jobstate.JobFinish`), whose store script releases it in the same call.
-    Until then it is renewed (never restored once finishing: the store may have deleted it).
+    A job's lease goes with its stored result: :meth:`finishing` hands its attempt to the job's
+    end (:class:`tasks.core.jobstate.JobEnd`), whose store script releases it in the same call;
+    :meth:`settle`, after the store, forgets it (or releases it, had the store not run). Until
+    then it is renewed (never restored once finishing: the store may have deleted it).
     """
 
     name = "devicefleet-leases"
@@ -199,13 +195,10 @@ class LeaseKeeper(PeriodicThread):
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
-        self._held: dict[str, str] = {}  # task id -> lease value
+        self._jobs = JobState(client)
+        self._held: dict[str, Attempt] = {}  # task id -> the attempt this process runs
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
-        # Called by hash (EVALSHA): the script text is sent once.
-        self._take = client.register_script(TAKE)
-        self._renew = client.register_script(RENEW)
-        self._release = client.register_script(RELEASE)
 
     def held(self) -> list[str]:
         """The task ids whose leases this process holds now."""
@@ -217,7 +210,7 @@ class LeaseKeeper(PeriodicThread):
         return self.take(task_id, delivery_tag, resend).outcome is Take.TAKEN
 
     def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
-             started: Started | None = None, max_attempts: int | None = None,
+             started: StateMeta | None = None, max_attempts: int | None = None,
              keep_s: int = DEATHS_KEPT_S) -> Taken:
         """Take the lease of ``task_id`` and, with ``started``, store the job's STARTED state:
         one script call, which first checks that the job's result is not stored yet.
@@ -232,19 +225,14 @@ class LeaseKeeper(PeriodicThread):
         """
         record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
                              task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
-        value = record.to_json()
 
-        def call(expect: str, dead: str) -> list[Any]:
-            return list(self._take(
-                keys=[started.key if started else "", keys.lease(task_id), keys.LEASES,
-                      keys.worker_deaths(task_id)],
-                args=[value, self._ttl_ms, task_id, started.value if started else "",
-                      started.expires_s if started else 0, expect, dead, max_attempts or 0, keep_s],
-            ))
+        def call(expect: str, dead: str) -> TakeReply:
+            return self._jobs.take(record, self._ttl_ms, started=started, replace=expect, dead=dead,
+                                   max_attempts=max_attempts or 0, keep_s=keep_s)
 
         reply = call("", "")
-        if bytes_to_str(reply[0]) in ("held", "expired"):
-            raw = bytes_to_str(reply[1])
+        if reply.status in (Took.HELD, Took.EXPIRED):
+            raw = reply.holder or ""
             holder = _parse(raw)
             dead = ""
             if holder is not None and holder.pid == os.getpid() and holder.host == host_name():
@@ -267,40 +255,43 @@ class LeaseKeeper(PeriodicThread):
             # Only if it still holds what we read: two workers cannot both take it over, nor
             # count its owner's death twice (nor once more after the reaper did).
             reply = call(raw, dead)
-        status = bytes_to_str(reply[0])
-        if status == "finished":
+        attempt = reply.attempt
+        if reply.status is Took.FINISHED:
             logger.warning("job %s has already finished; not running this copy", task_id)
             return Taken(Take.FINISHED)
-        if status not in ("ok", "lost"):
+        if attempt is None:
             logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
             return Taken(Take.RUNNING_ELSEWHERE)
         with self._lock:
-            self._held[task_id] = value
+            self._held[task_id] = attempt
             self._finishing.discard(task_id)
         self._replication.wait(self._client, f"lease of job {task_id}")
-        if status == "lost":
-            return Taken(Take.LOST, tuple(bytes_to_str(name) for name in reply[1]))
-        return Taken(Take.TAKEN)
+        if reply.status is Took.LOST:
+            return Taken(Take.LOST, reply.lost_to, attempt)
+        return Taken(Take.TAKEN, attempt=attempt)
 
     def release(self, task_id: str) -> None:
+        """Give up ``task_id``'s lease, if this process holds it, without a result."""
         with self._lock:
-            value = self._held.pop(task_id, None)
+            attempt = self._held.pop(task_id, None)
             self._finishing.discard(task_id)
+        if attempt is None:
+            return
         try:
             # Only our own lease: a worker that was cut off must not delete its successor's.
-            self._release(keys=[keys.lease(task_id), keys.LEASES], args=[value or "", task_id])
+            self._jobs.release(attempt)
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
-    def finishing(self, task_id: str) -> str | None:
-        """Hand ``task_id``'s lease to the store of its result: returns the lease value for the
-        store script to release (``None`` if this process holds none). Renewal goes on until
-        :meth:`forget`, but never brings the lease back once the store has deleted it."""
+    def finishing(self, task_id: str) -> Attempt | None:
+        """Hand ``task_id``'s attempt to the store of its result, whose script releases its lease
+        (``None`` if this process holds none). Renewal goes on until :meth:`settle`, but never
+        brings the lease back once the store has deleted it."""
         with self._lock:
-            value = self._held.get(task_id)
-            if value is not None:
+            attempt = self._held.get(task_id)
+            if attempt is not None:
                 self._finishing.add(task_id)
-        return value
+        return attempt
 
     def forget(self, task_id: str) -> None:
         """The store script released ``task_id``'s lease: stop renewing it (no round trip)."""
@@ -308,19 +299,38 @@ class LeaseKeeper(PeriodicThread):
             self._held.pop(task_id, None)
             self._finishing.discard(task_id)
 
+    def settle(self, task_id: str, request: Any) -> None:
+        """After the store of job ``task_id``'s outcome (``task_postrun``, which Celery sends
+        once the outcome is stored and before the message is acknowledged; or a block that
+        ended in Ignore): if the store ran with the job's end for the attempt held here
+        (:func:`tasks.core.jobstate.handover` on the task's ``request``), its script released
+        the lease: forget it, no round trip. Else release what is still held (the store failed,
+        or stored no end: a retry)."""
+        with self._lock:
+            attempt = self._held.get(task_id)
+        if attempt is None:
+            return
+        handed = handover(request)
+        if handed is not None and handed.stored is not None and handed.end.attempt == attempt:
+            self.forget(task_id)
+        else:
+            self.release(task_id)
+
     @contextmanager
-    def hold(self, task: Any, max_attempts: int | None = None) -> Iterator[None]:
+    def hold(self, task: Any, max_attempts: int | None = None) -> Iterator[Attempt]:
         """Take ``task``'s lease and store its STARTED state (one round trip) for the block, and
         keep the lease until the job's result is stored.
 
-        The lease outlives the block: the job's function has returned, but Celery has not
-        stored its result yet. The runner hands it to the result backend (:meth:`finishing`),
-        which releases it in the script call that stores the result; the worker's
-        ``task_postrun`` signal, which comes after the result (or failure) is stored and before
-        the message is acknowledged, releases what is still held. So a copy redelivered at any
-        moment finds the lease held or the result stored, and never runs the job again. Only a
-        block that ends in :class:`~celery.exceptions.Ignore` (nothing more to store) or in a
-        BaseException that is not an Exception (the worker is going down) releases it at once.
+        Yields the :class:`~tasks.core.jobstate.Attempt` taken. The lease outlives the block:
+        the job's function has returned, but Celery has not stored its result yet. The job's
+        end takes the attempt (:meth:`finishing`) to the result backend, which releases the
+        lease in the script call that stores the result; the worker's ``task_postrun`` signal,
+        which comes after the result (or failure) is stored and before the message is
+        acknowledged, settles it (:meth:`settle`). So a copy redelivered at any moment finds the
+        lease held or the result stored, and never runs the job again. Only a block that ends in
+        :class:`~celery.exceptions.Ignore` (nothing more to store; a cancelled job's state is
+        stored already) or in a BaseException that is not an Exception (the worker is going
+        down) settles or releases it at once.
 
         The job task stores no STARTED state of its own (``track_started`` is off for it): this
         is Celery's STARTED meta, made by the task's result backend, stored by the take script.
@@ -350,15 +360,15 @@ class LeaseKeeper(PeriodicThread):
                           max_attempts=bound, keep_s=deaths_kept_s(task.app))
         if taken.outcome is Take.LOST:
             raise self._lost(task_id, resend, taken.lost_to, bound)
-        if taken.outcome is not Take.TAKEN:
+        if taken.outcome is not Take.TAKEN or taken.attempt is None:
             raise Ignore()
         try:
-            yield
+            yield taken.attempt
         except Ignore:
-            self.release_held(task_id)  # unless the store of a cancelled job's state released it
+            self.settle(task_id, request)  # the store of a cancelled job's state released it
             raise
         except Exception:
-            raise  # Celery stores the failure (and the lease with it), or task_postrun releases it
+            raise  # Celery stores the failure (and the lease with it), then task_postrun settles it
         except BaseException:
             self.release(task_id)
             raise
@@ -391,17 +401,15 @@ class LeaseKeeper(PeriodicThread):
         with self._lock:
             held = dict(self._held)
             finishing = set(self._finishing)
-        for task_id, value in held.items():
-            restore = "" if task_id in finishing else "1"
+        for task_id, attempt in held.items():
             try:
-                if not self._renew(keys=[keys.lease(task_id), keys.LEASES],
-                                   args=[value, self._ttl_ms, task_id, restore]):
+                if not self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing):
                     logger.error("the lease of job %s was taken over by another worker", task_id)
             except redis.RedisError as exc:  # Redis restarting: renew on the next beat
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
 
 
-def started_meta(task: Any) -> Started | None:
+def started_meta(task: Any) -> StateMeta | None:
     """The STARTED state Celery's ``track_started`` would store for ``task``'s request, made by
     its result backend (``None`` if the backend is not a key-value store)."""
     backend = task.backend
@@ -412,30 +420,21 @@ def started_meta(task: Any) -> Started | None:
                                     state=STARTED, traceback=None, request=request)
     meta["task_id"] = str(request.id)
     key = backend.get_key_for_task(str(request.id))
-    return Started(key=bytes_to_str(key),
-                   value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
-
-
-def expired_leases(client: redis.Redis) -> dict[str, str]:
-    """``{task id: lease record}`` of the leases whose key is gone (one round trip): the
-    candidates of :func:`reap_once`, whose owner may still be alive (late to renew)."""
-    reply = client.register_script(EXPIRED_LEASES)(keys=[keys.LEASES], args=[keys.lease("")])
-    return {bytes_to_str(task_id): bytes_to_str(raw)
-            for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}  # type: ignore[index]
+    return StateMeta(key=bytes_to_str(key), value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
 
 
 def reap_once(client: redis.Redis, app: Celery, orphans: Orphans | None = None) -> list[str]:
     """Give back to their queues the jobs whose lease expired with their owner dead, and count
-    each owner's death against its job (:data:`REAPED`); with ``orphans``, also those whose
+    each owner's death against its job (:meth:`JobState.reaped`); with ``orphans``, also those whose
     owner is alive but has not run them for ``orphans.grace_s`` (no death counted).
 
     A broker connection is opened only when there is such a job. Returns the task ids given back.
     """
     restored: list[str] = []
     conn = None
-    reaped = client.register_script(REAPED)
+    jobs = JobState(client)
     keep_s = deaths_kept_s(app)
-    expired = expired_leases(client)
+    expired = jobs.expired()
     if orphans is not None:
         orphans.keep(set(expired))
     try:
@@ -470,8 +469,7 @@ def reap_once(client: redis.Redis, app: Celery, orphans: Orphans | None = None) 
                 logger.error("job %s of dead worker %s cannot be given back: its message is gone",
                              task_id, record.worker)
             # After the message is back (a round cut short gives it back again, never loses it).
-            reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id)],
-                   args=[task_id, raw, dead, keep_s])
+            jobs.reaped(task_id, raw, dead, keep_s)
             if dead:
                 logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
                                task_id, record.worker, record.pid)
@@ -504,6 +502,7 @@ class Reaper(PeriodicThread):
     def __init__(self, client: redis.Redis, app: Celery, interval_s: float, orphan_grace_s: float) -> None:
         super().__init__(interval_s)
         self._client = client
+        self._jobs = JobState(client)
         self._app = app
         self.orphans = Orphans(orphan_grace_s)
         # Held for one round at most; a reaper that dies holding it frees it by expiry.
@@ -511,7 +510,7 @@ class Reaper(PeriodicThread):
 
     def tick(self) -> None:
         # One round trip in the usual case, with nothing to reap: the lock only when there is.
-        if not expired_leases(self._client):
+        if not self._jobs.expired():
             self.orphans.keep(set())
             return
         lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)

@@ -9,9 +9,11 @@ type, and the error entry rides along with it (:func:`tasks.core.backend.attach_
 that a fan-out's chord still collects every device.
 
 The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is a
-short chain (:func:`execute`): take its lease, read its options, run it in a job process while
-a :class:`JobWatch` publishes its progress and asks for its stop, then store its end with the
-lease, the counts and the acknowledgement (:class:`JobRun`).
+short chain (:func:`execute`): read its options, take its lease, run it in a job process while
+a :class:`JobWatch` publishes its progress and asks for its stop, then hand its end (the
+lease's attempt, the count and the acknowledgement: :func:`tasks.worker.accounting.job_end`) to
+the store of its result (:meth:`JobRun.end`), which Celery's tracer makes once the task returns
+or raises; :class:`tasks.worker.lease.LeaseKeeper` settles the lease after it.
 """
 
 from __future__ import annotations
@@ -37,11 +39,10 @@ from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
-from ..core.jobstate import FINISH_ATTR, JobFinish, StoredAck
+from ..core.jobstate import hand_over
 from ..core.keys import OPTIONS_HEADER
 from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
-from ..core.transport import QoS as FleetQoS
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, gang, progress
@@ -51,31 +52,13 @@ from .supervisor import Ended, Watch
 
 logger = logging.getLogger(__name__)
 
-#: Attribute of a job's task request that carries its :class:`~tasks.core.jobstate.StoredAck`.
-STORED_ACK_ATTR = "devicefleet_stored_ack"
-
-
-def stored_ack(message: Any) -> StoredAck | None:
-    """What the result store needs to acknowledge ``message``: on devicefleet's Redis channel
-    (:class:`tasks.core.transport.QoS`, which then skips its own round trip) with no key prefix
-    (the store script names the keys itself); ``None`` otherwise."""
-    channel: Any = getattr(message, "channel", None)
-    qos: Any = getattr(channel, "qos", None)
-    tag = getattr(message, "delivery_tag", None)
-    if not isinstance(qos, FleetQoS) or not isinstance(tag, str) or getattr(channel, "global_keyprefix", None):
-        return None
-    return StoredAck(unacked_key=qos.unacked_key, unacked_index_key=qos.unacked_index_key, delivery_tag=tag)
-
 
 class JobRequest(Request):  # type: ignore[misc]
-    """Celery's request of a job task, with the acknowledgement folded into the result's store,
-    and a job's MemoryError a failure like any other.
+    """Celery's request of a job task, with a job's MemoryError a failure like any other.
 
-    The request hands its message's :class:`~tasks.core.jobstate.StoredAck` to the task (in the
-    request's ``properties``, which the thread pool passes as they are): the script that stores the job's
-    result acknowledges the message in Redis, and :meth:`acknowledge` marks it on the channel's
-    :class:`~tasks.core.transport.QoS`, so Celery's acknowledgement that follows is only kombu's
-    in-memory bookkeeping, not a second round trip.
+    (The acknowledgement of a job's message is folded into the store of its result: see
+    :class:`tasks.core.jobstate.MessageAck`; Celery's acknowledgement that follows is then only
+    kombu's in-memory bookkeeping, :class:`tasks.core.transport.QoS`.)
 
     Celery takes a MemoryError out of a task for the worker process's own: it raises it again and
     leaves the message unacknowledged, so the device would hold its one prefetch slot and take
@@ -83,26 +66,6 @@ class JobRequest(Request):  # type: ignore[misc]
     its failure and error entry stored by the trace (``return_ok``): acknowledge it as any failed
     job is.
     """
-
-    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(message, *args, **kwargs)
-        self._stored_ack = stored_ack(message)
-        if self._stored_ack is not None:
-            # Beside the message's properties, in a copy (the message keeps its own): the task's
-            # request has them, and nothing sends them on (a retry copies headers, not these).
-            properties = self._request_dict.get("properties") or {}
-            self._request_dict["properties"] = {**properties, STORED_ACK_ATTR: self._stored_ack}
-
-    def acknowledge(self) -> None:
-        ack = self._stored_ack
-        if ack is not None and ack.done and not self.acknowledged:  # type: ignore[has-type]
-            # The store script took the message out of kombu's unacked hash and index: the
-            # acknowledgement below, on Celery's usual path (the event loop's turn, which also
-            # lets it fetch the next message), is only kombu's bookkeeping.
-            qos = getattr(self.message.channel, "qos", None)  # no channel: Celery's ack says so
-            if isinstance(qos, FleetQoS):
-                qos.acked_in_redis(ack.delivery_tag)
-        super().acknowledge()
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         exc = exc_info.exception
@@ -303,10 +266,12 @@ class JobRun:
                                              worker_fields={"jobs_done": jobs_done}, after_s=HEARTBEAT_COALESCE_S)
 
     def end(self, ended: Ended | None = None, failed: BaseException | None = None) -> dict[str, Any]:
-        """Store the job's end and return its entry.
+        """Hand the job's end to the store of its result (:func:`~tasks.core.jobstate.hand_over`:
+        Celery's tracer stores what this returns or raises, with the end, in one script call)
+        and return its entry.
 
         Raises:
-            celery.exceptions.Ignore: it was cancelled (REVOKED is stored here).
+            celery.exceptions.Ignore: it was cancelled (REVOKED is stored here, with the end).
             Exception: it failed; the exception carries its error entry.
         """
         self.idle()
@@ -314,9 +279,12 @@ class JobRun:
         result = ended.finished if ended is not None else None
         output = result.output if result is not None and ended is not None and ended.outcome is Outcome.OK else None
         error = ErrorInfo.of(failed) if failed is not None else (ended.error if ended is not None else None)
-        _finish_with_result(self.worker, self.task, error is None, self.started, finished,
-                            metrics=result.metrics if result is not None else {},
-                            gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None)
+        request = self.task.request
+        hand_over(request, accounting.job_end(
+            self.worker, self.task.app, request, ok=error is None, started=self.started, finished=finished,
+            metrics={JobMetric(name): value for name, value in result.metrics.items()} if result is not None else None,
+            gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None,
+        ))
         entry = Entry.make(device=self.worker.device.name, worker=self.worker.nodename, output=output,
                            error=error, started=self.started, finished=finished, visibility=self.worker.seen,
                            slot=self.slot.index if self.slot is not None else None)
@@ -364,29 +332,6 @@ def store_cancelled(task: Task, failure: BaseException, entry: Entry) -> None:
         task.backend.on_chord_part_return(request, states.REVOKED, exc)
     task.send_event("task-revoked", terminated=False, signum=None, expired=False)
     raise Ignore()
-
-
-def _finish_with_result(worker: DeviceWorker, task: Task, ok: bool, started: float, finished: float,
-                        metrics: dict[str, float],
-                        gpu_memory_bytes: int | None) -> None:
-    """Hand the result backend what goes with the job's stored result: its lease, released, its
-    counts for the fleet's metrics and its message's acknowledgement
-    (:class:`~tasks.core.jobstate.JobFinish`): one round trip."""
-    if worker.heartbeat is None:
-        return
-    task_id = str(task.request.id)
-    leases = worker.leases
-    setattr(task.request, FINISH_ATTR, JobFinish(
-        device=worker.device.name,
-        lease=leases.finishing(task_id) if leases is not None else None,
-        ack=(getattr(task.request, "properties", None) or {}).get(STORED_ACK_ATTR),
-        count=accounting.job_count(
-            worker.device.name, worker.nodename, ok=ok, started=started, finished=finished,
-            metrics={JobMetric(name): value for name, value in metrics.items()},
-            gpu_memory_bytes=gpu_memory_bytes,
-        ),
-        on_stored=(lambda: leases.forget(task_id)) if leases is not None else None,
-    ))
 
 
 def collect(entries: list[dict[str, Any]], devices: list[str]) -> dict[str, dict[str, Any]]:
