@@ -279,7 +279,8 @@ def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, ap
             assert record.resend is not None
             assert (record.resend.name, record.resend.queue, record.resend.kwargs) == (
                 "devicefleet.components.job", "device.cpu9", {"epochs": 1})
-        # Held until the result is stored (the worker's task_postrun calls release_held).
+        # Held until the result is stored (the worker's task_postrun settles it: with no end
+        # stored, it releases it, as here).
         assert keeper.held() == [task_id] and client.exists(keys.lease(task_id)) == 1
         keeper.release_held(task_id)
         assert client.exists(keys.lease(task_id)) == 0

@@ -348,8 +348,8 @@ class LeaseKeeper(PeriodicThread):
         """
         request = task.request
         task_id = str(request.id)
-        properties = getattr(request, "properties", None) or {}
-        delivery_info = getattr(request, "delivery_info", None) or {}
+        properties = request.properties or {}
+        delivery_info = request.delivery_info or {}
         resend = ResendRecord(
             name=task.name, kwargs=request.kwargs or {}, queue=delivery_info.get("routing_key"),
             headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
