@@ -39,6 +39,7 @@ from tasks.core.records import LeaseRecord
 from tasks.core.registry import connect
 from tasks.core.settings import Settings
 from tasks.core.transport import stored_ack_keys
+from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker.accounting import job_end
 from tasks.worker.lease import LeaseKeeper
@@ -134,6 +135,12 @@ def test_counts_stored_by_the_script_read_back_as_device_stats(client):
     assert client.smembers(keys.STATS_DEVICES) == {"cpu7"}
     assert client.zrange(keys.finished("cpu7"), 0, -1, withscores=True) == [("task-0", 100.0), ("task-1", 101.0)]
     assert DeviceStats.parse({}) == DeviceStats()
+    # What the exporter makes of them (no worker of cpu7 is live: it has run jobs).
+    snap = fleet_snapshot(client)["devices"]["cpu7"]
+    assert {k: snap[k] for k in ("live", "worker", "jobs_ok", "jobs_error", "jobs_total", "busy_seconds", "samples",
+                                 "samples_per_s", "data_wait_fraction", "gpu_memory_bytes")} == {
+        "live": False, "worker": "cpu7@b", "jobs_ok": 1, "jobs_error": 1, "jobs_total": 2, "busy_seconds": 2.0,
+        "samples": 15, "samples_per_s": 4.0, "data_wait_fraction": 0.25, "gpu_memory_bytes": 123.0}
 
 
 # -- the interface: one script call a step, an attempt the handle --------------------------------------
