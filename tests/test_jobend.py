@@ -19,9 +19,10 @@ from celery.app.task import Context
 
 from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
+from tasks.core.defaults import FINISHED_KEEP_S
 from tasks.core.devices import format_core_list
 from tasks.core.job import JobMetric
-from tasks.core.jobcount import JOBS_ERROR, JOBS_OK, KEEP_S, SCRIPT_FIELDS, DeviceStats, JobCount, Tally
+from tasks.core.jobcount import JOBS_ERROR, JOBS_OK, SCRIPT_FIELDS, DeviceStats, JobCount, Tally
 from tasks.core.jobstate import (
     END_FIELD,
     STORE,
@@ -111,7 +112,7 @@ def test_a_counts_figures_as_the_script_gets_them():
         "add": {"busy_seconds": "2.25", "samples": "64.0"},
         "set": {"worker": "gpu0@h", "last_finished_at": "1000.5", "gpu_memory_bytes": str(2**30),
                 "last_samples_per_s": "12.5", "last_data_wait_fraction": "0.1"},
-        "finished": "1000.5", "keep_after": repr(1000.5 - KEEP_S),
+        "finished": "1000.5", "keep_after": repr(1000.5 - FINISHED_KEEP_S),
     }
     # A figure not measured is not written (the device keeps its last one).
     bare = json.loads(JobCount(device="cpu0", ok=True, worker="w", busy_seconds=0.0, last_finished_at=1.0).script_arg())
