@@ -37,13 +37,15 @@ one field (:data:`END_FIELD`), written by :func:`hand_over` and read by :func:`h
 nowhere else. The request is the very object the tracer passes to the store and then to
 ``task_postrun``, so the end goes with the run that built it: a second copy of the same task
 running in another thread of the process has a request of its own, and an end whose store
-never comes (a worker going down) goes with its request, leaving nothing behind to clean up,
-as a registry keyed by task id would. The store records what it did on the same
-:class:`Handover`, where the lease keeper reads it after the store (``task_postrun``).
+never comes (a worker going down) goes away with its request. (A registry keyed by task id,
+the other way, would need cleaning up after every path and could hand one copy's end to
+another's store.) The store records what it did on the same :class:`Handover`, where the lease
+keeper reads it after the store (``task_postrun``: :meth:`tasks.worker.lease.LeaseKeeper.settle`).
 
 Fencing, to come: taking a lease will issue a number that only grows per job, carried by the
 :class:`Attempt` (and so by every write of that attempt: its renewals, its release, its
-:class:`JobEnd`); the scripts that store, renew and release will refuse an older one.
+:class:`JobEnd`); the scripts that store, renew and release will refuse an older one, and a
+refused store will be one more :class:`Stored` value, which the keeper's settle sees.
 """
 
 from __future__ import annotations
