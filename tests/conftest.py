@@ -30,7 +30,9 @@ for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_") and k != "DEV
 
 from tasks import Fleet, Settings  # noqa: E402
 from tasks.core.devices import count_gpus  # noqa: E402
+from tasks.core.registry import connect  # noqa: E402
 from tasks.ops.flower import auth_header  # noqa: E402
+from tasks.ops.redis_server import EmbeddedRedis  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_JOB_MODULES = ["tasks.jobs", "tests.fleet_jobs"]
@@ -157,6 +159,26 @@ def supervised_fleet(settings: Settings) -> Iterator[Fleet]:
 @pytest.fixture(scope="session")
 def app(fleet: Fleet):  # type: ignore[no-untyped-def]
     return fleet.app()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """An embedded redis-server of the test module's own (no fleet): for components run in-process."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("module-redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
+    """A client of the module's embedded Redis, whose database is empty at the start of each test."""
+    redis_client = connect(redis_server.url)
+    redis_client.flushdb()
+    yield redis_client
+    redis_client.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -50,7 +50,7 @@ from tasks.core.records import (
     SlotRecord,
     WorkerRecord,
 )
-from tasks.core.registry import connect, live_workers, read_worker
+from tasks.core.registry import live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.core.wire import Outcome, RunJob
 from tasks.jobproc.oom import run_guarded
@@ -72,25 +72,6 @@ OTHER_HOST = "host-of-another-worker"
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("components-redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
-    """A client of the embedded Redis, whose database is empty at the start of each test."""
-    redis_client = connect(redis_server.url)
-    redis_client.flushdb()
-    yield redis_client
-    redis_client.close()
 
 
 @pytest.fixture(scope="module")

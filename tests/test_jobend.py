@@ -37,7 +37,6 @@ from tasks.core.jobstate import (
     handover,
 )
 from tasks.core.records import LeaseRecord
-from tasks.core.registry import connect
 from tasks.core.settings import Settings
 from tasks.core.transport import stored_ack_keys
 from tasks.ops.exporter import fleet_snapshot
@@ -48,24 +47,6 @@ from tasks.worker.lease import LeaseKeeper
 pytestmark = pytest.mark.timeout(60)
 
 TASKS = Path(__file__).resolve().parent.parent / "tasks"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("jobend-redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
-    redis_client = connect(redis_server.url)
-    redis_client.flushdb()
-    yield redis_client
-    redis_client.close()
 
 
 @pytest.fixture(scope="module")
