@@ -3,8 +3,9 @@ and the rendered configs run as real ``redis-server`` processes and sentinels.
 
 Three hosts on one machine: 127.0.0.1, 127.0.0.2 and 127.0.0.3 (all of 127.0.0.0/8 is loopback on
 Linux), so every address, bind and announce line stays as rendered; only what would clash on
-one machine (the data folder, log and pid files) is moved, on the command line. Ports are free
-ones, passed to the plan as a host would pass its own.
+one machine (the data folder, log and pid files) is moved: on the command line for Redis, in the
+copy a sentinel runs (and rewrites) for the sentinels, whose rendered config names Debian's
+folders. Ports are free ones, passed to the plan as a host would pass its own.
 """
 
 from __future__ import annotations
@@ -54,6 +55,35 @@ def _layout(tmp: Path, **ports: int) -> list[HostPlan]:
 
 def _conf(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+
+
+# Where the rendered sentinel config puts its files: Debian's folders, which Debian's
+# redis-server package creates. A test host may have none of them, and redis-server opens the log
+# file and enters the folder while it reads the config file, before any command-line option.
+SENTINEL_PLACES = {"pidfile": "/run/sentinel/redis-sentinel.pid", "logfile": "/var/log/redis/redis-sentinel.log",
+                   "dir": "/var/lib/redis"}
+
+
+def _sentinel_conf_in(rendered: Path, run: Path) -> Path:
+    """A copy of a rendered sentinel config with its pid file, log file and folder in ``run``,
+    every other line as rendered; the rendered config must name Debian's places for them."""
+    moved = {"pidfile": run / "sentinel.pid", "logfile": run / "sentinel.log", "dir": run}
+    lines = rendered.read_text().splitlines()
+    assert {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines
+            if line.split(" ", 1)[0] in moved} == SENTINEL_PLACES
+    copy = run / "sentinel.conf"
+    copy.write_text("".join(f"{key} {moved[key]}\n" if (key := line.split(" ", 1)[0]) in moved else f"{line}\n"
+                            for line in lines))
+    return copy
+
+
+def _running(processes: list[subprocess.Popen[bytes]], logs: list[Path]) -> bool:
+    """True while every process runs; an exited one fails the test with its log's last lines."""
+    for process, log in zip(processes, logs, strict=True):
+        if process.poll() is not None:
+            tail = log.read_text().splitlines()[-5:] if log.exists() else ["(no log)"]
+            raise AssertionError(f"{log.parent.name}'s process exited with {process.returncode}: " + " | ".join(tail))
+    return True
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -266,11 +296,9 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
         primary.close()
         for plan in plans:
             run = tmp_path / "run" / str(plan.this_host)
-            shutil.copy(plan.redis_conf_dir / "sentinel-devicefleet.conf", run / "sentinel.conf")
-            started.append(subprocess.Popen(
-                [binary, str(run / "sentinel.conf"), "--sentinel", "--dir", str(run),
-                 "--logfile", str(run / "sentinel.log"), "--pidfile", str(run / "sentinel.pid")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            conf = _sentinel_conf_in(plan.redis_conf_dir / "sentinel-devicefleet.conf", run)
+            started.append(subprocess.Popen([binary, str(conf), "--sentinel"],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
         def agree(on: str, live: tuple[str, ...]) -> bool:
             """Every live sentinel names ``on`` as the primary, the two other hosts as its replicas
@@ -280,7 +308,8 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
             return all(view == {"primary": on, "replicas": set(HOSTS) - {on}, "sentinels": set(HOSTS) - {host}}
                        for host, view in views.items())
 
-        wait_for(lambda: agree(HOSTS[0], HOSTS), 20, "the sentinels to agree on 127.0.0.1, 2 replicas, 3 sentinels")
+        sentinel_logs = [tmp_path / "run" / str(plan.this_host) / "sentinel.log" for plan in plans]
+        wait_for(lambda: _running(started[3:], sentinel_logs) and agree(HOSTS[0], HOSTS), 20, "the sentinels to agree on 127.0.0.1, 2 replicas, 3 sentinels")
         with connect(url) as client:
             wait_for(lambda: _writes(client), 10, "a write through the rendered URL")
             client.set("before-failover", "kept")
