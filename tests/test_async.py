@@ -59,6 +59,22 @@ def test_await_handle_equals_get_and_both_apis_share_one_handle(fleet, app):
     assert summary == handle.summary()
 
 
+def test_a_new_client_s_first_watch_and_wait_log_no_warning(fleet, app, caplog):
+    """The first awaited use of a client's listener: a watch subscribes to no job at first
+    (its reader must not start before a SUBSCRIBE has given it a connection to read)."""
+
+    async def main() -> tuple[list[str], dict]:
+        async with FleetClient(app) as client:
+            handle = client.fan_out("echo", DEVICES, kwargs={"value": "first"})
+            finals = [report.key async for report in handle.watch() if report.finished]
+            return finals, await handle.wait(timeout=60)
+
+    with caplog.at_level("WARNING", logger="tasks.producer"):
+        finals, result = asyncio.run(main())
+    assert sorted(finals) == DEVICES and {d: e["status"] for d, e in result.items()} == dict.fromkeys(DEVICES, "ok")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
+
+
 def test_progress_arrives_in_order_and_the_last_report_before_the_result(fleet, app, tmp_path):
     steps = 6
 

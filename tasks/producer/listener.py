@@ -114,7 +114,7 @@ class StateListener:
                 loop = asyncio.get_running_loop()
                 self._subscribed.update({c: loop.create_future() for c in new})
                 await self._pubsub.subscribe(*new)
-            self._start_reader()
+                self._start_reader()
         confirmations = [self._subscribed[c] for c in channels if c in self._subscribed]
         try:
             async with asyncio.timeout(CONFIRM_S):
@@ -149,6 +149,9 @@ class StateListener:
                     logger.debug("unsubscribe failed: %s", exc)
 
     def _start_reader(self) -> None:
+        """Read the pub/sub connection, from a task. Called once a SUBSCRIBE or PING has gone
+        out on it: before that redis-py has no connection to read ("pubsub connection not
+        set"), as when a waiter subscribes to no job yet (:meth:`JobHandle._follow` does)."""
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read(), name="devicefleet-state-listener")
 
