@@ -2,6 +2,12 @@
 
 Settings precedence: command-line options, then ``DEVICEFLEET_*`` variables, then defaults.
 This is the only module that configures logging handlers.
+
+Errors: a devicefleet error that ends a command is one line on stderr, ``Error: ...`` (click's
+prefix, which its own usage errors print), and exit status 1 (:data:`EXIT_FAILED`); 2
+(:data:`EXIT_CONFIG`) where the command is refused before it does anything (bad settings or
+command-line values, as click's usage errors); 3 (:data:`EXIT_FLEET_LOST`) where the fleet went
+away under a waiting producer.
 """
 
 from __future__ import annotations
@@ -32,7 +38,15 @@ from .core.defaults import (
     STOP_MARGIN_S,
     SWEEP_TIMEOUT_S,
 )
-from .core.errors import ConfigError, DeviceFleetError
+from .core.errors import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_FLEET_LOST,
+    DeviceFleetError,
+    FleetError,
+    FleetLost,
+    start_exit_status,
+)
 from .core.records import DistBackend, WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
 from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
@@ -42,8 +56,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def _fail(exc: BaseException, code: int = 1) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True)
+#: Before each error line: click's own, so that every error of the command reads the same.
+ERROR_PREFIX = "Error:"
+
+
+def _fail(exc: BaseException, code: int = EXIT_FAILED) -> NoReturn:
+    err_console.print(f"[bold red]{ERROR_PREFIX}[/] {escape(str(exc))}", highlight=False, markup=True)
     raise SystemExit(code)
 
 
@@ -51,7 +69,7 @@ def _settings(**overrides: Any) -> Settings:
     try:
         return Settings.load(**overrides)
     except DeviceFleetError as exc:
-        _fail(exc, 2)
+        _fail(exc, EXIT_CONFIG)
 
 
 def _setup_logging(verbose: int) -> None:
@@ -67,7 +85,19 @@ class _StopWhileStarting(Exception):
     """A first Ctrl-C or SIGTERM while ``up`` still starts the fleet."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The ``devicefleet`` group: a devicefleet error that ends one of its commands is one line
+    (:func:`_fail`), exit status :data:`EXIT_FLEET_LOST` for a fleet that went away, else
+    :data:`EXIT_FAILED`. A command refused at its edge fails there, with :data:`EXIT_CONFIG`."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DeviceFleetError as exc:
+            _fail(exc, EXIT_FLEET_LOST if isinstance(exc, FleetLost) else EXIT_FAILED)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="devicefleet")
 def cli(verbose: int) -> None:
@@ -128,7 +158,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
         fleet.kill()
     except DeviceFleetError as exc:
         fleet.stop()
-        _fail(exc, 2 if isinstance(exc, ConfigError) else 1)
+        _fail(exc, start_exit_status(exc))
     console.print("fleet stopped")
 
 
@@ -154,8 +184,8 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         device = settings.device(name)
         config = load_worker_config(settings.worker_configs_path, device)
         settings = settings.model_copy(update={"redis_url": settings.resolve_redis_url()})
-    except DeviceFleetError as exc:
-        _fail(exc, 2)
+    except DeviceFleetError as exc:  # all of it the worker's settings: restarting cannot help
+        _fail(exc, EXIT_CONFIG)
     argv = [
         "worker",
         # Multi-host names (cpu0@hosta) are already the node name.
@@ -226,7 +256,7 @@ def _job_or_command(job: str | None, env_pairs: tuple[str, ...], cwd: str | None
     try:
         return command(argv, cwd=cwd, env=env)
     except DeviceFleetError as exc:
-        _fail(exc, 2)
+        _fail(exc, EXIT_CONFIG)
 
 
 def _parse_kwargs(text: str | None) -> dict[str, Any]:
@@ -269,8 +299,8 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
         max_attempts: int | None, per_slot: bool, distributed: bool, backend: str | None,
         max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
-    """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 130 after
-    Ctrl-C (which cancels the fan-out).
+    """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 3 if the
+    fleet went away before every device reported, 130 after Ctrl-C (which cancels the fan-out).
 
     Or run a program: devicefleet run --devices cpu -- python train.py --lr 0.1. Its output is
     printed as it comes, each line after its device ([cpu0]; on stderr with --json), and kept
@@ -289,19 +319,16 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     gang: dict[str, Any] | bool = {k: v for k, v in given.items() if v is not None} if distributed else False
     if not distributed and any(v is not None for v in given.values()):
         raise click.UsageError("--backend, --max-restarts and --join-timeout go with --distributed")
-    try:
-        app = _producer_app(settings)
-        options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
-        handle = fan_out(target, devices, kwargs=kwargs,
-                         options={k: v for k, v in options.items() if v is not None} or None,
-                         distributed=gang, per_slot=per_slot, app=app)
-        if is_command:
-            watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
-        else:
-            watch = (lambda: _watch_progress(handle, timeout)) if progress else None
-        results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch)
-    except DeviceFleetError as exc:
-        _fail(exc)
+    app = _producer_app(settings)
+    options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
+    handle = fan_out(target, devices, kwargs=kwargs,
+                     options={k: v for k, v in options.items() if v is not None} or None,
+                     distributed=gang, per_slot=per_slot, app=app)
+    if is_command:
+        watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
+    else:
+        watch = (lambda: _watch_progress(handle, timeout)) if progress else None
+    results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch, settings)
     _print_results(results, as_json)
     raise SystemExit(_exit_code([e["status"] for e in results.values()], cancelled))
 
@@ -319,10 +346,17 @@ def _exit_code(statuses: list[str], cancelled: bool) -> int:
     return 0 if all(status == "ok" for status in statuses) else 1
 
 
-def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], None] | None) -> tuple[Any, bool]:
+def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], None] | None,
+                    settings: Settings) -> tuple[Any, bool]:
     """``(handle.get(timeout), False)``, after ``watch()`` draws it; on Ctrl-C, says so, cancels
-    the handle and returns ``(what it collected, True)``."""
-    with _say_on_interrupt(what):
+    the handle and returns ``(what it collected, True)``.
+
+    Raises:
+        FleetLost: the fleet went away meanwhile (:mod:`tasks.ops.fleet_lost`).
+    """
+    from .ops.fleet_lost import watching_the_fleet
+
+    with _say_on_interrupt(what), watching_the_fleet(settings, what):
         try:
             if watch is not None:
                 watch()
@@ -390,7 +424,8 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
     Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
-    failed, 130 after Ctrl-C (which cancels the sweep).
+    failed, 3 if the fleet went away before every trial ended, 130 after Ctrl-C (which cancels
+    the sweep).
 
     Or sweep a program, each trial filling its {placeholders}:
     devicefleet sweep --grid '{"lr": [0.1, 0.01]}' --objective loss -- python train.py --lr {lr}
@@ -402,17 +437,14 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     if (trials_file is None) == (grid_text is None):
         raise click.UsageError("give exactly one of --trials FILE.jsonl and --grid JSON")
     settings = _settings(redis_url=redis_url)
-    try:
-        trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
-        app = _producer_app(settings)
-        handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
-                             max_concurrent=max_concurrent,
-                             kwargs=_parse_kwargs(kwargs_text), app=app)
-        watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
-                                     timeout=timeout)) if err_console.is_terminal else None
-        entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch)
-    except DeviceFleetError as exc:
-        _fail(exc)
+    trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
+    app = _producer_app(settings)
+    handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
+                         max_concurrent=max_concurrent,
+                         kwargs=_parse_kwargs(kwargs_text), app=app)
+    watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
+                                 timeout=timeout)) if err_console.is_terminal else None
+    entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch, settings)
     if as_json:
         click.echo(json.dumps({"sweep": handle.id, "trials": entries}, indent=2))
     else:
@@ -471,8 +503,6 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               timeout=timeout, on_update=view, app=app)
     except KeyboardInterrupt:
         raise SystemExit(130) from None
-    except DeviceFleetError as exc:
-        _fail(exc)
     rows = study_rows(study)
     if as_json:
         try:
@@ -488,25 +518,36 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the fleet as JSON.")
-@click.option("--watch", is_flag=True, help="Refresh in place until Ctrl-C.")
+@click.option("--watch", is_flag=True,
+              help="Refresh in place until Ctrl-C (into a file or a pipe: a new frame every interval).")
 @click.option("--interval", type=click.FloatRange(0.2, 3600), default=STATUS_WATCH_INTERVAL_S, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--url", "print_url", is_flag=True,
+              help="Print only the fleet's Redis URL, password included (for a client of your own), and exit.")
 @click.option("--redis-url", help="Fleet to show (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
-def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -> None:
-    """Show the live fleet: each device's worker, busy or idle, throughput, queue depths."""
+def status(as_json: bool, watch: bool, interval: float, print_url: bool, redis_url: str | None) -> None:
+    """Show the live fleet: each device's worker, busy or idle, throughput, queue depths.
+
+    Everywhere else the password is masked (redis://:***@...); --url prints the URL whole,
+    e.g. for plain Celery: export DEVICEFLEET_REDIS_URL="$(devicefleet status --url)".
+    """
     from .core.settings import read_fleet_file
     from .ops.status import render, report
 
     settings = _settings(redis_url=redis_url)
-    try:
-        url = settings.resolve_redis_url()
-        info = read_fleet_file(settings.fleet_file)
-        rep = report(url, info)
-    except DeviceFleetError as exc:
-        _fail(exc)
+    url = settings.resolve_redis_url()
+    if print_url:
+        if as_json or watch:
+            raise click.UsageError("--url prints the URL alone: it goes without --json and --watch")
+        click.echo(url)
+        return
+    info = read_fleet_file(settings.fleet_file)
+    rep = report(url, info)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
     elif not watch:
         console.print(render(rep))
+    elif not console.is_terminal:
+        _watch_frames(lambda: render(report(url, info)), render(rep), interval)
     else:
         from rich.live import Live
 
@@ -520,6 +561,26 @@ def status(as_json: bool, watch: bool, interval: float, redis_url: str | None) -
                         live.update(f"[red]{exc}[/]")
             except KeyboardInterrupt:
                 pass
+
+
+def _watch_frames(frame: Callable[[], Any], first: Any, interval: float) -> None:
+    """``status --watch`` off a terminal (a file, a pipe): a frame every ``interval`` seconds,
+    each after a line with the time, flushed as it is printed (as ``watch``-like tools do);
+    until Ctrl-C or SIGTERM (a reader that went away, as ``| head`` does: rich's console exits
+    quietly)."""
+    shown = first
+    try:
+        while True:
+            console.print(f"-- {time.strftime('%Y-%m-%d %H:%M:%S')}", highlight=False)
+            console.print(shown)
+            sys.stdout.flush()
+            time.sleep(interval)
+            try:
+                shown = frame()
+            except DeviceFleetError as exc:
+                shown = f"{ERROR_PREFIX} {escape(str(exc))}"
+    except KeyboardInterrupt:
+        pass
 
 
 @cli.command()
@@ -541,17 +602,14 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
         })
         say = err_console.print if as_json else console.print
         say("starting an embedded fleet (redis-server + one worker per device)...")
-        try:
-            with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=RUN_FLEET_STOP_TIMEOUT_S).start() as fleet:
-                devices = list(fleet.workers)
-                say(f"fleet ready in {time.perf_counter() - started:.1f} s: {', '.join(devices)}; "
-                    f"training {model} on digits for {epochs} epochs on each")
-                handle = fan_out("train", "all", kwargs={"model": model, "epochs": epochs},
-                                 app=fleet.app())
-                _watch_progress(handle, 600)
-                results = _get_unless_terminated(handle, 600)
-        except DeviceFleetError as exc:
-            _fail(exc)
+        with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=RUN_FLEET_STOP_TIMEOUT_S).start() as fleet:
+            devices = list(fleet.workers)
+            say(f"fleet ready in {time.perf_counter() - started:.1f} s: {', '.join(devices)}; "
+                f"training {model} on digits for {epochs} epochs on each")
+            handle = fan_out("train", "all", kwargs={"model": model, "epochs": epochs},
+                             app=fleet.app())
+            _watch_progress(handle, 600)
+            results = _get_unless_terminated(handle, 600)
     _print_results(results, as_json)
     say(f"demo done in {time.perf_counter() - started:.1f} s")
     raise SystemExit(0 if all(e["status"] == "ok" for e in results.values()) else 1)
@@ -593,8 +651,8 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
             devicefleet_bin=devicefleet_bin, state_dir=state_dir, stop_margin_s=stop_margin,
         )
         done = render(plan, root)
-    except DeviceFleetError as exc:
-        _fail(exc, 2)
+    except DeviceFleetError as exc:  # the options, checked before anything is written
+        _fail(exc, EXIT_CONFIG)
     for path in done.files:
         console.print(f"wrote {root / path.relative_to(path.anchor)}", highlight=False, soft_wrap=True)
     for path in done.kept:
@@ -626,10 +684,8 @@ def exporter(port: int, redis_url: str | None) -> None:
     settings = _settings(redis_url=redis_url)
     try:
         served = MetricsExporter(settings.resolve_redis_url(), port=port).start()
-    except DeviceFleetError as exc:
-        _fail(exc)
     except OSError as exc:
-        _fail(DeviceFleetError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}"))
+        raise FleetError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from None
     console.print(f"serving {served.url}; Ctrl-C or SIGTERM stops", highlight=False)
     stop.wait()
     served.stop()
@@ -653,8 +709,8 @@ def tensorboard(logdir: Path | None, port: int) -> None:
     logdir = logdir or _settings().tensorboard_path
     try:
         argv = command(logdir, port)
-    except DeviceFleetError as exc:
-        _fail(exc, 2)
+    except DeviceFleetError as exc:  # TensorBoard is not installed: nothing was started
+        _fail(exc, EXIT_CONFIG)
     logdir.mkdir(parents=True, exist_ok=True)
     err_console.print(f"TensorBoard on http://127.0.0.1:{port}/ (logs: {logdir}); Ctrl-C stops", highlight=False)
     sys.stderr.flush()
@@ -679,10 +735,7 @@ def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...
     _interrupt_on_sigterm()
     say = err_console.print if as_json else console.print
     say("benchmarking an embedded fleet" + (" (quick)" if quick else "") + "...")
-    try:
-        figures = run_bench(_settings(), quick=quick, cpu_workers=cpu_workers, sections=list(sections) or None)
-    except DeviceFleetError as exc:
-        _fail(exc)
+    figures = run_bench(_settings(), quick=quick, cpu_workers=cpu_workers, sections=list(sections) or None)
     if as_json:
         click.echo(json.dumps(figures, indent=2, default=str))
     else:
@@ -779,10 +832,7 @@ def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
 
 
 def main() -> None:
-    try:
-        cli(standalone_mode=True)
-    except DeviceFleetError as exc:
-        _fail(exc)
+    cli(standalone_mode=True)
 
 
 if __name__ == "__main__":

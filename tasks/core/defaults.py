@@ -194,6 +194,9 @@ CANCEL_WAIT_S = 120.0
 #: Runs of a job that may take their whole worker down before it ends as ``WorkerLost``
 #: (``JobOptions.max_attempts``): a worker killed under it is not the job's fault twice.
 MAX_ATTEMPTS = 3
+#: Seconds between a waiting ``devicefleet run``'s or sweep's looks at its local fleet's fleet
+#: file: a launcher gone ends the wait this soon (tasks.ops.fleet_lost).
+FLEET_CHECK_S = 0.5
 #: How long ``devicefleet run`` waits for every device, and ``devicefleet sweep`` for every
 #: trial (``--timeout``), and how often ``devicefleet status --watch`` redraws (``--interval``).
 RUN_TIMEOUT_S = 3600.0
@@ -216,6 +219,9 @@ FLEET_SUPERVISE_S = 0.5
 REDIS_RESTART_BACKOFF_S = (0.5, 10.0)
 #: How long stopping workers may take when Redis is gone for good: they cannot store a result.
 REDIS_GONE_STOP_S = 5.0
+#: Most messages of the ``fleet`` queue a stop looks through for the fan-outs' collect steps it
+#: runs itself (the others go back to the queue).
+LEFT_COLLECTS_SCAN = 10_000
 #: How long an embedded redis-server has to answer PING; how long one PING may take, and how
 #: often it is sent.
 REDIS_START_TIMEOUT_S = 15.0

@@ -4,9 +4,11 @@ The tree, by area::
 
     DeviceFleetError
     ├── ConfigError               settings, worker configs, command-line values
+    │   └── MissingExtra          an optional package a feature needs is not installed
     ├── FleetError                starting or finding a fleet
     │   ├── RedisServerError      the embedded redis-server
     │   ├── NoFleetError          nothing to connect to
+    │   ├── FleetLost             the fleet went away while a producer waited on it
     │   ├── FlowerError           Flower, started with the fleet
     │   └── DeviceVisibilityError a worker cannot see the device it owns
     ├── FanOutError               dispatching and collecting jobs
@@ -38,6 +40,12 @@ worker wing to steer a distributed job's rank, never reported in an entry::
         └── PeerLost              a rank's gang lost a peer: it runs again in the next generation
 
 Every message says what was wrong, with the offending value, and what to do.
+
+The exit statuses of devicefleet's commands and processes are spelled here once
+(:data:`EXIT_FAILED`, :data:`EXIT_CONFIG`, :data:`EXIT_FLEET_LOST`).
+
+Control-flow exceptions, which their caller catches to take another path rather than to
+report a failure, are documented apart from this tree.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ class ConfigError(DeviceFleetError, ValueError):
     """A setting, worker config or command-line value is invalid."""
 
 
-class MissingExtra(DeviceFleetError, ImportError):
+class MissingExtra(ConfigError, ImportError):
     """An optional package a feature needs is not installed; the message says how to add it."""
 
 
@@ -69,12 +77,33 @@ class NoFleetError(FleetError):
     """No Redis URL was given and no local fleet is running."""
 
 
+class FleetLost(FleetError):
+    """The fleet went away while a producer waited on it: its launcher stopped (``devicefleet
+    up`` ended before every job did), or its Redis stayed unreachable past the retries."""
+
+
 class DeviceVisibilityError(FleetError):
     """A worker cannot see the device it is meant to own."""
 
 
 class FlowerError(FleetError):
     """Flower, started with the fleet, failed to start or is misconfigured."""
+
+
+#: Exit status of a command or process that failed: a job failed, the fleet could not be reached.
+EXIT_FAILED = 1
+#: Exit status of a command or process refused before it did anything: a bad setting, worker
+#: config or command-line value (click's usage errors exit 2 too). systemd does not restart a
+#: worker that exits 2 (``RestartPreventExitStatus=2``): starting it again cannot fix its settings.
+EXIT_CONFIG = 2
+#: Exit status of a producer command whose fleet went away while it waited (:class:`FleetLost`).
+EXIT_FLEET_LOST = 3
+
+
+def start_exit_status(exc: BaseException) -> int:
+    """The exit status of a process that could not start because of ``exc``: :data:`EXIT_CONFIG`
+    for a :class:`ConfigError` (starting it again cannot help), else :data:`EXIT_FAILED`."""
+    return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED
 
 
 class FanOutError(DeviceFleetError):

@@ -7,6 +7,11 @@ order: SIGTERM (Celery's warm shutdown: finish the running job, take no new one)
 to the worker's whole process group after ``stop_timeout``, so that a hung job cannot hold the
 launcher's stop for longer. If the launcher dies without stopping them (even by SIGKILL), the
 kernel kills every child it started (:func:`tasks.core.children.spawn_child`).
+
+A warm stop finishes what it lets finish: the last job of a fan-out to end sends the chord's
+collect step to the ``fleet`` queue, which no stopping worker takes any more; so once the workers
+are gone, and before Redis stops, the launcher runs those steps itself (:func:`run_left_collects`)
+and a producer waiting on the fan-out gets its ``{device: entry}``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..core.defaults import (
     FLEET_START_TIMEOUT_S,
     FLEET_STOP_TIMEOUT_S,
     FLEET_SUPERVISE_S,
+    LEFT_COLLECTS_SCAN,
     LOADER_CORES,
     REDIS_GONE_STOP_S,
     REDIS_RESTART_BACKOFF_S,
@@ -334,13 +340,21 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 logger.warning("%s still running after %g s; killing it", worker.name, timeout)
                 kill_group(worker.process)
+        if self.redis_url and not self.redis_down():
+            try:
+                with self.app() as app:
+                    run_left_collects(app)
+            except Exception as exc:  # noqa: BLE001  (a stop goes on: the producers wait on, as before)
+                logger.warning("could not run the fan-outs' collect steps left by the stop: %s", exc)
+        # The fleet file goes first: a producer waiting on this fleet that then loses Redis
+        # knows the fleet stopped for good (tasks.ops.fleet_lost), rather than retrying.
+        info = read_fleet_file(self.settings.fleet_file)
+        if info is not None and info.pid == os.getpid():
+            self.settings.fleet_file.unlink(missing_ok=True)
         if self.monitor is not None:
             self.monitor.stop()
         if self.redis is not None:
             self.redis.stop()
-        info = read_fleet_file(self.settings.fleet_file)
-        if info is not None and info.pid == os.getpid():
-            self.settings.fleet_file.unlink(missing_ok=True)
         self._stopped = True
 
     def kill(self) -> None:
@@ -360,3 +374,41 @@ class Fleet:
             self.kill()  # interrupted (Ctrl-C, or SIGTERM to demo/bench): no waiting on jobs
         else:
             self.stop()
+
+
+def run_left_collects(app: Celery, scan: int = LEFT_COLLECTS_SCAN) -> list[str]:
+    """Run here the fan-outs' collect steps waiting on the ``fleet`` queue, as a worker would:
+    each one's ``{device: entry}`` (a fold of the entries its message carries) is stored as its
+    result, and its message acknowledged. Every other message goes back to the queue.
+
+    For the launcher's stop, once its workers are gone (see the module's docstring); a worker
+    that still runs elsewhere on the same Redis would have taken them all the same.
+
+    Returns:
+        The task ids of the collect steps run.
+    """
+    from ..core.job import COLLECT_TASK
+    from ..core.queues import QueueName
+    from ..worker.runner import collect
+
+    done: list[str] = []
+    others = []
+    with app.connection_for_write() as connection, connection.channel() as channel:
+        queue = app.amqp.queues[QueueName.FLEET.value](channel)
+        for _ in range(scan):
+            message = queue.get(no_ack=False)
+            if message is None:
+                break
+            if message.headers.get("task") != COLLECT_TASK:
+                others.append(message)
+                continue
+            task_id = str(message.headers["id"])
+            args, kwargs, _embed = message.decode()
+            app.backend.mark_as_done(task_id, collect(*args, **kwargs))
+            message.ack()
+            done.append(task_id)
+        for message in others:
+            message.reject(requeue=True)
+    if done:
+        logger.info("ran %d collect step(s) the stop left queued: %s", len(done), ", ".join(done))
+    return done

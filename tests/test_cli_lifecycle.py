@@ -1,0 +1,125 @@
+"""The command line as a newcomer meets it: `status` into a pipe and `status --url`, and a
+`devicefleet run` waiting while its `devicefleet up` stops (warm, or killed)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.errors import EXIT_FLEET_LOST
+from tasks.core.registry import connect, live_workers
+
+from .conftest import cli_env, wait_for
+
+CLI = [sys.executable, "-m", "tasks"]
+
+
+@pytest.mark.timeout(60)
+def test_status_url_prints_the_url_whole_and_only_on_request(fleet):
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url)
+    url = subprocess.run([*CLI, "status", "--url"], env=env, capture_output=True, text=True, timeout=30)
+    assert url.returncode == 0 and url.stdout == f"{fleet.redis_url}\n", url.stderr
+    shown = subprocess.run([*CLI, "status", "--json"], env=env, capture_output=True, text=True, timeout=30)
+    password = fleet.redis_url.split(":")[2].split("@")[0]
+    assert shown.returncode == 0 and password and password not in shown.stdout
+    both = subprocess.run([*CLI, "status", "--url", "--json"], env=env, capture_output=True, text=True, timeout=30)
+    assert both.returncode == 2 and "Error: --url prints the URL alone" in both.stderr
+
+
+@pytest.mark.timeout(60)
+def test_status_watch_into_a_pipe_prints_a_frame_every_interval(fleet):
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url, COLUMNS="100")
+    watch = subprocess.Popen([*CLI, "status", "--watch", "--interval", "0.2"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert watch.stdout is not None
+        frames: list[list[str]] = []
+        while len(frames) < 3:  # each frame is there as it is printed, not when the command ends
+            line = watch.stdout.readline()
+            assert line, f"status --watch ended: {watch.communicate(timeout=10)}"
+            if line.startswith("-- "):
+                frames.append([])
+            elif frames:
+                frames[-1].append(line)
+        assert watch.poll() is None  # still watching
+        for frame in frames[:2]:  # complete frames: each shows the fleet
+            text = "".join(frame)
+            assert "live device(s)" in text and "cpu0" in text and "cpu1" in text, text
+    finally:
+        watch.terminate()
+        watch.communicate(timeout=10)
+
+
+def _busy_devices(url: str) -> set[str]:
+    with connect(url) as client:
+        return {device for device, record in live_workers(client).items() if record.busy is not None}
+
+
+def _up(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], dict[str, str], str]:
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", *options], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fleet_file = tmp_path / "fleet.json"
+
+    def ready() -> bool:
+        if not fleet_file.exists():
+            return False
+        with connect(json.loads(fleet_file.read_text())["redis_url"]) as client:
+            workers = live_workers(client)
+        return len(workers) == 2 and all(record.ready for record in workers.values())
+
+    wait_for(ready, 120, "two ready workers", proc=up)
+    return up, env, json.loads(fleet_file.read_text())["redis_url"]
+
+
+@pytest.mark.timeout(180)
+def test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on(tmp_path):
+    """Both jobs run when `up` is stopped: they finish, the fan-out's collect step runs (no
+    worker takes it any more: the launcher does, before Redis stops) and `run` prints both."""
+    up, env, url = _up(tmp_path)
+    try:
+        run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", '{"busy_s": 3, "mode": "sleep"}', "--json"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: _busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
+        up.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok", "cpu1": "ok"}
+        up_out, _ = up.communicate(timeout=60)
+        assert up.returncode == 0 and "fleet stopped" in up_out, up_out
+    finally:
+        for process in (up, run):
+            if process.poll() is None:
+                process.kill()
+            process.communicate(timeout=30)
+
+
+@pytest.mark.timeout(180)
+def test_a_run_whose_fleet_stops_before_its_jobs_end_says_so_in_one_line(tmp_path):
+    """The jobs outlast `up`'s stop timeout: the workers are killed, no entry comes, Redis stops.
+    `run` says so in one line and exits 3 within seconds (not after two minutes of retries)."""
+    up, env, url = _up(tmp_path, "--stop-timeout", "1")
+    try:
+        run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", '{"busy_s": 60, "mode": "sleep"}', "--json"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: _busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=60)
+        stopped = time.monotonic()
+        out, err = run.communicate(timeout=30)
+        assert time.monotonic() - stopped < 10, err
+        assert run.returncode == EXIT_FLEET_LOST, err
+        # One message (wrapped at the console's width), nothing else: no retries, no traceback.
+        assert err.startswith("Error: the fleet stopped while waiting for the fan-out"), err
+        assert err.count("Error") == 1 and "Traceback" not in err and "Retry" not in err and out == "", err
+    finally:
+        for process in (up, run):
+            if process.poll() is None:
+                process.kill()
+            process.communicate(timeout=30)
