@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -47,7 +47,7 @@ from .core.errors import (
     FleetLost,
     start_exit_status,
 )
-from .core.records import DistBackend, WorkerRecord
+from .core.records import DistBackend, Entry, WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
 from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
 
@@ -330,7 +330,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         watch = (lambda: _watch_progress(handle, timeout)) if progress else None
     results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch, settings)
     _print_results(results, as_json)
-    raise SystemExit(_exit_code([e["status"] for e in results.values()], cancelled))
+    raise SystemExit(_exit_code(results.values(), cancelled))
 
 
 def _producer_app(settings: Settings) -> Any:
@@ -339,11 +339,11 @@ def _producer_app(settings: Settings) -> Any:
     return create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
 
 
-def _exit_code(statuses: list[str], cancelled: bool) -> int:
+def _exit_code(entries: Iterable[Mapping[str, Any]], cancelled: bool) -> int:
     """130 after Ctrl-C, 1 if a job failed, else 0."""
     if cancelled:
         return 130
-    return 0 if all(status == "ok" for status in statuses) else 1
+    return 0 if all(Entry.parse(entry).ok for entry in entries) else EXIT_FAILED
 
 
 def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], None] | None,
@@ -449,7 +449,7 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
         click.echo(json.dumps({"sweep": handle.id, "trials": entries}, indent=2))
     else:
         console.print(ranked_table(sweep_rows(entries, objective), objective, direction))
-    raise SystemExit(_exit_code([e["status"] for e in entries], cancelled))
+    raise SystemExit(_exit_code(entries, cancelled))
 
 
 @cli.command(cls=_TakesCommand)
@@ -612,7 +612,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
             results = _get_unless_terminated(handle, 600)
     _print_results(results, as_json)
     say(f"demo done in {time.perf_counter() - started:.1f} s")
-    raise SystemExit(0 if all(e["status"] == "ok" for e in results.values()) else 1)
+    raise SystemExit(_exit_code(results.values(), cancelled=False))
 
 
 # -- deploy ------------------------------------------------------------------------------------

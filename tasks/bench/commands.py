@@ -40,6 +40,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.errors import ConfigError
+from ..core.records import Entry
 from ..jobproc.command import inherited_environment
 from ..producer.commands import command, follow_logs
 from ..producer.fanout import fan_out, live_devices
@@ -191,7 +192,7 @@ class Direct:
 def _fleet_entry(app: Celery, device: str, argv: list[str]) -> dict[str, Any]:
     handle = fan_out(command(argv), [device], app=app)
     entry: dict[str, Any] = handle.get(timeout=STEP_TIMEOUT_S)[device]
-    if entry["status"] != "ok":
+    if not Entry.parse(entry).ok:
         raise RuntimeError(f"commands bench: the command on {device} failed: {entry['error']}")
     return entry
 
@@ -226,7 +227,7 @@ def log_latencies(app: Celery, device: str, script: Path, lines: int) -> list[fl
         if stream == "out" and match:
             latencies.append(received - float(match.group(2)))
     entry = handle.get(timeout=STEP_TIMEOUT_S)[device]
-    if entry["status"] != "ok":
+    if not Entry.parse(entry).ok:
         raise RuntimeError(f"commands bench: the stamping command on {device} failed: {entry['error']}")
     if len(latencies) != lines:
         raise RuntimeError(f"commands bench: followed {len(latencies)} of the {lines} stamped lines")

@@ -29,6 +29,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.job import DistributedInfo, JobContext
+from ..core.records import Entry
 from ..producer.fanout import fan_out
 from .efficiency import calibrate_epochs, train_kwargs
 
@@ -96,7 +97,7 @@ def run_native(world: int, kwargs: dict[str, Any], folder: Path) -> tuple[float,
 
 
 def _check(results: dict[str, dict[str, Any]], what: str) -> list[dict[str, Any]]:
-    bad = {d: e["error"] for d, e in results.items() if e["status"] != "ok"}
+    bad = {d: e["error"] for d, e in results.items() if not Entry.parse(e).ok}
     if bad:
         raise RuntimeError(f"{what} failed: {bad}")
     return [e["output"] for e in results.values()]

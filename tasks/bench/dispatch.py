@@ -23,6 +23,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.queues import device_queue
+from ..core.records import Entry
 from ..producer.fanout import JobSpec, fan_out
 from . import plain, ray_dispatch
 
@@ -47,7 +48,7 @@ def fanout_round_trips(app: Celery, devices: list[str], runs: int, warmup: int =
         t0 = time.perf_counter()
         results = fan_out("noop", devices, app=app).get(timeout=60)
         elapsed = time.perf_counter() - t0
-        bad = [d for d, e in results.items() if e["status"] != "ok"]
+        bad = [d for d, e in results.items() if not Entry.parse(e).ok]
         if bad:
             raise RuntimeError(f"noop fan-out failed on {bad}: {results}")
         if i >= warmup:
@@ -63,7 +64,7 @@ def throughput(app: Celery, devices: list[str], jobs: int) -> float:
     results = [sigs[i % len(sigs)].apply_async() for i in range(jobs)]
     for res in results:
         entry = res.get(timeout=120)
-        if entry["status"] != "ok":
+        if not Entry.parse(entry).ok:
             raise RuntimeError(f"noop job failed: {entry}")
     return jobs / (time.perf_counter() - t0)
 

@@ -21,6 +21,7 @@ from typing import Any
 from celery import Celery
 
 from ..core.job import JobContext
+from ..core.records import Entry
 from ..producer.fanout import fan_out
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
             t0 = time.perf_counter()
             results = fan_out(("train", kwargs), devices, app=app).get(timeout=600)
             fanouts.append(time.perf_counter() - t0)
-            bad = {d: e["error"] for d, e in results.items() if e["status"] != "ok"}
+            bad = {d: e["error"] for d, e in results.items() if not Entry.parse(e).ok}
             if bad:
                 raise RuntimeError(f"train fan-out failed: {bad}")
     single_s, sequential_s, mp_s, fanout_s = (min(v) for v in (single, sequential, multiprocessing, fanouts))

@@ -19,6 +19,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.records import Entry
 from ..producer.fanout import fan_out
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def _train(app: Celery, plan: dict[str, tuple[str, dict[str, Any]]]) -> tuple[fl
     t0 = time.perf_counter()
     results = fan_out(plan, app=app).get(timeout=1800)
     elapsed = time.perf_counter() - t0
-    bad = {d: e["error"] for d, e in results.items() if e["status"] != "ok"}
+    bad = {d: e["error"] for d, e in results.items() if not Entry.parse(e).ok}
     if bad:
         raise RuntimeError(f"GPU bench training failed: {bad}")
     return elapsed, results

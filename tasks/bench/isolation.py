@@ -32,6 +32,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.records import Entry, EntryStatus
 from ..ops.proc import wait_until
 from ..producer.fanout import FanOut, fan_out, live_devices
 from ..worker.supervisor import SPARE_PROCESSES
@@ -96,7 +97,7 @@ def _entry(handle: FanOut, device: str) -> dict[str, Any]:
 
 def _started(handle: FanOut, device: str) -> float:
     entry = _entry(handle, device)
-    if entry["status"] != "ok":
+    if not Entry.parse(entry).ok:
         raise RuntimeError(f"isolation bench: the stamp job after a misbehaving one failed: {entry['error']}")
     return float(entry["output"]["started"])
 
@@ -108,7 +109,7 @@ def crash_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
     queued_at = time.time()
     entry = _entry(crash, device)
     entry_at = time.time()
-    if entry["status"] != "error" or (entry["error"] or {}).get("type") != "JobCrashed":
+    if Entry.parse(entry).status is not EntryStatus.ERROR or (entry["error"] or {}).get("type") != "JobCrashed":
         raise RuntimeError(f"isolation bench: the segfault job did not end as JobCrashed: {entry}")
     mark = _marker(markers, crash, device)
     if mark is None:
@@ -131,7 +132,7 @@ def cancel_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
     hung.cancel()
     entry = _entry(hung, device)
     entry_at = time.time()
-    if entry["status"] != "cancelled":
+    if Entry.parse(entry).status is not EntryStatus.CANCELLED:
         raise RuntimeError(f"isolation bench: the cancelled hang job's entry is not 'cancelled': {entry}")
     started = _started(following, device)
     wait_warm(app, device, gone=[int(mark["pid"])])

@@ -27,6 +27,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.records import Entry
 from ..producer.client import FleetClient
 from ..producer.fanout import fan_out
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def _check(results: list[dict[str, dict[str, Any]]]) -> None:
-    bad = [entry for result in results for entry in result.values() if entry["status"] != "ok"]
+    bad = [entry for result in results for entry in result.values() if not Entry.parse(entry).ok]
     if bad:
         raise RuntimeError(f"no-op fan-outs failed: {bad[:3]}")
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from ..core.records import Entry
 from ..core.settings import Settings
 from ..ops.fleet import Fleet
 from ..producer.fanout import fan_out
@@ -74,7 +75,7 @@ def _sweep_rate(base: Settings, folder: Path, slots: int, device: str, trials: l
             stop.set()
             if sampler is not None:
                 sampler.join()
-    bad = [e for e in entries if e["status"] != "ok"]
+    bad = [e for e in entries if not Entry.parse(e).ok]
     if bad:
         raise RuntimeError(f"slots bench: {len(bad)} of {len(trials)} trials failed with {slots} slots: {bad[0]['error']}")
     busy = (sum(u for _, u in samples) / len(samples) / 100.0 if samples else None) if gpu else cpu

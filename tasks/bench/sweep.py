@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.records import Entry
 from ..producer.fanout import fan_out
 from ..producer.sweep import sweep
 from .ray_pipeline import available as ray_available
@@ -41,7 +42,7 @@ def ideal_makespan(lengths: list[float], devices: int) -> float:
 
 
 def _check(entries: list[dict[str, Any]], what: str) -> None:
-    bad = [e for e in entries if e["status"] != "ok"]
+    bad = [e for e in entries if not Entry.parse(e).ok]
     if bad:
         raise RuntimeError(f"{what}: {len(bad)} trials failed, first: {bad[0]}")
 

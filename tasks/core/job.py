@@ -1,7 +1,7 @@
 """Jobs: named functions a worker runs, with JSON kwargs checked against a schema.
 
 A module defines jobs with :func:`job`; a worker runs only the jobs of the modules on its
-allowlist (:class:`tasks.worker.jobs.JobRegistry`), each as the Celery task ``devicefleet.<name>``.
+allowlist (:class:`tasks.jobproc.registry.JobRegistry`), each as the Celery task ``devicefleet.<name>``.
 A message only names a job, so it can never make a worker import other code.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 #: lists them all.
 PREFIX = "devicefleet:"
 
-# -- the registry (tasks.worker.heartbeat writes, tasks.producer.registry reads) ----------------
+# -- the registry (tasks.worker.heartbeat writes, tasks.core.registry reads) --------------------
 
 #: Set of the device names that have registered; a member whose record expired is not live.
 WORKERS = f"{PREFIX}workers"
@@ -80,7 +80,7 @@ def sweep_sent(sweep_id: str) -> str:
 OPTUNA_PREFIX = f"{PREFIX}optuna"
 
 
-# -- distributed jobs (tasks.producer.fanout sends, tasks.worker.distributed assembles) -----------
+# -- distributed jobs (tasks.producer.fanout sends, tasks.jobproc.distributed assembles) ----------
 
 #: Counter that gives each distributed job its ``seq`` (its age).
 GANG_SEQ = f"{PREFIX}gang:seq"

@@ -14,6 +14,7 @@ Where each lives in Redis is in :mod:`tasks.core.keys`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, Literal
@@ -80,9 +81,14 @@ class Visibility(_Record):
 
 
 class Entry(_Record):
-    """One device's entry in a fan-out's result dict. Its keys are fixed (:data:`ENTRY_KEYS`)."""
+    """One device's entry in a fan-out's result dict. Its keys are fixed (:data:`ENTRY_KEYS`).
 
-    device: str
+    Results reach producers as dicts (JSON at the edge); code that reads one goes through
+    :meth:`parse` and compares :class:`EntryStatus`.
+    """
+
+    #: The device that ran the job; None for a sweep's trial cancelled before any device took it.
+    device: str | None
     worker: str | None
     #: The device's slot that ran the job (0 on a device with one slot); None where it never ran.
     slot: int | None
@@ -113,6 +119,21 @@ class Entry(_Record):
             duration_s=(finished - started) if started is not None and finished is not None else None,
             visibility=visibility or Visibility(),
         )
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Entry:
+        """The entry ``data`` holds: a value of a fan-out's result dict, or a sweep's trial
+        entry (its own ``trial`` and ``kwargs`` keys are left out).
+
+        Raises:
+            pydantic.ValidationError: ``data`` is not an entry (a ``ValueError``).
+        """
+        return cls.model_validate({key: data[key] for key in ENTRY_KEYS if key in data})
+
+    @property
+    def ok(self) -> bool:
+        """Whether the job succeeded (``status`` is :attr:`EntryStatus.OK`)."""
+        return self.status is EntryStatus.OK
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(mode="json")
@@ -171,7 +192,7 @@ class GangSpec(_Record):
     id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     devices: list[str] = Field(min_length=1)
     #: The gang's age (a fleet-wide counter at send time): an older gang keeps a device that
-    #: two assembling gangs both want (tasks.worker.distributed).
+    #: two assembling gangs both want (tasks.jobproc.distributed).
     seq: int = Field(ge=0)
     backend: Literal["gloo", "nccl"]
     max_restarts: int = Field(ge=0, le=100)

@@ -42,6 +42,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 import tasks
+from tasks.core.job import PROGRESS_STATE
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ async def events(run_id: str) -> StreamingResponse:
         runs.streams += 1
         try:
             async for report in handle.watch():
-                yield _event("progress" if report.state == "PROGRESS" else "state", report.to_dict())
+                yield _event("progress" if report.state == PROGRESS_STATE else "state", report.to_dict())
             yield _event("end", {"id": run_id})
         finally:  # the run's end, or the browser went away (Starlette cancels the stream)
             runs.streams -= 1

@@ -71,6 +71,9 @@ SENTINEL_UNIT = "redis-sentinel.service"
 MASTER_NAME = "devicefleet"
 #: The sentinel's config as rendered, copied once over Debian's ``/etc/redis/sentinel.conf``.
 SENTINEL_FILE = "sentinel-devicefleet.conf"
+#: The folder that holds the ``tasks`` package (tasks/ops/deploy.py is two levels down): the
+#: checkout, for an editable install.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REDIS_PORT = 6379
 DEFAULT_REDIS_TLS_PORT = 6380
 
@@ -349,10 +352,7 @@ def code_dirs(binary: Path) -> list[Path]:
     checkout, for an editable install)."""
     dirs = {binary.parent.parent}
     if binary.parent == Path(sys.prefix) / "bin":
-        import tasks
-
-        dirs |= {Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent,
-                 Path(tasks.__file__).resolve().parent.parent}
+        dirs |= {Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent, PACKAGE_ROOT}
     return sorted(dirs)
 
 

@@ -39,7 +39,7 @@ from ..core.defaults import RATE_WINDOW_S
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
 from ..core.queues import QueueName, device_queue
-from ..core.records import WorkerRecord
+from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
 
 logger = logging.getLogger(__name__)
@@ -208,8 +208,8 @@ class FleetCollector(Collector):
                                 labels=labels)
         for device, d in snap["devices"].items():
             lv = [device, str(d["kind"])]
-            for status in ("ok", "error"):
-                jobs.add_metric([*lv, status], d[f"jobs_{status}"])
+            for status in (EntryStatus.OK, EntryStatus.ERROR):
+                jobs.add_metric([*lv, status.value], d[f"jobs_{status.value}"])
             busy_s.add_metric(lv, d["busy_seconds"])
             samples.add_metric(lv, d["samples"])
             online.add_metric(lv, 1 if d["live"] else 0)

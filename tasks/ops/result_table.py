@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ..core.records import EntryStatus
+from ..core.records import Entry, EntryStatus
 from .status import table as fit_table
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ def fmt(value: Any) -> str:
 def fanout_table(results: Mapping[str, Mapping[str, Any]]) -> tuple[Table, list[str]]:
     """The table of a fan-out's ``{device: entry}``, and the lines to print under it (long
     text fields)."""
-    outputs = [entry.get("output") or {} for entry in results.values() if entry["status"] == "ok"]
+    entries = {device: Entry.parse(entry) for device, entry in results.items()}
+    outputs = [entry.output or {} for entry in entries.values() if entry.ok]
     numeric: list[str] = []
     for out in outputs:
         for key, value in out.items():
@@ -56,7 +57,7 @@ def fanout_table(results: Mapping[str, Mapping[str, Any]]) -> tuple[Table, list[
                 numeric.append(key)
     metrics = numeric[:SUMMARY_FIELDS]
     # The text column only when a device did not succeed or the output has no numeric field to show.
-    other = any(entry["status"] != "ok" for entry in results.values()) or not metrics
+    other = any(not entry.ok for entry in entries.values()) or not metrics
     headers = [key.replace("_", " ") for key in metrics]
     table = fit_table("fan-out result",
                       ["device", "status", "seconds", "CUDA visible", *headers]
@@ -66,8 +67,8 @@ def fanout_table(results: Mapping[str, Mapping[str, Any]]) -> tuple[Table, list[
     for device, entry in results.items():
         output = entry.get("output") or {}
         vis = entry.get("visibility") or {}
-        ok = entry["status"] == "ok"
-        row = [device, status_text(str(entry["status"])), fmt(entry.get("duration_s")),
+        ok = entries[device].ok
+        row = [device, status_text(entries[device].status.value), fmt(entry.get("duration_s")),
                str(vis.get("cuda_visible_devices"))]
         row += [fmt(output.get(key, "")) for key in metrics]
         if ok:

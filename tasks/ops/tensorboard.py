@@ -1,6 +1,6 @@
 """Serving the fleet's loss curves: TensorBoard over ``<artifacts>/tensorboard``, on loopback.
 
-Workers write the event files themselves (:mod:`tasks.worker.scalars`, with tensorboardX); the
+Workers write the event files themselves (:mod:`tasks.jobproc.scalars`, with tensorboardX); the
 TensorBoard server is only for looking at them, so it is an optional extra:
 ``pip install 'devicefleet[tensorboard]'``.
 """

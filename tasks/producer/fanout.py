@@ -19,7 +19,7 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 With ``distributed=True`` the devices' jobs are the ranks of one ``torch.distributed`` job
 (rank ``i`` on the ``i``-th device): every message carries the gang's
 :class:`~tasks.core.records.GangSpec`, and the workers assemble the process group
-(:mod:`tasks.worker.distributed`). A gang's ranks are sent under one Redis lock, so on every
+(:mod:`tasks.jobproc.distributed`). A gang's ranks are sent under one Redis lock, so on every
 device's queue one gang's ranks come before the next gang's.
 """
 
@@ -240,6 +240,9 @@ class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
         """Celery state of each device's job (``PENDING``, ``STARTED``, ``PROGRESS``, ``SUCCESS``,
         ``FAILURE``...): one Redis round trip for every device."""
         return self._states(self._read())
+
+    async def astates(self) -> dict[str, str]:
+        return self._states(await self._aread())
 
     def progress(self) -> dict[str, dict[str, Any]]:
         """The latest progress each device's job reported: ``{}`` until it reports, and its

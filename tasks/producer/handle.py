@@ -7,7 +7,7 @@ awaited, from one implementation (:class:`~tasks.producer.reader.StateReader`):
 =====================  ==========================  =============================================
 blocking               awaited                     what
 =====================  ==========================  =============================================
-``states()``           ``await astates()``         each job's Celery state
+``states()``           ``await astates()``         each job's Celery state, ``{key: state}``
 ``progress()``         ``await aprogress()``       each job's latest progress report
 ``summary()``          ``await asummary()``        done / failed / cancelled / running / queued
 ``ready()``            ``await aready()``          whether every job has finished
@@ -15,6 +15,10 @@ blocking               awaited                     what
 ``get(timeout)``       ``await wait(timeout)``     the result (``await handle`` is ``wait()``)
 \\                      ``async for r in watch()``  each state and progress report as published
 =====================  ==========================  =============================================
+
+Every handle answers each of them the same way, blocking or awaited; ``states()`` is
+``{key: state}``, except a sweep's, whose keys are its trial numbers ``0..n-1``: a list in trial
+order (as it always was), indexed by the same keys.
 
 Awaiting listens on Redis pub/sub (:mod:`tasks.producer.listener`): the channel Celery's backend
 publishes each stored state on, progress reports included; nothing polls at a fixed interval.
@@ -38,6 +42,8 @@ from celery import Celery, states
 
 from ..core.defaults import MAX_POLL_S, MIN_POLL_S
 from ..core.errors import FanOutTimeout
+from ..core.job import PROGRESS_STATE
+from ..core.records import Entry, EntryStatus
 from .connections import Connections
 from .listener import RECHECK_S
 from .reader import RUNNING_STATES, Meta, StateReader, device_of, entry_of, state_of
@@ -100,9 +106,9 @@ def summarize(metas: Iterable[Meta | None], devices: Iterable[str],
         if entry is None:
             out.running += running
             out.queued += not running
-        elif entry["status"] == "ok":
+        elif (status := Entry.parse(entry).status) is EntryStatus.OK:
             out.done += 1
-        elif entry["status"] == "cancelled":
+        elif status is EntryStatus.CANCELLED:
             out.cancelled += 1
         else:
             out.failed += 1
@@ -203,12 +209,17 @@ class JobHandle(Generic[K, R]):
     def _all_final(self, metas: Mapping[str, Meta | None]) -> bool:
         return all(entry_of(metas.get(tid)) is not None for tid in self.jobs().values())
 
-    def states(self) -> Any:
-        """Each job's Celery state (``PENDING`` until a device takes it): one read for all."""
-        return self._states(self._read())
+    def states(self) -> dict[K, str] | list[str]:
+        """Each job's Celery state (``PENDING`` until a device takes it): one read for all;
+        ``{key: state}`` (a sweep: a list in trial order, see the module's docstring)."""
+        return self._states_view(self._states(self._read()))
 
-    async def astates(self) -> dict[K, str]:
-        return self._states(await self._aread())
+    async def astates(self) -> dict[K, str] | list[str]:
+        return self._states_view(self._states(await self._aread()))
+
+    def _states_view(self, states: dict[K, str]) -> dict[K, str] | list[str]:
+        """What :meth:`states` and :meth:`astates` return of ``{key: state}``: itself here."""
+        return states
 
     def progress(self) -> dict[K, dict[str, Any]]:
         """Each job's latest progress report (see :attr:`progress_of_every_job`)."""
@@ -257,7 +268,8 @@ class JobHandle(Generic[K, R]):
             async with asyncio.timeout(timeout):
                 return await self._wait()
         except TimeoutError:
-            pending = [self._name(k) for k, s in (await self.astates()).items() if s not in states.READY_STATES]
+            pending = [self._name(k) for k, s in self._states(await self._aread()).items()
+                       if s not in states.READY_STATES]
             raise FanOutTimeout(timeout or 0.0, pending) from None
         except asyncio.CancelledError:
             if cancel:
@@ -326,7 +338,7 @@ class JobHandle(Generic[K, R]):
                 state = state_of(meta)
                 if task_id in last and last[task_id][0] in states.READY_STATES:
                     continue
-                if state == "PROGRESS" and isinstance(meta.get("result"), dict):
+                if state == PROGRESS_STATE and isinstance(meta.get("result"), dict):
                     progress[task_id] = meta["result"]
                 seen = (state, progress.get(task_id))
                 if last.get(task_id) == seen:

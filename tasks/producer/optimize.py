@@ -53,6 +53,8 @@ from ..core import keys
 from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
+from ..core.job import PROGRESS_STATE
+from ..core.records import Entry, EntryStatus
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
@@ -423,7 +425,7 @@ class _StudyRun:
             meta = metas.get(flight.task_id)
             if entry_of(meta) is not None:
                 return True
-            report = meta.get("result") if meta is not None and state_of(meta) == "PROGRESS" else None
+            report = meta.get("result") if meta is not None and state_of(meta) == PROGRESS_STATE else None
             values = report.get("values") if isinstance(report, dict) else None
             if isinstance(values, list) and not flight.pruning and any(
                     isinstance(p, list) and len(p) == 2 and int(p[0]) not in flight.reported for p in values):
@@ -467,7 +469,8 @@ class _StudyRun:
         trial.set_user_attr("device", device)
         trial.set_user_attr("task_id", flight.task_id)
         output = entry.get("output") or {}
-        if entry["status"] == "ok":
+        status = Entry.parse(entry).status
+        if status is EntryStatus.OK:
             value = output.get(self.objective)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 _tell(self.study, trial, state=TrialState.FAIL)
@@ -479,7 +482,7 @@ class _StudyRun:
                 )
             _tell(self.study, trial, float(value))
             state = TrialState.COMPLETE
-        elif entry["status"] == "cancelled" and flight.pruning:
+        elif status is EntryStatus.CANCELLED and flight.pruning:
             _tell(self.study, trial, state=TrialState.PRUNED)
             state = TrialState.PRUNED
         else:
@@ -554,6 +557,13 @@ class StudyHandle(JobHandle[int, "optuna.Study"]):
 
     def jobs(self) -> dict[int, str]:
         return self._jobs
+
+    def states(self) -> dict[int, str]:
+        """Each asked trial's Celery state, by trial number (one read for all)."""
+        return self._states(self._read())
+
+    async def astates(self) -> dict[int, str]:
+        return self._states(await self._aread())
 
     def _device_of(self, meta: Meta | None) -> str | None:
         return self.queue.device_of(meta)

@@ -19,12 +19,13 @@ from celery import states
 
 from ..core import keys
 from ..core.backend import entry_of_failure
+from ..core.job import PROGRESS_STATE
 from .connections import Connections
 
 logger = logging.getLogger(__name__)
 
 #: Celery states of a job a device is running.
-RUNNING_STATES = frozenset({states.STARTED, "PROGRESS"})
+RUNNING_STATES = frozenset({states.STARTED, PROGRESS_STATE})
 
 Meta = dict[str, Any]
 

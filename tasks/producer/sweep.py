@@ -149,9 +149,15 @@ class Sweep(JobHandle[int, list[dict[str, Any]]]):
         by_id = self._read()
         return [by_id[tid] for tid in self.task_ids]
 
-    def states(self) -> list[str]:  # type: ignore[override]  # a list, as it always was
+    def states(self) -> list[str]:
         """The Celery state of each trial, in trial order (``PENDING`` while queued)."""
-        return list(super().states().values())
+        return self._states_view(self._states(self._read()))
+
+    async def astates(self) -> list[str]:
+        return self._states_view(self._states(await self._aread()))
+
+    def _states_view(self, states: dict[int, str]) -> list[str]:
+        return [states[i] for i in range(len(self.task_ids))]
 
     def _device_of(self, meta: dict[str, Any] | None) -> str | None:
         return self.queue.device_of(meta)
