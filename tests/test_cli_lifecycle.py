@@ -11,11 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
+from celery.backends.asynchronous import E_RETRY_LIMIT_EXCEEDED
+from kombu.exceptions import OperationalError
 
-from tasks.core.errors import EXIT_FLEET_LOST
+from tasks.core.errors import EXIT_FLEET_LOST, FleetLost
 from tasks.core.registry import connect, live_workers
+from tasks.ops.fleet_lost import watching_the_fleet
 
-from .conftest import cli_env, wait_for
+from .conftest import cli_env, make_settings, wait_for
 
 CLI = [sys.executable, "-m", "tasks"]
 
@@ -123,3 +127,18 @@ def test_a_run_whose_fleet_stops_before_its_jobs_end_says_so_in_one_line(tmp_pat
             if process.poll() is None:
                 process.kill()
             process.communicate(timeout=30)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("lost", [RuntimeError(E_RETRY_LIMIT_EXCEEDED), redis.ConnectionError("Connection refused"),
+                                  OperationalError("Connection refused")])
+def test_a_redis_lost_past_the_retries_is_fleet_lost_naming_the_fleet(tmp_path, lost):
+    """Where the fleet is not a local `up`'s (a URL given), what Celery and redis-py raise once
+    their retries are spent becomes one FleetLost, its URL's password masked."""
+    settings = make_settings(tmp_path, redis_url="redis://:secret@127.0.0.1:1/0")
+    with pytest.raises(FleetLost, match=r"lost the fleet's Redis \(redis://:\*\*\*@127.0.0.1:1/0\) while waiting "
+                                        "for the fan-out") as caught, watching_the_fleet(settings, "the fan-out"):
+        raise lost
+    assert "secret" not in str(caught.value)
+    with pytest.raises(RuntimeError, match="not Redis"), watching_the_fleet(settings, "the fan-out"):
+        raise RuntimeError("not Redis")

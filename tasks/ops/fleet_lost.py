@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from celery.backends.asynchronous import E_RETRY_LIMIT_EXCEEDED
+from celery.backends.redis import E_LOST
 from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -33,10 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: The signal the check raises in the main thread (simulated: no signal is sent to the process).
 INTERRUPT = signal.SIGUSR1
-#: What Celery's result consumer raises once its retries are used up, and what it logs before
-#: each retry (celery.backends.redis, 5.7.0).
-_CELERY_GAVE_UP = "Retry limit exceeded"
-_CELERY_RETRIES = "Connection to Redis lost"
+#: What Celery's result backend logs before each retry of a lost Redis, and where (5.7.0).
+_CELERY_RETRIES = E_LOST.split(":", 1)[0]
 _CELERY_LOGGER = "celery.backends.redis"
 
 
@@ -98,7 +98,7 @@ def watching_the_fleet(settings: Settings, what: str) -> Iterator[None]:
         raise FleetLost(f"lost the fleet's Redis ({redact_url(url)}) while waiting for {what}, and it did not "
                         f"come back within the retries: {exc}") from None
     except RuntimeError as exc:
-        if not str(exc).startswith(_CELERY_GAVE_UP):
+        if str(exc) != E_RETRY_LIMIT_EXCEEDED:  # Celery's result consumer used up its retries
             raise
         raise FleetLost(f"lost the fleet's Redis ({redact_url(url)}) while waiting for {what}, and it did not "
                         "come back within the retries (about two minutes)") from None
