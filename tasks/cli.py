@@ -42,6 +42,7 @@ from .core.errors import (
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_FLEET_LOST,
+    EXIT_INTERRUPTED,
     DeviceFleetError,
     FleetError,
     FleetLost,
@@ -342,7 +343,7 @@ def _producer_app(settings: Settings) -> Any:
 def _exit_code(entries: Iterable[Mapping[str, Any]], cancelled: bool) -> int:
     """130 after Ctrl-C, 1 if a job failed, else 0."""
     if cancelled:
-        return 130
+        return EXIT_INTERRUPTED
     return 0 if all(Entry.parse(entry).ok for entry in entries) else EXIT_FAILED
 
 
@@ -502,7 +503,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent,
                               timeout=timeout, on_update=view, app=app)
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        raise SystemExit(EXIT_INTERRUPTED) from None
     rows = study_rows(study)
     if as_json:
         try:

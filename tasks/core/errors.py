@@ -42,7 +42,7 @@ worker wing to steer a distributed job's rank, never reported in an entry::
 Every message says what was wrong, with the offending value, and what to do.
 
 The exit statuses of devicefleet's commands and processes are spelled here once
-(:data:`EXIT_FAILED`, :data:`EXIT_CONFIG`, :data:`EXIT_FLEET_LOST`).
+(:data:`EXIT_FAILED`, :data:`EXIT_CONFIG`, :data:`EXIT_FLEET_LOST`, :data:`EXIT_INTERRUPTED`).
 
 Control-flow exceptions, which their caller catches to take another path rather than to
 report a failure, are documented apart from this tree.
@@ -98,6 +98,8 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 #: Exit status of a producer command whose fleet went away while it waited (:class:`FleetLost`).
 EXIT_FLEET_LOST = 3
+#: Exit status of a command stopped by Ctrl-C: 128 + SIGINT, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 
 def start_exit_status(exc: BaseException) -> int:

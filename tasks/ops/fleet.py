@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from celery import Celery
 
 from ..core.app import create_app
@@ -340,7 +341,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 logger.warning("%s still running after %g s; killing it", worker.name, timeout)
                 kill_group(worker.process)
-        if self.redis_url and not self.redis_down():
+        if self.redis_url and not self.redis_down() and self._redis_answers():
             try:
                 with self.app() as app:
                     run_left_collects(app)
@@ -356,6 +357,14 @@ class Fleet:
         if self.redis is not None:
             self.redis.stop()
         self._stopped = True
+
+    def _redis_answers(self) -> bool:
+        """Whether the fleet's Redis answers a PING now (once: no retries through an outage)."""
+        try:
+            with connect(self.redis_url) as client:
+                return bool(client.ping())
+        except (redis.RedisError, OSError):
+            return False
 
     def kill(self) -> None:
         """Stop everything at once (a second Ctrl-C)."""
