@@ -105,6 +105,6 @@ def watching_the_fleet(settings: Settings, what: str) -> Iterator[None]:
     finally:
         armed.clear()
         stop.set()
-        if previous is not None:
+        if watched:
             logging.getLogger(_CELERY_LOGGER).removeFilter(retries)
-            signal.signal(INTERRUPT, previous)
+            signal.signal(INTERRUPT, signal.SIG_DFL if previous is None else previous)
