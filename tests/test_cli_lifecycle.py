@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,10 +67,15 @@ def _busy_devices(url: str) -> set[str]:
         return {device for device, record in live_workers(client).items() if record.busy is not None}
 
 
-def _up(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], dict[str, str], str]:
+@contextmanager
+def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str) -> Iterator[tuple[subprocess.Popen[str], ...]]:
+    """`devicefleet up` (two CPU workers, ``options``) and a `devicefleet run --json` of a probe
+    that sleeps ``busy_s`` on each; yields ``(up, run)`` once both jobs run, and kills both on
+    the way out if they still run."""
     env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path))
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", *options], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = [up]
     fleet_file = tmp_path / "fleet.json"
 
     def ready() -> bool:
@@ -78,41 +85,39 @@ def _up(tmp_path: Path, *options: str) -> tuple[subprocess.Popen[str], dict[str,
             workers = live_workers(client)
         return len(workers) == 2 and all(record.ready for record in workers.values())
 
-    wait_for(ready, 120, "two ready workers", proc=up)
-    return up, env, json.loads(fleet_file.read_text())["redis_url"]
-
-
-@pytest.mark.timeout(180)
-def test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on(tmp_path):
-    """Both jobs run when `up` is stopped: they finish, the fan-out's collect step runs (no
-    worker takes it any more: the launcher does, before Redis stops) and `run` prints both."""
-    up, env, url = _up(tmp_path)
     try:
-        run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", '{"busy_s": 3, "mode": "sleep"}', "--json"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(ready, 120, "two ready workers", proc=up)
+        url = json.loads(fleet_file.read_text())["redis_url"]
+        run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", json.dumps({"busy_s": busy_s, "mode": "sleep"}),
+                                "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(run)
         wait_for(lambda: _busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
-        up.send_signal(signal.SIGTERM)
-        out, err = run.communicate(timeout=60)
-        assert run.returncode == 0, err
-        assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok", "cpu1": "ok"}
-        up_out, _ = up.communicate(timeout=60)
-        assert up.returncode == 0 and "fleet stopped" in up_out, up_out
+        yield up, run
     finally:
-        for process in (up, run):
+        for process in started:
             if process.poll() is None:
                 process.kill()
             process.communicate(timeout=30)
 
 
 @pytest.mark.timeout(180)
+def test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on(tmp_path):
+    """Both jobs run when `up` is stopped: they finish, the fan-out's collect step runs (no
+    worker takes it any more: the launcher does, before Redis stops) and `run` prints both."""
+    with _a_run_on_up(tmp_path, 3) as (up, run):
+        up.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok", "cpu1": "ok"}
+        up_out, _ = up.communicate(timeout=60)
+        assert up.returncode == 0 and "fleet stopped" in up_out, up_out
+
+
+@pytest.mark.timeout(180)
 def test_a_run_whose_fleet_stops_before_its_jobs_end_says_so_in_one_line(tmp_path):
     """The jobs outlast `up`'s stop timeout: the workers are killed, no entry comes, Redis stops.
     `run` says so in one line and exits 3 within seconds (not after two minutes of retries)."""
-    up, env, url = _up(tmp_path, "--stop-timeout", "1")
-    try:
-        run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", '{"busy_s": 60, "mode": "sleep"}', "--json"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: _busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
+    with _a_run_on_up(tmp_path, 60, "--stop-timeout", "1") as (up, run):
         up.send_signal(signal.SIGTERM)
         up.communicate(timeout=60)
         stopped = time.monotonic()
@@ -122,11 +127,6 @@ def test_a_run_whose_fleet_stops_before_its_jobs_end_says_so_in_one_line(tmp_pat
         # One message (wrapped at the console's width), nothing else: no retries, no traceback.
         assert err.startswith("Error: the fleet stopped while waiting for the fan-out"), err
         assert err.count("Error") == 1 and "Traceback" not in err and "Retry" not in err and out == "", err
-    finally:
-        for process in (up, run):
-            if process.poll() is None:
-                process.kill()
-            process.communicate(timeout=30)
 
 
 @pytest.mark.timeout(30)
