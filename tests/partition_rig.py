@@ -1,0 +1,390 @@
+"""A network partition rig on real processes: Redis and device workers on network namespaces.
+
+Layout (a star, Redis in the middle)::
+
+    dfp-<tag>-redis   redis-server, bound to 10.213.<i>.1 (one veth per host) and a unix socket
+        |  veth 10.213.1.1 <-> 10.213.1.2
+    dfp-<tag>-hosta   ``python -m tasks worker cpu0`` as device ``cpu0@hosta``
+        |  veth 10.213.2.1 <-> 10.213.2.2
+    dfp-<tag>-hostb   ``python -m tasks worker cpu0`` as device ``cpu0@hostb``
+
+The producer (the test process) stays in its own namespace and reaches Redis through a unix
+socket (namespaces share the filesystem) that a small forwarder serves on 127.0.0.1: no address
+is added outside the namespaces the rig made. A cut of a host is a ``pfifo limit 0`` qdisc on
+both ends of its veth, which drops every packet silently, as a dead switch port does (this kernel
+has no netem); the heal removes both. Every namespace (and with it every veth), process and
+folder the rig made is removed on the way out, also when the test fails.
+
+Needs root, ``ip`` and ``tc`` (iproute2): elsewhere the tests skip naming what is missing
+(:mod:`tests.system_tools`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tasks.core.registry import live_workers
+from tasks.ops.redis_server import find_redis_server
+
+from . import system_tools
+from .conftest import TEST_JOB_MODULES, cli_env, wait_for
+
+#: The private range the rig's links use, only ever inside the namespaces it made.
+SUBNET = "10.213"
+REDIS_PORT = 6379
+#: The worker settings the issue's rig used (tasks/core/settings.py names them): a cut-off
+#: worker's job is given back after max(lease, heartbeat TTL) + reaper interval.
+LEASE_TTL_S = 4.0
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5.0
+REAPER_INTERVAL_S = 0.5
+#: When a cut-off host's job may run again elsewhere at the earliest (both its lease and its
+#: worker's registry record must have expired, then a reaper round).
+RECOVERY_BOUND_S = max(LEASE_TTL_S, HEARTBEAT_TTL_S) + REAPER_INTERVAL_S
+JOB_MODULES = [*TEST_JOB_MODULES, "tests.partition_jobs"]
+#: How long a worker may take to join (imports torch on a loaded 2-core host).
+JOIN_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 10.0
+#: Bound on any one ``ip``/``tc`` call.
+TOOL_TIMEOUT_S = 10.0
+
+
+def require_tools() -> tuple[str, str]:
+    """``(ip, tc)``: skip (or fail under CI) when this is not root or iproute2 is missing."""
+    if os.geteuid() != 0:
+        system_tools.missing("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)",
+                             "iproute2, and run the tests as root")
+    return system_tools.tool("ip", "iproute2"), system_tools.tool("tc", "iproute2")
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip()}")
+
+
+class UnixForwarder:
+    """Serves 127.0.0.1:<port> by copying bytes to and from a unix socket: the producer's way to
+    the Redis in another network namespace, with no address outside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="rig-forwarder", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream.connect(str(self.path))
+            except OSError:
+                client.close()
+                upstream.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self._open.update((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):  # one side gone: end both, as a TCP peer's close would
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            opened, self._open = self._open, set()
+        self._listener.close()
+        for sock in opened:
+            sock.close()
+
+
+@dataclass
+class Host:
+    """One host of the rig: its namespace, its veth (host end, Redis end) and its worker."""
+
+    name: str
+    index: int
+    netns: str
+    veth: str
+    peer: str
+    device: str
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    cut_at: float | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{SUBNET}.{self.index}.2"
+
+    @property
+    def redis_address(self) -> str:
+        return f"{SUBNET}.{self.index}.1"
+
+
+@dataclass
+class PartitionRig:
+    """Redis and one CPU worker per host, each in its own network namespace (see the module)."""
+
+    ip: str
+    tc: str
+    folder: Path
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(18))
+    hosts: dict[str, Host] = field(default_factory=dict)
+    redis_process: subprocess.Popen[bytes] | None = None
+    forwarder: UnixForwarder | None = None
+    _namespaces: list[str] = field(default_factory=list)
+
+    @property
+    def redis_netns(self) -> str:
+        return f"dfp-{self.tag}-redis"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.folder / "redis.sock"
+
+    @property
+    def producer_url(self) -> str:
+        """The URL the test process (the producer) reaches Redis at: never cut."""
+        assert self.forwarder is not None
+        return f"redis://:{self.password}@127.0.0.1:{self.forwarder.port}/0"
+
+    def worker_url(self, host: Host) -> str:
+        return f"redis://:{self.password}@{host.redis_address}:{REDIS_PORT}/0"
+
+    def client(self) -> redis.Redis:
+        """A client of the rig's Redis for the test (``str`` replies, never cut)."""
+        return redis.Redis.from_url(self.producer_url, decode_responses=True, socket_timeout=10)
+
+    # -- building and removing -------------------------------------------------------------
+
+    def _netns(self, name: str) -> str:
+        _run([self.ip, "netns", "add", name])
+        self._namespaces.append(name)
+        _run([self.ip, "-n", name, "link", "set", "lo", "up"])
+        return name
+
+    def add_host(self, name: str) -> Host:
+        index = len(self.hosts) + 1
+        # veth names are at most 15 characters: dfh<tag><i> / dfr<tag><i>.
+        host = Host(name=name, index=index, netns=self._netns(f"dfp-{self.tag}-{name}"),
+                    veth=f"dfh{self.tag}{index}", peer=f"dfr{self.tag}{index}",
+                    device=f"cpu0@{name}", log=self.folder / f"{name}.log")
+        _run([self.ip, "link", "add", host.veth, "netns", host.netns, "type", "veth",
+              "peer", "name", host.peer, "netns", self.redis_netns])
+        for netns, dev, address in ((host.netns, host.veth, host.address),
+                                    (self.redis_netns, host.peer, host.redis_address)):
+            _run([self.ip, "-n", netns, "addr", "add", f"{address}/24", "dev", dev])
+            _run([self.ip, "-n", netns, "link", "set", dev, "up"])
+        self.hosts[name] = host
+        return host
+
+    def start_redis(self) -> None:
+        conf = self.folder / "redis.conf"
+        conf.touch(mode=0o600)
+        binds = " ".join(["127.0.0.1", *(h.redis_address for h in self.hosts.values())])
+        conf.write_text("\n".join([
+            f"bind {binds}",
+            f"port {REDIS_PORT}",
+            f"unixsocket {self.socket_path}",
+            "unixsocketperm 700",
+            f"requirepass {self.password}",
+            f"dir {self.folder}",
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            f"logfile {self.folder / 'redis.log'}",
+        ]) + "\n")
+        binary = find_redis_server()
+        self.redis_process = subprocess.Popen([self.ip, "netns", "exec", self.redis_netns, str(binary), str(conf)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.socket_path.exists, 20, "the rig's redis-server socket", proc=self.redis_process)
+        self.forwarder = UnixForwarder(self.socket_path)
+        with self.client() as client:
+            wait_for(client.ping, 20, "the rig's redis-server to answer PING", proc=self.redis_process)
+
+    def start_worker(self, host: Host, cores: str) -> None:
+        """``devicefleet worker cpu0`` in ``host``'s namespace, started as a user starts one."""
+        env = cli_env(
+            DEVICEFLEET_REDIS_URL=self.worker_url(host),
+            DEVICEFLEET_DEVICE_NAMES="host",
+            DEVICEFLEET_DEVICE_HOST=host.name,
+            DEVICEFLEET_CORES=cores,
+            DEVICEFLEET_STATE_DIR=str(self.folder / f"state-{host.name}"),
+            DEVICEFLEET_JOB_MODULES=",".join(JOB_MODULES),
+            DEVICEFLEET_LEASE_TTL_S=str(LEASE_TTL_S),
+            DEVICEFLEET_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_INTERVAL_S),
+            DEVICEFLEET_HEARTBEAT_TTL_S=str(HEARTBEAT_TTL_S),
+            DEVICEFLEET_REAPER_INTERVAL_S=str(REAPER_INTERVAL_S),
+        )
+        with host.log.open("w") as log:
+            host.process = subprocess.Popen(
+                [self.ip, "netns", "exec", host.netns, sys.executable, "-m", "tasks", "worker", "cpu0"],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_joined(self) -> None:
+        with self.client() as client:
+            for host in self.hosts.values():
+                wait_for(lambda h=host: (r := live_workers(client).get(h.device)) is not None and r.ready,
+                         JOIN_TIMEOUT_S, f"{host.device} to join", proc=host.process)
+
+    def close(self) -> None:
+        """Remove everything the rig made: processes, namespaces (their veths go with them)."""
+        for host in self.hosts.values():
+            _stop(host.process)
+        if self.forwarder is not None:
+            self.forwarder.close()
+        _stop(self.redis_process)
+        for netns in reversed(self._namespaces):
+            # Anything still running in a namespace the rig made is the rig's (a job process).
+            pids = subprocess.run([self.ip, "netns", "pids", netns], capture_output=True, text=True,
+                                  timeout=TOOL_TIMEOUT_S).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run([self.ip, "netns", "del", netns], capture_output=True, timeout=TOOL_TIMEOUT_S)
+        self._namespaces.clear()
+
+    # -- partitions --------------------------------------------------------------------------
+
+    def _ends(self, host: Host) -> list[tuple[str, str]]:
+        return [(host.netns, host.veth), (self.redis_netns, host.peer)]
+
+    def cut(self, name: str) -> float:
+        """Drop every packet between host ``name`` and Redis, both ways; the wall time of the cut."""
+        host = self.hosts[name]
+        for netns, dev in self._ends(host):
+            _run([self.ip, "netns", "exec", netns, self.tc, "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0"])
+        host.cut_at = time.time()
+        return host.cut_at
+
+    def heal(self, name: str) -> float:
+        """Undo :meth:`cut`; the wall time of the heal."""
+        host = self.hosts[name]
+        for netns, dev in self._ends(host):
+            _run([self.ip, "netns", "exec", netns, self.tc, "qdisc", "del", "dev", dev, "root"])
+        host.cut_at = None
+        return time.time()
+
+    @contextmanager
+    def partitioned(self, name: str) -> Iterator[float]:
+        """Host ``name`` cut off inside the block (healed on the way out, also on failure)."""
+        at = self.cut(name)
+        try:
+            yield at
+        finally:
+            self.heal(name)
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        text = self.hosts[name].log.read_text(errors="replace") if self.hosts[name].log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(STOP_TIMEOUT_S)
+
+
+@contextmanager
+def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb")) -> Iterator[PartitionRig]:
+    """A started rig (Redis, one worker per host, all joined); removed on the way out."""
+    ip, tc = require_tools()
+    with ExitStack() as stack:
+        folder = Path(tempfile.mkdtemp(prefix="dfp-"))  # short: a unix socket path has 108 bytes
+        stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        rig = PartitionRig(ip=ip, tc=tc, folder=folder)
+        stack.callback(rig.close)
+        rig._netns(rig.redis_netns)
+        for name in hosts:
+            rig.add_host(name)
+        rig.start_redis()
+        cpus = sorted(os.sched_getaffinity(0))
+        for i, host in enumerate(rig.hosts.values()):
+            rig.start_worker(host, str(cpus[i % len(cpus)]))
+        rig.wait_joined()
+        yield rig
+
+
+# -- the ticks of tests/partition_jobs.py -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a job, from its ticks: where, which process, first and last tick."""
+
+    device: str
+    pid: int
+    first: float
+    last: float
+
+
+def runs(marker: Path, job_id: str) -> list[Run]:
+    """The runs of ``job_id`` that ticked into ``marker`` (``tick`` jobs), oldest first."""
+    path = marker / job_id
+    if not path.exists():
+        return []
+    seen: dict[tuple[str, int], list[float]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            tick: dict[str, Any] = json.loads(line)
+        except ValueError:  # a line cut short by a run killed mid-write
+            continue
+        seen.setdefault((tick["device"], tick["pid"]), []).append(tick["t"])
+    found = [Run(device, pid, min(ts), max(ts)) for (device, pid), ts in seen.items()]
+    return sorted(found, key=lambda r: r.first)
+
+
+def overlap_s(found: list[Run]) -> float:
+    """The longest time two runs on different devices were both ticking."""
+    worst = 0.0
+    for i, a in enumerate(found):
+        for b in found[i + 1:]:
+            if a.device != b.device:
+                worst = max(worst, min(a.last, b.last) - max(a.first, b.first))
+    return worst
