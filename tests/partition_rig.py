@@ -388,3 +388,173 @@ def overlap_s(found: list[Run]) -> float:
             if a.device != b.device:
                 worst = max(worst, min(a.last, b.last) - max(a.first, b.first))
     return worst
+
+
+# -- the issue's two scenarios, measured --------------------------------------------------------
+
+
+@dataclass
+class CutFigures:
+    """What a cut of the host running a long trial did (the issue's first experiment)."""
+
+    job_id: str
+    #: The device cut off with the trial running, and the other one.
+    cut_device: str
+    other_device: str
+    #: Every run of the trial, oldest first; the last to start is the one that held the lease.
+    runs: list[Run]
+    #: The longest time two runs of the trial ticked at once on the two hosts.
+    overlap_s: float
+    #: From the cut to the trial's first tick on the other host (None: it never ran there).
+    rerun_after_cut_s: float | None
+    #: From the heal to the first tick of a job sent to the cut host's device.
+    back_after_heal_s: float
+    #: The trial's entry as the producer got it.
+    entry: dict[str, Any]
+    #: The deaths counted against the trial (``keys.worker_deaths``).
+    deaths: list[str]
+    #: Every trial's entry status.
+    statuses: list[str]
+
+    @property
+    def entry_run(self) -> Run | None:
+        """The run whose output the entry carries."""
+        output = self.entry.get("output") or {}
+        return next((r for r in self.runs if r.device == output.get("device") and r.pid == output.get("pid")), None)
+
+    def report(self) -> str:
+        held = self.runs[-1] if self.runs else None
+        won = self.entry_run
+        return (f"\nPARTITION long trial cut on {self.cut_device}: runs "
+                f"{[(r.device, r.pid, round(r.last - r.first, 2)) for r in self.runs]}; "
+                f"two runs alive at once {self.overlap_s:.2f} s; running again elsewhere "
+                f"{_s(self.rerun_after_cut_s)} after the cut (bound {RECOVERY_BOUND_S:g} s + 1 s); "
+                f"cut host running a job {self.back_after_heal_s:.2f} s after the heal; the entry is the run "
+                f"on {won.device if won else '?'} pid {won.pid if won else '?'} "
+                f"({'the lease-holding' if won is not None and won == held else 'NOT the lease-holding'} "
+                f"attempt); deaths counted {len(self.deaths)} {self.deaths}")
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+def poll_until(check: Any, deadline: float, poll: float = 0.05) -> Any:
+    """``check()``'s first truthy value before wall time ``deadline``, else its last value."""
+    while not (last := check()) and time.time() < deadline:
+        time.sleep(poll)
+    return last
+
+
+def wait_idle(rig: PartitionRig, timeout: float = 60.0) -> None:
+    """Until no job holds a lease: every run of the last test has ended (or been given up)."""
+    from tasks.core import keys
+
+    with rig.client() as client:
+        wait_for(lambda: client.hlen(keys.LEASES) == 0, timeout, "every lease to be released")
+
+
+def back_after_heal(rig: PartitionRig, app: Any, name: str, healed_at: float, marker: Path,
+                    timeout: float = 60.0) -> float:
+    """Seconds from ``healed_at`` to the first tick of a job sent to host ``name``'s device as
+    soon as the fleet lists it again."""
+    from tasks import fan_out
+    from tasks.core.errors import DeviceUnavailable
+
+    device = rig.hosts[name].device
+
+    def sent() -> Any:
+        try:
+            return fan_out({device: ("tick", {"seconds": 0, "marker": str(marker), "label": "after-heal"})}, app=app)
+        except DeviceUnavailable:
+            return None
+
+    handle = wait_for(sent, timeout, f"{device} to be listed again after the heal", poll=0.1)
+    entry = handle.get(timeout=timeout)[device]
+    assert entry["status"] == "ok", entry
+    return float(entry["output"]["started"]) - healed_at
+
+
+def cut_long_trial(rig: PartitionRig, app: Any, marker: Path, *, long_s: float = 9.0,
+                   cut_after_s: float = 1.0, cut_s: float = 9.0) -> CutFigures:
+    """A sweep of a ``long`` and a ``short`` trial over both hosts; the host running ``long``
+    is cut off ``cut_after_s`` into it for ``cut_s``, then healed; measured as the issue did."""
+    from tasks import sweep
+    from tasks.core import keys
+
+    handle = sweep("tick", [{"seconds": long_s, "label": "long"}, {"seconds": 0.5, "label": "short"}],
+                   kwargs={"marker": str(marker)}, app=app)
+    job_id = handle.jobs()[0]
+    first = wait_for(lambda: runs(marker, job_id), 60, "the long trial to start")[0]
+    cut_device = first.device
+    cut_name = next(h.name for h in rig.hosts.values() if h.device == cut_device)
+    other_device = next(h.device for h in rig.hosts.values() if h.device != cut_device)
+    time.sleep(max(0.0, first.first + cut_after_s - time.time()))  # a time into the run, no event
+    with rig.partitioned(cut_name) as cut_at:
+        # The trial's run on the other host, if it starts while the cut lasts (cut_s).
+        rerun = poll_until(lambda: [r for r in runs(marker, job_id) if r.device == other_device],
+                           cut_at + cut_s)
+        time.sleep(max(0.0, cut_at + cut_s - time.time()))
+    healed_at = time.time()
+    back_s = back_after_heal(rig, app, cut_name, healed_at, marker)
+    entries = handle.get(timeout=120)
+    wait_idle(rig)
+    found = runs(marker, job_id)
+    with rig.client() as client:
+        deaths = list(client.lrange(keys.worker_deaths(job_id), 0, -1))
+    return CutFigures(job_id=job_id, cut_device=cut_device, other_device=other_device, runs=found,
+                      overlap_s=overlap_s(found),
+                      rerun_after_cut_s=(rerun[0].first - cut_at) if rerun else None,
+                      back_after_heal_s=back_s, entry=entries[0], deaths=deaths,
+                      statuses=[e["status"] for e in entries])
+
+
+@dataclass
+class SweepFigures:
+    """A sweep of many short trials through a cut of one of two hosts (the issue's second)."""
+
+    trials: int
+    statuses: list[str]
+    #: Every trial's runs, by job id.
+    runs: dict[str, list[Run]]
+    cut_s: float
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.count("ok")
+
+    @property
+    def never_ran(self) -> list[str]:
+        return [job for job, found in self.runs.items() if not found]
+
+    @property
+    def ran_twice(self) -> list[str]:
+        return [job for job, found in self.runs.items() if len(found) > 1]
+
+    @property
+    def overlap_s(self) -> float:
+        return max((overlap_s(found) for found in self.runs.values()), default=0.0)
+
+    def report(self) -> str:
+        return (f"\nPARTITION sweep of {self.trials} trials through a {self.cut_s:g}-s cut of one of two hosts: "
+                f"{self.ok}/{self.trials} ok, {len(self.never_ran)} never ran, {len(self.ran_twice)} ran twice, "
+                f"longest overlap of two runs {self.overlap_s:.2f} s")
+
+
+def sweep_through_cut(rig: PartitionRig, app: Any, marker: Path, name: str, *, trials: int = 30,
+                      seconds: float = 0.2, cut_s: float = RECOVERY_BOUND_S + 1.5) -> SweepFigures:
+    """``trials`` short trials over both hosts; host ``name`` cut off for ``cut_s`` as soon as
+    it has run one, then healed; every entry collected."""
+    from tasks import sweep
+
+    handle = sweep("tick", [{"seconds": seconds, "label": f"t{i}"} for i in range(trials)],
+                   kwargs={"marker": str(marker)}, app=app)
+    device = rig.hosts[name].device
+    wait_for(lambda: any(r.device == device for job in handle.jobs().values() for r in runs(marker, job)),
+             60, f"{device} to run a trial")
+    with rig.partitioned(name) as cut_at:
+        time.sleep(max(0.0, cut_at + cut_s - time.time()))  # the cut lasts cut_s
+    entries = handle.get(timeout=120)
+    wait_idle(rig)
+    return SweepFigures(trials=trials, statuses=[e["status"] for e in entries],
+                        runs={job: runs(marker, job) for job in handle.jobs().values()}, cut_s=cut_s)
