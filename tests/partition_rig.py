@@ -68,9 +68,7 @@ TOOL_TIMEOUT_S = 10.0
 
 def require_tools() -> tuple[str, str]:
     """``(ip, tc)``: skip (or fail under CI) when this is not root or iproute2 is missing."""
-    if os.geteuid() != 0:
-        system_tools.missing("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)",
-                             "iproute2, and run the tests as root")
+    system_tools.root("the partition rig (network namespaces, veth links, qdiscs)")
     return system_tools.tool("ip", "iproute2"), system_tools.tool("tc", "iproute2")
 
 
@@ -263,8 +261,11 @@ class PartitionRig:
     def wait_joined(self) -> None:
         with self.client() as client:
             for host in self.hosts.values():
-                wait_for(lambda h=host: (r := live_workers(client).get(h.device)) is not None and r.ready,
-                         JOIN_TIMEOUT_S, f"{host.device} to join", proc=host.process)
+                def joined(device: str = host.device) -> bool:
+                    record = live_workers(client).get(device)
+                    return record is not None and record.ready
+
+                wait_for(joined, JOIN_TIMEOUT_S, f"{host.device} to join", proc=host.process)
 
     def close(self) -> None:
         """Remove everything the rig made: processes, namespaces (their veths go with them)."""
@@ -340,7 +341,10 @@ def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb")) -> Iterator[Parti
         stack.callback(shutil.rmtree, folder, ignore_errors=True)
         rig = PartitionRig(ip=ip, tc=tc, folder=folder)
         stack.callback(rig.close)
-        rig._netns(rig.redis_netns)
+        try:
+            rig._netns(rig.redis_netns)
+        except RuntimeError as exc:  # root in a container without CAP_SYS_ADMIN / CAP_NET_ADMIN
+            system_tools.unavailable(f"network namespaces: {exc}")
         for name in hosts:
             rig.add_host(name)
         rig.start_redis()

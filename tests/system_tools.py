@@ -23,7 +23,18 @@ def required() -> bool:
 
 def missing(what: str, package: str) -> None:
     """Skip (locally) or fail (under ``.ci/run``) because ``what`` is not on this machine."""
-    reason = f"{what} is missing: apt-get install {package}"
+    unavailable(f"{what} is missing: apt-get install {package}")
+
+
+def root(why: str) -> None:
+    """Skip (locally) or fail (under ``.ci/run``) unless this process runs as root, which
+    ``why`` needs (e.g. network namespaces)."""
+    if os.geteuid() != 0:
+        unavailable(f"not root (uid {os.geteuid()}): {why} needs root")
+
+
+def unavailable(reason: str) -> None:
+    """Skip (locally) or fail (under ``.ci/run``) for ``reason``: what this machine lacks."""
     if required():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: CI must run this test)", pytrace=False)
     pytest.skip(reason)

@@ -24,3 +24,17 @@ def test_missing_tool_fails_when_ci_requires_it(monkeypatch: pytest.MonkeyPatch)
 def test_present_tool_is_returned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(system_tools.REQUIRE_ENV, "1")
     assert system_tools.tool(sys.executable, "python3") == sys.executable
+
+
+def test_not_root_skips_saying_what_needs_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(system_tools.REQUIRE_ENV, raising=False)
+    monkeypatch.setattr(system_tools.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match=r"not root \(uid 1000\): the rig needs root"):
+        system_tools.root("the rig")
+
+
+def test_not_root_fails_when_ci_requires_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(system_tools.REQUIRE_ENV, "1")
+    monkeypatch.setattr(system_tools.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.fail.Exception, match=r"the rig needs root \(DEVICEFLEET_REQUIRE_SYSTEM_TOOLS=1"):
+        system_tools.root("the rig")
