@@ -316,6 +316,15 @@ class PartitionRig:
         finally:
             self.heal(name)
 
+    def reaches_redis(self, name: str, timeout: float = 1.0) -> bool:
+        """Whether a TCP connection from host ``name``'s namespace to Redis opens in ``timeout``."""
+        host = self.hosts[name]
+        probe = (f"import socket; socket.create_connection(({host.redis_address!r}, {REDIS_PORT}), "
+                 f"timeout={timeout}).close()")
+        done = subprocess.run([self.ip, "netns", "exec", host.netns, sys.executable, "-c", probe],
+                              capture_output=True, timeout=timeout + TOOL_TIMEOUT_S)
+        return done.returncode == 0
+
     def log_tail(self, name: str, lines: int = 30) -> str:
         text = self.hosts[name].log.read_text(errors="replace") if self.hosts[name].log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
@@ -333,8 +342,9 @@ def _stop(process: subprocess.Popen[bytes] | None) -> None:
 
 
 @contextmanager
-def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb")) -> Iterator[PartitionRig]:
-    """A started rig (Redis, one worker per host, all joined); removed on the way out."""
+def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb"), workers: bool = True) -> Iterator[PartitionRig]:
+    """A started rig (Redis, one worker per host, all joined; no worker unless ``workers``);
+    removed on the way out."""
     ip, tc = require_tools()
     with ExitStack() as stack:
         folder = Path(tempfile.mkdtemp(prefix="dfp-"))  # short: a unix socket path has 108 bytes
@@ -348,10 +358,11 @@ def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb")) -> Iterator[Parti
         for name in hosts:
             rig.add_host(name)
         rig.start_redis()
-        cpus = sorted(os.sched_getaffinity(0))
-        for i, host in enumerate(rig.hosts.values()):
-            rig.start_worker(host, str(cpus[i % len(cpus)]))
-        rig.wait_joined()
+        if workers:
+            cpus = sorted(os.sched_getaffinity(0))
+            for i, host in enumerate(rig.hosts.values()):
+                rig.start_worker(host, str(cpus[i % len(cpus)]))
+            rig.wait_joined()
         yield rig
 
 

@@ -11,6 +11,7 @@ in tests/test_fencing_partition.py.
 from __future__ import annotations
 
 import gc
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,34 @@ from tasks import Settings
 from tasks.core.app import create_app
 
 from .partition_rig import PartitionRig, cut_long_trial, partition_rig, sweep_through_cut
+
+
+class _Failed(Exception):
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_the_rig_cuts_heals_and_removes_all_it_made() -> None:
+    """The drop qdisc cuts a host off silently (a connection times out, nothing refuses it),
+    the heal restores it, and every namespace, veth, process and folder is gone afterwards,
+    also when the test inside fails."""
+    with pytest.raises(_Failed), partition_rig(workers=False) as rig:
+        made = list(rig._namespaces)
+        links = [name for host in rig.hosts.values() for name in (host.veth, host.peer)]
+        redis_process, folder = rig.redis_process, rig.folder
+        assert rig.reaches_redis("hosta") and rig.reaches_redis("hostb")
+        with rig.partitioned("hosta"):
+            assert not rig.reaches_redis("hosta")
+            assert rig.reaches_redis("hostb")
+        assert rig.reaches_redis("hosta")
+        raise _Failed
+    listed = subprocess.run([rig.ip, "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not [name for name in made if name in listed]
+    assert len(made) == 3
+    ours = subprocess.run([rig.ip, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert not [name for name in links if name in ours]
+    assert redis_process is not None and redis_process.poll() is not None
+    assert not folder.exists()
 
 #: The goal: the cut host runs jobs again within this long of the heal.
 BACK_AFTER_HEAL_S = 5.0
