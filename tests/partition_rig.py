@@ -72,7 +72,8 @@ def require_tools() -> tuple[str, str]:
     return system_tools.tool("ip", "iproute2"), system_tools.tool("tc", "iproute2")
 
 
-def _run(argv: list[str]) -> None:
+def run_tool(argv: list[str]) -> None:
+    """Run ``ip``/``tc`` (bounded in time); RuntimeError with its stderr if it fails."""
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip()}")
@@ -195,9 +196,9 @@ class PartitionRig:
     # -- building and removing -------------------------------------------------------------
 
     def _netns(self, name: str) -> str:
-        _run([self.ip, "netns", "add", name])
+        run_tool([self.ip, "netns", "add", name])
         self._namespaces.append(name)
-        _run([self.ip, "-n", name, "link", "set", "lo", "up"])
+        run_tool([self.ip, "-n", name, "link", "set", "lo", "up"])
         return name
 
     def add_host(self, name: str) -> Host:
@@ -206,12 +207,12 @@ class PartitionRig:
         host = Host(name=name, index=index, netns=self._netns(f"dfp-{self.tag}-{name}"),
                     veth=f"dfh{self.tag}{index}", peer=f"dfr{self.tag}{index}",
                     device=f"cpu0@{name}", log=self.folder / f"{name}.log")
-        _run([self.ip, "link", "add", host.veth, "netns", host.netns, "type", "veth",
+        run_tool([self.ip, "link", "add", host.veth, "netns", host.netns, "type", "veth",
               "peer", "name", host.peer, "netns", self.redis_netns])
         for netns, dev, address in ((host.netns, host.veth, host.address),
                                     (self.redis_netns, host.peer, host.redis_address)):
-            _run([self.ip, "-n", netns, "addr", "add", f"{address}/24", "dev", dev])
-            _run([self.ip, "-n", netns, "link", "set", dev, "up"])
+            run_tool([self.ip, "-n", netns, "addr", "add", f"{address}/24", "dev", dev])
+            run_tool([self.ip, "-n", netns, "link", "set", dev, "up"])
         self.hosts[name] = host
         return host
 
@@ -270,10 +271,10 @@ class PartitionRig:
     def close(self) -> None:
         """Remove everything the rig made: processes, namespaces (their veths go with them)."""
         for host in self.hosts.values():
-            _stop(host.process)
+            stop_process(host.process)
         if self.forwarder is not None:
             self.forwarder.close()
-        _stop(self.redis_process)
+        stop_process(self.redis_process)
         for netns in reversed(self._namespaces):
             # Anything still running in a namespace the rig made is the rig's (a job process).
             pids = subprocess.run([self.ip, "netns", "pids", netns], capture_output=True, text=True,
@@ -295,7 +296,7 @@ class PartitionRig:
         """Drop every packet between host ``name`` and Redis, both ways; the wall time of the cut."""
         host = self.hosts[name]
         for netns, dev in self._ends(host):
-            _run([self.ip, "netns", "exec", netns, self.tc, "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0"])
+            run_tool([self.ip, "netns", "exec", netns, self.tc, "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0"])
         host.cut_at = time.time()
         return host.cut_at
 
@@ -303,7 +304,7 @@ class PartitionRig:
         """Undo :meth:`cut`; the wall time of the heal."""
         host = self.hosts[name]
         for netns, dev in self._ends(host):
-            _run([self.ip, "netns", "exec", netns, self.tc, "qdisc", "del", "dev", dev, "root"])
+            run_tool([self.ip, "netns", "exec", netns, self.tc, "qdisc", "del", "dev", dev, "root"])
         host.cut_at = None
         return time.time()
 
@@ -330,7 +331,7 @@ class PartitionRig:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _stop(process: subprocess.Popen[bytes] | None) -> None:
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
     if process is None or process.poll() is not None:
         return
     process.terminate()
