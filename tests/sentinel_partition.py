@@ -128,8 +128,7 @@ class SentinelPartition:
             wait_for(node.socket.exists, 20, f"{node.name}'s socket", proc=node.process)
 
     def close(self) -> None:
-        for node in [*self.sentinels, *self.nodes]:
-            stop_process(node.process)
+        stop_process(*(node.process for node in [*self.sentinels, *self.nodes]))
 
     # -- looking -------------------------------------------------------------------------------
 
