@@ -318,6 +318,18 @@ class PartitionRig:
         finally:
             self.heal(name)
 
+    @contextmanager
+    def paused(self, name: str) -> Iterator[float]:
+        """Host ``name``'s worker process stopped (SIGSTOP: a pause, as a long GC or a frozen VM
+        makes one) inside the block, its job processes left running; SIGCONT on the way out."""
+        process = self.hosts[name].process
+        assert process is not None and process.poll() is None, f"{name}'s worker is not running"
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            yield time.time()
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+
     def reaches_redis(self, name: str, timeout: float = 1.0) -> bool:
         """Whether a TCP connection from host ``name``'s namespace to Redis opens in ``timeout``."""
         host = self.hosts[name]
@@ -417,6 +429,8 @@ def overlap_s(found: list[Run]) -> float:
 class CutFigures:
     """What a cut of the host running a long trial did (the issue's first experiment)."""
 
+    #: ``cut`` (the host's link) or ``pause`` (its worker process stopped).
+    fault: str
     job_id: str
     #: The device cut off with the trial running, and the other one.
     cut_device: str
@@ -429,12 +443,19 @@ class CutFigures:
     rerun_after_cut_s: float | None
     #: From the heal to the first tick of a job sent to the cut host's device.
     back_after_heal_s: float
+    #: When the cut was healed (or the worker resumed).
+    healed_at: float
     #: The trial's entry as the producer got it.
     entry: dict[str, Any]
     #: The deaths counted against the trial (``keys.worker_deaths``).
     deaths: list[str]
     #: Every trial's entry status.
     statuses: list[str]
+
+    @property
+    def cut_run_ended_after_heal_s(self) -> float:
+        """The cut-off host's run's last tick, from the heal (negative: it ended before)."""
+        return max(r.last for r in self.runs if r.device == self.cut_device) - self.healed_at
 
     @property
     def entry_run(self) -> Run | None:
@@ -445,10 +466,11 @@ class CutFigures:
     def report(self) -> str:
         held = self.runs[-1] if self.runs else None
         won = self.entry_run
-        return (f"\nPARTITION long trial cut on {self.cut_device}: runs "
+        return (f"\nPARTITION long trial {self.fault} on {self.cut_device}: runs "
                 f"{[(r.device, r.pid, round(r.last - r.first, 2)) for r in self.runs]}; "
                 f"two runs alive at once {self.overlap_s:.2f} s; running again elsewhere "
                 f"{_s(self.rerun_after_cut_s)} after the cut (bound {RECOVERY_BOUND_S:g} s + 1 s); "
+                f"its run there ended {self.cut_run_ended_after_heal_s:.2f} s after the heal; "
                 f"cut host running a job {self.back_after_heal_s:.2f} s after the heal; the entry is the run "
                 f"on {won.device if won else '?'} pid {won.pid if won else '?'} "
                 f"({'the lease-holding' if won is not None and won == held else 'NOT the lease-holding'} "
@@ -496,9 +518,10 @@ def back_after_heal(rig: PartitionRig, app: Any, name: str, healed_at: float, ma
 
 
 def cut_long_trial(rig: PartitionRig, app: Any, marker: Path, *, long_s: float = 9.0,
-                   cut_after_s: float = 1.0, cut_s: float = 9.0) -> CutFigures:
+                   cut_after_s: float = 1.0, cut_s: float = 9.0, fault: str = "cut") -> CutFigures:
     """A sweep of a ``long`` and a ``short`` trial over both hosts; the host running ``long``
-    is cut off ``cut_after_s`` into it for ``cut_s``, then healed; measured as the issue did."""
+    is cut off ``cut_after_s`` into it for ``cut_s``, then healed; measured as the issue did.
+    ``fault="pause"``: its worker process is paused (SIGSTOP) instead of cut off, then resumed."""
     from tasks import sweep
     from tasks.core import keys
 
@@ -510,7 +533,7 @@ def cut_long_trial(rig: PartitionRig, app: Any, marker: Path, *, long_s: float =
     cut_name = next(h.name for h in rig.hosts.values() if h.device == cut_device)
     other_device = next(h.device for h in rig.hosts.values() if h.device != cut_device)
     time.sleep(max(0.0, first.first + cut_after_s - time.time()))  # a time into the run, no event
-    with rig.partitioned(cut_name) as cut_at:
+    with (rig.paused(cut_name) if fault == "pause" else rig.partitioned(cut_name)) as cut_at:
         # The trial's run on the other host, if it starts while the cut lasts (cut_s).
         rerun = poll_until(lambda: [r for r in runs(marker, job_id) if r.device == other_device],
                            cut_at + cut_s)
@@ -522,10 +545,10 @@ def cut_long_trial(rig: PartitionRig, app: Any, marker: Path, *, long_s: float =
     found = runs(marker, job_id)
     with rig.client() as client:
         deaths = list(client.lrange(keys.worker_deaths(job_id), 0, -1))
-    return CutFigures(job_id=job_id, cut_device=cut_device, other_device=other_device, runs=found,
+    return CutFigures(fault=fault, job_id=job_id, cut_device=cut_device, other_device=other_device, runs=found,
                       overlap_s=overlap_s(found),
                       rerun_after_cut_s=(rerun[0].first - cut_at) if rerun else None,
-                      back_after_heal_s=back_s, entry=entries[0], deaths=deaths,
+                      back_after_heal_s=back_s, healed_at=healed_at, entry=entries[0], deaths=deaths,
                       statuses=[e["status"] for e in entries])
 
 
