@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,18 @@ class TickParams(BaseModel):
 
 @job("tick", params=TickParams)
 def tick(ctx: JobContext, params: TickParams) -> dict[str, Any]:
-    """Tick every :data:`TICK_S` for ``seconds``, appending ``{device, job, pid, t}`` (wall time,
-    comparable across hosts) to ``marker/<job id>`` at each tick, the first at once and the last
-    at the end; return which run this was (device and pid) and when it started."""
+    """Tick every :data:`TICK_S` for ``seconds``, appending ``{device, job, run, pid, t}`` (``run``
+    a token of this run: a job process may run several; ``t`` wall time, comparable across
+    hosts) to ``marker/<job id>`` at each tick, the first at once and the last at the end;
+    return which run this was and when it started."""
     path = Path(params.marker) / ctx.job_id
     pid = os.getpid()
+    run = uuid.uuid4().hex
     started = time.time()
 
     def mark() -> None:
         with open(path, "a") as handle:  # one short line per write: appends do not interleave
-            handle.write(json.dumps({"device": ctx.device, "job": ctx.job_id, "pid": pid,
+            handle.write(json.dumps({"device": ctx.device, "job": ctx.job_id, "run": run, "pid": pid,
                                      "t": time.time()}) + "\n")
 
     mark()
@@ -46,4 +49,4 @@ def tick(ctx: JobContext, params: TickParams) -> dict[str, Any]:
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(TICK_S, left))
         mark()
-    return {"device": ctx.device, "pid": pid, "started": started, "label": params.label}
+    return {"device": ctx.device, "run": run, "pid": pid, "started": started, "label": params.label}

@@ -388,9 +388,10 @@ def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb"), workers: bool = T
 
 @dataclass(frozen=True)
 class Run:
-    """One run of a job, from its ticks: where, which process, first and last tick."""
+    """One run of a job, from its ticks: where, its token, which process, first and last tick."""
 
     device: str
+    run: str
     pid: int
     first: float
     last: float
@@ -401,14 +402,14 @@ def runs(marker: Path, job_id: str) -> list[Run]:
     path = marker / job_id
     if not path.exists():
         return []
-    seen: dict[tuple[str, int], list[float]] = {}
+    seen: dict[tuple[str, str, int], list[float]] = {}
     for line in path.read_text().splitlines():
         try:
             tick: dict[str, Any] = json.loads(line)
         except ValueError:  # a line cut short by a run killed mid-write
             continue
-        seen.setdefault((tick["device"], tick["pid"]), []).append(tick["t"])
-    found = [Run(device, pid, min(ts), max(ts)) for (device, pid), ts in seen.items()]
+        seen.setdefault((tick["device"], tick["run"], tick["pid"]), []).append(tick["t"])
+    found = [Run(device, run, pid, min(ts), max(ts)) for (device, run, pid), ts in seen.items()]
     return sorted(found, key=lambda r: r.first)
 
 
@@ -461,7 +462,11 @@ class CutFigures:
     def entry_run(self) -> Run | None:
         """The run whose output the entry carries."""
         output = self.entry.get("output") or {}
-        return next((r for r in self.runs if r.device == output.get("device") and r.pid == output.get("pid")), None)
+        return next((r for r in self.runs if r.run == output.get("run")), None)
+
+    @property
+    def healed(self) -> str:
+        return "resume" if self.fault == "pause" else "heal"
 
     def report(self) -> str:
         held = self.runs[-1] if self.runs else None
@@ -469,9 +474,9 @@ class CutFigures:
         return (f"\nPARTITION long trial {self.fault} on {self.cut_device}: runs "
                 f"{[(r.device, r.pid, round(r.last - r.first, 2)) for r in self.runs]}; "
                 f"two runs alive at once {self.overlap_s:.2f} s; running again elsewhere "
-                f"{_s(self.rerun_after_cut_s)} after the cut (bound {RECOVERY_BOUND_S:g} s + 1 s); "
-                f"its run there ended {self.cut_run_ended_after_heal_s:.2f} s after the heal; "
-                f"cut host running a job {self.back_after_heal_s:.2f} s after the heal; the entry is the run "
+                f"{_s(self.rerun_after_cut_s)} after the {self.fault} (bound {RECOVERY_BOUND_S:g} s + 1 s); "
+                f"its run there ended {self.cut_run_ended_after_heal_s:.2f} s after the {self.healed}; "
+                f"that host running a job {self.back_after_heal_s:.2f} s after the {self.healed}; the entry is the run "
                 f"on {won.device if won else '?'} pid {won.pid if won else '?'} "
                 f"({'the lease-holding' if won is not None and won == held else 'NOT the lease-holding'} "
                 f"attempt); deaths counted {len(self.deaths)} {self.deaths}")
