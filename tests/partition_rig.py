@@ -149,7 +149,6 @@ class Host:
     device: str
     log: Path
     process: subprocess.Popen[bytes] | None = None
-    cut_at: float | None = None
 
     @property
     def address(self) -> str:
@@ -298,15 +297,13 @@ class PartitionRig:
         host = self.hosts[name]
         for netns, dev in self._ends(host):
             run_tool([self.ip, "netns", "exec", netns, self.tc, "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0"])
-        host.cut_at = time.time()
-        return host.cut_at
+        return time.time()
 
     def heal(self, name: str) -> float:
         """Undo :meth:`cut`; the wall time of the heal."""
         host = self.hosts[name]
         for netns, dev in self._ends(host):
             run_tool([self.ip, "netns", "exec", netns, self.tc, "qdisc", "del", "dev", dev, "root"])
-        host.cut_at = None
         return time.time()
 
     @contextmanager

@@ -115,7 +115,8 @@ class SentinelPartition:
             self._start(node, binary, conf, sentinel=True)
             self.sentinels.append(node)
         wait_for(lambda: self.synced_replicas(primary) == 2, 30, "both replicas in sync")
-        wait_for(lambda: self._sentinels_ready(), 30, "the sentinels to find each other and both replicas")
+        # Each look starts a probe in side b's namespace: look twice a second, not twenty times.
+        wait_for(self._sentinels_ready, 30, "the sentinels to find each other and both replicas", poll=0.5)
 
     def _start(self, node: RedisNode, binary: Path, conf: str, sentinel: bool) -> None:
         path = self.rig.folder / f"{node.name}.conf"
