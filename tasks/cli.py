@@ -677,6 +677,7 @@ def exporter(port: int, redis_url: str | None) -> None:
 
     `devicefleet up` runs this exporter itself; systemd hosts run devicefleet-metrics.service.
     """
+    from .core.hiding import environment_secrets, fleet_secrets, hide_from_children
     from .ops.exporter import MetricsExporter
 
     stop = threading.Event()
@@ -684,7 +685,10 @@ def exporter(port: int, redis_url: str | None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     settings = _settings(redis_url=redis_url)
     try:
-        served = MetricsExporter(settings.resolve_redis_url(), port=port).start()
+        url = settings.resolve_redis_url()
+        # The URL opens the fleet: closed to the jobs of this user (tasks.core.hiding).
+        hide_from_children([*fleet_secrets(url), *environment_secrets()])
+        served = MetricsExporter(url, port=port).start()
     except OSError as exc:
         raise FleetError(f"cannot serve metrics on 127.0.0.1:{port}: {exc}") from None
     console.print(f"serving {served.url}; Ctrl-C or SIGTERM stops", highlight=False)

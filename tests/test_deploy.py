@@ -127,6 +127,10 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
     # Secrets are not world-readable.
     for name in ("devicefleet.env", "flower.env"):
         assert stat.S_IMODE((plan.config_dir / name).stat().st_mode) == 0o640
+    # Nor readable to the worker and its jobs (systemd reads the environment file before it
+    # starts the worker): tests/test_systemd.py checks it under a real systemd.
+    assert cpu["Service.InaccessiblePaths"] == [f"-{plan.config_dir}/devicefleet.env -{plan.config_dir}/flower.env"]
+    assert gpu1["Service.InaccessiblePaths"] == cpu["Service.InaccessiblePaths"]
     assert stat.S_IMODE((plan.redis_conf_dir / "devicefleet.conf").stat().st_mode) == 0o640
 
 
@@ -485,7 +489,14 @@ def test_gpu_unit_refuses_to_start_without_its_gpu(rendered_host: HostPlan, tmp_
 
 def test_flower_unit_command_and_env(rendered_host: HostPlan) -> None:
     argv, env = service_exec(rendered_host.unit_dir, "devicefleet-flower.service")
-    assert argv[:4] == [str(rendered_host.celery_bin), "--app", "tasks", "flower"]
+    # Celery's `celery --app tasks flower`, through tasks.ops.celery_main (which hides the secrets
+    # below from the jobs of the units' user), run by the devicefleet environment's Python.
+    assert argv[:7] == [str(rendered_host.python_bin), "-P", "-m", "tasks.ops.celery_main", "--app", "tasks",
+                        "flower"]
+    # The environment devicefleet runs in (its script's #! line), where Celery and Flower are too.
+    prefix = subprocess.run([str(rendered_host.python_bin), "-c", "import sys; print(sys.prefix)"],
+                            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert prefix == sys.prefix
     assert "--address=127.0.0.1" in argv
     user, _, password = env["FLOWER_BASIC_AUTH"].partition(":")
     assert user == "admin" and len(password) >= 16

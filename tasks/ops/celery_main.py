@@ -6,7 +6,12 @@
 folder holding a ``tasks.py`` of the user's (Celery's tutorial starts with one) it loads that file.
 Run as a submodule of ``tasks``, this module has the package imported (from where
 :func:`tasks.core.shadow.python_child` puts it) before Celery looks, and Celery's import then
-returns it from ``sys.modules``. The launcher starts Flower through it (``-A tasks flower``).
+returns it from ``sys.modules``. The launcher starts Flower through it (``-A tasks flower``), and
+so does ``devicefleet-flower.service``.
+
+Before Celery runs, the process hides the fleet's secrets its environment holds (the Redis URL,
+Flower's login) from the other processes of its user, the fleet's jobs among them
+(:func:`tasks.core.hiding.hide_from_children`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def run(app: Celery, argv: list[str]) -> int:
 def main() -> None:
     from celery.__main__ import main as celery_main
 
+    from ..core.hiding import environment_secrets, hide_from_children
+
+    hide_from_children(environment_secrets())
     sys.argv[0] = "celery"
     celery_main()
 

@@ -9,7 +9,8 @@ only thing filled in. A host gets:
   whose config allows commands, the folders they may run in, made writable in the sandbox);
 - ``devicefleet-flower.service``, ``devicefleet-metrics.service`` (the Prometheus exporter) and
   ``devicefleet.target`` (wants every unit of this host);
-- ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640);
+- ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640, and hidden from
+  the workers and their jobs, which run as the same user: ``InaccessiblePaths=``);
 - ``/etc/sysusers.d/`` and ``/etc/tmpfiles.d/`` entries: the units' system user and the folders
   it may write;
 - a copy of ``worker_configs/`` (the units read this copy; edits there are kept);
@@ -125,7 +126,8 @@ class HostPlan:
     """What to render for one host. Paths are those on the target system."""
 
     devicefleet_bin: Path
-    celery_bin: Path
+    #: The Python of ``devicefleet_bin``'s environment (Flower's unit runs Celery with it).
+    python_bin: Path
     worker_configs_src: Path
     cpu_workers: int = 1
     gpus: int = 0
@@ -278,7 +280,7 @@ def plan_host(
     binary = devicefleet_bin or _find_bin("devicefleet")
     plan = HostPlan(
         devicefleet_bin=binary,
-        celery_bin=binary.parent / "celery",
+        python_bin=script_interpreter(binary),
         worker_configs_src=worker_configs_src or _default_worker_configs(),
         cpu_workers=cpu_workers,
         gpus=gpus,
@@ -354,6 +356,29 @@ def code_dirs(binary: Path) -> list[Path]:
     if binary.parent == Path(sys.prefix) / "bin":
         dirs |= {Path(sys.base_prefix).resolve(), Path(sys.executable).resolve().parent.parent, PACKAGE_ROOT}
     return sorted(dirs)
+
+
+#: pip's launcher for an interpreter path too long (or spaced) for a ``#!`` line: ``#!/bin/sh``,
+#: then ``'''exec' "/path/to/python" "$0" "$@"`` (distlib's ScriptMaker).
+_SH_EXEC = re.compile(r"""^'''exec' "?(.+?)"? "\$0" """)
+
+
+def script_interpreter(script: Path) -> Path:
+    """The Python a console script (``devicefleet``) runs under: the one its ``#!`` line names
+    (pip writes its environment's interpreter there), else ``python3`` beside it."""
+    try:
+        with open(script, "rb") as handle:
+            lines = handle.read(1024).decode(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    if lines and lines[0].startswith("#!"):
+        words = lines[0][2:].split()
+        if words and Path(words[0]).name.startswith("python"):
+            return Path(words[0])
+        match = _SH_EXEC.match(lines[1]) if len(lines) > 1 else None
+        if match:
+            return Path(match[1])
+    return script.parent / "python3"
 
 
 def _find_bin(name: str) -> Path:
@@ -514,7 +539,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "state_dir": _check_safe("state dir", str(plan.state_dir)),
         "artifacts_dir": _check_safe("artifacts dir", str(plan.artifacts)),
         "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
-        "celery_bin": _check_safe("celery binary", str(plan.celery_bin)),
+        "python_bin": _check_safe("Python binary", str(plan.python_bin)),
         "timeout_stop_s": max([t for t, _, _, _ in timeouts.values()],
                               default=MAX_JOB_SECONDS + math.ceil(CANCEL_GRACE_S) + margin),
         "flower_address": plan.flower_address,
@@ -728,6 +753,7 @@ __all__ = [
     "read_env_value",
     "redis_conf_lines",
     "render",
+    "script_interpreter",
     "stop_timeout",
     "templates_dir",
 ]

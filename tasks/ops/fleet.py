@@ -43,6 +43,7 @@ from ..core.defaults import (
 )
 from ..core.devices import Device, DeviceKind, count_gpus, format_core_list, plan_cores, usable_cores
 from ..core.errors import ConfigError, FleetError, RedisServerError
+from ..core.hiding import FLOWER_AUTH_ENV, environment_secrets, fleet_secrets, hide_from_children
 from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
@@ -161,6 +162,9 @@ class Fleet:
                 )
                 self.redis.start()
                 self.redis_url = self.redis.url
+            # The launcher holds the URL (in its environment too, when given there), as Flower and
+            # the workers it starts do: each of them hides it from the jobs of its user.
+            hide_from_children([*fleet_secrets(self.redis_url), *environment_secrets()])
             logs = self.settings.state_dir / "logs"
             logs.mkdir(exist_ok=True)
             # Before the workers, so that Flower sees them come online.
@@ -178,7 +182,8 @@ class Fleet:
         return self
 
     def _env(self, worker: WorkerProcess) -> dict[str, str]:
-        env = dict(os.environ)
+        # Flower's login is Flower's alone: a worker has no use for it, its jobs even less.
+        env = {name: value for name, value in os.environ.items() if name != FLOWER_AUTH_ENV}
         env.update(settings_env(self.settings))
         env.update({
             "DEVICEFLEET_REDIS_URL": self.redis_url,

@@ -36,6 +36,7 @@ from ..core.devices import (
     usable_cores,
 )
 from ..core.errors import ConfigError, DeviceVisibilityError, FleetError, NoFleetError
+from ..core.hiding import environment_secrets, fleet_secrets, hide_from_children
 from ..core.queues import worker_queues
 from ..core.records import SlotRecord, Visibility, WorkerRecord
 from ..core.registry import check_sentinels, connect, read_worker
@@ -44,7 +45,7 @@ from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
 from .gang import route_address
 from .heartbeat import Heartbeat
-from .jobenv import fleet_secrets, hide_from_children, job_environment
+from .jobenv import job_environment
 from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
@@ -162,7 +163,8 @@ class DeviceWorker:
             self.address = self.settings.advertise_address or route_address(url)
         # Nothing that opens the fleet's Redis reaches a job process: not in its spec, not in
         # its environment, not in this process's /proc/<pid>/environ (tasks.worker.jobenv).
-        secrets = fleet_secrets(url)
+        # Nor Flower's login, where a launcher's environment handed it down.
+        secrets = list(dict.fromkeys([*fleet_secrets(url), *environment_secrets()]))
         hide_from_children(secrets)
         spec = ProcessSpec(
             device=self.device.name, torch_device=self.torch_device, cores=self.cores,
