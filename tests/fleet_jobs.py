@@ -296,6 +296,8 @@ class SnoopParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: The fleet's secrets, which the test knows: the scan says where it finds any of them.
     needles: list[str] = []
+    #: Files to try to read as well (a deployed host's environment files).
+    paths: list[str] = []
 
 
 @job("snoop", params=SnoopParams)
@@ -305,4 +307,4 @@ def snoop(ctx: JobContext, params: SnoopParams) -> dict[str, Any]:
     from pathlib import Path
 
     scan = runpy.run_path(str(Path(__file__).parent / "scripts" / "snoop.py"))["scan"]
-    return {"snoop": scan(params.needles)}
+    return {"snoop": scan(params.needles, params.paths)}

@@ -5,14 +5,27 @@ The session fleet's workers are started as deployed workers are: ``DEVICEFLEET_R
 the embedded Redis's password, in their environment. A ``@job`` (``snoop``, tests/fleet_jobs.py)
 and a command (tests/scripts/snoop.py) look through their environment, arguments, their own and
 their parent's ``/proc`` environ and cmdline, and every open file descriptor (its target, and a
-regular file's contents); they try every Redis URL they see. From the outside (psutil), their job
-process has no socket to the fleet's Redis.
+regular file's contents); they try every Redis URL they see. They also read the ``/proc`` environ
+and cmdline of every other process of their user they can see: no process of the fleet (the
+launcher, Flower, the exporter, the workers) shows them a key, whether or not they are root
+(root reads a non-dumpable process's environ, which holds stars where the secrets were). From
+the outside (psutil), their job process has no socket to the fleet's Redis.
+
+What a job of the same user can still read, and no process can hide: that user's files (a local
+fleet's ``fleet.json`` and its embedded Redis's config). tests/test_systemd.py runs the same scan
+on a deployed host, where the workers run as their own user and the environment files are
+closed to them.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets as tokens
+import signal
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -21,8 +34,13 @@ import pytest
 
 import tasks
 from tasks import fan_out
+from tasks.core.app import create_app
+from tasks.core.hiding import environment_secrets, login_secrets
+from tasks.core.settings import Settings
+from tasks.ops.redis_server import EmbeddedRedis
 
-from .conftest import SCRIPTS
+from .conftest import SCRIPTS, cli_env, wait_for
+from .test_cli import CLI
 
 PY = sys.executable
 
@@ -51,6 +69,11 @@ def _assert_found_nothing(report: dict[str, Any]) -> None:
     assert {"os.environ", "/proc/self/environ", "/proc/self/cmdline"} <= set(report["read"]), report
 
 
+def _seen(report: dict[str, Any]) -> set[int]:
+    """The other processes of its user the scan looked at (and its parent, which it reads apart)."""
+    return {int(pid) for pid in report["processes"]} | {report["ppid"]}
+
+
 @pytest.mark.timeout(90)
 def test_a_job_finds_no_key_to_the_fleets_redis_and_its_process_has_no_socket_to_it(fleet, app):
     secrets = _secrets(fleet.redis_url)
@@ -69,6 +92,11 @@ def test_a_job_finds_no_key_to_the_fleets_redis_and_its_process_has_no_socket_to
     port = _redis_port(fleet.redis_url)
     assert _sockets_to(report["pid"], port) == []
     assert _sockets_to(worker.pid, port) != []
+    # It looked at every process of the fleet, which runs as its user: the launcher (this test's
+    # process, which runs the exporter too), Redis, both workers; none showed it a secret.
+    assert fleet.redis is not None and fleet.redis.process is not None
+    fleet_pids = {os.getpid(), fleet.redis.process.pid, *(r.pid for r in tasks.live_devices(app).values())}
+    assert fleet_pids <= _seen(report), report["processes"]
 
 
 @pytest.mark.timeout(90)
@@ -86,3 +114,55 @@ def test_a_command_finds_no_key_to_the_fleets_redis_and_its_job_process_has_no_s
     job_process = report["ppid"]
     assert job_process in tasks.live_devices(app)["cpu1"].job_pids
     assert _sockets_to(job_process, _redis_port(fleet.redis_url)) == []
+
+
+@pytest.mark.timeout(240)
+def test_no_process_of_an_up_fleet_shows_a_job_its_redis_url_or_flowers_login(tmp_path: Path) -> None:
+    """`devicefleet up` given its Redis URL and Flower's login in its environment, as a user
+    sets them: the launcher (which runs the exporter), Flower and the worker all hold them, and
+    a job that reads every process of its user finds them in none."""
+    redis_server = EmbeddedRedis(tmp_path / "redis")
+    redis_server.start()
+    login = f"admin:{tokens.token_urlsafe(18)}"
+    url = redis_server.url
+    needles = [*_secrets(url), login, login_secrets(login)[-1]]
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs",
+                  DEVICEFLEET_REDIS_URL=url, FLOWER_BASIC_AUTH=login)
+    log = tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen([*CLI, "up", "--cpu-workers", "1", "--gpus", "0", "--flower"], env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "fleet up" in log.read_text(errors="replace"), 180, "`up` to start its fleet", proc=up)
+        flower = [p.pid for p in psutil.Process(up.pid).children(recursive=True) if "flower" in p.cmdline()]
+        assert len(flower) == 1, flower
+        app = create_app(Settings.load(redis_url=url, state_dir=tmp_path / "producer",
+                                       job_modules=["tasks.jobs", "tests.fleet_jobs"]))
+        entry = fan_out("snoop", "cpu0", kwargs={"needles": needles}, app=app).get(timeout=60)["cpu0"]
+        assert entry["status"] == "ok", entry
+        report = entry["output"]["snoop"]
+        _assert_found_nothing(report)
+        # Nor its own environment (the launcher keeps Flower's login from its workers). It looked
+        # at every process of the fleet.
+        worker = tasks.live_devices(app)["cpu0"].pid
+        assert redis_server.process is not None
+        assert {up.pid, flower[0], worker, redis_server.process.pid} <= _seen(report), report["processes"]
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        redis_server.stop()
+
+
+def test_the_secrets_a_fleet_process_hides_are_its_redis_urls_and_flowers_login() -> None:
+    assert login_secrets("admin:pw-one-1,bob:pw-two-2") == ["admin:pw-one-1,bob:pw-two-2", "pw-one-1", "pw-two-2"]
+    assert login_secrets(None) == [] and login_secrets("a:b") == []  # too short to look for
+    env = {"DEVICEFLEET_REDIS_URL": "redis://:p%40ssword@h:6379/0", "FLOWER_BASIC_AUTH": "admin:flowerpw",
+           "HOME": "/root"}
+    assert environment_secrets(env) == ["redis://:p%40ssword@h:6379/0", "p%40ssword", "p@ssword",
+                                        "admin:flowerpw", "flowerpw"]
+    assert environment_secrets({"HOME": "/root"}) == []
