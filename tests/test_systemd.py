@@ -286,6 +286,50 @@ def test_hardening_holds_under_systemd(fleet_host: Host) -> None:
     assert trained["cpu0"]["output"]["num_workers"] == 2
 
 
+def test_a_job_under_systemd_reads_neither_the_environment_files_nor_a_fleet_process(fleet_host: Host) -> None:
+    """On a deployed host the jobs run as the fleet's own user, who may read devicefleet.env and
+    flower.env (root:devicefleet 0640): systemd reads the first for the worker, which then closes
+    both to itself and its jobs; the worker, Flower and the exporter (same user) are non-dumpable,
+    which ProtectProc=invisible turns into not being there for a job (tests/scripts/snoop.py)."""
+    box, plan = fleet_host.box, fleet_host.plan
+    files = [plan.config_dir / "devicefleet.env", plan.config_dir / "flower.env"]
+    # As `devicefleet deploy`'s commands leave them: root:devicefleet 0640 (the container's
+    # group, set on the host file the container binds).
+    group = int(box.run("id", "-g", "devicefleet").stdout)
+    host_files = [fleet_host.etc / "devicefleet" / f.name for f in files]
+    for path in host_files:
+        os.chown(path, 0, group)
+    try:
+        # The premise: the fleet's user may read them, outside the worker's unit.
+        shown = box.run("setpriv", "--reuid=devicefleet", "--regid=devicefleet", "--clear-groups", "cat",
+                        *map(str, files)).stdout
+        assert plan.redis_url in shown and plan.flower_auth in shown
+        needles = [plan.redis_url, plan.redis_password, plan.flower_auth, plan.flower_auth.partition(":")[2]]
+        entry = fan_out("snoop", "cpu0", kwargs={"needles": needles, "paths": list(map(str, files))},
+                        app=fleet_host.app).get(timeout=60)["cpu0"]
+    finally:
+        for path in host_files:
+            os.chown(path, 0, 0)
+    assert entry["status"] == "ok", entry["error"]
+    report = entry["output"]["snoop"]
+    assert report["found"] == [] and report["urls"] == [] and report["reached"] == [], report
+    assert {report["closed"][f"file {f}"] for f in files} == {"PermissionError"}, report["closed"]
+    # ... while the worker has its variables: its parent, the unit's main process, is in the
+    # fleet's registry (it reached Redis with the URL from that file), its environ closed.
+    worker = fleet_host.main_pid(WORKERS[0])
+    assert report["ppid"] == worker and live_devices(fleet_host.app)["cpu0"].pid == worker
+    # ProtectProc=invisible shows a job only the processes it may ptrace: the worker, and every
+    # other fleet process (same user, each non-dumpable) are not even there for it to open...
+    assert report["closed"]["/proc/parent/environ"] == "FileNotFoundError", report["closed"]
+    others = {unit: fleet_host.main_pid(unit)
+              for unit in (WORKERS[1], "devicefleet-flower.service", "devicefleet-metrics.service")}
+    seen = report["processes"]
+    assert {unit: str(pid) in seen for unit, pid in others.items()} == {unit: False for unit in others}, seen
+    # ... while the other worker's job processes (same user, dumpable) are, read, and hold nothing.
+    jobs = {str(pid) for pid in live_devices(fleet_host.app)["cpu1"].job_pids}
+    assert jobs and {seen[pid]["environ"] for pid in jobs} == {"read"}, (jobs, seen)
+
+
 PROBE = ("import errno, os\n"
          "for path in ('/dev/nvidia0', '/dev/nvidia1'):\n"
          "    try:\n"
