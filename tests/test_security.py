@@ -166,3 +166,28 @@ def test_the_secrets_a_fleet_process_hides_are_its_redis_urls_and_flowers_login(
     assert environment_secrets(env) == ["redis://:p%40ssword@h:6379/0", "p%40ssword", "p@ssword",
                                         "admin:flowerpw", "flowerpw"]
     assert environment_secrets({"HOME": "/root"}) == []
+
+
+def test_the_mps_daemon_a_gpu_worker_starts_gets_no_key_to_the_fleet(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MPS control daemon outlives no worker but runs as the jobs' user, dumpable: its
+    environment is the worker's less the fleet's keys (a stand-in daemon records what it got)."""
+    from tasks.core.devices import Device, DeviceKind
+    from tasks.worker.mps import MpsServer
+
+    url = f"redis://:{tokens.token_urlsafe(12)}@127.0.0.1:6379/0"
+    monkeypatch.setenv("DEVICEFLEET_REDIS_URL", url)
+    monkeypatch.setenv("FLOWER_BASIC_AUTH", "admin:flower-secret")
+    monkeypatch.setenv("MY_COPY", url)
+    monkeypatch.setenv("DATASETS", "/data")
+    program = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    program.parent.mkdir()
+    program.write_text('#!/bin/sh\nif [ "$1" = "-d" ]; then env > "$CUDA_MPS_PIPE_DIRECTORY/../env"; fi\n')
+    program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{program.parent}{os.pathsep}{os.environ['PATH']}")
+    server = MpsServer(Device(DeviceKind.GPU, 0), tmp_path / "state")
+    server.start(None)
+    server.stop()
+    got = (server.folder / "env").read_text()
+    assert "DATASETS=/data" in got and "CUDA_VISIBLE_DEVICES=0" in got
+    assert not [needle for needle in [*_secrets(url), "flower-secret"] if needle in got], got

@@ -23,6 +23,8 @@ from pathlib import Path
 from ..core.defaults import MPS_CONTROL_TIMEOUT_S as CONTROL_TIMEOUT_S
 from ..core.devices import Device
 from ..core.errors import ConfigError, FleetError
+from ..core.hiding import environment_secrets, holds_secret
+from .jobenv import DROPPED_PREFIXES
 from .memory import MiB
 
 logger = logging.getLogger(__name__)
@@ -42,7 +44,12 @@ class MpsServer:
         self._program: str | None = None
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": self.device.cuda_visible_devices,
+        # The daemon runs as the jobs' user, and is dumpable: like a job process, it gets no key
+        # to the fleet (tasks.worker.jobenv's rule), so that its /proc/<pid>/environ shows none.
+        secrets = environment_secrets()
+        env = {name: value for name, value in os.environ.items()
+               if not name.startswith(DROPPED_PREFIXES) and not holds_secret(value, secrets)}
+        return {**env, "CUDA_VISIBLE_DEVICES": self.device.cuda_visible_devices,
                 "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
     def start(self, budget_bytes: int | None) -> dict[str, str]:
