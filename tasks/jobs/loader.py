@@ -5,18 +5,24 @@ loaders here, so the benchmark measures the pipeline the job really uses, a prod
 prefetch pipeline (PyTorch's "Multi-process data loading" and "Memory Pinning",
 https://pytorch.org/docs/stable/data.html): worker processes produce batches in parallel and hand
 them over through shared memory, each worker keeps ``prefetch_factor`` batches ready, and on CUDA
-batches are pinned so the host-to-device copy can be ``non_blocking``.
+batches are pinned so the host-to-device copy can be ``non_blocking``. Batches travel from the
+workers to the loop as shared memory whose descriptors the workers push ahead of them
+(:mod:`.handoff`), so the loop never waits on a busy worker for a batch it already made.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..core.defaults import LOADER_PREFETCH
+from ..core.defaults import LOADER_PREFETCH, LOADER_WORKER_NICENESS
+from . import handoff
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +52,40 @@ def build_loader(
             shard); it does the shuffling, so ``shuffle`` is ignored.
     """
     workers = max(0, num_workers)
-    return DataLoader(
+    shared = handoff.Handoff(default_convert if batch_size is None else default_collate, keep=prefetch_factor + 1) \
+        if workers > 0 and handoff.supported() else None
+    return _Loader(
         dataset,
+        shared,
         batch_size=batch_size,
         shuffle=shuffle if sampler is None else None,
         sampler=sampler,
         num_workers=workers,
+        collate_fn=shared,
         pin_memory=cuda,
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
         multiprocessing_context="spawn" if cuda and workers > 0 else None,
+        worker_init_fn=_background if workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def _background(worker_id: int) -> None:
+    """In each worker: yield cores to the training loop (:data:`~tasks.core.defaults.LOADER_WORKER_NICENESS`)."""
+    os.nice(max(0, LOADER_WORKER_NICENESS - os.nice(0)))
+
+
+class _Loader(DataLoader[Any]):
+    """A DataLoader whose batches come through a :class:`~.handoff.Handoff` (when it has one):
+    its iterator turns them back into tensors (the pin-memory thread already has, on CUDA)."""
+
+    def __init__(self, dataset: Dataset[Any], shared: handoff.Handoff | None, **options: Any) -> None:
+        super().__init__(dataset, **options)
+        self.handoff = shared
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        if self.handoff is None:
+            return batches
+        return (handoff.restore(batch) for batch in batches)
