@@ -7,7 +7,8 @@ Three ways to feed the step (and Ray's, :mod:`.ray_pipeline`, when it is install
 - ``sequential``: produce the next batch, then train on it;
 - ``mp_queue``: producer processes put batches on a ``multiprocessing.Queue`` (pickled);
 - ``fleet``: the ``train`` job's loader, :func:`tasks.jobs.loader.build_loader` (DataLoader workers,
-  prefetch, shared memory, pinned memory on CUDA).
+  prefetch, batches handed over as shared memory the workers push ahead of them
+  (:mod:`tasks.jobs.handoff`), pinned memory on CUDA).
 """
 
 from __future__ import annotations
