@@ -15,7 +15,6 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_convert
 
-from tasks.core.defaults import LOADER_WORKER_NICENESS
 from tasks.jobs import handoff
 from tasks.jobs.loader import build_loader
 
@@ -37,14 +36,6 @@ class Whole(Dataset[Any]):
                 "pair": Pair(torch.tensor([index]), f"label{index}"),
                 "list": [torch.zeros(0), torch.full((2,), index, dtype=torch.int16)],
                 "n": index}
-
-
-class Nice(Dataset[int]):
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, index: int) -> int:
-        return os.nice(0)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -96,11 +87,6 @@ def test_a_loop_that_stops_early_leaks_no_descriptor_and_batches_outlive_the_loa
     del loader
     gc.collect()
     assert _same(kept, plain)
-
-
-def test_loader_workers_yield_cores_to_the_loop() -> None:
-    assert list(build_loader(Nice(), batch_size=None, num_workers=1, cuda=False)) == [
-        max(LOADER_WORKER_NICENESS, os.nice(0))] * 2
 
 
 def _make_and_stop(shared: handoff.Handoff, pipe: Any) -> None:

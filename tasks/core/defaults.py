@@ -261,10 +261,6 @@ CHECKPOINT_EVERY_S = 10.0
 
 #: Batches each DataLoader worker keeps ready ahead of the training loop (``prefetch_factor``).
 LOADER_PREFETCH = 4
-#: Niceness of DataLoader worker processes: the training step, which waits for them, goes first
-#: for a core, and they take the rest (prefetch hides their latency). Ray runs its workers at 15
-#: for the same reason (its ``worker_niceness``), so the driver and the object store stay responsive.
-LOADER_WORKER_NICENESS = 15
 #: How long the training loop waits for the shared memory of a batch its worker sent (it is sent
 #: ahead of the batch, so it is there at once; past this, a bug is reported instead of a hang).
 LOADER_HANDOFF_TIMEOUT_S = 10.0

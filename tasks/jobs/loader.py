@@ -13,7 +13,6 @@ workers to the loop as shared memory whose descriptors the workers push ahead of
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate, default_convert
 
-from ..core.defaults import LOADER_PREFETCH, LOADER_WORKER_NICENESS
+from ..core.defaults import LOADER_PREFETCH
 from . import handoff
 
 logger = logging.getLogger(__name__)
@@ -66,14 +65,8 @@ def build_loader(
         persistent_workers=workers > 0,
         prefetch_factor=prefetch_factor if workers > 0 else None,
         multiprocessing_context="spawn" if cuda and workers > 0 else None,
-        worker_init_fn=_background if workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),
     )
-
-
-def _background(worker_id: int) -> None:
-    """In each worker: yield cores to the training loop (:data:`~tasks.core.defaults.LOADER_WORKER_NICENESS`)."""
-    os.nice(max(0, LOADER_WORKER_NICENESS - os.nice(0)))
 
 
 class _Loader(DataLoader[Any]):
