@@ -9,10 +9,11 @@ which commands of ours do not return):
   runs as in ``python -m asyncio``. A block titled with a file name (``title="fit.py"``) is that
   file: ``tests/scripts/<name>`` (where the session fleet's commands run) must hold exactly it,
   or, where no such file is, it is written into the page's folder before the page runs.
-- ``console`` blocks run each ``$`` command with bash and compare what it prints with the lines
-  shown: a decimal number matches any decimal number, ``cpu0``/``cpu1`` any device of the kind,
-  ``<placeholder>`` any word, ``...`` anything; lines that begin ``[device]`` may interleave
-  across devices. A foreground command that does not return (``devicefleet up``) is stopped
+- ``console`` blocks run each ``$`` command with bash (stderr into stdout, 80 columns) and
+  compare what it prints with the lines shown, in order (it may print more lines): a decimal
+  number matches any decimal number, ``cpu0``/``cpu1`` any device of the kind, ``<placeholder>``
+  any word, ``...`` anything, a table's rule any width; lines that begin ``[device]`` may
+  interleave across devices. A foreground command that does not return (``devicefleet up``) is stopped
   with Ctrl-C once it has printed what is shown.
 - ``bash`` blocks run as one script (``set -e``) in the page's folder. A command that serves or
   runs in the foreground until Ctrl-C, or that is the suite or CI itself, is not run here:
@@ -305,8 +306,10 @@ def run_bash_block(block: Block, env: dict[str, str], cwd: Path) -> None:
 def pattern_of(expected: str) -> re.Pattern[str]:
     """A shown line as a pattern (see the module's docstring)."""
     out = ""
-    for token in re.split(r"(\.\.\.|<[\w ./-]+>|\d+\.\d+|\b(?:cpu|gpu)\d+\b)", expected.rstrip()):
-        if token == "...":
+    for token in re.split(r"(\.\.\.|<[\w ./-]+>|\d+\.\d+|\b(?:cpu|gpu)\d+\b|─+)", expected.rstrip()):
+        if token.startswith("─"):
+            out += "─+"  # a table's rule, as wide as its table
+        elif token == "...":
             out += ".*"
         elif re.fullmatch(r"<[\w ./-]+>", token):
             out += r"\S+"
@@ -314,9 +317,9 @@ def pattern_of(expected: str) -> re.Pattern[str]:
             out += r"\d+\.\d+s?"
         elif re.fullmatch(r"(cpu|gpu)\d+", token):
             out += token[:3] + r"\d+"
-        else:
-            out += re.escape(token)
-    return re.compile(out.replace(r"\ ", r"\s+"))
+        else:  # literal text; a run of spaces matches any run (columns move with their contents)
+            out += r"\s+".join(re.escape(part) for part in re.split(r" +", token))
+    return re.compile(out)
 
 
 def by_device(lines: list[str]) -> list[str]:
@@ -361,13 +364,15 @@ def run_console_block(block: Block, env: dict[str, str], cwd: Path) -> None:
         if command.startswith(FOREGROUND):
             run_foreground(block, command, expected, env, cwd)
             continue
-        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
-        assert_shows(block, command, expected, proc.stdout + proc.stderr)
+        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=400)
+        assert_shows(block, command, expected, proc.stdout)
 
 
 def run_foreground(block: Block, command: str, expected: list[str], env: dict[str, str], cwd: Path) -> None:
     """A command that runs until Ctrl-C, on a fleet of its own (no DEVICEFLEET_REDIS_URL)."""
     env = {k: v for k, v in env.items() if k != "DEVICEFLEET_REDIS_URL"}
+    env["COLUMNS"] = "200"  # its first lines name paths: unwrapped, as in a wide terminal
     log = cwd / "foreground.log"
     with log.open("w") as out:
         proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env, stdout=out,
@@ -375,8 +380,17 @@ def run_foreground(block: Block, command: str, expected: list[str], env: dict[st
     try:
         from .conftest import wait_for
 
-        wait_for(lambda: "Ctrl-C to stop" in log.read_text(), 180, f"`{command}` to start", poll=0.2, proc=proc)
-        assert_shows(block, command, expected, log.read_text())
+        def shown() -> bool:
+            try:
+                assert_shows(block, command, expected, log.read_text())
+            except AssertionError:
+                return False
+            return True
+
+        try:
+            wait_for(shown, 180, f"`{command}` to print what {block.where} shows", poll=0.2, proc=proc)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; it printed:\n{log.read_text()}") from None
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -396,6 +410,8 @@ def test_shell_examples_run(page_fleet: Fleet, request: pytest.FixtureRequest, t
     write_files(page, tmp_path)
     env = env_for(page_fleet, tmp_path)
     for block in SHELL_PAGES[page]:
+        if block.file_name:  # a script the examples run, not an example to run itself
+            continue
         if block.kind == "bash":
             run_bash_block(block, env, tmp_path)
         else:
