@@ -165,6 +165,14 @@ def test_the_readme_is_short_and_keeps_its_two_set_up_commands() -> None:
     assert SETUP[1] in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_readmes_links_lead_to_files_here() -> None:
+    # mkdocs build --strict checks the site's links; the README is read on its own.
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert targets
+    broken = [t for t in targets if not t.startswith(("http://", "https://")) and not (ROOT / t).exists()]
+    assert not broken, f"README links to files that are not there: {broken}"
+
+
 @pytest.mark.parametrize("test", sorted(set(COVERED.values())))
 def test_the_tests_that_run_covered_commands_exist(test: str) -> None:
     path, name = test.split("::")
@@ -330,7 +338,7 @@ def by_device(lines: list[str]) -> list[str]:
         if re.match(r"^\[\S+\] ", line):
             run.append(line)
             continue
-        out += sorted(run, key=lambda l: l.split("]")[0])
+        out += sorted(run, key=lambda text: text.split("]")[0])
         run = []
         out.append(line)
     return out[:-1]

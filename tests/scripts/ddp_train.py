@@ -1,4 +1,8 @@
-import os, torch, torch.distributed as dist
+import os
+
+import torch
+import torch.distributed as dist
+
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 if torch.cuda.is_available():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

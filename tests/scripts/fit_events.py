@@ -1,4 +1,6 @@
-import argparse, json, os
+import argparse
+import json
+import os
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lr", type=float, default=0.1)
