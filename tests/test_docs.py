@@ -39,6 +39,7 @@ import sys
 import textwrap
 import tomllib
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,20 +204,32 @@ def test_toml_examples_load(block: Block) -> None:
 # -- running a page ------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def own_fleets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Fleet]]:
+    """The fleets of the pages in :data:`OWN_FLEET`, each started once, when first asked for."""
+    with ExitStack() as stack:
+        fleets: dict[Path, Fleet] = {}
+
+        def start(page: Path) -> Fleet:
+            if page not in fleets:
+                folder = tmp_path_factory.mktemp("own-fleet")
+                write_files(page, folder)
+                settings = make_settings(folder / "state", job_modules=OWN_FLEET[page_id(page)])
+                env = {"PYTHONPATH": f"{folder}{os.pathsep}{test_env()['PYTHONPATH']}"}
+                fleets[page] = stack.enter_context(Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=env).start())
+            return fleets[page]
+
+        yield start  # type: ignore[misc]
+
+
 @pytest.fixture
-def page_fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
+def page_fleet(request: pytest.FixtureRequest) -> Fleet:
     """The session fleet, or, for a page in :data:`OWN_FLEET`, one of its own whose workers
     import the page's files (``my_jobs.py``) from its folder, as ``devicefleet up`` run there."""
     page: Path = request.param
-    modules = OWN_FLEET.get(page_id(page))
-    if modules is None:
-        yield request.getfixturevalue("fleet")
-        return
-    write_files(page, tmp_path)
-    settings = make_settings(tmp_path / "state", job_modules=modules)
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{test_env()['PYTHONPATH']}"}
-    with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=env).start() as running:
-        yield running
+    if page_id(page) not in OWN_FLEET:
+        return request.getfixturevalue("fleet")  # type: ignore[no-any-return]
+    return request.getfixturevalue("own_fleets")(page)  # type: ignore[no-any-return]
 
 
 def write_files(page: Path, folder: Path) -> None:
