@@ -1,0 +1,3 @@
+echo "loading data"
+echo "no such file: data.npz" >&2
+exit 3
