@@ -41,6 +41,9 @@ class Heartbeat(PeriodicThread):
         self._lock = threading.Lock()
         #: Set by :meth:`stop`: the record is gone from Redis and is never written again.
         self._left = False
+        #: Whether this heartbeat wrote the record: only then is it this worker's to remove (a
+        #: worker refused because its device is taken must not remove its owner's).
+        self._written = False
 
     @property
     def record(self) -> WorkerRecord:
@@ -81,6 +84,8 @@ class Heartbeat(PeriodicThread):
         with self._lock:
             self._left = True
         super().stop(timeout)
+        if not self._written:
+            return
         device = self._record.device
         try:
             pipe = self.client.pipeline()
@@ -102,6 +107,7 @@ class Heartbeat(PeriodicThread):
             pipe.set(keys.worker(self._record.device), self._record.to_json(), px=self._ttl_ms)
             pipe.sadd(keys.WORKERS, self._record.device)
             pipe.execute()
+            self._written = True
 
     def tick(self) -> None:
         self.write()
