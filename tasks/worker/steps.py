@@ -2,33 +2,40 @@
 
 ``devicefleet worker cpu0`` and ``celery -A tasks worker -n cpu0@%h`` both start a Celery worker
 of a devicefleet app (:class:`tasks.core.app.FleetCelery`), which adds these steps to Celery's
-own blueprint by import path (:data:`tasks.core.app.WORKER_STEPS`), as Celery names its own
-components (``celery.worker.components``; ``celery.worker.consumer.heart`` is the model of a
-step). Each builds its service when the worker is built, starts it when the worker starts and
-stops it when the worker stops; its ``requires`` put it after the services it uses::
+own by import path (:data:`tasks.core.app.WORKER_STEPS`), as Celery names its own components
+(``celery.worker.components``; ``celery.worker.consumer.heart`` is the model of a small step).
+Celery builds the steps in the order their ``requires`` give (each after the steps whose
+services it uses), starts them in that order and stops them in reverse::
 
-    Pool -> Device -> JobProcesses -> Slots -> Registry -> Leases -> Reaper -> Jobs -> StopHandlers
-                                                                  (Leases and Reaper both require Registry)
+    step                built with the worker                 start                    stop
+    DeviceStep          the device (from the node name), its  -                        -
+                        config, its cores (pinned)
+    JobProcessesStep    the job processes and the CUDA MPS    -                        end them (terminate: same)
+                        daemon, started: the first one's
+                        hello names the jobs, what torch sees
+    SlotsStep           the slots, the meter of their budgets -                        -
+    RegistryStep        the Redis client, the heartbeat       no other live process    remove the record, close
+                                                              owns the device? then    the client
+                                                              the first write
+    LeaseStep           the lease keeper                      renew leases             stop renewing
+    ReaperStep          the reaper                            reap                     stop reaping
+    JobsStep            the DeviceWorker of all the above;    -                        a running job gets its
+                        the job tasks, given it; the                                   stop timeout (terminate:
+                        device's queues; one job per slot                              no wait)
+    StopHandlersStep    -                                     a 2nd SIGTERM or a       -
+                                                              SIGQUIT stops at once
 
-- build (each step's ``__init__``, in that order, before Celery creates its pool: the pool's size
-  is the slot count, and the slots and the jobs are known only once the first job process said
-  what it sees, so nothing here waits for ``create``): the device from the node name, its
-  config and cores (:class:`DeviceStep`); its job processes, started (:class:`JobProcessesStep`);
-  its slots (:class:`SlotsStep`); its registry client and heartbeat (:class:`RegistryStep`); its
-  lease keeper (:class:`LeaseStep`) and reaper (:class:`ReaperStep`); and, given all of them as
-  one :class:`~tasks.worker.device.DeviceWorker`, its job tasks, queues and concurrency
-  (:class:`JobsStep`). A worker whose device, config or jobs are wrong goes no further;
-- start (in that order, after Celery installed its signal handlers): join the registry (the
-  first heartbeat, once no other live worker owns the device), renew leases, reap, and install
-  the stop-at-once handlers (:class:`StopHandlersStep`, :mod:`tasks.worker.shutdown`);
-- stop (in reverse: Celery stops them before its pool): a running job gets its stop timeout
-  while the heartbeat, the lease keeper and the reaper still run (:class:`JobsStep` stops first),
-  then each leaves in turn; the job processes and the MPS daemon end last. ``terminate`` (a cold
-  shutdown) skips the wait: the job processes step ends a running job at once.
+Everything is built in ``__init__``, before Celery creates its pool (``Blueprint.apply`` runs
+every step's ``__init__``, then each one's ``create``): the pool's size is the device's slot
+count, and the slots and the jobs are known only once the first job process said what it sees.
+The worker starts after Celery installed its own signal handlers, and stops its steps before its
+pool: the jobs step stops first, so a job that ends within its stop timeout is stored with its
+lease and counted while the heartbeat, the lease keeper and the reaper still run; the job
+processes end last, the MPS daemon after its clients.
 
-:class:`ConsumerReadyStep` marks the registry record ready once the consumer takes tasks.
-A configuration error stops the worker with exit status 2 (systemd does not restart it), any
-other refusal with 1.
+:class:`ConsumerReadyStep`, a step of the consumer's blueprint (started after every worker
+step), marks the registry record ready once the consumer takes tasks. A configuration error
+stops the worker with exit status 2 (systemd does not restart it), any other refusal with 1.
 """
 
 from __future__ import annotations
