@@ -610,6 +610,29 @@ def test_update_before_start_writes_at_once(client):
     assert record is not None and record.ready
 
 
+def test_a_heartbeat_that_left_writes_no_more(client):
+    # A job that ends while its worker leaves updates the record: the device must not come back
+    # into the registry for a TTL.
+    beat = Heartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0)
+    beat.start()
+    beat.stop(timeout=5)
+    assert client.exists(keys.worker("cpu7")) == 0
+    beat.update_slot(0, busy=None, worker_fields={"jobs_done": 1})
+    beat.update(ready=True)
+    assert client.exists(keys.worker("cpu7")) == 0 and client.smembers(keys.WORKERS) == set()
+    assert beat.record.jobs_done == 1  # kept in memory all the same
+
+
+def test_a_heartbeat_that_never_wrote_leaves_the_owners_record(client):
+    # A worker refused because its device is taken stops a heartbeat that never started: the
+    # live owner's record stays.
+    owner = worker_record("cpu7")
+    register(client, owner)
+    refused = Heartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0)
+    refused.stop(timeout=5)
+    assert read_worker(client, "cpu7") == owner and client.smembers(keys.WORKERS) == {"cpu7"}
+
+
 def test_live_workers_skips_expired_and_malformed_records(client):
     register(client, worker_record("cpu1"))
     client.sadd(keys.WORKERS, "cpu2")  # registered once, its record expired

@@ -5,9 +5,9 @@ fleets in one process). The module-level ``tasks.app`` reads :class:`Settings` l
 time Celery needs its configuration, so ``celery -A tasks worker`` and producers that set
 ``DEVICEFLEET_REDIS_URL`` late both work; either way the settings are read once, at that edge.
 
-A worker of a devicefleet app is a device worker: the app names its bootstep
-(:class:`tasks.worker.bootstep.DeviceWorkerStep`) by import path, as Celery names its own
-components, so that producers that import this module never load the worker side.
+A worker of a devicefleet app is a device worker: the app names its bootsteps
+(:mod:`tasks.worker.steps`) by import path, as Celery names its own components, so that
+producers that import this module never load the worker side.
 """
 
 from __future__ import annotations
@@ -28,9 +28,13 @@ from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
 
 logger = logging.getLogger(__name__)
 
-#: The worker's bootsteps: one owner of a device worker's life, and its readiness mark.
-WORKER_STEP = "tasks.worker.bootstep:DeviceWorkerStep"
-CONSUMER_STEP = "tasks.worker.bootstep:ConsumerReadyStep"
+#: The worker's bootsteps, one per service of a device worker (their ``requires`` order them),
+#: and the consumer's step that marks it ready.
+WORKER_STEPS = tuple(f"tasks.worker.steps:{step}" for step in (
+    "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "LeaseStep", "ReaperStep", "JobsStep",
+    "StopHandlersStep",
+))
+CONSUMER_STEP = "tasks.worker.steps:ConsumerReadyStep"
 #: The worker's consumer: Celery's, answering a task outside the allowlist as UnknownJob.
 CONSUMER = "tasks.worker.consumer:FleetConsumer"
 #: Celery's ``<backend class>+<url>`` form picks the backend class for the URL.
@@ -177,7 +181,7 @@ class FleetCelery(Celery):
             self.add_defaults(lambda: lazy_celery_config(self.fleet_settings))
         else:
             self.conf.update(celery_config(settings))
-        self.steps["worker"].add(WORKER_STEP)
+        self.steps["worker"].update(WORKER_STEPS)
         self.steps["consumer"].add(CONSUMER_STEP)
 
     @property

@@ -1,2 +1,2 @@
-"""The worker side: a device worker's bootstep and everything it runs (jobs, leases, heartbeat,
+"""The worker side: a device worker's bootsteps and everything they run (jobs, leases, heartbeat,
 the OOM guard, the stop handlers, progress and accounting). Loaded by Celery workers only."""

@@ -5,6 +5,11 @@ TTL of ``heartbeat_ttl_s`` and is written every ``heartbeat_interval_s``; :meth:
 changes fields (the job running now, its progress) and wakes the thread, which writes them at
 once or after a short delay that folds close updates into one write (:data:`~tasks.core.defaults.HEARTBEAT_COALESCE_S`), so
 producers see the change without the job's own thread waiting on Redis.
+
+Its life is the registry step's (:mod:`tasks.worker.steps`): built with the worker, started once
+the worker joins (the first write), stopped when it leaves (the record removed). An update after
+that changes the record in memory only: a job that ends while the worker leaves does not bring the
+device back into the registry for a TTL.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ class Heartbeat(PeriodicThread):
         self._record = record
         self._ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
+        #: Set by :meth:`stop`: the record is gone from Redis and is never written again.
+        self._left = False
+        #: Whether this heartbeat wrote the record: only then is it this worker's to remove (a
+        #: worker refused because its device is taken must not remove its owner's).
+        self._written = False
 
     @property
     def record(self) -> WorkerRecord:
@@ -71,7 +81,11 @@ class Heartbeat(PeriodicThread):
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop beating and remove the record: the device leaves the fleet now."""
+        with self._lock:
+            self._left = True
         super().stop(timeout)
+        if not self._written:
+            return
         device = self._record.device
         try:
             pipe = self.client.pipeline()
@@ -82,15 +96,18 @@ class Heartbeat(PeriodicThread):
             logger.warning("could not remove %s from the registry: %s", device, exc)
 
     def write(self) -> None:
-        """Write the record and its index entry (one round trip)."""
+        """Write the record and its index entry (one round trip); nothing once it left."""
         # The write happens under the lock too: otherwise a beat that serialised the record just
         # before an update() could land after it and bring back stale fields.
         with self._lock:
+            if self._left:
+                return
             self._record = self._record.model_copy(update={"heartbeat_at": time.time()})
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.worker(self._record.device), self._record.to_json(), px=self._ttl_ms)
             pipe.sadd(keys.WORKERS, self._record.device)
             pipe.execute()
+            self._written = True
 
     def tick(self) -> None:
         self.write()

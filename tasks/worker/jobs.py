@@ -2,7 +2,7 @@
 
 The worker never imports a job module itself (they import torch, and whatever else a job's
 author wrote at module level): its first job process does (:mod:`tasks.jobproc.registry`) and
-names them in its hello; the bootstep registers each as the Celery task ``devicefleet.<name>``.
+names them in its hello; the jobs step registers each as the Celery task ``devicefleet.<name>``.
 """
 
 from __future__ import annotations

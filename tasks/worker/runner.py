@@ -1,12 +1,14 @@
 """Running a job: the Celery task behind ``devicefleet.<job>``, and the chord's collect step.
 
-Each allowlisted job is a :class:`JobTask` registered by the bootstep. Sent to ``cpu``, ``gpu``
-or ``fleet`` it runs on whichever device of that kind takes it; sent to ``device.<name>`` on
-exactly that device. It returns the device's :class:`~tasks.core.records.Entry` as a dict. When
-the job fails (it raises, its kwargs or options are invalid, it runs out of memory, its process
-crashes, it runs past its time limit) the task ends in FAILURE with the job's own exception
-type, and the error entry rides along with it (:func:`tasks.core.backend.attach_entry`) so
-that a fan-out's chord still collects every device.
+Each allowlisted job is a :class:`JobTask` registered by the worker's jobs step
+(:class:`tasks.worker.steps.JobsStep`) with the worker's services, all built and running by the
+time a job arrives. Sent to ``cpu``, ``gpu`` or ``fleet`` it runs on whichever device of that
+kind takes it; sent to ``device.<name>`` on exactly that device. It returns the device's
+:class:`~tasks.core.records.Entry` as a dict. When the job fails (it raises, its kwargs or
+options are invalid, it runs out of memory, its process crashes, it runs past its time limit)
+the task ends in FAILURE with the job's own exception type, and the error entry rides along with
+it (:func:`tasks.core.backend.attach_entry`) so that a fan-out's chord still collects every
+device.
 
 The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is a
 short chain (:func:`execute`): read its options, take its lease, run it in a job process while
@@ -86,9 +88,9 @@ class JobRequest(Request):  # type: ignore[misc]
 
 
 class JobTask(Task):  # type: ignore[misc]
-    """The Celery task of one job on one device worker (made by the bootstep per job)."""
+    """The Celery task of one job on one device worker (made by the jobs step per job)."""
 
-    #: Set per job by the bootstep.
+    #: Set per job by the jobs step: the job, and the worker's services it runs with.
     job: JobInfo
     device_worker: DeviceWorker
     #: A job's failures are expected: its job process logged its traceback; Celery logs the
@@ -134,7 +136,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         options = job_options(task.request)
     except InvalidJobArguments as exc:  # refused before it takes anything: there is nothing to run
         return JobRun(worker, task, job).end(failed=exc)
-    if worker.leases is None or task.request.id is None:
+    if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
     with ExitStack() as held:
         try:
@@ -152,9 +154,9 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
         if options.gang is None:
             ended = run_in_process(worker, message, watch, slot)
         else:
-            ended = gang.run_rank(worker.heartbeat.client if worker.heartbeat is not None else None, options.gang,
-                                  worker.device.name, worker.address, worker.settings.result_expires_s,
-                                  message, watch, lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
+            ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
+                                  worker.settings.result_expires_s, message, watch,
+                                  lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
         if ended.outcome is Outcome.GIVE_WAY:
             run.idle(done=False)
         else:
@@ -167,7 +169,6 @@ def run_in_process(worker: DeviceWorker, job: RunJob, watch: Watch, slot: Slot |
     """Run ``job`` in one of the worker's job processes (in ``slot``); a rank of a distributed
     job runs here once per generation of its gang (:mod:`tasks.worker.gang` owns its restarts)."""
     supervisor = worker.supervisor
-    assert supervisor is not None, "the device worker has no job processes: prepare() was not called"
     try:
         return supervisor.run(job, watch, slot)
     except NoJobProcess as exc:
@@ -193,7 +194,7 @@ class JobWatch:
         self.job_id = job_id
         self.time_limit_s = options.time_limit_s or float(worker.config.max_job_seconds)
         self.deadline = time.monotonic() + self.time_limit_s
-        self._client = worker.heartbeat.client if worker.heartbeat is not None else None
+        self._client = worker.client
 
     def report(self, fields: dict[str, Any]) -> None:
         if len(self.worker.slots) > 1:  # which of the device's jobs it is (Flower's progress column)
@@ -211,8 +212,8 @@ class JobWatch:
         """A plain job has no gang: nothing to fail."""
 
     def memory(self, used: int) -> None:
-        if self.worker.heartbeat is not None:  # folded into the next write: the samples come often
-            self.worker.heartbeat.update_slot(self.slot, memory_bytes=used, after_s=MEMORY_WRITE_S)
+        # Folded into the next write: the samples come often.
+        self.worker.heartbeat.update_slot(self.slot, memory_bytes=used, after_s=MEMORY_WRITE_S)
 
     def stop(self) -> StopJob | None:
         where = f"job {self.job_id} on {self.worker.device}"
@@ -223,7 +224,7 @@ class JobWatch:
             return StopJob(job_id=self.job_id, reason=StopReason.TIMEOUT,
                            message=f"{where} ran past its time limit of {self.time_limit_s:g} s")
         if worker_state.should_stop is not None or worker_state.should_terminate is not None:
-            self.worker.begin_stop()  # a signal's warm shutdown, before the bootstep hears of it
+            self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
             timeout = self.worker.stop_timeout_s
             if now - self.worker.stopping_since > timeout:
@@ -244,7 +245,7 @@ class JobRun:
         self.slot = slot
         self.started = time.time()
         self.job_id = str(task.request.id or f"local-{self.started}")
-        if worker.heartbeat is not None and slot is not None:
+        if slot is not None:
             worker.heartbeat.update_slot(slot.index, busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
                                          after_s=HEARTBEAT_COALESCE_S)
 
@@ -258,12 +259,11 @@ class JobRun:
         with worker.counts_lock:
             worker.jobs_done += done
             jobs_done = worker.jobs_done
-        if worker.heartbeat is not None:
-            if self.slot is None:
-                worker.heartbeat.update(jobs_done=jobs_done, after_s=HEARTBEAT_COALESCE_S)
-            else:
-                worker.heartbeat.update_slot(self.slot.index, busy=None, progress=None, memory_bytes=None,
-                                             worker_fields={"jobs_done": jobs_done}, after_s=HEARTBEAT_COALESCE_S)
+        if self.slot is None:
+            worker.heartbeat.update(jobs_done=jobs_done, after_s=HEARTBEAT_COALESCE_S)
+        else:
+            worker.heartbeat.update_slot(self.slot.index, busy=None, progress=None, memory_bytes=None,
+                                         worker_fields={"jobs_done": jobs_done}, after_s=HEARTBEAT_COALESCE_S)
 
     def end(self, ended: Ended | None = None, failed: BaseException | None = None) -> dict[str, Any]:
         """Hand the job's end to the store of its result (:func:`~tasks.core.jobstate.hand_over`:

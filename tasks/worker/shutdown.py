@@ -53,7 +53,7 @@ def requeue_active() -> list[str]:
     return done
 
 
-def force_stop(signum: int, on_exit: Callable[[], None] | None = None) -> None:
+def force_stop(signum: int, on_exit: Callable[[], None]) -> None:
     """Requeue the running jobs (bounded by :data:`REQUEUE_TIMEOUT_S`), call ``on_exit`` (which
     ends the job processes), and exit at once."""
     name = signal.Signals(signum).name
@@ -67,20 +67,20 @@ def force_stop(signum: int, on_exit: Callable[[], None] | None = None) -> None:
         "%s: stopping at once; requeued %d running job(s): %s", name, len(requeued),
         ", ".join(requeued) or "none",
     )
-    if on_exit is not None:
-        on_exit()
+    on_exit()
     for handler in logging.getLogger().handlers:
         handler.flush()
     # os._exit: interpreter shutdown would wait for the job's (non-daemon) pool thread.
     os._exit(FORCED_EXIT_STATUS)
 
 
-def install_stop_handlers(on_exit: Callable[[], None] | None = None) -> None:
+def install_stop_handlers(on_exit: Callable[[], None]) -> None:
     """Wrap Celery's SIGTERM handler (second SIGTERM forces) and replace its SIGQUIT handler;
-    a forced stop calls ``on_exit`` before the process exits.
+    a forced stop calls ``on_exit`` (which ends the job processes) before the process exits.
 
-    Call it after Celery installed its own handlers (the bootstep's ``start``); outside the main
-    thread (an in-process test worker) signals cannot be handled, and nothing is installed.
+    Call it after Celery installed its own handlers (:class:`tasks.worker.steps.StopHandlersStep`
+    does, at start); outside the main thread (an in-process test worker) signals cannot be
+    handled, and nothing is installed.
     """
     if threading.current_thread() is not threading.main_thread():
         return
