@@ -74,6 +74,16 @@ class SharedTensor:
         return self.tensor().pin_memory()
 
 
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def restore(obj: Any) -> Any:
     """``obj`` with each :class:`SharedTensor` in it (in tuples, lists, mappings) a tensor again."""
     return _map(obj, lambda leaf: leaf.tensor() if isinstance(leaf, SharedTensor) else leaf)
@@ -134,13 +144,13 @@ class Handoff:
             fd, nbytes = tensor.untyped_storage()._share_fd_cpu_()[:2]
         except RuntimeError:  # not shared, or shared by file name: a segment of our own
             storage = torch.UntypedStorage._new_using_fd_cpu(leaf.numel() * leaf.element_size())
-            tensor = torch.empty(0, dtype=leaf.dtype).set_(storage, 0, leaf.shape).copy_(leaf)
+            tensor = torch.empty(0, dtype=leaf.dtype).set_(storage, 0, leaf.shape, _contiguous(leaf.shape)).copy_(leaf)
             fd, nbytes = storage._share_fd_cpu_()[:2]
         token = f"{os.getpid()}.{next(self._sequence)}".encode()
         self._worker_end.sendmsg([token], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         storages.append(tensor.untyped_storage())
         return SharedTensor(self.id, token, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                            tensor.storage_offset(), nbytes)
+                            int(tensor.storage_offset()), nbytes)
 
     # -- in the loop's process -----------------------------------------------------------------
 
@@ -157,7 +167,8 @@ class Handoff:
             fd = self._arrived.pop(shared.token)
             self._drop_older(shared.token)
         try:
-            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, shared.nbytes)
+            # Private, as in torch/multiprocessing/reductions.py (absent from torch's stubs).
+            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, shared.nbytes)  # type: ignore[attr-defined]
         finally:
             os.close(fd)
         return torch.empty(0, dtype=shared.dtype).set_(storage, shared.offset, shared.size, shared.stride)

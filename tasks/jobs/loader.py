@@ -77,7 +77,8 @@ class _Loader(DataLoader[Any]):
         super().__init__(dataset, **options)
         self.handoff = shared
 
-    def __iter__(self) -> Iterator[Any]:
+    # DataLoader declares its own iterator class; this one yields the restored batches instead.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         batches = super().__iter__()
         if self.handoff is None:
             return batches
