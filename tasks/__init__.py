@@ -12,7 +12,7 @@ The public API::
 
 The package is grouped by who runs the code: ``tasks.core`` (settings, errors, devices, the
 Celery app, records and Redis keys: everyone), ``tasks.producer`` (fan-outs), ``tasks.worker``
-(the device worker's bootstep and everything it runs), ``tasks.ops`` (the local launcher,
+(the device worker's Celery steps and everything they run), ``tasks.ops`` (the local launcher,
 embedded Redis, Flower, the exporter, status views, deploy), ``tasks.jobs`` (built-in jobs),
 ``tasks.bench`` and ``tasks.cli``. Importing this package loads the core and the producer side
 only: not torch (a worker sets ``CUDA_VISIBLE_DEVICES`` first), nor the launcher, rich,

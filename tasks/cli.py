@@ -178,7 +178,7 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
     from .core.worker_config import load_worker_config
     from .ops import celery_main
 
-    # Validated here, at the edge, and handed to the worker's app: the worker's bootstep reads
+    # Validated here, at the edge, and handed to the worker's app: the worker's steps read
     # these settings, never the environment again.
     settings = _settings(cores=cores, redis_url=redis_url)
     try:
@@ -192,7 +192,7 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         # Multi-host names (cpu0@hosta) are already the node name.
         "--hostname", device.name if device.host else f"{device.name}@{host_name()}",
         "--pool", config.pool.value,
-        # One job per slot (the bootstep sets the same from the config for `celery -A tasks worker`).
+        # One job per slot (the jobs step sets the same from the config for `celery -A tasks worker`).
         "--concurrency", str(config.slots),
         "--task-events",
         "--loglevel", loglevel or config.loglevel,
@@ -200,7 +200,7 @@ def worker(name: str, cores: str | None, redis_url: str | None, loglevel: str | 
         "--without-mingle",
         "--without-gossip",
     ]
-    # The device's own queues, visibility, cores and jobs are the bootstep's (tasks.worker).
+    # The device's own queues, visibility, cores and jobs are the worker steps' (tasks.worker).
     # With the worker's exit status, which app.worker_main() drops: a worker that could not
     # start (Redis refused its registration) exits 1 and systemd's Restart=on-failure restarts it.
     raise SystemExit(celery_main.run(create_app(settings), argv))

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 from pydantic import ValidationError
 
-from ..core.errors import ConfigError, DeviceFleetError
+from ..core.errors import EXIT_FAILED, ConfigError, DeviceFleetError, start_exit_status
 from ..core.records import ErrorInfo
 from ..core.wire import ProcessSpec, Refused, decode_from_worker
 from .channel import Channel
@@ -20,9 +20,6 @@ from .runtime import JobRuntime
 
 logger = logging.getLogger(__name__)
 
-#: Exit statuses: the worker could not be reached or sent no spec; a setting is at fault.
-EXIT_NO_WORKER = 1
-EXIT_CONFIG = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = decode_from_worker(channel.receive_first())
     except (EOFError, OSError, ValidationError) as exc:
         print(f"devicefleet job process: no spec from the worker ({exc})", file=sys.stderr)
-        return EXIT_NO_WORKER
+        return EXIT_FAILED  # the worker could not be reached or sent no spec
     if not isinstance(spec, ProcessSpec):
-        return EXIT_NO_WORKER
+        return EXIT_FAILED
     try:
         runtime = JobRuntime.prepare(spec, channel)
     except DeviceFleetError as exc:
         channel.send(Refused(error=ErrorInfo.of(exc), config=isinstance(exc, ConfigError)))
-        return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_NO_WORKER
+        return start_exit_status(exc)
     channel.send(runtime.hello())
     channel.start()
     while (job := channel.next_job()) is not None:

@@ -2,7 +2,7 @@
 
 A job process imports the allowlisted modules (``Settings.job_modules``) before it says hello
 and keeps the jobs they define with :func:`tasks.core.job.job`; it tells the worker their names,
-and the worker's bootstep registers each as the Celery task ``devicefleet.<name>``. A message
+and the worker's jobs step registers each as the Celery task ``devicefleet.<name>``. A message
 only names a job, so it can never make a worker or a job process import code.
 """
 

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 from celery import bootsteps, signals
 
-from ..core.errors import ConfigError, DeviceFleetError
+from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
@@ -59,10 +59,6 @@ from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
 
 logger = logging.getLogger(__name__)
-
-#: Exit status of a configuration error: restarting cannot fix it (``RestartPreventExitStatus=2``).
-EXIT_CONFIG = 2
-EXIT_FAILURE = 1
 
 S = TypeVar("S", bound=bootsteps.Step)
 
@@ -78,14 +74,15 @@ def built(parent: Any, step: type[S]) -> S:
 @contextmanager
 def refusing(parent: Any) -> Iterator[None]:
     """Turn devicefleet's error into the worker's refusal: say why it cannot start, and exit
-    with :data:`EXIT_CONFIG` for a configuration error, else :data:`EXIT_FAILURE`."""
+    with :func:`~tasks.core.errors.start_exit_status` (2 for a configuration error, which
+    ``RestartPreventExitStatus=2`` keeps systemd from restarting; else 1)."""
     try:
         yield
     except DeviceFleetError as exc:
         message = f"devicefleet worker {parent.hostname}: {exc}"
         logger.critical("%s", message)
         print(message, file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILURE) from None
+        raise SystemExit(start_exit_status(exc)) from None
 
 
 class DeviceStep(bootsteps.Step):
