@@ -35,6 +35,7 @@ from tasks.core.jobstate import (
     Took,
     hand_over,
     handover,
+    stamp_lease,
 )
 from tasks.core.records import LeaseRecord
 from tasks.core.settings import Settings
@@ -137,7 +138,7 @@ def test_take_returns_the_attempt_that_renew_release_and_finish_take(client):
     jobs = JobState(client)
     task_id = str(uuid.uuid4())
     taken = jobs.take(_record(task_id), 5000)
-    assert taken.status is Took.OK and taken.attempt == Attempt(task_id, _record(task_id).to_json())
+    assert taken.status is Took.OK and taken.attempt == Attempt(task_id, stamp_lease(_record(task_id).to_json(), 1), 1)
     attempt = taken.attempt
     assert client.get(keys.lease(task_id)) == attempt.lease == client.hget(keys.LEASES, task_id)
 
@@ -151,14 +152,17 @@ def test_take_returns_the_attempt_that_renew_release_and_finish_take(client):
     assert client.exists(keys.lease(task_id)) == 0 and not client.hexists(keys.LEASES, task_id)
 
     # A successor's lease is left alone by a stale attempt: renew says so, release and the
-    # store of the stale end do not touch it.
+    # store of the stale end do not touch it. (Fencing, issue 39: the stale end's store is
+    # refused, where it used to be stored; the successor's is then the one stored.)
     successor = jobs.take(_record(task_id, device="cpu2"), 5000).attempt
-    assert successor is not None
+    assert successor is not None and successor.token == 2
     assert not jobs.renew(attempt, 5000, restore=True)
-    jobs.release(attempt)
+    assert not jobs.release(attempt)
     meta = StateMeta(key="meta", value=json.dumps({"status": "SUCCESS"}), expires_s=0)
-    assert jobs.finish(task_id, meta, JobEnd(attempt=attempt), final=True) is Stored.STORED
+    assert jobs.finish(task_id, meta, JobEnd(attempt=attempt), final=True) is Stored.FENCED
+    assert client.get("meta") is None
     assert client.get(keys.lease(task_id)) == successor.lease
+    assert jobs.finish(task_id, meta, JobEnd(attempt=successor), final=True) is Stored.STORED
     assert jobs.finish(task_id, meta, JobEnd(attempt=successor), final=True) is Stored.FINAL_THERE
     assert client.exists(keys.lease(task_id)) == 0  # released all the same
 
@@ -178,7 +182,8 @@ def test_a_jobs_end_is_one_round_trip_and_acknowledges_its_message(client):
     client.delete("meta")
     client.config_resetstat()
     assert jobs.finish(task_id, meta, end, final=True) is Stored.STORED
-    assert calls(client) == {"evalsha": 1, "get": 2, "hget": 1, "set": 1, "publish": 1, "del": 1, "hdel": 2,
+    # One round trip; inside it, "get" 3: the meta, the lease, and the job's fencing token.
+    assert calls(client) == {"evalsha": 1, "get": 3, "hget": 1, "set": 1, "publish": 1, "del": 1, "hdel": 2,
                              "zrem": 1, "sadd": 1, "hincrby": 1, "hincrbyfloat": 1, "hset": 2, "zadd": 1,
                              "zremrangebyscore": 1}
     assert not client.hexists("unacked", "tag-1") and client.zcard("unacked_index") == 0

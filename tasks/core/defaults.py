@@ -61,6 +61,17 @@ HEARTBEAT_TTL_S = 10.0
 #: whatever the job's length (Celery's visibility timeout would be an hour: celery#4984, #3501).
 LEASE_TTL_S = 10.0
 REAPER_INTERVAL_S = 1.0
+#: Self-fencing: a worker stops a job whose lease Redis has not confirmed for this fraction of
+#: the lease TTL, measured on the worker's monotonic clock from the time the last confirmed
+#: renewal was SENT (Redis started the TTL later than that). Renewals go every third of the TTL,
+#: so one late or lost renewal is tolerated; the rest of the TTL is the stop's budget (below)
+#: and the margin for clock-rate drift between the worker and Redis. It rests on the worker not
+#: being paused (SIGSTOP, a VM migration) for longer than that margin.
+FENCE_AFTER_TTL = 0.5
+#: The part of the lease TTL a self-fenced job has to stop at its ``ctx.progress()`` before its
+#: process and children are ended: with :data:`FENCE_AFTER_TTL` it leaves a quarter of the TTL
+#: for the kill and the drift.
+FENCE_GRACE_TTL = 0.25
 #: A running job's updates (busy, progress, idle) are written at most this late: a job shorter
 #: than this costs no registry write of its own, and a stream of short jobs one write per period.
 HEARTBEAT_COALESCE_S = 0.05

@@ -114,6 +114,13 @@ class DeviceStats:
     busy_seconds: float = field(default=0.0, metadata=_read(float))
     last_finished_at: float | None = field(default=None, metadata=_read(float))
     gpu_memory_bytes: int | None = field(default=None, metadata=_read(int))
+    #: Jobs this device's worker stopped itself, cut off from Redis (self-fencing), or because a
+    #: newer attempt took their lease; counted when it reports them
+    #: (:data:`tasks.core.jobstate.FENCED`).
+    jobs_fenced: int = field(default=0, metadata={"script": int})
+    #: Writes of this device's attempts refused for an older fencing token than the job's (a
+    #: late store of a cut-off run: :data:`tasks.core.jobstate.STORE`).
+    writes_refused: int = field(default=0, metadata={"script": int})
     #: The counter metrics, summed.
     counters: Mapping[JobMetric, float] = field(default_factory=dict)
     #: The gauge metrics, the last job's.
@@ -128,6 +135,9 @@ class DeviceStats:
         """Read a device's stats hash (``HGETALL keys.stats(device)``, decoded)."""
         values = {f.name: f.metadata["read"](raw[f.name]) for f in fields(cls)
                   if "read" in f.metadata and f.name in raw}
+        # The fencing scripts' own counters (not a job's count's).
+        values.update({f.name: f.metadata["script"](raw[f.name]) for f in fields(cls)
+                       if "script" in f.metadata and f.name in raw})
         counters = {m: float(raw[m.value]) for m in JobMetric if m.is_counter and m.value in raw}
         gauges = {m: float(raw[gauge_field(m)]) for m in JobMetric
                   if not m.is_counter and gauge_field(m) in raw}

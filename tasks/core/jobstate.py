@@ -42,10 +42,14 @@ the other way, would need cleaning up after every path and could hand one copy's
 another's store.) The store records what it did on the same :class:`Handover`, where the lease
 keeper reads it after the store (``task_postrun``: :meth:`tasks.worker.lease.LeaseKeeper.settle`).
 
-Fencing, to come: taking a lease will issue a number that only grows per job, carried by the
+Fencing: taking a lease INCRs the job's token (``keys.fence(task_id)``), a number that only
+grows per job, stamped into the lease value and the STARTED state and carried by the
 :class:`Attempt` (and so by every write of that attempt: its renewals, its release, its
-:class:`JobEnd`); the scripts that store, renew and release will refuse an older one, and a
-refused store will be one more :class:`Stored` value, which the keeper's settle sees.
+:class:`JobEnd`). The scripts that store and release refuse a token older than the job's
+current one: a worker that was cut off, whose job a newer attempt runs now, writes nothing (a
+refused store is :attr:`Stored.FENCED`, which the keeper's settle sees). A worker that stopped
+its job itself, cut off (:mod:`tasks.worker.lease`, self-fencing), reports it
+(:meth:`JobState.fenced`): the reaper and the take count no death for it.
 """
 
 from __future__ import annotations
@@ -86,6 +90,12 @@ local store = function(key, value, expires)
   end
   redis.call('publish', key, value)
 end
+local stamp_lease = function(value, token)
+  return (string.gsub(value, '^{"token":null', '{"token":' .. token, 1))
+end
+local stamp_meta = function(value, token)
+  return (string.gsub(value, '"result": {"token": null', '"result": {"token": ' .. token, 1))
+end
 """
 
 #: Take a job: one round trip. KEYS: the job's result meta key ('' to skip that check), its lease
@@ -93,8 +103,11 @@ end
 #: the STARTED meta to store ('' for none), its expiry in seconds, the lease we expect to replace
 #: ('' takes a free lease only; else the lease key's value or, when that key has expired, the
 #: value recorded in ``keys.LEASES``), the dead owner of that lease to count ('' for none), the
-#: job's ``max_attempts`` (0: no bound), how long the deaths are kept in seconds (0: for ever).
-#: Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
+#: job's ``max_attempts`` (0: no bound), how long the deaths and the token are kept in seconds
+#: (0: for ever). KEYS[5]: ``keys.fence(task_id)``, KEYS[6]: ``keys.fenced(task_id)``. Taking
+#: INCRs the job's fencing token and stamps it into our lease value and the STARTED meta (their
+#: ``"token"`` left ``null`` at a known place: :data:`UNSTAMPED_LEASE`, :data:`UNSTAMPED_META`);
+#: a dead owner that reported it fenced itself (in ``keys.fenced``) is no death. The token comes back after ``'ok'`` and ``'lost'``. Returns ``{'finished'}`` (the result is stored: do not run), ``{'held', value}`` (another
 #: lease is there), ``{'expired', value}`` (another lease is recorded, its key expired: its
 #: owner is dead or late to renew), ``{'changed'}`` (another lease replaced the one we read; a
 #: lease gone altogether, which a reaper gave back, is taken without counting the death again),
@@ -115,22 +128,27 @@ else
   -- (this copy may be the one it gave back): the job is free, and the death counted once.
   if not current then dead = '' end
 end
-if dead ~= '' then
+if dead ~= '' and redis.call('sismember', KEYS[6], dead) == 0 then
   redis.call('rpush', KEYS[4], dead)
   if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[4], ARGV[9]) end
 end
-redis.call('set', KEYS[2], ARGV[1], 'PX', ARGV[2])
-redis.call('hset', KEYS[3], ARGV[3], ARGV[1])
+local token = redis.call('incr', KEYS[5])
+if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[5], ARGV[9]) end
+local value = stamp_lease(ARGV[1], token)
+redis.call('set', KEYS[2], value, 'PX', ARGV[2])
+redis.call('hset', KEYS[3], ARGV[3], value)
 local bound = tonumber(ARGV[8])
 if bound > 0 and redis.call('llen', KEYS[4]) >= bound then
-  return {'lost', redis.call('lrange', KEYS[4], 0, -1)}
+  return {'lost', redis.call('lrange', KEYS[4], 0, -1), token}
 end
-if ARGV[4] ~= '' then store(KEYS[1], ARGV[4], ARGV[5]) end
-return {'ok'}
+if ARGV[4] ~= '' then store(KEYS[1], stamp_meta(ARGV[4], token), ARGV[5]) end
+return {'ok', token}
 """
-#: KEYS: lease key, leases hash; ARGV: our value, TTL ms, task id, '1' to restore a lost lease.
-#: Renew our lease (or restore it after a Redis restart lost it); leave another worker's alone.
+#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, TTL ms, task id, '1'
+#: to restore a lost lease, our token. Renew our lease (or restore it after a Redis restart lost
+#: it); leave another worker's alone, and refuse (0) once a newer attempt has a token.
 RENEW = """
+if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then return 0 end
 local v = redis.call('get', KEYS[1])
 if v ~= false and v ~= ARGV[1] then return 0 end
 if v == false and ARGV[4] ~= '1' then return 1 end
@@ -138,8 +156,10 @@ redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
 return 1
 """
-#: KEYS: lease key, leases hash; ARGV: our value, task id. Delete only what is ours.
+#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, task id, our token.
+#: Delete only what is ours; an older token than the job's is refused (returns 0).
 RELEASE = """
+if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[3]) then return 0 end
 if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
 if redis.call('hget', KEYS[2], ARGV[2]) == ARGV[1] then redis.call('hdel', KEYS[2], ARGV[2]) end
 return 1
@@ -149,12 +169,14 @@ return 1
 #: Store a task's state unless a final one is stored; with a job's end (:class:`JobEnd`), release
 #: its lease, count it and acknowledge its message. KEYS: the task's meta key, its lease key,
 #: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
-#: kombu's unacked hash and its index. ARGV: the encoded meta, expiry in seconds (0: none), the
+#: kombu's unacked hash and its index, ``keys.fence(task_id)``. ARGV: the encoded meta, expiry in seconds (0: none), the
 #: lease value ('' if none), the task id, the count ('' if none: :meth:`JobCount.script_arg`,
 #: whose fields are :data:`tasks.core.jobcount.SCRIPT_FIELDS`), the message's delivery tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
-#: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task). Returns 1 if
-#: stored, 0 if a final state was there already (nothing stored or counted; the lease is
-#: released and the message acknowledged all the same).
+#: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task), the attempt's
+#: fencing token ('' for none). Returns 1 if stored, 0 if a final state was there already
+#: (nothing stored or counted; the lease is released and the message acknowledged all the same),
+#: -1 if the token is older than the job's (a newer attempt holds the job: nothing is written
+#: but the device's ``writes_refused`` count).
 STORE = LUA_STATE_FUNCTIONS + """
 local release = function()
   if ARGV[6] ~= '' then
@@ -164,6 +186,13 @@ local release = function()
   if ARGV[3] == '' then return end
   if redis.call('get', KEYS[2]) == ARGV[3] then redis.call('del', KEYS[2]) end
   if redis.call('hget', KEYS[3], ARGV[4]) == ARGV[3] then redis.call('hdel', KEYS[3], ARGV[4]) end
+end
+if ARGV[8] ~= '' and tonumber(redis.call('get', KEYS[9]) or 0) > tonumber(ARGV[8]) then
+  if ARGV[5] ~= '' then
+    redis.call('sadd', KEYS[5], cjson.decode(ARGV[5]).device)
+    redis.call('hincrby', KEYS[4], 'writes_refused', 1)
+  end
+  return -1
 end
 if (ARGV[7] == '1' and finished(KEYS[1])) or (ARGV[7] ~= '1' and status_of(KEYS[1]) == 'SUCCESS') then
   release()
@@ -204,29 +233,60 @@ return out
 #: ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read, the dead owner to count
 #: ('' for an orphan: no death), how long the deaths are kept in seconds (0: for ever). Counts
 #: the owner's death only if the lease is still the one read: a worker that took it over
-#: meanwhile has counted it. Returns 1 if the lease record was removed.
+#: meanwhile has counted it; nor one the owner reported it fenced itself (KEYS[4],
+#: ``keys.fenced(task_id)``): that was a partition, not a crash. Returns 1 if the lease record
+#: was removed.
 REAPED = """
 redis.call('hincrby', KEYS[2], 'restored', 1)
 if ARGV[3] == '' then redis.call('hincrby', KEYS[2], 'orphans', 1) end
 if redis.call('hget', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('hdel', KEYS[1], ARGV[1])
-if ARGV[3] == '' then return 1 end
+if ARGV[3] == '' or redis.call('sismember', KEYS[4], ARGV[3]) == 1 then return 1 end
 redis.call('rpush', KEYS[3], ARGV[3])
 if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
 return 1
 """
 
+#: A worker that stopped a job itself, cut off from Redis (self-fencing), reports it once it
+#: reaches Redis again: its loss of the job was a partition, not a crash. KEYS:
+#: ``keys.fenced(task_id)``, ``keys.worker_deaths(task_id)``, ``keys.REAPER_STATS``, the
+#: device's stats hash, ``keys.STATS_DEVICES``; ARGV: the worker's death note (``"<worker> pid
+#: <pid>"``), how long it is kept in seconds (0: for ever), the device (its ``jobs_fenced``).
+#: Records the note (a reaper or a take later counts no death for it) and takes back a death a
+#: reaper counted for it meanwhile. Returns how many deaths it took back.
+FENCED = """
+redis.call('sadd', KEYS[1], ARGV[1])
+if tonumber(ARGV[2]) > 0 then redis.call('expire', KEYS[1], ARGV[2]) end
+redis.call('hincrby', KEYS[3], 'fenced', 1)
+redis.call('sadd', KEYS[5], ARGV[3])
+redis.call('hincrby', KEYS[4], 'jobs_fenced', 1)
+return redis.call('lrem', KEYS[2], 0, ARGV[1])
+"""
+
+#: Where a lease value (a :class:`~tasks.core.records.LeaseRecord`, its first field) and a
+#: STARTED meta (its result's first field, :func:`tasks.worker.lease.started_meta`) leave the
+#: fencing token for the take script to stamp: a fixed place, which no user value can take.
+UNSTAMPED_LEASE = '{"token":null'
+UNSTAMPED_META = '"result": {"token": null'
+
+
+def stamp_lease(value: str, token: int) -> str:
+    """Lease value ``value`` as the take script stores it with fencing token ``token``."""
+    return f'{{"token":{token}{value.removeprefix(UNSTAMPED_LEASE)}' if value.startswith(UNSTAMPED_LEASE) else value
+
 
 @dataclass(frozen=True)
 class Attempt:
     """One run of a job under its lease: the handle :meth:`JobState.take` returns, and what
-    renewing, releasing and storing the job's end take. (The fencing token to come is a field
-    here.)"""
+    renewing, releasing and storing the job's end take."""
 
     task_id: str
-    #: The lease key's value (its :class:`~tasks.core.records.LeaseRecord` as JSON): a script
-    #: renews, releases or deletes a lease only while it is still this one.
+    #: The lease key's value (its :class:`~tasks.core.records.LeaseRecord` as JSON, with its
+    #: token): a script renews, releases or deletes a lease only while it is still this one.
     lease: str
+    #: The attempt's fencing token: issued by the take, it only grows per job; the scripts that
+    #: store, release or publish refuse a token older than the job's current one.
+    token: int = 0
 
 
 class Took(str, Enum):
@@ -306,6 +366,9 @@ class Stored(str, Enum):
     #: A final state was there: nothing stored or counted; the end's lease released and its
     #: message acknowledged all the same.
     FINAL_THERE = "final state there"
+    #: Refused: the end's attempt has an older token than the job's (a newer attempt holds it,
+    #: this one was cut off): nothing written.
+    FENCED = "fenced"
 
 
 # -- the seam: a job's end, from the worker's run to the result backend's store ------------------
@@ -353,6 +416,7 @@ class JobState:
         self._store = client.register_script(STORE)
         self._expired = client.register_script(EXPIRED_LEASES)
         self._reaped = client.register_script(REAPED)
+        self._fenced = client.register_script(FENCED)
 
     def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
              dead: str = "", max_attempts: int = 0, keep_s: int = 0) -> TakeReply:
@@ -367,7 +431,8 @@ class JobState:
         task_id = record.task_id
         value = record.to_json()
         reply = self._take(
-            keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id)],
+            keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id),
+                  keys.fence(task_id), keys.fenced(task_id)],
             args=[value, ttl_ms, task_id, started.value if started else "", started.expires_s if started else 0,
                   replace, dead, max_attempts, keep_s],
         )
@@ -375,22 +440,27 @@ class JobState:
         if status in (Took.HELD, Took.EXPIRED):
             return TakeReply(status, holder=bytes_to_str(reply[1]))
         if status is Took.LOST:
-            return TakeReply(status, attempt=Attempt(task_id, value),
+            token = int(reply[2])
+            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(value, token), token),
                              lost_to=tuple(bytes_to_str(name) for name in reply[1]))
         if status is Took.OK:
-            return TakeReply(status, attempt=Attempt(task_id, value))
+            token = int(reply[1])
+            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(value, token), token))
         return TakeReply(status)
 
     def renew(self, attempt: Attempt, ttl_ms: int, *, restore: bool) -> bool:
         """Renew ``attempt``'s lease for ``ttl_ms`` (and, with ``restore``, write it again if a
-        Redis restart lost it); False if another worker's lease is there (left alone)."""
-        return bool(self._renew(keys=[keys.lease(attempt.task_id), keys.LEASES],
-                                args=[attempt.lease, ttl_ms, attempt.task_id, "1" if restore else ""]))
+        Redis restart lost it); False if another worker's lease is there (left alone) or a newer
+        attempt has a token."""
+        return bool(self._renew(keys=[keys.lease(attempt.task_id), keys.LEASES, keys.fence(attempt.task_id)],
+                                args=[attempt.lease, ttl_ms, attempt.task_id, "1" if restore else "", attempt.token]))
 
-    def release(self, attempt: Attempt) -> None:
+    def release(self, attempt: Attempt) -> bool:
         """Give ``attempt``'s lease up without a result, if it is still this attempt's (a worker
-        that was cut off must not delete its successor's)."""
-        self._release(keys=[keys.lease(attempt.task_id), keys.LEASES], args=[attempt.lease, attempt.task_id])
+        that was cut off must not delete its successor's). False if its token is older than
+        the job's (refused)."""
+        return bool(self._release(keys=[keys.lease(attempt.task_id), keys.LEASES, keys.fence(attempt.task_id)],
+                                  args=[attempt.lease, attempt.task_id, attempt.token]))
 
     def finish(self, task_id: str, meta: StateMeta, end: JobEnd | None, *, final: bool) -> Stored:
         """Store task ``task_id``'s state ``meta`` unless a final one is stored and, with a job's
@@ -402,11 +472,14 @@ class JobState:
         device = count.device if count is not None else ""
         stored = self._store(
             keys=[meta.key, keys.lease(task_id), keys.LEASES, keys.stats(device), keys.STATS_DEVICES,
-                  keys.finished(device), ack.unacked_key if ack else "", ack.unacked_index_key if ack else ""],
+                  keys.finished(device), ack.unacked_key if ack else "", ack.unacked_index_key if ack else "",
+                  keys.fence(task_id)],
             args=[meta.value, meta.expires_s, end.attempt.lease if end.attempt else "", task_id,
                   count.script_arg() if count is not None else "", ack.delivery_tag if ack else "",
-                  "1" if final else ""],
+                  "1" if final else "", end.attempt.token if end.attempt else ""],
         )
+        if int(stored) < 0:
+            return Stored.FENCED
         if ack is not None:
             acked_in_redis(ack.delivery_tag)
         return Stored.STORED if int(stored) else Stored.FINAL_THERE
@@ -421,5 +494,14 @@ class JobState:
         """The reaper gave back job ``task_id`` whose lease record read ``raw``: remove the
         record if it is still that one and count ``dead``'s death ('' for an orphan: none),
         kept ``keep_s`` seconds (0: for ever). True if the record was removed."""
-        return bool(self._reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id)],
+        return bool(self._reaped(keys=[keys.LEASES, keys.REAPER_STATS, keys.worker_deaths(task_id),
+                                       keys.fenced(task_id)],
                                  args=[task_id, raw, dead, keep_s]))
+
+    def fenced(self, task_id: str, device: str, note: str, keep_s: int) -> int:
+        """Report that ``device``'s worker named ``note`` (``"<worker> pid <pid>"``) stopped job
+        ``task_id`` itself, cut off from Redis (:data:`FENCED`): no death is counted for it, and
+        one a reaper counted meanwhile is taken back. Returns how many were taken back."""
+        return int(self._fenced(keys=[keys.fenced(task_id), keys.worker_deaths(task_id), keys.REAPER_STATS,
+                                      keys.stats(device), keys.STATS_DEVICES],
+                                args=[note, keep_s, device]))

@@ -44,6 +44,20 @@ def worker_deaths(task_id: str) -> str:
     return f"{PREFIX}deaths:{task_id}"
 
 
+def fence(task_id: str) -> str:
+    """A job's fencing token: the number of its latest attempt, INCR'd by the take script (it only
+    grows); a write of an attempt with an older token is refused (:mod:`tasks.core.jobstate`).
+    Expires with the results."""
+    return f"{PREFIX}fence:{task_id}"
+
+
+def fenced(task_id: str) -> str:
+    """Set of the workers (``"<worker> pid <pid>"``, as in :func:`worker_deaths`) that stopped a
+    job themselves, cut off from Redis (self-fencing), and reported it: their loss of the job is
+    no death. Expires with the results."""
+    return f"{PREFIX}fenced:{task_id}"
+
+
 #: Hash ``{task id: dead letter}`` (:class:`tasks.core.records.DeadLetter`, JSON) of the jobs
 #: that took their worker down ``max_attempts`` times and are not run again. Kept until forgotten
 #: (``tasks.forget_dead_letter``).

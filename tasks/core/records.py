@@ -343,6 +343,9 @@ class LeaseRecord(_Record):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    #: The attempt's fencing token (``keys.fence``): ``None`` until the take script stamps the
+    #: one it issues into the stored value. First, so that its place in the JSON is known.
+    token: int | None = None
     device: str
     worker: str
     pid: int

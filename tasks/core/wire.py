@@ -51,6 +51,9 @@ class StopReason(str, Enum):
     SHUTDOWN = "shutdown"
     #: A rank's gang failed or moved to another generation while it ran (a peer died).
     GANG = "gang"
+    #: Self-fencing: its worker could not renew its lease (cut off from Redis) for long enough
+    #: that the lease may soon go to another worker, or found it gone to a newer attempt.
+    FENCED = "fenced"
 
 
 class ProcessSpec(_Message):
@@ -182,6 +185,9 @@ class StopJob(_Message):
     job_id: str
     reason: StopReason
     message: str
+    #: Seconds the job has to stop before its process is ended (``None``: the policy's
+    #: ``cancel_grace_s``); a self-fenced job's is bounded by its lease's TTL.
+    grace_s: float | None = None
 
 
 class Proceed(_Message):
@@ -241,6 +247,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
     StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
+    StopReason.FENCED: (WorkerStopped, Outcome.ERROR),
 }
 
 

@@ -104,7 +104,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         latest report), ``slots`` (each slot's ``index``, ``busy``, ``progress``,
         ``memory_bytes``, ``budget_bytes``), ``memory_kind``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
-        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``. Also
+        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``. Also
         ``"dead_letters"``: how many jobs are kept as dead letters.
     """
     now = time.time() if now is None else now
@@ -141,6 +141,8 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "samples_per_s": stats.gauges.get(JobMetric.SAMPLES_PER_S),
             "data_wait_fraction": stats.gauges.get(JobMetric.DATA_WAIT_FRACTION),
             "gpu_memory_bytes": float(stats.gpu_memory_bytes) if stats.gpu_memory_bytes is not None else None,
+            "jobs_fenced": stats.jobs_fenced,
+            "writes_refused": stats.writes_refused,
         }
     queues = {}
     for name in fleet_queues(live, devices):
@@ -181,6 +183,10 @@ class FleetCollector(Collector):
                                    labels=[*labels, "status"])
         busy_s = CounterMetricFamily("devicefleet_job_seconds", "Seconds each device spent running jobs",
                                      labels=labels)
+        fenced = CounterMetricFamily("devicefleet_fenced",
+                                     "Jobs each device's worker stopped itself, cut off from Redis (stopped), "
+                                     "and its writes refused for an older fencing token (refused)",
+                                     labels=[*labels, "what"])
         samples = CounterMetricFamily("devicefleet_train_samples", "Training samples each device processed",
                                       labels=labels)
         online = GaugeMetricFamily("devicefleet_worker_online", "1 while the device's worker heartbeats",
@@ -211,6 +217,8 @@ class FleetCollector(Collector):
             for status in (EntryStatus.OK, EntryStatus.ERROR):
                 jobs.add_metric([*lv, status.value], d[f"jobs_{status.value}"])
             busy_s.add_metric(lv, d["busy_seconds"])
+            fenced.add_metric([*lv, "stopped"], d["jobs_fenced"])
+            fenced.add_metric([*lv, "refused"], d["writes_refused"])
             samples.add_metric(lv, d["samples"])
             online.add_metric(lv, 1 if d["live"] else 0)
             busy.add_metric(lv, sum(1 for slot in d["slots"] if slot["busy"]) if d["slots"] else int(bool(d["busy"])))
@@ -241,7 +249,7 @@ class FleetCollector(Collector):
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")
         dead.add_metric([], snap["dead_letters"])
-        yield from (jobs, busy_s, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
+        yield from (jobs, busy_s, fenced, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
                     wait, gpu, depth, age, dead)
 
     def close(self) -> None:

@@ -73,6 +73,7 @@ from pydantic import ValidationError
 from redis.exceptions import LockError
 
 from ..core import keys
+from ..core.defaults import FENCE_AFTER_TTL, FENCE_GRACE_TTL
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
@@ -182,6 +183,18 @@ class LeaseKeeper(PeriodicThread):
     end (:class:`tasks.core.jobstate.JobEnd`), whose store script releases it in the same call;
     :meth:`settle`, after the store, forgets it (or releases it, had the store not run). Until
     then it is renewed (never restored once finishing: the store may have deleted it).
+
+    Self-fencing: a job whose lease Redis has not confirmed for :attr:`fence_after_s` (a part of
+    the TTL, :data:`tasks.core.defaults.FENCE_AFTER_TTL`), measured on this process's monotonic
+    clock from the time the last confirmed renewal (or the take) was *sent*, is to be stopped
+    (:meth:`must_stop`, which the job's watch asks; its stop has :attr:`fence_grace_s`) before
+    its lease can expire and go to another worker; so is one whose lease a newer attempt took.
+    The rule rests on two assumptions: the clocks of this host and Redis's run at rates that
+    differ by far less than the margin left (the TTL less both), and this process is never paused
+    (SIGSTOP, a VM migration, swapping) for longer than that margin. Once stopped
+    (:meth:`fenced`), the lease is left to expire (never renewed, released or restored) and the
+    stop is reported to Redis as soon as it can be reached (:meth:`tasks.core.jobstate.JobState.fenced`):
+    the reaper gives the job back and no death is counted for it.
     """
 
     name = "devicefleet-leases"
@@ -195,7 +208,14 @@ class LeaseKeeper(PeriodicThread):
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
+        #: How long a lease may go unconfirmed before its job is stopped, and the stop's grace.
+        self.fence_after_s = ttl_s * FENCE_AFTER_TTL
+        self.fence_grace_s = ttl_s * FENCE_GRACE_TTL
         self._jobs = JobState(client)
+        # task id -> monotonic time the last renewal Redis confirmed was sent (or the take)
+        self._confirmed: dict[str, float] = {}
+        self._taken_over: set[str] = set()  # task ids whose lease a newer attempt holds
+        self._reports: dict[str, int] = {}  # task id -> deaths kept s: stops to report to Redis
         self._held: dict[str, Attempt] = {}  # task id -> the attempt this process runs
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
@@ -223,6 +243,7 @@ class LeaseKeeper(PeriodicThread):
         :attr:`Take.LOST`. ``resend`` is what the reaper needs to send the job again when its
         message is no longer in Redis.
         """
+        sent = time.monotonic()
         record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
                              task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
 
@@ -264,22 +285,32 @@ class LeaseKeeper(PeriodicThread):
             return Taken(Take.RUNNING_ELSEWHERE)
         with self._lock:
             self._held[task_id] = attempt
+            self._confirmed[task_id] = sent
+            self._taken_over.discard(task_id)
             self._finishing.discard(task_id)
         self._replication.wait(self._client, f"lease of job {task_id}")
         if reply.status is Took.LOST:
             return Taken(Take.LOST, reply.lost_to, attempt)
         return Taken(Take.TAKEN, attempt=attempt)
 
+    def _drop(self, task_id: str) -> Attempt | None:
+        """Stop keeping ``task_id``'s lease (caller holds the lock); returns its attempt."""
+        self._finishing.discard(task_id)
+        self._confirmed.pop(task_id, None)
+        self._taken_over.discard(task_id)
+        return self._held.pop(task_id, None)
+
     def release(self, task_id: str) -> None:
         """Give up ``task_id``'s lease, if this process holds it, without a result."""
         with self._lock:
-            attempt = self._held.pop(task_id, None)
-            self._finishing.discard(task_id)
+            attempt = self._drop(task_id)
         if attempt is None:
             return
         try:
             # Only our own lease: a worker that was cut off must not delete its successor's.
-            self._jobs.release(attempt)
+            if not self._jobs.release(attempt):
+                logger.warning("job %s: its release was refused, a newer attempt holds it (token %d is older)",
+                               task_id, attempt.token)
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
@@ -296,8 +327,48 @@ class LeaseKeeper(PeriodicThread):
     def forget(self, task_id: str) -> None:
         """The store script released ``task_id``'s lease: stop renewing it (no round trip)."""
         with self._lock:
-            self._held.pop(task_id, None)
-            self._finishing.discard(task_id)
+            self._drop(task_id)
+
+    def must_stop(self, task_id: str) -> str | None:
+        """Why job ``task_id`` must be stopped now (self-fencing), or ``None``: its lease has gone
+        unconfirmed for :attr:`fence_after_s`, or a newer attempt took it. No round trip."""
+        with self._lock:
+            if task_id in self._taken_over:
+                return "its lease was taken by a newer attempt"
+            confirmed = self._confirmed.get(task_id)
+        if confirmed is None:
+            return None
+        unconfirmed = time.monotonic() - confirmed
+        if unconfirmed < self.fence_after_s:
+            return None
+        return (f"Redis has not confirmed its lease for {unconfirmed:.1f} s (cut off?); it is stopped before "
+                f"the lease's {self._ttl_ms / 1000:g} s can run out and the job be given to another worker")
+
+    def fenced(self, task_id: str, keep_s: int = DEATHS_KEPT_S) -> None:
+        """Job ``task_id`` was stopped by :meth:`must_stop`: leave its lease to expire (the
+        reaper gives the job back) and report the stop to Redis, now or once it is reachable
+        (the next ticks), so that no death is counted for it."""
+        with self._lock:
+            self._drop(task_id)
+            self._reports[task_id] = keep_s
+        logger.error("job %s stopped: its worker fenced itself off it (its lease left to expire, the job given back)",
+                     task_id)
+        self.wake()
+
+    def _report_fenced(self) -> None:
+        with self._lock:
+            reports = dict(self._reports)
+        note = f"{self.worker} pid {os.getpid()}"
+        for task_id, keep_s in reports.items():
+            try:
+                taken_back = self._jobs.fenced(task_id, self.device, note, keep_s)
+            except redis.RedisError as exc:  # still cut off: on the next beat
+                logger.warning("could not report job %s as fenced yet: %s", task_id, exc)
+                return
+            with self._lock:
+                self._reports.pop(task_id, None)
+            logger.warning("reported job %s as stopped by self-fencing%s", task_id,
+                           " (the death a reaper counted meanwhile taken back)" if taken_back else "")
 
     def settle(self, task_id: str, request: Any) -> None:
         """After the store of job ``task_id``'s outcome (``task_postrun``, which Celery sends
@@ -398,15 +469,29 @@ class LeaseKeeper(PeriodicThread):
             self.release(task_id)
 
     def tick(self) -> None:
+        if self._reports:
+            self._report_fenced()
         with self._lock:
             held = dict(self._held)
             finishing = set(self._finishing)
         for task_id, attempt in held.items():
+            if self.must_stop(task_id) is not None:
+                continue  # being stopped: its lease must expire, never come back
+            sent = time.monotonic()
             try:
-                if not self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing):
-                    logger.error("the lease of job %s was taken over by another worker", task_id)
-            except redis.RedisError as exc:  # Redis restarting: renew on the next beat
+                renewed = self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing)
+            except redis.RedisError as exc:  # Redis restarting or cut off: renew on the next beat
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
+                continue
+            with self._lock:
+                if task_id not in self._held:
+                    continue
+                if renewed:
+                    self._confirmed[task_id] = max(sent, self._confirmed.get(task_id, sent))
+                else:
+                    self._taken_over.add(task_id)
+            if not renewed:
+                logger.error("the lease of job %s was taken over by a newer attempt: stopping it", task_id)
 
 
 def started_meta(task: Any) -> StateMeta | None:
@@ -416,7 +501,8 @@ def started_meta(task: Any) -> StateMeta | None:
     if not hasattr(backend, "get_key_for_task"):
         return None
     request = task.request
-    meta = backend._get_result_meta(result={"pid": os.getpid(), "hostname": request.hostname},
+    # The token first: the take script stamps it there (jobstate.UNSTAMPED_META).
+    meta = backend._get_result_meta(result={"token": None, "pid": os.getpid(), "hostname": request.hostname},
                                     state=STARTED, traceback=None, request=request)
     meta["task_id"] = str(request.id)
     key = backend.get_key_for_task(str(request.id))

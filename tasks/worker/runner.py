@@ -49,6 +49,7 @@ from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, gang, progress
 from .device import DeviceWorker
+from .lease import deaths_kept_s
 from .slots import Slot
 from .supervisor import Ended, Watch
 
@@ -157,6 +158,12 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
             ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                   worker.settings.result_expires_s, message, watch,
                                   lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
+        if watch.fenced:
+            # Cut off from Redis, it stopped the job itself: no result of this attempt may be
+            # stored; its lease expires, the reaper gives the job back, and no death is counted.
+            run.idle(done=False)
+            worker.leases.fenced(run.job_id, deaths_kept_s(task.app))
+            raise Ignore()
         if ended.outcome is Outcome.GIVE_WAY:
             run.idle(done=False)
         else:
@@ -181,8 +188,9 @@ class JobWatch:
     lines (the job process has no door to Redis: the worker relays them); stop it now?
 
     A job stops when the producer cancelled it (Celery's revoke adds its id to the worker's
-    ``revoked`` set), when it is past its time limit, or when the worker is stopping and the
-    job has had its stop timeout.
+    ``revoked`` set), when it is past its time limit, when the worker is stopping and the
+    job has had its stop timeout, or when its worker fences itself off it (its lease has gone
+    unconfirmed too long, or a newer attempt took it: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`).
     """
 
     def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0) -> None:
@@ -195,6 +203,8 @@ class JobWatch:
         self.time_limit_s = options.time_limit_s or float(worker.config.max_job_seconds)
         self.deadline = time.monotonic() + self.time_limit_s
         self._client = worker.client
+        #: Whether :meth:`stop` stopped the job by self-fencing.
+        self.fenced = False
 
     def report(self, fields: dict[str, Any]) -> None:
         if len(self.worker.slots) > 1:  # which of the device's jobs it is (Flower's progress column)
@@ -217,6 +227,12 @@ class JobWatch:
 
     def stop(self) -> StopJob | None:
         where = f"job {self.job_id} on {self.worker.device}"
+        leases = self.worker.leases
+        if (why := leases.must_stop(self.job_id)) is not None:
+            self.fenced = True
+            logger.error("%s: %s", where, why)
+            return StopJob(job_id=self.job_id, reason=StopReason.FENCED, message=f"{where}: {why}",
+                           grace_s=leases.fence_grace_s)
         if self.job_id in worker_state.revoked:
             return StopJob(job_id=self.job_id, reason=StopReason.CANCEL, message=f"{where} was cancelled")
         now = time.monotonic()

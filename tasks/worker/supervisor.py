@@ -411,14 +411,19 @@ class _Run:
                 self.stop, self._stop_sent_at = stop, now
                 self.process.send(stop)
             return False
-        return now - self._stop_sent_at > self.grace_s
+        return now - self._stop_sent_at > self._grace_s()
+
+    def _grace_s(self) -> float:
+        stop = self.stop
+        return stop.grace_s if stop is not None and stop.grace_s is not None else self.grace_s
 
     def _ended(self) -> Ended:
         assert self.stop is not None
         stop = self.stop
-        self.process.kill(f"{stop.reason.value}: no stop at ctx.progress() within {self.grace_s:g} s")
+        grace_s = self._grace_s()
+        self.process.kill(f"{stop.reason.value}: no stop at ctx.progress() within {grace_s:g} s")
         error, outcome = STOPS[stop.reason]
-        message = (f"{stop.message}; it did not stop at ctx.progress() within {self.grace_s:g} s, so "
+        message = (f"{stop.message}; it did not stop at ctx.progress() within {grace_s:g} s, so "
                    f"its process {self.process.pid} and everything it started were ended "
                    f"({self.process.exit_text()})")
         return Ended.by_worker(error, message, self.process.pid, f"ended after {stop.reason.value}", outcome)
