@@ -1,0 +1,99 @@
+"""What fencing (issue 39, items 1-3) must make true of a network partition, on real processes.
+
+The rig (tests/partition_rig.py) cuts off the host running a long trial for longer than the
+lease TTL plus the reaper interval, so the job runs again on the other host, then heals the cut.
+A cut-off worker must stop its run before its lease can be given to someone else (self-fencing),
+its late writes must be refused (a fencing token per attempt), and the partition must not count
+as a death. The figures are printed as tests/test_partition.py prints them.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tasks import Settings
+from tasks.core.app import create_app
+
+from .partition_jobs import TICK_S
+from .partition_rig import (
+    RECOVERY_BOUND_S,
+    CutFigures,
+    PartitionRig,
+    SweepFigures,
+    cut_long_trial,
+    partition_rig,
+    sweep_through_cut,
+)
+
+#: Two runs of one job alive at once, at most: two ticks of the rig's job (its resolution).
+MAX_OVERLAP_S = 2 * TICK_S
+#: The job runs again elsewhere within lease TTL + reaper interval + this of the cut.
+RERUN_SLACK_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[PartitionRig]:
+    with partition_rig() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def rig_app(rig: PartitionRig) -> Iterator[Any]:
+    app = create_app(Settings.load(redis_url=rig.producer_url, device_names="host"))
+    yield app
+    gc.collect()  # result handles unsubscribe while the rig's Redis still runs
+
+
+@pytest.fixture(scope="module")
+def cut(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> CutFigures:
+    """One cut of the host running a long trial, measured; the tests below read it."""
+    figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("cut"))
+    print(figures.report())
+    return figures
+
+
+@pytest.fixture(scope="module")
+def swept(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> SweepFigures:
+    figures = sweep_through_cut(rig, rig_app, tmp_path_factory.mktemp("sweep"), "hosta")
+    print(figures.report())
+    return figures
+
+
+@pytest.mark.timeout(120)
+def test_a_cut_off_job_runs_again_elsewhere_within_the_lease_bound(cut: CutFigures) -> None:
+    assert cut.runs[0].device == cut.cut_device
+    assert cut.rerun_after_cut_s is not None, f"it never ran on {cut.other_device} during the cut: {cut.runs}"
+    assert cut.rerun_after_cut_s <= RECOVERY_BOUND_S + RERUN_SLACK_S, cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_of_a_cut_off_job_are_never_alive_at_once(cut: CutFigures) -> None:
+    """The cut-off worker stops its run before the lease it no longer renews can be given
+    to another host (self-fencing)."""
+    assert cut.overlap_s <= MAX_OVERLAP_S, cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_the_entry_is_the_lease_holding_attempts(cut: CutFigures) -> None:
+    """The cut-off run's late store is refused: the producer gets the run that held the lease
+    (the last one to start), ok."""
+    assert cut.statuses == ["ok", "ok"], cut.entry
+    assert cut.entry_run is not None, f"the entry's run {cut.entry['output']} ticked nowhere: {cut.runs}"
+    assert cut.entry_run == cut.runs[-1], cut.report()
+    assert cut.entry_run.device == cut.other_device
+
+
+@pytest.mark.timeout(120)
+def test_a_partition_counts_no_death(cut: CutFigures) -> None:
+    assert cut.deaths == [], cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_through_a_cut_never_runs_a_trial_twice_at_once(swept: SweepFigures) -> None:
+    assert swept.statuses == ["ok"] * swept.trials
+    assert swept.never_ran == []
+    assert swept.overlap_s <= MAX_OVERLAP_S, swept.report()
