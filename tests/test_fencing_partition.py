@@ -31,6 +31,12 @@ from .partition_rig import (
 
 #: Two runs of one job alive at once, at most: two ticks of the rig's job (its resolution).
 MAX_OVERLAP_S = 2 * TICK_S
+#: A pause of the worker longer than its lease can last (longer than the margin: the
+#: assumption self-fencing rests on does not hold, so two runs may overlap for the pause).
+PAUSE_S = 7.0
+#: A worker resumed after such a pause stops its run within this long (it finds at once that
+#: its last confirmed renewal is older than the margin).
+STOPPED_AFTER_RESUME_S = 1.0
 #: The job runs again elsewhere within lease TTL + reaper interval + this of the cut.
 RERUN_SLACK_S = 1.0
 
@@ -52,6 +58,16 @@ def rig_app(rig: PartitionRig) -> Iterator[Any]:
 def cut(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> CutFigures:
     """One cut of the host running a long trial, measured; the tests below read it."""
     figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("cut"))
+    print(figures.report())
+    return figures
+
+
+@pytest.fixture(scope="module")
+def paused(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> CutFigures:
+    """The same with the worker paused (SIGSTOP) instead of cut off, longer than its lease
+    lasts, while its job process runs on; then resumed."""
+    figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("pause"), fault="pause",
+                             long_s=12.0, cut_s=PAUSE_S)
     print(figures.report())
     return figures
 
@@ -97,3 +113,13 @@ def test_a_sweep_through_a_cut_never_runs_a_trial_twice_at_once(swept: SweepFigu
     assert swept.statuses == ["ok"] * swept.trials
     assert swept.never_ran == []
     assert swept.overlap_s <= MAX_OVERLAP_S, swept.report()
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_paused_past_its_lease_stops_its_run_on_resume_and_its_store_is_refused(paused: CutFigures) -> None:
+    """SIGSTOP (item 2's case): the paused worker cannot stop its job process while paused;
+    once resumed it stops it at once, and the entry is still the lease holder's."""
+    assert paused.rerun_after_cut_s is not None, f"it never ran on {paused.other_device} during the pause"
+    assert paused.cut_run_ended_after_heal_s <= STOPPED_AFTER_RESUME_S, paused.report()
+    assert paused.statuses == ["ok", "ok"], paused.entry
+    assert paused.entry_run == paused.runs[-1], paused.report()
