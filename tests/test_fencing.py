@@ -162,3 +162,20 @@ def test_a_keeper_whose_renewals_fail_stops_its_job_before_the_lease_can_expire(
     finally:
         keeper.stop()
         keeper_client.close()
+
+
+def test_three_partitions_do_not_dead_letter_a_healthy_job(client):
+    """Each time its worker is cut off, a reaper counts a death; each report after the heal
+    takes it back: the fourth take, bounded at three deaths, still runs the job."""
+    jobs = JobState(client)
+    task_id = str(uuid.uuid4())
+    for pid in (5001, 5002, 5003):
+        attempt = jobs.take(_record(task_id, pid=pid), 5000, max_attempts=3).attempt
+        assert attempt is not None
+        note = death_note(_record(task_id, pid=pid))
+        assert jobs.reaped(task_id, attempt.lease, note, 0)  # cut off: seen dead
+        client.delete(keys.lease(task_id))
+        assert jobs.fenced(task_id, "cpu0", note, 0) == 1  # healed: it stopped the job itself
+    taken = jobs.take(_record(task_id, device="cpu1"), 5000, max_attempts=3)
+    assert taken.status is Took.OK and taken.attempt is not None and taken.attempt.token == 4
+    assert client.llen(keys.worker_deaths(task_id)) == 0
