@@ -179,3 +179,50 @@ def test_three_partitions_do_not_dead_letter_a_healthy_job(client):
     taken = jobs.take(_record(task_id, device="cpu1"), 5000, max_attempts=3)
     assert taken.status is Took.OK and taken.attempt is not None and taken.attempt.token == 4
     assert client.llen(keys.worker_deaths(task_id)) == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_reporting_job_is_stopped_while_redis_is_paused_and_runs_again(fleet, app, tmp_path):
+    """A job that reports progress all the time, its worker's Redis paused (SIGSTOP): its
+    run has ended before the lease's TTL has run out, though every report of it would wait
+    on Redis; once Redis is back, the job runs again on the same worker (the lease left to
+    expire is given back by the reaper) and ends ok, with no death counted and the stop counted."""
+    import sys
+
+    import tasks
+
+    from .conftest import standalone_worker
+
+    ttl_s = 2.0
+    argv = [sys.executable, "-m", "celery", "-A", "tasks", "worker", "-n", "cpu6@%h"]
+    with standalone_worker(fleet, "cpu6", argv, tmp_path / "cpu6.log", DEVICEFLEET_LEASE_TTL_S=str(ttl_s),
+                           DEVICEFLEET_REAPER_INTERVAL_S="0.5", DEVICEFLEET_HEARTBEAT_INTERVAL_S="0.5",
+                           DEVICEFLEET_HEARTBEAT_TTL_S="3"):
+        marker = tmp_path / "runs"
+        marker.mkdir()
+        handle = tasks.fan_out({"cpu6": ("counted", {"marker": str(marker), "seconds": 8, "steps": 80})}, app=app)
+        job_id = handle.task_ids["cpu6"]
+        runs = marker / job_id
+        wait_for(lambda: runs.exists() and runs.read_text().split(), 60, "the job to start")
+        client = connect(fleet.redis_url)
+        wait_for(lambda: client.get(keys.progress(job_id)), 30, "its reports to flow")
+        redis_process = fleet.redis.process
+        assert redis_process is not None
+        os.kill(redis_process.pid, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        try:
+            log = tmp_path / "cpu6.log"
+            wait_for(lambda: f"job {job_id} stopped: its worker fenced itself" in log.read_text(), ttl_s * 2,
+                     "the job to stop", poll=0.02)
+            gone_after_s = time.monotonic() - paused_at
+        finally:
+            os.kill(redis_process.pid, signal.SIGCONT)
+        print(f"FENCING a reporting job stopped {gone_after_s:.2f} s into a Redis pause (lease TTL {ttl_s:g} s)")
+        assert gone_after_s < ttl_s
+        entry = handle.get(timeout=120)["cpu6"]
+        assert entry["status"] == "ok", entry
+        assert len(runs.read_text().split()) == 2  # it ran twice: stopped, then again
+        assert client.llen(keys.worker_deaths(job_id)) == 0
+        wait_for(lambda: DeviceStats.parse(client.hgetall(keys.stats("cpu6"))).jobs_fenced == 1, 30,
+                 "the stop reported")
+        client.close()

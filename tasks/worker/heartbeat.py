@@ -39,6 +39,7 @@ class Heartbeat(PeriodicThread):
         self._record = record
         self._ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         #: Set by :meth:`stop`: the record is gone from Redis and is never written again.
         self._left = False
         #: Whether this heartbeat wrote the record: only then is it this worker's to remove (a
@@ -81,7 +82,7 @@ class Heartbeat(PeriodicThread):
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop beating and remove the record: the device leaves the fleet now."""
-        with self._lock:
+        with self._write_lock, self._lock:
             self._left = True
         super().stop(timeout)
         if not self._written:
@@ -97,15 +98,20 @@ class Heartbeat(PeriodicThread):
 
     def write(self) -> None:
         """Write the record and its index entry (one round trip); nothing once it left."""
-        # The write happens under the lock too: otherwise a beat that serialised the record just
-        # before an update() could land after it and bring back stale fields.
-        with self._lock:
-            if self._left:
-                return
-            self._record = self._record.model_copy(update={"heartbeat_at": time.time()})
+        # Writes are serialised (_write_lock) so that a record serialised earlier never lands
+        # after one serialised later, nor any after stop(); the record's own lock is held only to
+        # serialise it, not through the round trip: an update() (a job's memory sample, its end)
+        # never waits on a Redis that does not answer (a cut-off worker's job must be stopped
+        # meanwhile), and the wake it makes writes it next.
+        with self._write_lock:
+            with self._lock:
+                if self._left:
+                    return
+                self._record = self._record.model_copy(update={"heartbeat_at": time.time()})
+                device, value = self._record.device, self._record.to_json()
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(keys.worker(self._record.device), self._record.to_json(), px=self._ttl_ms)
-            pipe.sadd(keys.WORKERS, self._record.device)
+            pipe.set(keys.worker(device), value, px=self._ttl_ms)
+            pipe.sadd(keys.WORKERS, device)
             pipe.execute()
             self._written = True
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import builtins
 import logging
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -152,12 +154,17 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
         run = JobRun(worker, task, job, slot)
         message = run.job_message(kwargs, options)
         watch = JobWatch(worker, task, run.job_id, options, slot.index)
-        if options.gang is None:
-            ended = run_in_process(worker, message, watch, slot)
-        else:
-            ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
-                                  worker.settings.result_expires_s, message, watch,
-                                  lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
+        try:
+            if options.gang is None:
+                ended = run_in_process(worker, message, watch, slot)
+            else:
+                ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
+                                      worker.settings.result_expires_s, message, watch,
+                                      lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
+        finally:
+            # Every report relayed before the job's end is stored; a fenced job's Redis may be
+            # out of reach: its reports are left (their relay gives up with its retries).
+            watch.drain(wait=not watch.fenced)
         if watch.fenced:
             # Cut off from Redis, it stopped the job itself: no result of this attempt may be
             # stored; its lease expires, the reaper gives the job back, and no death is counted.
@@ -205,12 +212,34 @@ class JobWatch:
         self._client = worker.client
         #: Whether :meth:`stop` stopped the job by self-fencing.
         self.fenced = False
+        self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._relay: threading.Thread | None = None
 
     def report(self, fields: dict[str, Any]) -> None:
+        """Relay a report, in order, from a thread of its own: the supervisor's loop never waits
+        on Redis (a cut-off worker's relay retries for minutes, and the job's stop must not)."""
         if len(self.worker.slots) > 1:  # which of the device's jobs it is (Flower's progress column)
             fields = {**fields, "slot": self.slot}
-        progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
-                         self.worker.settings.result_expires_s, self.slot)
+        if self._relay is None:
+            self._relay = threading.Thread(target=self._relay_reports, name=f"devicefleet-reports-{self.slot}",
+                                           daemon=True)
+            self._relay.start()
+        self._reports.put(fields)
+
+    def _relay_reports(self) -> None:
+        while (fields := self._reports.get()) is not None:
+            if self.fenced:  # a newer attempt's reports are the job's now
+                continue
+            progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
+                             self.worker.settings.result_expires_s, self.slot)
+
+    def drain(self, wait: bool = True) -> None:
+        """End the relay of reports; with ``wait``, once every report is relayed."""
+        if self._relay is None:
+            return
+        self._reports.put(None)
+        if wait:
+            self._relay.join()
 
     def log(self, lines: Sequence[tuple[str, str]]) -> None:
         progress.publish_log(self._client, self.job_id, lines, self.worker.settings.result_expires_s)
