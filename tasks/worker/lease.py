@@ -77,7 +77,7 @@ from ..core.defaults import FENCE_AFTER_TTL, FENCE_GRACE_TTL
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
-from ..core.jobstate import Attempt, JobState, StateMeta, TakeReply, Took, handover
+from ..core.jobstate import Attempt, JobState, StateMeta, Stored, TakeReply, Took, handover
 from ..core.periodic import PeriodicThread
 from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, WorkerRecord
 from ..core.registry import read_worker
@@ -382,6 +382,9 @@ class LeaseKeeper(PeriodicThread):
         if attempt is None:
             return
         handed = handover(request)
+        if handed is not None and handed.stored is Stored.FENCED:
+            logger.error("job %s: the store of its end was refused: a newer attempt holds the job (token %d is "
+                         "older); this run's result is dropped", task_id, attempt.token)
         if handed is not None and handed.stored is not None and handed.end.attempt == attempt:
             self.forget(task_id)
         else:
