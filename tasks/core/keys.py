@@ -28,7 +28,8 @@ LEASES = f"{PREFIX}leases"
 #: Lock that keeps reaping to one worker at a time (redis-py's ``Lock``).
 REAPER_LOCK = f"{PREFIX}reaper:lock"
 #: Hash of counts of what the reaper did: ``{"restored": n, "orphans": m}`` (orphans: given back
-#: from a live owner that no longer ran them, counted in ``restored`` too).
+#: from a live owner that no longer ran them, counted in ``restored`` too), and ``fenced``: the
+#: jobs workers reported they stopped themselves, cut off from Redis (no death counted).
 REAPER_STATS = f"{PREFIX}reaper:stats"
 
 

@@ -34,6 +34,13 @@ without counting a death, once its owner's registry record, fresh, says the owne
 job and the lease has stayed so for :attr:`Reaper.orphan_grace_s` (:class:`Orphans`): an owner
 that held it would have restored its key within a third of the lease TTL of reaching Redis.
 
+A worker cut off from Redis (a network partition) is not dead, and its job must not run on
+beside the copy the reaper gives to another worker: :class:`LeaseKeeper` stops a job whose lease
+Redis has not confirmed for long enough that it may expire (self-fencing), and every write of
+an attempt carries its fencing token, which the scripts refuse once a newer attempt took the job
+(:mod:`tasks.core.jobstate`). The worker reports the stop once it reaches Redis again: the
+partition counts no death against the job.
+
 Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
 reaper_interval_s``, whatever the job's length.
 
