@@ -198,7 +198,9 @@ class LeaseKeeper(PeriodicThread):
     its lease can expire and go to another worker; so is one whose lease a newer attempt took.
     The rule rests on two assumptions: the clocks of this host and Redis's run at rates that
     differ by far less than the margin left (the TTL less both), and this process is never paused
-    (SIGSTOP, a VM migration, swapping) for longer than that margin. Once stopped
+    (SIGSTOP, a VM migration, swapping) for longer than that margin. While Redis refuses
+    connections (no redis-server there: a restart) nothing is stopped: Redis gives the lease to
+    no one meanwhile, and the keeper restores it once Redis is back. Once stopped
     (:meth:`fenced`), the lease is left to expire (never renewed, released or restored) and the
     stop is reported to Redis as soon as it can be reached (:meth:`tasks.core.jobstate.JobState.fenced`):
     the reaper gives the job back and no death is counted for it.
@@ -223,6 +225,8 @@ class LeaseKeeper(PeriodicThread):
         self._confirmed: dict[str, float] = {}
         self._taken_over: set[str] = set()  # task ids whose lease a newer attempt holds
         self._reports: dict[str, int] = {}  # task id -> deaths kept s: stops to report to Redis
+        # Whether the last renewal found Redis refusing connections (its process down: restarting)
+        self._redis_down = False
         self._held: dict[str, Attempt] = {}  # task id -> the attempt this process runs
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
@@ -343,7 +347,11 @@ class LeaseKeeper(PeriodicThread):
             if task_id in self._taken_over:
                 return "its lease was taken by a newer attempt"
             confirmed = self._confirmed.get(task_id)
-        if confirmed is None:
+        if confirmed is None or self._redis_down:
+            # Redis refuses connections: it is not running (restarting), so it gives the lease to
+            # no one meanwhile; the keeper restores it once Redis is back (a Redis restart must
+            # not stop every running job). A partition that rejects rather than drops packets
+            # is taken for that.
             return None
         unconfirmed = time.monotonic() - confirmed
         if unconfirmed < self.fence_after_s:
@@ -491,8 +499,10 @@ class LeaseKeeper(PeriodicThread):
             try:
                 renewed = self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing)
             except redis.RedisError as exc:  # Redis restarting or cut off: renew on the next beat
+                self._redis_down = _refused(exc)
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
                 continue
+            self._redis_down = False
             with self._lock:
                 if task_id not in self._held:
                     continue
@@ -502,6 +512,18 @@ class LeaseKeeper(PeriodicThread):
                     self._taken_over.add(task_id)
             if not renewed:
                 logger.error("the lease of job %s was taken over by a newer attempt: stopping it", task_id)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` came of Redis's host refusing the connection (no redis-server there)."""
+    cause: BaseException | None = exc
+    for _ in range(8):  # a chain of causes, never a cycle's worth
+        if cause is None:
+            return False
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def started_meta(task: Any) -> StateMeta | None:
