@@ -1,7 +1,7 @@
 """Fencing (issue 39 items 1-3) on a real redis-server: the token each take issues, the scripts'
 refusal of an older one, the self-fencing of a lease keeper whose renewals fail, and the report
 of a self-fenced job that takes its death back. The partition itself, on real hosts, is
-tests/test_fencing_partition.py."""
+tests/test_partition.py."""
 
 from __future__ import annotations
 

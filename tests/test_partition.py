@@ -2,10 +2,11 @@
 
 The rig (tests/partition_rig.py) runs Redis and one CPU worker per host in network namespaces
 and cuts a host off by dropping every packet on its link. These tests print the figures the
-issue's goals name and assert what the fleet guarantees today: the cut host takes work again
-within a few seconds of the heal, and a sweep through a cut loses no trial. What fencing will
-add (no two runs alive at once, the lease holder's entry, no death for a partition) is asserted
-in tests/test_fencing_partition.py.
+issue's goals name and assert them: the cut host takes work again within a few seconds of the
+heal, and a sweep through a cut loses no trial; and what fencing makes true (items 1-3): a
+cut-off worker stops its run before its lease can be given to someone else (self-fencing), its
+late writes are refused (a fencing token per attempt), and the partition counts no death. One
+rig and one run of each experiment serve every test (module-scoped fixtures).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest
 from tasks import Settings
 from tasks.core.app import create_app
 
+from .partition_jobs import TICK_S
 from .partition_rig import (
+    RECOVERY_BOUND_S,
     CutFigures,
     PartitionRig,
     SweepFigures,
@@ -59,6 +62,16 @@ def test_the_rig_cuts_heals_and_removes_all_it_made() -> None:
 
 #: The goal: the cut host runs jobs again within this long of the heal.
 BACK_AFTER_HEAL_S = 5.0
+#: Two runs of one job alive at once, at most: two ticks of the rig's job (its resolution).
+MAX_OVERLAP_S = 2 * TICK_S
+#: A pause of the worker longer than its lease can last (longer than the margin: the
+#: assumption self-fencing rests on does not hold, so two runs may overlap for the pause).
+PAUSE_S = 7.0
+#: A worker resumed after such a pause stops its run within this long (it finds at once that
+#: its last confirmed renewal is older than the margin).
+STOPPED_AFTER_RESUME_S = 1.0
+#: The job runs again elsewhere within lease TTL + reaper interval + this of the cut.
+RERUN_SLACK_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +92,16 @@ def cut(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactor
     """The issue's first experiment, measured once: the host running a long trial is cut off
     mid-run for longer than lease TTL + reaper interval, then healed."""
     figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("cut"))
+    print(figures.report())
+    return figures
+
+
+@pytest.fixture(scope="module")
+def paused(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> CutFigures:
+    """The same with the worker paused (SIGSTOP) instead of cut off, longer than its lease
+    lasts, while its job process runs on; then resumed."""
+    figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("pause"), fault="pause",
+                             long_s=12.0, cut_s=PAUSE_S)
     print(figures.report())
     return figures
 
@@ -107,3 +130,49 @@ def test_a_trial_cut_off_mid_run_still_ends_ok(cut: CutFigures) -> None:
 def test_a_sweep_through_a_cut_loses_no_trial(swept: SweepFigures) -> None:
     assert swept.statuses == ["ok"] * swept.trials
     assert swept.never_ran == []
+
+
+@pytest.mark.timeout(120)
+def test_a_cut_off_job_runs_again_elsewhere_within_the_lease_bound(cut: CutFigures) -> None:
+    assert cut.runs[0].device == cut.cut_device
+    assert cut.rerun_after_cut_s is not None, f"it never ran on {cut.other_device} during the cut: {cut.runs}"
+    assert cut.rerun_after_cut_s <= RECOVERY_BOUND_S + RERUN_SLACK_S, cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_of_a_cut_off_job_are_never_alive_at_once(cut: CutFigures) -> None:
+    """The cut-off worker stops its run before the lease it no longer renews can be given
+    to another host (self-fencing)."""
+    assert cut.overlap_s <= MAX_OVERLAP_S, cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_the_entry_is_the_lease_holding_attempts(cut: CutFigures) -> None:
+    """The cut-off run's late store is refused: the producer gets the run that held the lease
+    (the last one to start), ok."""
+    assert cut.statuses == ["ok", "ok"], cut.entry
+    assert cut.entry_run is not None, f"the entry's run {cut.entry['output']} ticked nowhere: {cut.runs}"
+    assert cut.entry_run == cut.runs[-1], cut.report()
+    assert cut.entry_run.device == cut.other_device
+
+
+@pytest.mark.timeout(120)
+def test_a_partition_counts_no_death(cut: CutFigures) -> None:
+    assert cut.deaths == [], cut.report()
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_through_a_cut_never_runs_a_trial_twice_at_once(swept: SweepFigures) -> None:
+    assert swept.statuses == ["ok"] * swept.trials
+    assert swept.never_ran == []
+    assert swept.overlap_s <= MAX_OVERLAP_S, swept.report()
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_paused_past_its_lease_stops_its_run_on_resume_and_its_store_is_refused(paused: CutFigures) -> None:
+    """SIGSTOP (item 2's case): the paused worker cannot stop its job process while paused;
+    once resumed it stops it at once, and the entry is still the lease holder's."""
+    assert paused.rerun_after_cut_s is not None, f"it never ran on {paused.other_device} during the pause"
+    assert paused.cut_run_ended_after_heal_s <= STOPPED_AFTER_RESUME_S, paused.report()
+    assert paused.statuses == ["ok", "ok"], paused.entry
+    assert paused.entry_run == paused.runs[-1], paused.report()
