@@ -64,6 +64,9 @@ def watch(handle: Any, console: Console, interval_s: float = VIEW_REFRESH_S, tim
             for device in handle.devices
         }
         while True:
+            # Read readiness first: the bars drawn below then show every end it saw (reading it
+            # after the states could return on an end the bars never drew).
+            done = handle.ready()
             states = handle.states()
             progress = handle.progress()
             for device, task_id in ids.items():
@@ -80,6 +83,6 @@ def watch(handle: Any, console: Console, interval_s: float = VIEW_REFRESH_S, tim
                     total = bars.tasks[task_id].total or 1
                     update.update(total=total, completed=total)
                 bars.update(task_id, **update)
-            if handle.ready() or (deadline is not None and time.monotonic() > deadline):
+            if done or (deadline is not None and time.monotonic() > deadline):
                 return
             time.sleep(interval_s)
