@@ -38,7 +38,7 @@ from tasks.core.devices import format_core_list, host_name
 from tasks.core.errors import GangFailed, GiveWay, JobCancelled, JobError, OutOfMemory, PeerLost, WorkerLost
 from tasks.core.job import JobContext, JobMetric
 from tasks.core.jobcount import JobCount
-from tasks.core.jobstate import JobEnd, hand_over
+from tasks.core.jobstate import JobEnd, JobState, hand_over
 from tasks.core.records import (
     BusyInfo,
     Entry,
@@ -52,7 +52,7 @@ from tasks.core.records import (
 )
 from tasks.core.registry import live_workers, read_worker
 from tasks.core.settings import Settings
-from tasks.core.wire import Outcome, RunJob
+from tasks.core.wire import Outcome, RunJob, StopReason
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.jobproc.rank import peer_lost
@@ -61,7 +61,7 @@ from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
 from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
-from tasks.worker.gang import Rendezvous
+from tasks.worker.gang import GangWatch, Rendezvous
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Orphans, Reaper, Take, reap_once
 from tasks.worker.progress import publish, summary
@@ -1101,6 +1101,73 @@ def test_one_restart_loop_runs_a_rank_again_in_the_next_generation_until_the_bud
                                  _RankWatch(), lambda message, watch: next(crashes))
     assert ended.error is not None and ended.error.type == "JobCrashed"
     assert "rank 0 on d0 failed: JobCrashed: killed by SIGKILL" in client.hget(keys.gang("spent"), "failed")
+
+
+def _ranks_under_leases(client: Any, spec: GangSpec) -> tuple[JobState, dict[str, Any], list[Rendezvous]]:
+    """Each rank of ``spec`` under a lease of its own, joined and assembled in generation 0."""
+    jobs = JobState(client)
+    attempts = {d: _lease(jobs, f"{spec.id}-{d}", d) for d in spec.devices}
+    ranks = [Rendezvous(client, spec, d, "h", 60, task_id=f"{spec.id}-{d}", token=attempts[d].token)
+             for d in spec.devices]
+    for rank in ranks:
+        assert rank.join() == 0
+    assert ranks[0].wait(0).generation == 0
+    return jobs, attempts, ranks
+
+
+def _lease(jobs: JobState, task_id: str, device: str) -> Any:
+    reply = jobs.take(LeaseRecord(device=device, worker=f"w-{device}", pid=1, host="h", task_id=task_id,
+                                  since=time.time()), 60_000)
+    assert reply.attempt is not None
+    return reply.attempt
+
+
+@pytest.mark.timeout(30)
+def test_a_ranks_watch_moves_its_gang_on_once_a_peers_lease_is_gone_or_newer(client):
+    """Issue 39, gangs: a rank learns from the fleet that a peer is lost (its lease expired,
+    or a newer attempt of its job holds it), not from a collective that cannot complete, and
+    moves the gang on (a restart; the gang fails once its restarts are spent)."""
+    spec = _gang("watched", 5, ["d0", "d1"], max_restarts=1)
+    jobs, attempts, (rank0, rank1) = _ranks_under_leases(client, spec)
+    watch = GangWatch(_RankWatch(), rank0, "watched-d0", 0, "h", jobs)
+    try:
+        assert watch.look() is None  # every peer holds its lease
+        client.delete(keys.lease("watched-d1"))  # rank 1's lease expired: its host is cut off
+        stop = wait_for(watch.stop, 10, "rank 0's watch to see rank 1's lease go", poll=0.05)
+    finally:
+        watch.close()
+    assert stop.reason is StopReason.GANG
+    assert stop.message == ("watched moved on from generation 0 to 1 (rank 1 on d1 lost its lease (its worker "
+                            "is cut off from Redis, or died))")
+    assert rank0.state() == (None, 1)
+    # Generation 1: rank 1's job given back and taken by a newer attempt, both joined again.
+    jobs.release(attempts["d1"])
+    newer = _lease(jobs, "watched-d1", "d1")
+    rank1 = Rendezvous(client, spec, "d1", "h", 60, task_id="watched-d1", token=newer.token)
+    assert rank0.join(after=0) == rank1.join() == 1
+    watch = GangWatch(_RankWatch(), rank0, "watched-d0", 1, "h", jobs)
+    watch.close()
+    assert watch.look() is None
+    # Taken by a newer attempt again while generation 1 runs: no restart is left, the gang fails.
+    jobs.release(newer)
+    newest = _lease(jobs, "watched-d1", "d1")
+    stop = watch.look()
+    assert stop is not None and stop.reason is StopReason.GANG
+    assert stop.message == (f"distributed job watched: gave up after 1 restarts (rank 1 on d1: a newer attempt "
+                            f"(token {newest.token}) holds its job)")
+    assert rank0.state()[0] == stop.message.removeprefix("distributed job watched: ")
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_ended_ok_is_not_lost_when_its_lease_goes_with_its_result(client):
+    spec = _gang("finishing", 6, ["d0", "d1"])
+    jobs, attempts, (rank0, rank1) = _ranks_under_leases(client, spec)
+    rank1.done()
+    jobs.release(attempts["d1"])  # as the store of its result does
+    watch = GangWatch(_RankWatch(), rank0, "finishing-d0", 0, "h", jobs)
+    watch.close()
+    assert watch.look() is None
+    assert rank0.state() == (None, 0)
 
 
 def test_peer_lost_tells_a_lost_collective_from_a_jobs_own_error():

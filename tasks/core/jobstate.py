@@ -275,6 +275,18 @@ def stamp_lease(value: str, token: int) -> str:
     return f'{{"token":{token}{value.removeprefix(UNSTAMPED_LEASE)}' if value.startswith(UNSTAMPED_LEASE) else value
 
 
+def _token(value: str | bytes | None) -> int | None:
+    """The fencing token a lease value carries (its first field, stamped by the take script)."""
+    if value is None:
+        return None
+    text = bytes_to_str(value)
+    head, _, _ = text.removeprefix('{"token":').partition(",")
+    try:
+        return int(head)
+    except ValueError:  # unstamped or not a lease: no attempt holds it
+        return None
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One run of a job under its lease: the handle :meth:`JobState.take` returns, and what
@@ -483,6 +495,15 @@ class JobState:
         if ack is not None:
             acked_in_redis(ack.delivery_tag)
         return Stored.STORED if int(stored) else Stored.FINAL_THERE
+
+    def lease_tokens(self, task_ids: list[str]) -> list[int | None]:
+        """The fencing token of each job's lease now (``None``: no lease: it expired, was
+        released or reaped), one ``MGET``: what a distributed job's ranks read of each other's
+        (:class:`tasks.worker.gang.GangWatch`)."""
+        if not task_ids:
+            return []
+        raw = self.client.mget([keys.lease(task_id) for task_id in task_ids])
+        return [_token(value) for value in raw]
 
     def expired(self) -> dict[str, str]:
         """``{task id: lease record}`` of the leases whose key is gone: the reaper's candidates,

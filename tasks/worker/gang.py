@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,6 +58,7 @@ from ..core.defaults import GANG_POLL_S as POLL_S
 from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
+from ..core.jobstate import JobState
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
@@ -65,8 +67,9 @@ from .supervisor import Ended, Watch
 logger = logging.getLogger(__name__)
 
 #: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
-#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), seq, gang id, max restarts, TTL s.
-#: Join the current generation; first move the gang to the next one when this rank's earlier
+#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), seq, gang id, max restarts, TTL s, the
+#: rank's task id and its attempt's fencing token ('' and '0' for a run under no lease).
+#: Join the current generation (recording the rank's task and token, whose lease its peers watch); first move the gang to the next one when this rank's earlier
 #: run joined a generation that had assembled (it died in it: 'fresh'), or when a collective of
 #: generation <gen> failed ('after:<gen>'). Returns {generation, ''} or {-1, why it failed}.
 _JOIN = """
@@ -98,6 +101,9 @@ if bump then
   end
 end
 redis.call('hset', gang, 'gen', gen, 'm:' .. gen .. ':' .. ARGV[1], ARGV[2])
+if ARGV[8] ~= '' then
+  redis.call('hset', gang, 'task:' .. ARGV[1], ARGV[8], 'token:' .. ARGV[1], ARGV[9])
+end
 local complete = joined(gen) == world
 for r = 0, world - 1 do
   if complete or redis.call('hexists', gang, 'm:' .. gen .. ':' .. r) == 1 then
@@ -116,6 +122,27 @@ _FAIL = """
 redis.call('hsetnx', KEYS[1], 'failed', ARGV[2])
 for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[1]) end
 return redis.call('hget', KEYS[1], 'failed')
+"""
+
+#: KEYS: gang hash, then every rank's gangs_needing key. ARGV: generation, max restarts, gang id,
+#: why. A rank's watch found a peer lost in generation <gen> (its lease gone, or a newer attempt's):
+#: move the gang to the next generation, or fail it once the restarts are spent, as the join
+#: does for a failed collective; nothing if the gang moved on or failed meanwhile. Returns the
+#: generation it moved to, or -1 with why it failed.
+_MOVE_ON = """
+local gang = KEYS[1]
+local failed = redis.call('hget', gang, 'failed')
+if failed then return {-1, failed} end
+local gen = tonumber(redis.call('hget', gang, 'gen') or '0')
+if gen ~= tonumber(ARGV[1]) then return {gen, ''} end
+if gen + 1 > tonumber(ARGV[2]) then
+  local why = 'gave up after ' .. ARGV[2] .. ' restarts (' .. ARGV[4] .. ')'
+  redis.call('hset', gang, 'failed', why)
+  for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[3]) end
+  return {-1, why}
+end
+redis.call('hset', gang, 'gen', gen + 1)
+return {gen + 1, ''}
 """
 
 #: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, seq, generation, rank.
@@ -147,8 +174,12 @@ class Rendezvous:
     """One rank's side of its gang's rendezvous in Redis."""
 
     def __init__(self, client: redis.Redis, spec: GangSpec, device: str, host: str,
-                 expires_s: int) -> None:
+                 expires_s: int, task_id: str = "", token: int = 0) -> None:
         self.client = client
+        #: This rank's task and its attempt's fencing token (recorded at join: its peers watch
+        #: its lease); '' and 0 for a run under no lease (called in process).
+        self.task_id = task_id if token else ""
+        self.token = token
         self.spec = spec
         self.device = device
         self.rank = spec.rank_of(device)
@@ -159,6 +190,7 @@ class Rendezvous:
         self._join = client.register_script(_JOIN)
         self._fail = client.register_script(_FAIL)
         self._leave = client.register_script(_LEAVE)
+        self._move_on = client.register_script(_MOVE_ON)
 
     def join(self, after: int | None = None) -> int:
         """Join the current generation and return it; ``after``: the generation whose
@@ -170,10 +202,64 @@ class Rendezvous:
         mode = "fresh" if after is None else f"after:{after}"
         gen, why = self._join(keys=[self.key, *self._needing], args=[
             self.rank, self.host, mode, self.spec.seq, self.spec.id, self.spec.max_restarts,
-            self.expires_s])
+            self.expires_s, self.task_id, self.token])
         if int(gen) < 0:
             raise GangFailed(f"distributed job {self.spec.id}: {_text(why)}")
         return int(gen)
+
+    def move_on(self, gen: int, why: str) -> int:
+        """Move the gang past generation ``gen``, in which a peer was lost (``why``), as a failed
+        collective does (:meth:`join` ``after=gen``) but without joining the next: returns the
+        gang's generation now.
+
+        Raises:
+            GangFailed: the gang has failed, or this used up its restarts.
+        """
+        gen, failed = self._move_on(keys=[self.key, *self._needing],
+                                    args=[gen, self.spec.max_restarts, self.spec.id, why])
+        if int(gen) < 0:
+            raise GangFailed(f"distributed job {self.spec.id}: {_text(failed)}")
+        return int(gen)
+
+    def done(self) -> None:
+        """This rank's job ended ok: its lease goes with its result, and its peers, still
+        finishing theirs, must not take that for a lost peer. Best effort."""
+        try:
+            self.client.hset(self.key, f"done:{self.rank}", 1)
+        except redis.RedisError as exc:  # a peer may then take it for lost and restart the gang's last bit
+            logger.warning("%s: could not mark rank %d of %s done: %s", self.device, self.rank, self.spec.id, exc)
+
+    def peers(self) -> dict[int, tuple[str, int]]:
+        """``{rank: (task id, token)}`` of the other ranks that joined under a lease."""
+        others = [r for r in range(self.spec.world_size) if r != self.rank]
+        fields = [f"{what}:{r}" for r in others for what in ("task", "token")]
+        values = self.client.hmget(self.key, fields) if fields else []
+        out: dict[int, tuple[str, int]] = {}
+        for i, r in enumerate(others):
+            task_id, token = values[2 * i], values[2 * i + 1]
+            if task_id and token:
+                out[r] = (_text(task_id), int(token))
+        return out
+
+    def lost_peer(self, peers: dict[int, tuple[str, int]], jobs: JobState) -> str | None:
+        """Why one of ``peers`` (:meth:`peers`) is lost, from the fleet: its lease is gone
+        (expired, reaped) while it had not ended ok, or a newer attempt of its job holds it;
+        ``None`` if none is. Two round trips: the leases first, then the gang's ``done`` marks,
+        which a rank writes before its lease goes."""
+        ranks = sorted(peers)
+        tokens = jobs.lease_tokens([peers[r][0] for r in ranks])
+        gone = [(r, token) for r, token in zip(ranks, tokens, strict=True) if token != peers[r][1]]
+        if not gone:
+            return None
+        done = self.client.hmget(self.key, [f"done:{r}" for r, _ in gone])
+        for (r, token), finished in zip(gone, done, strict=True):
+            if finished:
+                continue
+            device = self.spec.devices[r]
+            if token is None:
+                return f"rank {r} on {device} lost its lease (its worker is cut off from Redis, or died)"
+            return f"rank {r} on {device}: a newer attempt (token {token}) holds its job"
+        return None
 
     def fail(self, why: str) -> str:
         """Fail the gang (the first reason given wins) and return the reason it failed for."""
@@ -280,15 +366,34 @@ def _text(value: Any) -> str:
 class GangWatch:
     """The watch of one rank's run in one generation: the job's own watch (progress, stops), and
     the gang's side of it: rank 0's store published, a rank's own failure failing the gang, a
-    gang that failed or moved on (a peer died) stopping the rank."""
+    gang that failed or moved on stopping the rank, and a lost peer moving the gang on.
 
-    def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str) -> None:
+    A peer is lost when the fleet says so (:meth:`Rendezvous.lost_peer`): its lease is gone (its
+    worker cut off from Redis, which stops the rank itself, or dead) or a newer attempt holds its
+    job. Its collective would wait out ``collective_timeout_s`` for a peer that cannot answer (a
+    cut-off host drops every packet: nothing resets the connection), so the watch moves the gang
+    to its next generation itself (:meth:`Rendezvous.move_on`: a restart, or the gang fails once
+    its restarts are spent) within the lease TTL and :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S` of the peer's last
+    renewal, and the rank is stopped as for a gang that moved on.
+
+    The gang is read from a thread of its own, every :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`: the supervisor's
+    loop, which asks :meth:`stop`, never waits on Redis (a cut-off worker's reads hang for as long
+    as its TCP retries last, and its own job's self-fencing must not wait for them). :meth:`close`
+    ends it."""
+
+    def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
+                 jobs: JobState | None = None) -> None:
         self.inner = inner
         self.rdv = rdv
         self.job_id = job_id
         self.generation = generation
         self.address = address
-        self._next = time.monotonic() + WATCH_INTERVAL_S
+        self._jobs = jobs or JobState(rdv.client)
+        self._peers: dict[int, tuple[str, int]] | None = None
+        self._verdict: StopJob | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"devicefleet-gang-{rdv.rank}", daemon=True)
+        self._thread.start()
 
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
@@ -312,31 +417,57 @@ class GangWatch:
             logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
 
     def stop(self) -> StopJob | None:
-        stop = self.inner.stop()
-        if stop is not None:
-            return stop
-        now = time.monotonic()
-        if now < self._next:
-            return None
-        self._next = now + WATCH_INTERVAL_S
-        try:
-            failed, current = self.rdv.state()
-        except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
-            logger.debug("%s: could not look at %s: %s", self.rdv.device, self.rdv.spec.id, exc)
-            return None
+        return self.inner.stop() or self._verdict
+
+    def close(self) -> None:
+        """The run ended: stop watching (a read in flight is left to finish on its own)."""
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_INTERVAL_S):
+            try:
+                verdict = self.look()
+            except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
+                logger.debug("%s: could not look at %s: %s", self.rdv.device, self.rdv.spec.id, exc)
+                continue
+            if verdict is not None:
+                self._verdict = verdict
+                return
+
+    def look(self) -> StopJob | None:
+        """Look at the gang once: the stop its state calls for, or ``None``.
+
+        Raises:
+            redis.RedisError: Redis could not be read.
+        """
+        spec, stop = self.rdv.spec, None
+        if self._peers is None:
+            self._peers = self.rdv.peers()
+        # The leases first: a peer writes its failure or its done mark before its lease goes.
+        lost = self.rdv.lost_peer(self._peers, self._jobs) if self._peers else None
+        failed, current = self.rdv.state()
+        if failed is None and lost is not None and current == self.generation:
+            logger.warning("%s: rank %d of %s: %s; moving the gang on from generation %d", self.rdv.device,
+                           self.rdv.rank, spec.id, lost, self.generation)
+            try:
+                current = self.rdv.move_on(self.generation, lost)
+            except GangFailed as exc:
+                failed = str(exc).removeprefix(f"distributed job {spec.id}: ")
         if failed is not None:
-            return StopJob(job_id=self.job_id, reason=StopReason.GANG,
-                           message=f"distributed job {self.rdv.spec.id}: {failed}")
-        if current is not None and current != self.generation:
-            return StopJob(job_id=self.job_id, reason=StopReason.GANG,
-                           message=f"{self.rdv.spec.id} moved on from generation {self.generation} to {current}")
-        return None
+            stop = StopJob(job_id=self.job_id, reason=StopReason.GANG, message=f"distributed job {spec.id}: {failed}")
+        elif current is not None and current != self.generation:
+            why = f" ({lost})" if lost is not None else ""
+            stop = StopJob(job_id=self.job_id, reason=StopReason.GANG,
+                           message=f"{spec.id} moved on from generation {self.generation} to {current}{why}")
+        return stop
 
 
 def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: str, expires_s: int,
-             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended]) -> Ended:
+             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0) -> Ended:
     """Run ``job`` as the rank of gang ``spec`` on ``device`` (``run`` runs it in a job process):
-    join, assemble, run; run it again with the gang when it restarts. Never raises: the
+    join, assemble, run; run it again with the gang when it restarts. ``token``: the fencing
+    token of the attempt that holds the job's lease (0: none), recorded in the gang for its
+    peers' watch (:class:`GangWatch`). Never raises: the
     :class:`Ended` says how it ended, ``give_way`` when an older gang needs the device (the
     caller sends its message back to the queue, :data:`~tasks.core.defaults.GIVE_WAY_S` later)."""
     if client is None:
@@ -346,7 +477,7 @@ def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: s
         return Ended.by_worker(GangFailed, f"{device} took a rank of {spec.id}, which runs on "
                                f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)",
                                pid=0, retired=None)
-    rdv = Rendezvous(client, spec, device, host_name(), expires_s)
+    rdv = Rendezvous(client, spec, device, host_name(), expires_s, task_id=job.job_id, token=token)
     try:
         return _run_rank(rdv, address, job, watch, run)
     except GiveWay as exc:
@@ -364,6 +495,7 @@ def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: s
 def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
               run: Callable[[RunJob, Watch], Ended]) -> Ended:
     spec = rdv.spec
+    jobs = JobState(rdv.client)
     gen = rdv.join()
     while True:
         stop = watch.stop()
@@ -383,8 +515,18 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
                     local_rank=assembled.local_rank(rdv.rank), generation=gen, max_restarts=spec.max_restarts,
                     backend=spec.backend, collective_timeout_s=spec.collective_timeout_s,
                     master_addr=master_addr, master_port=master_port)
-        ended = run(job.model_copy(update={"rank": rank}), GangWatch(watch, rdv, job.job_id, gen, address))
+        gang_watch = GangWatch(watch, rdv, job.job_id, gen, address, jobs)
+        try:
+            ended = run(job.model_copy(update={"rank": rank}), gang_watch)
+        finally:
+            gang_watch.close()
         if ended.outcome is Outcome.OK:
+            rdv.done()
+            return ended
+        if (stop := watch.stop()) is not None and stop.reason is StopReason.FENCED:
+            # Cut off from Redis, its worker stopped it: the lease expires, the job is given back
+            # and its next run joins the gang where its peers (who saw the lease go) moved it.
+            # Failing the gang from here would undo that, once Redis is reachable again.
             return ended
         if ended.crashed and gen >= spec.max_restarts:
             # No restart left: the gang fails naming the crash, which this rank's entry keeps.

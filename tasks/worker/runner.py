@@ -143,13 +143,14 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         return _execute(worker, task, job, kwargs, options)
     with ExitStack() as held:
         try:
-            held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
+            attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
-        return _execute(worker, task, job, kwargs, options)
+        return _execute(worker, task, job, kwargs, options, token=attempt.token)
 
 
-def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
+def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions,
+             token: int = 0) -> dict[str, Any]:
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot)
         message = run.job_message(kwargs, options)
@@ -160,7 +161,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
             else:
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                       worker.settings.result_expires_s, message, watch,
-                                      lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot))
+                                      lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
+                                      token=token)
         finally:
             # Every report relayed before the job's end is stored; a fenced job's Redis may be
             # out of reach: its reports are left (their relay gives up with its retries).
