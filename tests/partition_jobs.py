@@ -50,3 +50,41 @@ def tick(ctx: JobContext, params: TickParams) -> dict[str, Any]:
         time.sleep(min(TICK_S, left))
         mark()
     return {"device": ctx.device, "run": run, "pid": pid, "started": started, "label": params.label}
+
+
+class GangTickParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: How long generation 0 ticks (the gang is cut off in it), and every later one.
+    seconds: float = Field(ge=0, le=600)
+    restarted_seconds: float = Field(ge=0, le=600)
+    marker: str
+
+
+@job("gang_tick", params=GangTickParams)
+def gang_tick(ctx: JobContext, params: GangTickParams) -> dict[str, Any]:
+    """A rank of a distributed job that sums over its gang every :data:`TICK_S`, appending ``{device,
+    job, run, pid, gen, t}`` to ``marker/<job id>`` after each sum (the first before any), for
+    ``seconds`` in generation 0 and ``restarted_seconds`` in any later one."""
+    import torch
+    import torch.distributed as dist
+
+    assert ctx.distributed is not None, "gang_tick is a distributed job: fan_out(..., distributed=True)"
+    gen = ctx.distributed.restarts
+    path = Path(params.marker) / ctx.job_id
+    pid, run = os.getpid(), uuid.uuid4().hex
+
+    def mark() -> None:
+        with open(path, "a") as handle:
+            handle.write(json.dumps({"device": ctx.device, "job": ctx.job_id, "run": run, "pid": pid, "gen": gen,
+                                     "t": time.time()}) + "\n")
+
+    mark()
+    deadline = time.monotonic() + (params.seconds if gen == 0 else params.restarted_seconds)
+    total = torch.zeros(1)
+    while time.monotonic() < deadline:
+        value = torch.ones(1)
+        dist.all_reduce(value, group=ctx.process_group)
+        total += value
+        mark()
+        time.sleep(TICK_S)
+    return {"device": ctx.device, "run": run, "pid": pid, "sum": float(total.item())}

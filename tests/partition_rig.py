@@ -202,6 +202,10 @@ class PartitionRig:
         run_tool([self.ip, "-n", name, "link", "set", "lo", "up"])
         return name
 
+    def _router(self, netns: str) -> None:
+        """``netns`` forwards between the hosts' links (its own sysctl: nothing outside it changes)."""
+        run_tool([self.ip, "netns", "exec", netns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+
     def add_host(self, name: str) -> Host:
         index = len(self.hosts) + 1
         # veth names are at most 15 characters: dfh<tag><i> / dfr<tag><i>.
@@ -214,6 +218,9 @@ class PartitionRig:
                                     (self.redis_netns, host.peer, host.redis_address)):
             run_tool([self.ip, "-n", netns, "addr", "add", f"{address}/24", "dev", dev])
             run_tool([self.ip, "-n", netns, "link", "set", dev, "up"])
+        # The hosts reach each other through Redis's namespace (a distributed job's ranks talk
+        # directly), so a cut host is cut off from its peers too.
+        run_tool([self.ip, "-n", host.netns, "route", "add", f"{SUBNET}.0.0/16", "via", host.redis_address])
         self.hosts[name] = host
         return host
 
@@ -254,6 +261,8 @@ class PartitionRig:
             DEVICEFLEET_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_INTERVAL_S),
             DEVICEFLEET_HEARTBEAT_TTL_S=str(HEARTBEAT_TTL_S),
             DEVICEFLEET_REAPER_INTERVAL_S=str(REAPER_INTERVAL_S),
+            # gloo finds its address from the host name, which names no address in the namespace.
+            GLOO_SOCKET_IFNAME=host.veth,
         )
         with host.log.open("w") as log:
             host.process = subprocess.Popen(
@@ -367,6 +376,7 @@ def partition_rig(hosts: tuple[str, ...] = ("hosta", "hostb"), workers: bool = T
         stack.callback(rig.close)
         try:
             rig._netns(rig.redis_netns)
+            rig._router(rig.redis_netns)
         except RuntimeError as exc:  # root in a container without CAP_SYS_ADMIN / CAP_NET_ADMIN
             system_tools.unavailable(f"network namespaces: {exc}")
         for name in hosts:
@@ -603,3 +613,88 @@ def sweep_through_cut(rig: PartitionRig, app: Any, marker: Path, name: str, *, t
     wait_idle(rig)
     return SweepFigures(trials=trials, statuses=[e["status"] for e in entries],
                         runs={job: runs(marker, job) for job in handle.jobs().values()}, cut_s=cut_s)
+
+
+@dataclass
+class GangFigures:
+    """What a cut of one rank's host did to a distributed job of two ranks, one per host."""
+
+    #: The cut rank's device (rank 0: it also hosts the gang's store) and the survivor's.
+    cut_device: str
+    survivor_device: str
+    #: From the cut to the gang's move to its next generation in Redis (None: not while watched).
+    moved_on_after_cut_s: float | None
+    #: From the cut to the survivor's rank waiting in that generation: its stuck collective ended.
+    survivor_rejoined_after_cut_s: float | None
+    #: The gang's generation at the cut (0: it had not moved before).
+    generation_at_cut: int
+    #: Each rank's entry, by device.
+    entries: dict[str, dict[str, Any]]
+    #: The deaths counted against the cut rank's job.
+    deaths: list[str]
+
+    @property
+    def statuses(self) -> dict[str, str]:
+        return {device: entry["status"] for device, entry in self.entries.items()}
+
+    @property
+    def restarts(self) -> dict[str, Any]:
+        return {device: (entry.get("output") or {}).get("restarts") for device, entry in self.entries.items()}
+
+    def report(self) -> str:
+        return (f"\nPARTITION gang of 2 ranks, rank 0's host ({self.cut_device}) cut off: the gang moved on "
+                f"{_s(self.moved_on_after_cut_s)} after the cut (lease TTL {LEASE_TTL_S:g} s; the collective "
+                f"timeout it no longer waits out: 120 s); the survivor on {self.survivor_device} left its collective "
+                f"and waited in the next generation {_s(self.survivor_rejoined_after_cut_s)} after the cut; "
+                f"entries {self.statuses}, restarts {self.restarts}; deaths counted {len(self.deaths)}")
+
+
+def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = RECOVERY_BOUND_S + 1.5,
+                  watch_s: float = 15.0) -> GangFigures:
+    """A distributed ``gang_tick`` over both hosts; rank 0's host is cut off once both ranks
+    sum together, for ``cut_s`` (long enough for its job to be given back), then healed; the
+    gang's generation and the survivor's membership are watched for ``watch_s`` from the cut."""
+    from tasks import fan_out
+    from tasks.core import keys
+
+    devices = [host.device for host in rig.hosts.values()]
+    cut_name, survivor = next(iter(rig.hosts)), devices[1]
+    handle = fan_out("gang_tick", devices, kwargs={"seconds": 60, "restarted_seconds": 0.5, "marker": str(marker)},
+                     distributed=True, app=app)
+    job_ids = handle.task_ids
+
+    def summed(device: str) -> bool:  # a tick after the first is after a sum with the other rank
+        return any(r.last > r.first for r in runs(marker, job_ids[device]) if r.device == device)
+
+    wait_for(lambda: all(summed(d) for d in devices), 90, "both ranks to sum together")
+    with rig.client() as client:
+        gang_key = next(k for k in client.scan_iter(match=keys.gang("*"), count=1000)
+                        if client.type(k) == "hash")
+
+        def generation() -> int:
+            return int(client.hget(gang_key, "gen") or 0)
+
+        moved = rejoined = None
+        with rig.partitioned(cut_name) as cut_at:
+            at_cut = generation()
+            deadline = cut_at + watch_s
+            while time.time() < deadline and (moved is None or rejoined is None):
+                now = time.time()
+                if moved is None and generation() > at_cut:
+                    moved = now - cut_at
+                if rejoined is None and client.hexists(gang_key, f"m:{at_cut + 1}:1"):
+                    rejoined = now - cut_at
+                if now >= cut_at + cut_s and moved is not None:
+                    break  # heal on time; the survivor's figure is watched on after it
+                time.sleep(0.05)
+            time.sleep(max(0.0, cut_at + cut_s - time.time()))
+        while rejoined is None and time.time() < deadline:
+            if client.hexists(gang_key, f"m:{at_cut + 1}:1"):
+                rejoined = time.time() - cut_at
+            time.sleep(0.05)
+        entries = handle.get(timeout=120)
+        deaths = list(client.lrange(keys.worker_deaths(job_ids[devices[0]]), 0, -1))
+    wait_idle(rig)
+    return GangFigures(cut_device=devices[0], survivor_device=survivor, moved_on_after_cut_s=moved,
+                       survivor_rejoined_after_cut_s=rejoined, generation_at_cut=at_cut, entries=entries,
+                       deaths=deaths)

@@ -20,13 +20,17 @@ import pytest
 
 from tasks import Settings
 from tasks.core.app import create_app
+from tasks.core.defaults import CANCEL_GRACE_S
 
 from .partition_jobs import TICK_S
 from .partition_rig import (
+    LEASE_TTL_S,
     RECOVERY_BOUND_S,
     CutFigures,
+    GangFigures,
     PartitionRig,
     SweepFigures,
+    cut_gang_rank,
     cut_long_trial,
     partition_rig,
     sweep_through_cut,
@@ -72,6 +76,10 @@ PAUSE_S = 7.0
 STOPPED_AFTER_RESUME_S = 1.0
 #: The job runs again elsewhere within lease TTL + reaper interval + this of the cut.
 RERUN_SLACK_S = 1.0
+#: A gang whose rank's host is cut off moves on within the lease TTL + this of the cut (the
+#: watch's interval, a round trip, and a loaded host's scheduling), where its collective would
+#: wait out its 120-s timeout.
+GANG_SLACK_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +120,30 @@ def swept(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFact
     figures = sweep_through_cut(rig, rig_app, tmp_path_factory.mktemp("sweep"), "hosta")
     print(figures.report())
     return figures
+
+
+@pytest.fixture(scope="module")
+def gang_cut(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFactory) -> GangFigures:
+    """Item 4: a distributed job of two ranks, one per host; rank 0's host cut off mid-run."""
+    figures = cut_gang_rank(rig, rig_app, tmp_path_factory.mktemp("gang"))
+    print(figures.report())
+    return figures
+
+
+@pytest.mark.timeout(180)
+def test_a_gang_whose_ranks_host_is_cut_off_moves_on_from_the_fleet_within_the_lease(gang_cut: GangFigures) -> None:
+    """The survivor learns from the cut rank's lease, not from its collective (which a dropped
+    link never resets), that its peer is lost: the gang moves to its next generation within
+    the lease TTL, the survivor leaves its stuck collective (after its stop's grace) and waits
+    there, and once the cut host is back the gang completes, restarted once, with no death."""
+    assert gang_cut.generation_at_cut == 0
+    assert gang_cut.moved_on_after_cut_s is not None, gang_cut.report()
+    assert gang_cut.moved_on_after_cut_s <= LEASE_TTL_S + GANG_SLACK_S, gang_cut.report()
+    assert gang_cut.survivor_rejoined_after_cut_s is not None, gang_cut.report()
+    assert gang_cut.survivor_rejoined_after_cut_s <= LEASE_TTL_S + CANCEL_GRACE_S + GANG_SLACK_S, gang_cut.report()
+    assert gang_cut.statuses == {gang_cut.cut_device: "ok", gang_cut.survivor_device: "ok"}, gang_cut.entries
+    assert gang_cut.restarts == {gang_cut.cut_device: 1, gang_cut.survivor_device: 1}, gang_cut.report()
+    assert gang_cut.deaths == [], gang_cut.report()
 
 
 @pytest.mark.timeout(120)
