@@ -975,6 +975,36 @@ def test_progress_is_throttled_and_the_latest_report_always_goes_out(client, app
         client.delete(key)
 
 
+def test_a_progress_report_of_an_older_attempt_is_refused_counted_and_stops_its_run(client, app):
+    """Fencing (issue 39): a cut-off worker's late report, whose job a newer attempt holds,
+    writes nothing (neither the PROGRESS state nor the progress key), is counted, and the
+    refused attempt's run is to be stopped; the newer attempt's reports go through."""
+    task_id = str(uuid.uuid4())
+    task = _job_task(app, task_id)
+    jobs, key = JobState(client), keys.progress(task_id)
+    keeper = LeaseKeeper(client, "cpu9", "w-cpu9", 60)
+    try:
+        older = keeper.take(task_id, None).attempt
+        assert older is not None
+        assert publish(task, task.request, {"step": 1}, client=client, expires_s=60, attempt=older, device="cpu9")
+        assert json.loads(client.get(key)) == {"step": 1}
+        jobs.release(older)
+        newer = _lease(jobs, task_id, "cpu9")  # the job given back and taken by a newer attempt
+        assert not publish(task, task.request, {"step": 2}, client=client, expires_s=60, attempt=older, device="cpu9")
+        assert json.loads(client.get(key)) == {"step": 1}
+        result = app.AsyncResult(task_id)
+        assert result.state == "PROGRESS" and result.info == {"step": 1}
+        assert client.hget(keys.stats("cpu9"), "writes_refused") == "1"
+        keeper.superseded(task_id)  # what the worker's relay does with the refusal
+        assert keeper.must_stop(task_id) == "its lease was taken by a newer attempt"
+        assert publish(task, task.request, {"step": 3}, client=client, expires_s=60, attempt=newer, device="cpu9")
+        assert json.loads(client.get(key)) == {"step": 3}
+        assert app.AsyncResult(task_id).info == {"step": 3}
+    finally:
+        task.pop_request()
+        client.delete(key)
+
+
 def test_intermediate_values_ride_along_every_report_so_none_is_folded_away(client, app):
     task_id = str(uuid.uuid4())
     task = _job_task(app, task_id)

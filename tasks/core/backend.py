@@ -36,6 +36,7 @@ acknowledgement survive a failover that comes after. A ``sentinel://`` fleet's b
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import threading
@@ -49,8 +50,8 @@ from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .errors import NoFleetError
-from .job import COLLECT_TASK, TASK_PREFIX
-from .jobstate import JobEnd, JobState, StateMeta, Stored, handover
+from .job import COLLECT_TASK, PROGRESS_STATE, TASK_PREFIX
+from .jobstate import Attempt, JobEnd, JobState, StateMeta, Stored, handover
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
 from .sentinel import ReadOnlyAwareConnection, Replication
@@ -179,6 +180,19 @@ class FleetBackend(RedisBackend):
     def replication(self) -> Replication:
         """The replicas a stored state waits for (the app's :data:`REPLICATION_OPTION`)."""
         return Replication.of(self.app.conf.get(REPLICATION_OPTION))
+
+    def store_progress(self, attempt: Attempt, report: dict[str, Any], request: Any, expires_s: int,
+                       device: str) -> bool:
+        """Store a running job's progress ``report`` for ``attempt`` as its PROGRESS state and
+        under its progress key (kept ``expires_s``), in one script call that refuses an older
+        attempt's (:meth:`tasks.core.jobstate.JobState.progress`): False if refused."""
+        task_id = attempt.task_id
+        meta = self._get_result_meta(result=self.encode_result(report, PROGRESS_STATE), state=PROGRESS_STATE,
+                                     traceback=None, request=request)
+        meta["task_id"] = task_id
+        state_meta = StateMeta(key=bytes_to_str(self.get_key_for_task(task_id)), value=self.encode(meta),
+                               expires_s=int(self.expires or 0))
+        return bool(self.ensure(self._jobs.progress, (attempt, state_meta, json.dumps(report), expires_s, device)))
 
     def _store(self, task_id: str, meta: StateMeta, end: JobEnd | None, final: bool) -> Stored:
         stored = self._jobs.finish(task_id, meta, end, final=final)

@@ -47,7 +47,8 @@ grows per job, stamped into the lease value and the STARTED state and carried by
 :class:`Attempt` (and so by every write of that attempt: its renewals, its release, its
 :class:`JobEnd`). The scripts that store and release refuse a token older than the job's
 current one: a worker that was cut off, whose job a newer attempt runs now, writes nothing (a
-refused store is :attr:`Stored.FENCED`, which the keeper's settle sees). A worker that stopped
+refused store is :attr:`Stored.FENCED`, which the keeper's settle sees); so does the script that
+publishes its progress (:data:`PROGRESS`). A worker that stopped
 its job itself, cut off (:mod:`tasks.worker.lease`, self-fencing), reports it
 (:meth:`JobState.fenced`): the reaper and the take count no death for it.
 """
@@ -209,6 +210,25 @@ if ARGV[5] ~= '' then
   redis.call('zadd', KEYS[6], count.finished, ARGV[4])
   redis.call('zremrangebyscore', KEYS[6], '-inf', count.keep_after)
 end
+return 1
+"""
+
+
+#: Publish a running job's progress report for its attempt: its PROGRESS state (unless a final
+#: state is stored: a late report never overwrites the result) and its report under
+#: ``keys.progress(task_id)``. KEYS: the task's meta key, ``keys.progress(task_id)``,
+#: ``keys.fence(task_id)``, the device's stats hash, ``keys.STATS_DEVICES``; ARGV: the encoded
+#: meta, its expiry in seconds (0: none), the report (JSON), its expiry in seconds, the attempt's
+#: fencing token, the device. Returns 1, or 0 if the token is older than the job's (a newer
+#: attempt runs it: nothing written but the device's ``writes_refused`` count).
+PROGRESS = LUA_STATE_FUNCTIONS + """
+if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then
+  redis.call('sadd', KEYS[5], ARGV[6])
+  redis.call('hincrby', KEYS[4], 'writes_refused', 1)
+  return 0
+end
+if not finished(KEYS[1]) then store(KEYS[1], ARGV[1], ARGV[2]) end
+redis.call('set', KEYS[2], ARGV[3], 'EX', ARGV[4])
 return 1
 """
 
@@ -429,6 +449,7 @@ class JobState:
         self._expired = client.register_script(EXPIRED_LEASES)
         self._reaped = client.register_script(REAPED)
         self._fenced = client.register_script(FENCED)
+        self._progress = client.register_script(PROGRESS)
 
     def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
              dead: str = "", max_attempts: int = 0, keep_s: int = 0) -> TakeReply:
@@ -504,6 +525,14 @@ class JobState:
             return []
         raw = self.client.mget([keys.lease(task_id) for task_id in task_ids])
         return [_token(value) for value in raw]
+
+    def progress(self, attempt: Attempt, meta: StateMeta, report: str, expires_s: int, device: str) -> bool:
+        """Publish ``attempt``'s progress ``report`` (JSON) and its PROGRESS state ``meta``
+        (:data:`PROGRESS`); False if a newer attempt holds the job (refused, counted)."""
+        task_id = attempt.task_id
+        return bool(self._progress(
+            keys=[meta.key, keys.progress(task_id), keys.fence(task_id), keys.stats(device), keys.STATS_DEVICES],
+            args=[meta.value, meta.expires_s, report, expires_s, attempt.token, device]))
 
     def expired(self) -> dict[str, str]:
         """``{task id: lease record}`` of the leases whose key is gone: the reaper's candidates,

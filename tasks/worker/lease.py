@@ -359,6 +359,14 @@ class LeaseKeeper(PeriodicThread):
         return (f"Redis has not confirmed its lease for {unconfirmed:.1f} s (cut off?); it is stopped before "
                 f"the lease's {self._ttl_ms / 1000:g} s can run out and the job be given to another worker")
 
+    def superseded(self, task_id: str) -> None:
+        """A write of job ``task_id``'s attempt was refused (a newer attempt holds the job): it is
+        to be stopped (:meth:`must_stop`), as when a renewal finds the lease taken."""
+        with self._lock:
+            if task_id in self._held:
+                self._taken_over.add(task_id)
+        logger.error("job %s: a write of its attempt was refused, a newer attempt holds it: stopping it", task_id)
+
     def fenced(self, task_id: str, keep_s: int = DEATHS_KEPT_S) -> None:
         """Job ``task_id`` was stopped by :meth:`must_stop`: leave its lease to expire (the
         reaper gives the job back) and report the stop to Redis, now or once it is reachable

@@ -13,7 +13,11 @@ Publishing a report (:func:`publish`, in the worker, as each report arrives):
 
 - stores it in the result backend as state ``PROGRESS`` with the fields as meta, and under
   :func:`tasks.core.keys.progress` (which outlives the job, so producers read each device's
-  latest report through :meth:`tasks.producer.fanout.FanOut.progress` after it finished too);
+  latest report through :meth:`tasks.producer.fanout.FanOut.progress` after it finished too),
+  in one script call that refuses the report of an attempt older than the job's (fencing,
+  :data:`tasks.core.jobstate.PROGRESS`): a worker cut off from Redis, whose job a newer attempt
+  runs now, publishes none of its late reports, anywhere (the refusal is counted as the
+  device's ``writes_refused``);
 - sends a ``task-progress`` task event. Flower keeps task state from events
   (``celery.events.state.Task.event``): an event type it does not know becomes the state of the
   same name upper-cased, so the task shows as ``PROGRESS``; the fields also travel as the
@@ -40,6 +44,7 @@ from typing import Any
 from ..core import keys
 from ..core.defaults import HEARTBEAT_COALESCE_S, RESULT_EXPIRES_S
 from ..core.job import PROGRESS_EVENT, PROGRESS_STATE
+from ..core.jobstate import Attempt
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +59,32 @@ def summary(fields: dict[str, Any]) -> str:
 
 
 def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None, client: Any = None,
-            expires_s: int = RESULT_EXPIRES_S, slot: int = 0) -> None:
+            expires_s: int = RESULT_EXPIRES_S, slot: int = 0, attempt: Attempt | None = None,
+            device: str = "") -> bool:
     """Publish one report ``meta`` of the job ``task`` whose request is ``request`` (from any
-    thread: nothing here reads Celery's per-thread ``task.request``), running in ``slot``; never
-    raises."""
+    thread: nothing here reads Celery's per-thread ``task.request``), running in ``slot`` on
+    ``device`` as ``attempt`` (the lease it holds; ``None``: a job run under none, whose report
+    is not fenced); never raises. False if the report was refused: a newer attempt runs the job."""
     task_id = getattr(request, "id", None)
     if not task_id:
-        return
+        return True
+    store_progress = getattr(task.backend, "store_progress", None)
+    if attempt is not None and store_progress is not None:
+        try:
+            if not store_progress(attempt, meta, request, expires_s, device):
+                logger.warning("job %s: its progress was refused, a newer attempt runs it (token %d is older)",
+                               task_id, attempt.token)
+                return False
+        except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
+            logger.debug("progress to the result backend failed: %s", exc)
+    else:
+        _publish_unfenced(task, request, task_id, meta, client, expires_s)
+    _announce(task, request, task_id, meta, heartbeat, slot)
+    return True
+
+
+def _publish_unfenced(task: Any, request: Any, task_id: str, meta: dict[str, Any], client: Any,
+                      expires_s: int) -> None:
     try:
         task.backend.store_result(task_id, meta, PROGRESS_STATE, request=request)
     except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
@@ -70,6 +94,9 @@ def publish(task: Any, request: Any, meta: dict[str, Any], heartbeat: Any = None
             client.set(keys.progress(task_id), json.dumps(meta), ex=expires_s)
         except Exception as exc:  # noqa: BLE001  (progress is best effort; the job goes on)
             logger.debug("progress to its key failed: %s", exc)
+
+
+def _announce(task: Any, request: Any, task_id: str, meta: dict[str, Any], heartbeat: Any, slot: int) -> None:
     try:
         # What Task.send_event does, with this job's request instead of the thread's.
         with task.app.events.default_dispatcher(hostname=getattr(request, "hostname", None)) as events:

@@ -43,7 +43,7 @@ from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
-from ..core.jobstate import hand_over
+from ..core.jobstate import Attempt, hand_over
 from ..core.keys import OPTIONS_HEADER
 from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
@@ -146,15 +146,15 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
             attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
-        return _execute(worker, task, job, kwargs, options, token=attempt.token)
+        return _execute(worker, task, job, kwargs, options, attempt)
 
 
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions,
-             token: int = 0) -> dict[str, Any]:
+             attempt: Attempt | None = None) -> dict[str, Any]:
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot)
         message = run.job_message(kwargs, options)
-        watch = JobWatch(worker, task, run.job_id, options, slot.index)
+        watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
         try:
             if options.gang is None:
                 ended = run_in_process(worker, message, watch, slot)
@@ -162,7 +162,7 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                       worker.settings.result_expires_s, message, watch,
                                       lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
-                                      token=token)
+                                      token=attempt.token if attempt is not None else 0)
         finally:
             # Every report relayed before the job's end is stored; a fenced job's Redis may be
             # out of reach: its reports are left (their relay gives up with its retries).
@@ -202,8 +202,11 @@ class JobWatch:
     unconfirmed too long, or a newer attempt took it: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`).
     """
 
-    def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0) -> None:
+    def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0,
+                 attempt: Attempt | None = None) -> None:
         self.worker = worker
+        #: The attempt that holds the job's lease (``None``: run under none): its reports carry its token.
+        self.attempt = attempt
         self.task = task
         self.slot = slot
         # Celery's task.request is per thread: keep this job's.
@@ -232,8 +235,11 @@ class JobWatch:
         while (fields := self._reports.get()) is not None:
             if self.fenced:  # a newer attempt's reports are the job's now
                 continue
-            progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
-                             self.worker.settings.result_expires_s, self.slot)
+            published = progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
+                                         self.worker.settings.result_expires_s, self.slot, self.attempt,
+                                         self.worker.device.name)
+            if not published:  # a newer attempt runs the job: this one stops (stop() asks the keeper)
+                self.worker.leases.superseded(self.job_id)
 
     def drain(self, wait: bool = True) -> None:
         """End the relay of reports; with ``wait``, once every report is relayed."""
