@@ -632,6 +632,9 @@ class GangFigures:
     entries: dict[str, dict[str, Any]]
     #: The deaths counted against the cut rank's job.
     deaths: list[str]
+    #: From the send to both ranks summing together, and to both entries.
+    assembled_s: float = 0.0
+    took_s: float = 0.0
 
     @property
     def statuses(self) -> dict[str, str]:
@@ -646,7 +649,8 @@ class GangFigures:
                 f"{_s(self.moved_on_after_cut_s)} after the cut (lease TTL {LEASE_TTL_S:g} s; the collective "
                 f"timeout it no longer waits out: 120 s); the survivor on {self.survivor_device} left its collective "
                 f"and waited in the next generation {_s(self.survivor_rejoined_after_cut_s)} after the cut; "
-                f"entries {self.statuses}, restarts {self.restarts}; deaths counted {len(self.deaths)}")
+                f"entries {self.statuses}, restarts {self.restarts}; deaths counted {len(self.deaths)}; "
+                f"the experiment took {self.took_s:.1f} s (the gang summing {self.assembled_s:.1f} s after its send)")
 
 
 def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = RECOVERY_BOUND_S + 1.5,
@@ -659,6 +663,7 @@ def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = R
 
     devices = [host.device for host in rig.hosts.values()]
     cut_name, survivor = next(iter(rig.hosts)), devices[1]
+    sent = time.time()
     handle = fan_out("gang_tick", devices, kwargs={"seconds": 60, "restarted_seconds": 0.5, "marker": str(marker)},
                      distributed=True, app=app)
     job_ids = handle.task_ids
@@ -667,6 +672,7 @@ def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = R
         return any(r.last > r.first for r in runs(marker, job_ids[device]) if r.device == device)
 
     wait_for(lambda: all(summed(d) for d in devices), 90, "both ranks to sum together")
+    assembled = time.time() - sent
     with rig.client() as client:
         gang_key = next(k for k in client.scan_iter(match=keys.gang("*"), count=1000)
                         if client.type(k) == "hash")
@@ -697,4 +703,4 @@ def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = R
     wait_idle(rig)
     return GangFigures(cut_device=devices[0], survivor_device=survivor, moved_on_after_cut_s=moved,
                        survivor_rejoined_after_cut_s=rejoined, generation_at_cut=at_cut, entries=entries,
-                       deaths=deaths)
+                       deaths=deaths, assembled_s=assembled, took_s=time.time() - sent)
