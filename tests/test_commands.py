@@ -161,6 +161,23 @@ def test_a_ddp_script_runs_unchanged_as_two_ranks_and_a_crashed_rank_restarts_th
 
 
 @pytest.mark.timeout(60)
+def test_a_distributed_command_that_ends_at_once_ends_ok_on_every_rank(app):
+    """Rank 0's job process hosts the gang's store: a command that ends before the other ranks
+    are done with the store must not take the store with it (rank 1 could not connect until its
+    timeout: a lost peer, and the gang restarting or failing)."""
+    # Rank 1 reaches the store half a second after rank 0's command has ended (as a slower
+    # rank's last barrier or its destroy_process_group does); a connection is enough to tell.
+    code = ("import os, socket, time\n"
+            "if os.environ['RANK'] != '0':\n"
+            "    time.sleep(0.5)\n"
+            "    socket.create_connection((os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])), timeout=10).close()\n")
+    results = fan_out(tasks.command([PY, "-c", code]), "cpu0,cpu1", distributed=True, app=app).get(timeout=50)
+    _ok(results)
+    assert {d: e["output"]["restarts"] for d, e in results.items()} == {"cpu0": 0, "cpu1": 0}
+    assert {d: e["output"]["rank"] for d, e in results.items()} == {"cpu0": 0, "cpu1": 1}
+
+
+@pytest.mark.timeout(60)
 def test_a_program_the_config_does_not_name_is_refused_at_the_producer_and_at_the_worker(app):
     with pytest.raises(CommandRefused, match=r"program 'perl' is not allowed on cpu0: .*commands.programs"):
         fan_out(tasks.command(["perl", "-e", "1"]), "cpu0", app=app)

@@ -98,7 +98,7 @@ class CommandJob:
             env = {**command_environment(self.base_env, self.spec, ctx, params, events_path), **extra_env}
             run = CommandRun(argv=argv, cwd=cwd, env=env, sink=LogSink(ctx.artifacts_dir, self.publish),
                              events=events, events_fd=events_fd, grace_s=max(COMMAND_DESCENDANTS_GRACE_S, self.spec.cancel_grace_s - COMMAND_STOP_MARGIN_S),
-                             should_stop=lambda: _stop_error(ctx))
+                             should_stop=lambda: stop_error(ctx))
             logger.info("%s: running %s in %s", self.spec.device, " ".join(argv), cwd)
             try:
                 ended = run.wait()
@@ -124,7 +124,9 @@ class CommandJob:
         return {**events.output, "command": figures}
 
 
-def _stop_error(ctx: JobContext) -> DeviceFleetError | None:
+def stop_error(ctx: JobContext) -> DeviceFleetError | None:
+    """The error the worker's stop of ``ctx``'s run asks for (cancelled, past its time limit,
+    its gang moved on...), or ``None`` while none is asked."""
     if ctx.cancelled is None or not ctx.cancelled():
         return None
     if ctx.interruption is not None:

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import CommandFailed, PeerLost
 from ..core.job import DistributedInfo, JobContext
 from ..core.wire import Rank, RankFailed, StoreOpened
+from .command import stop_error
 
 if TYPE_CHECKING:
     from .channel import Channel
@@ -48,6 +50,12 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 #: collective timeout) name their source, ``gloo/transport``; not any "socket" or "timed out".
 PEER_LOST_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "gloo/transport",
                      "ncclremoteerror", "remote process exited", "nccl communicator was aborted")
+#: The key of a generation's store that each rank of a distributed command adds 1 to once its
+#: command has ended: rank 0's job process, which hosts the store, keeps it until it reaches the
+#: world size.
+ENDED_KEY = "devicefleet/ranks-ended"
+#: How often rank 0 looks at :data:`ENDED_KEY` while it keeps the store.
+STORE_POLL_S = 0.05
 #: Environment variables a distributed command finds besides torchrun's.
 ENV_LOCAL_RANK = "DEVICEFLEET_LOCAL_RANK"
 ENV_BACKEND = "DEVICEFLEET_DIST_BACKEND"
@@ -172,7 +180,7 @@ def run_command_rank(command: CommandJob, ctx: JobContext, params: Any, rank: Ra
         PeerLost: the command's collective lost a peer, or its gang moved on.
         CommandFailed: this rank's command failed (the worker fails the gang with it).
     """
-    with gang_store(rank, _announcer(channel)) as (master_addr, master_port, _store):
+    with gang_store(rank, _announcer(channel)) as (master_addr, master_port, store):
         env = {"RANK": str(rank.rank), "WORLD_SIZE": str(rank.world_size), "LOCAL_RANK": "0",
                "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank.rank), "MASTER_ADDR": master_addr,
                "MASTER_PORT": str(master_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -184,10 +192,44 @@ def run_command_rank(command: CommandJob, ctx: JobContext, params: Any, rank: Ra
         try:
             output = command.run(ctx, params, extra_env=env)
         except CommandFailed as exc:
+            _count_end(store, rank, ctx)
             if peer_lost(exc):
                 raise _lost(rank, ctx, exc) from None
             raise
+        _count_end(store, rank, ctx)
+        if rank.master_port is None:
+            _keep_store_until_every_rank_ended(store, rank, ctx)
     return {**output, "rank": rank.rank, "world_size": rank.world_size, "restarts": rank.generation}
+
+
+def _count_end(store: Any, rank: Rank, ctx: JobContext) -> None:
+    """Count this rank's command as ended in the gang's store (rank 0 keeps it until all are)."""
+    try:
+        store.add(ENDED_KEY, 1)
+    except Exception as exc:  # noqa: BLE001  (rank 0's store is gone: it is not waiting for us)
+        logger.info("%s: rank %d of %s could not count its end in the gang's store: %s", ctx.device, rank.rank,
+                    rank.gang_id, exc)
+
+
+def _keep_store_until_every_rank_ended(store: Any, rank: Rank, ctx: JobContext) -> None:
+    """Rank 0 hosts the gang's store, which the other ranks' commands may still need after its
+    own command ended (a slower rank's last barrier, its ``destroy_process_group``), as
+    torchrun's agent keeps its store until every worker has exited: wait until every rank has
+    counted its end (:data:`ENDED_KEY`), the worker stops this run (its gang moved on or failed:
+    a lost rank never counts), or ``collective_timeout_s`` has passed.
+
+    Raises:
+        DeviceFleetError: the worker stopped the run (the error its stop asks for).
+    """
+    deadline = time.monotonic() + rank.collective_timeout_s
+    while int(store.add(ENDED_KEY, 0)) < rank.world_size:
+        if (stop := stop_error(ctx)) is not None:
+            raise stop
+        if time.monotonic() > deadline:
+            logger.warning("%s: rank 0 of %s: not every rank ended within %g s of its own end; closing the "
+                           "gang's store", ctx.device, rank.gang_id, rank.collective_timeout_s)
+            return
+        time.sleep(STORE_POLL_S)
 
 
 def _announcer(channel: Channel) -> Callable[[int], None]:
