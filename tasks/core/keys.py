@@ -106,8 +106,11 @@ GANG_SEND_LOCK = f"{PREFIX}gang:send-lock"
 
 def gang(gang_id: str) -> str:
     """Hash of a gang's rendezvous: ``gen`` (its generation: how often it restarted),
-    ``m:<gen>:<rank>`` (the host of each rank that joined), ``master:<gen>`` (rank 0's
-    ``address:port``), ``failed`` (why it gave up). Expires with the results."""
+    ``m:<gen>:<rank>`` (the host of each rank that joined), ``task:<rank>`` and ``token:<rank>``
+    (the task id and fencing token of the attempt that last joined as the rank: its peers watch
+    its lease), ``done:<rank>`` (the rank's job ended ok: its lease going is no loss),
+    ``master:<gen>`` (rank 0's ``address:port``), ``failed`` (why it gave up). Expires with the
+    results."""
     return f"{PREFIX}gang:{gang_id}"
 
 

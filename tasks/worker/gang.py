@@ -14,7 +14,10 @@ does for its workers, and never in the job process (which holds no key to Redis)
    gang's hash; the other ranks' workers wait for it before they start their job. The job
    process runs ``init_process_group`` and the job (:mod:`tasks.jobproc.rank`);
 3. watches the gang while the rank runs (:class:`GangWatch`): a gang that failed or moved to
-   another generation stops the rank (``StopReason.GANG``).
+   another generation stops the rank (``StopReason.GANG``), and a peer the fleet says is lost
+   (its lease gone or a newer attempt's: its host cut off from Redis, or its worker dead) moves
+   the gang on first, within the lease TTL, where its collective would hang until
+   ``collective_timeout_s``.
 
 **Restarts.** One loop for ``@job`` ranks and command ranks. A rank whose job process crashed,
 or whose collective lost a peer (the outcome ``peer_lost``, :func:`tasks.jobproc.rank.peer_lost`)
