@@ -699,6 +699,10 @@ def cut_gang_rank(rig: PartitionRig, app: Any, marker: Path, *, cut_s: float = R
                 rejoined = time.time() - cut_at
             time.sleep(0.05)
         entries = handle.get(timeout=120)
+        # The cut worker reports the rank it stopped once it reaches Redis: a death a reaper
+        # counted meanwhile is taken back then.
+        wait_for(lambda: client.scard(keys.fenced(job_ids[devices[0]])) > 0, 30,
+                 "the cut worker to report the rank it stopped")
         deaths = list(client.lrange(keys.worker_deaths(job_ids[devices[0]]), 0, -1))
     wait_idle(rig)
     return GangFigures(cut_device=devices[0], survivor_device=survivor, moved_on_after_cut_s=moved,
