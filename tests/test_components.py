@@ -35,7 +35,16 @@ from tasks.core import keys
 from tasks.core.app import FleetCelery, create_app
 from tasks.core.backend import FleetBackend, attach_entry, entry_of_failure
 from tasks.core.devices import format_core_list, host_name
-from tasks.core.errors import GangFailed, GiveWay, JobCancelled, JobError, OutOfMemory, PeerLost, WorkerLost
+from tasks.core.errors import (
+    GangFailed,
+    GiveWay,
+    JobCancelled,
+    JobError,
+    OutOfMemory,
+    PeerLost,
+    WorkerLost,
+    WorkerStopped,
+)
 from tasks.core.job import JobContext, JobMetric
 from tasks.core.jobcount import JobCount
 from tasks.core.jobstate import JobEnd, JobState, hand_over
@@ -52,7 +61,7 @@ from tasks.core.records import (
 )
 from tasks.core.registry import live_workers, read_worker
 from tasks.core.settings import Settings
-from tasks.core.wire import Outcome, RunJob, StopReason
+from tasks.core.wire import Outcome, RunJob, StopJob, StopReason
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.jobproc.rank import peer_lost
@@ -1131,6 +1140,32 @@ def test_one_restart_loop_runs_a_rank_again_in_the_next_generation_until_the_bud
                                  _RankWatch(), lambda message, watch: next(crashes))
     assert ended.error is not None and ended.error.type == "JobCrashed"
     assert "rank 0 on d0 failed: JobCrashed: killed by SIGKILL" in client.hget(keys.gang("spent"), "failed")
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_its_worker_fenced_off_leaves_its_gang_to_its_peers(client):
+    """A rank whose worker stopped it cut off from Redis (self-fencing) does not fail its gang
+    once Redis is back: its peers moved the gang on from its lease, and its next run joins them."""
+
+    ran: list[Any] = []
+
+    class FencedWatch(_RankWatch):
+        def stop(self) -> Any:
+            return StopJob(job_id="j1", reason=StopReason.FENCED, message="cut off") if ran else None
+
+    def run(message: RunJob, watch: Any) -> Ended:
+        ran.append(message.rank)
+        return stopped
+
+    job = RunJob(job_id="j1", job="ranked", kwargs={}, fan_out_id="f1")
+    stopped = Ended.by_worker(WorkerStopped, "cut off", pid=1, retired=None)
+    ended = gang_module.run_rank(client, _gang("fenced", 7, ["d0"]), "d0", "h", 60, job, FencedWatch(), run)
+    assert ended is stopped and len(ran) == 1
+    assert client.hget(keys.gang("fenced"), "failed") is None
+    # Stopped so before a generation starts: the same.
+    ended = gang_module.run_rank(client, _gang("fenced-early", 8, ["d0"]), "d0", "h", 60, job, FencedWatch(), run)
+    assert ended.error is not None and ended.error.type == "WorkerStopped" and len(ran) == 1
+    assert client.hget(keys.gang("fenced-early"), "failed") is None
 
 
 def _ranks_under_leases(client: Any, spec: GangSpec) -> tuple[JobState, dict[str, Any], list[Rendezvous]]:

@@ -503,7 +503,8 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
     while True:
         stop = watch.stop()
         if stop is not None:
-            rdv.fail(f"rank {rdv.rank} on {rdv.device} was stopped: {stop.message}")
+            if stop.reason is not StopReason.FENCED:  # a fenced rank leaves the gang to its peers (below)
+                rdv.fail(f"rank {rdv.rank} on {rdv.device} was stopped: {stop.message}")
             error, outcome = STOPS[stop.reason]
             return Ended.by_worker(error, stop.message, pid=0, retired=None, outcome=outcome)
         assembled = rdv.wait(gen)
