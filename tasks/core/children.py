@@ -74,6 +74,24 @@ def _die_with_parent() -> Callable[[], None] | None:
     return tie_to_parent
 
 
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel for :data:`PARENT_DEATH_SIGNAL` when this process's parent dies; exit at
+    once when the parent (pid ``parent``) is already gone. For a child started by Python's
+    ``multiprocessing`` (no ``preexec_fn`` there), called first thing in the child; a no-op off
+    Linux.
+
+    Raises:
+        OSError: ``prctl`` failed.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return
+    if prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 @functools.cache
 def _prctl() -> Any:
     if not sys.platform.startswith("linux"):

@@ -12,6 +12,10 @@ wrapped in ``DistributedDataParallel``, each rank trains on its shard of the dat
 (``DistributedSampler``, reshuffled each epoch), the epoch's loss and accuracy are averaged over
 the ranks with ``all_reduce``, and only rank 0 writes checkpoints. Every rank reports
 ``weights_digest``, a hash of its final parameters: equal on every rank, or DDP did not work.
+
+A job process that sees several GPUs (a group of GPU devices) wraps the model in
+``nn.DataParallel``: one process, each batch split over the visible GPUs. Elsewhere it does not,
+and its result's ``parallel`` field says what it did instead (:func:`plan_parallel`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import logging
 import math
 import time
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 import torch
@@ -56,6 +61,44 @@ class TrainParams(BaseModel):
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
     #: A job that runs again after its worker died resumes from it.
     checkpoint_every_s: float = Field(default=CHECKPOINT_EVERY_S, ge=0)
+    #: Split each batch over the visible GPUs with ``nn.DataParallel`` when there are several;
+    #: False: train on the first only.
+    data_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How a ``train`` run spreads over its devices (the result's ``parallel`` field)."""
+
+    #: ``ddp`` (a rank of a distributed job), ``data_parallel`` or ``none``.
+    mode: str
+    #: The torch devices the model's batches run on.
+    devices: list[str]
+    #: Why, in words.
+    note: str
+
+
+def plan_parallel(torch_device: str, visible_gpus: int, ranks: int, *, data_parallel: bool = True,
+                  threads: int = 0) -> Parallel:
+    """What ``train`` does with ``visible_gpus`` GPUs in view, as one of ``ranks`` ranks."""
+    if ranks > 1:
+        return Parallel("ddp", [torch_device], f"rank of a distributed job of {ranks} ranks: "
+                        "DistributedDataParallel, one device per process")
+    if not torch_device.startswith("cuda"):
+        threads_text = f"its {threads} torch threads" if threads else "its torch threads"
+        return Parallel("none", [torch_device], (
+            f"CPU: no DataParallel (it splits batches over GPUs only); each batch runs on {threads_text} "
+            "over the job's cores; several processes training one model in shared memory: the hogwild job"))
+    if visible_gpus <= 1:
+        return Parallel("none", [torch_device], "one visible GPU: no DataParallel wrap")
+    # The job's own GPU first: DataParallel keeps the module and gathers the outputs there.
+    first = int(torch_device.partition(":")[2] or 0)
+    gpus = [f"cuda:{index}" for index in [first, *(i for i in range(visible_gpus) if i != first)]]
+    if not data_parallel:
+        return Parallel("none", [torch_device], f"{visible_gpus} visible GPUs, data_parallel=False: "
+                        f"trains on {torch_device} only")
+    return Parallel("data_parallel", gpus, f"nn.DataParallel over {visible_gpus} visible GPUs: each batch "
+                    f"split over {', '.join(gpus)}, gradients summed on {gpus[0]}")
 
 
 def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
@@ -119,10 +162,14 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         resume.share(ctx.artifacts_dir, rank, device)  # every rank resumes from rank 0's checkpoint
     resumed_from = resume.load(ctx.artifacts_dir, net, optimizer, device)
     model: nn.Module = net
-    if ranks > 1:
+    parallel = plan_parallel(str(device), torch.cuda.device_count() if cuda else 0, ranks,
+                             data_parallel=params.data_parallel, threads=torch.get_num_threads())
+    if parallel.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(net, device_ids=[device.index or 0] if cuda else None)
+    elif parallel.mode == "data_parallel":
+        model = nn.DataParallel(net, device_ids=[torch.device(d).index for d in parallel.devices])
     last_save = time.monotonic()
 
     wait_s = 0.0
@@ -219,6 +266,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "train_s": train_s,
         "num_workers": workers,
         "torch_device": str(device),
+        "parallel": asdict(parallel),
         # Rank 0's file (the other ranks of a distributed job write none: theirs is None).
         "checkpoint": str(checkpoint) if checkpoint is not None else None,
         "weights_digest": weights_digest(net),
