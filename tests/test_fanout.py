@@ -205,6 +205,9 @@ def test_train_on_every_device_learns_digits_and_saves_a_checkpoint(fleet, app):
         assert tensors and all(t.device.type == "cpu" for t in tensors.values())
     assert results["cpu1"]["output"]["num_workers"] == 1
     assert results["cpu1"]["output"]["model"] == "cnn"
+    # A CPU device: no DataParallel, and the entry says what it did instead.
+    assert results["cpu0"]["output"]["parallel"]["mode"] == "none"
+    assert results["cpu0"]["output"]["parallel"]["note"].startswith("CPU: no DataParallel")
 
 
 def test_get_times_out_with_the_pending_devices(fleet, app, tmp_path):

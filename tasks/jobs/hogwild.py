@@ -212,7 +212,7 @@ def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split:
     go = math.nan
     tracker_before = _tracker_running()
     try:
-        for proc, (_, child_end) in zip(procs, pipes):
+        for proc, (_, child_end) in zip(procs, pipes, strict=True):
             proc.start()
             child_end.close()
         while len(done) < processes:
