@@ -38,6 +38,8 @@ KEYS = (
     "isolation.cancel_grace_s",
     "slots.trials_per_s_vs_one",
     "slots.busy_fraction",
+    "groups.hogwild_speedup",
+    "groups.hogwild_accuracy_gap",
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 #: Keys only some hosts print: Ray's (with the ``bench`` extra, in full runs), the GPU loader's.
@@ -77,6 +79,10 @@ GOALS = {
     # A crashed job's error entry, and the device taking its next job, within a second.
     "isolation.crash_to_entry_s": ("<=", 1.0),
     "isolation.next_job_after_crash_s": ("<=", 1.0),
+    # The hogwild job on two cores (a cpu0+cpu1 group) against one process on one core, same
+    # data and epochs: its training 1.6x as fast, its accuracy within 0.02.
+    "groups.hogwild_speedup": (">=", 1.6),
+    "groups.hogwild_accuracy_gap": ("<=", 0.02),
 }
 
 
@@ -176,6 +182,14 @@ def table(figures: dict[str, Any]) -> Table:
         extra["commands.log_latency_s"] = (f"p90 {flat['commands.log_latency_s_p90']:.3f} s, max "
                                            f"{flat['commands.log_latency_s_max']:.3f} s over "
                                            f"{flat['commands.log_lines']} lines")
+    if "groups.hogwild_wall_speedup" in flat:
+        extra["groups.hogwild_speedup"] = (
+            f"training phase, {flat['groups.processes']} processes x {flat['groups.threads']} thread(s): "
+            f"{flat['groups.hogwild_train_s']:.2f} s against {flat['groups.one_process_train_s']:.2f} s; "
+            f"whole job {flat['groups.hogwild_wall_speedup']:.2f}x (the processes' start: "
+            f"{flat['groups.hogwild_start_s']:.2f} s)")
+        extra["groups.hogwild_accuracy_gap"] = (f"accuracy {flat['groups.hogwild_accuracy']:.4f} against "
+                                                f"{flat['groups.one_process_accuracy']:.4f} in one process")
     extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {CANCEL_GRACE_S:g} s)"
     host = figures.get("host", {})
     out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "

@@ -16,10 +16,11 @@ from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import commands, ddp, dispatch, efficiency, gpu, isolation, pipeline, producer, slots, sweep
+from . import commands, ddp, dispatch, efficiency, gpu, groups, isolation, pipeline, producer, slots, sweep
 
-#: The sections of a bench run, in the order they run (``pipeline`` needs no fleet).
-SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pipeline")
+#: The sections of a bench run, in the order they run (``pipeline`` and ``groups`` need no fleet).
+SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pipeline",
+            "groups")
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,9 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
     ``sections`` picks some of :data:`SECTIONS` (default: all). Returns ``{"host", "quick",
-    "dispatch", "producer", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "gpu"?}`` (those
-    picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU devices: the default).
+    "dispatch", "producer", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "groups",
+    "gpu"?}`` (those picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU
+    devices: the default; ``groups`` two usable cores).
 
     The fleet also runs the misbehaving jobs of :mod:`.misbehave` and a short ``cancel_grace_s``
     (:data:`.isolation.CANCEL_GRACE_S`), for the ``isolation`` section, and its worker configs
@@ -70,13 +72,16 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline", "slots"}:
+        if chosen - {"pipeline", "slots", "groups"}:
             with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
         if "slots" in chosen:  # fleets of its own, one per slot count
             figures["slots"] = slots.measure(settings, quick=quick)
     if "pipeline" in chosen:
         figures["pipeline"] = pipeline.measure(quick=quick)
+    groups_figures = groups.measure(quick=quick) if "groups" in chosen else None
+    if groups_figures is not None:
+        figures["groups"] = groups_figures
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
     figures["elapsed_s"] = time.perf_counter() - started
     return figures
