@@ -34,9 +34,10 @@ def _ctx(tmp_path: Path, **fields: Any) -> JobContext:
 
 @contextmanager
 def _one_core() -> Iterator[None]:
-    """This process pinned to one of its cores (the session fleet's cpu0 has one core)."""
+    """This process pinned to one core, as the session fleet's cpu0 is: its last (the fleet gives
+    cpu0 the first), so that this run and the fleet's job overlap."""
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(before)})
+    os.sched_setaffinity(0, {max(before)})
     try:
         yield
     finally:

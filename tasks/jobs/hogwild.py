@@ -36,14 +36,14 @@ from multiprocessing.connection import Connection, wait
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from ..core.children import die_with_parent
 from ..core.errors import JobError, TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
 from . import data
-from .models import ModelName, build
+from .models import TrainingParams, build
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +56,9 @@ STOP_GRACE_S = 2.0
 EpochReport = Callable[[int, float, int, int], None]
 
 
-class HogwildParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = ModelName.MLP
-    #: ``digits`` (scikit-learn's) or a path to an ``.npz`` file, as for ``train``.
-    dataset: str = Field(default="digits", min_length=1)
-    epochs: int = Field(default=20, ge=1, le=100_000)
-    batch_size: int = Field(default=64, ge=1, le=1_000_000)
-    lr: float = Field(default=3e-3, gt=0, le=10)
-    hidden: int = Field(default=128, ge=1, le=65_536)
+class HogwildParams(TrainingParams):
     #: Training processes; ``auto``: one per core of the job process's affinity.
     processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    seed: int = 0
-    test_fraction: float = Field(default=0.2, gt=0, lt=1)
 
 
 def plan(cores: int, processes: int | Literal["auto"]) -> tuple[int, int]:

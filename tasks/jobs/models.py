@@ -1,10 +1,12 @@
-"""Models the built-in ``train`` job can train: an MLP and a small CNN."""
+"""Models the built-in ``train`` and ``hogwild`` jobs can train (an MLP and a small CNN), and the
+parameters both take: what to train, on what, for how long."""
 
 from __future__ import annotations
 
 import math
 from enum import Enum
 
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from ..core.errors import DatasetError
@@ -13,6 +15,22 @@ from ..core.errors import DatasetError
 class ModelName(str, Enum):
     MLP = "mlp"
     CNN = "cnn"
+
+
+class TrainingParams(BaseModel):
+    """What ``train`` and ``hogwild`` share: the model, the dataset and its split, the training."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelName = ModelName.MLP
+    #: ``digits`` (scikit-learn's, shipped with the package) or a path to an ``.npz`` file.
+    dataset: str = Field(default="digits", min_length=1)
+    epochs: int = Field(default=20, ge=1, le=100_000)
+    batch_size: int = Field(default=64, ge=1, le=1_000_000)
+    lr: float = Field(default=3e-3, gt=0, le=10)
+    hidden: int = Field(default=128, ge=1, le=65_536)
+    seed: int = 0
+    test_fraction: float = Field(default=0.2, gt=0, lt=1)
 
 
 def build(name: ModelName, features: int, classes: int, hidden: int) -> nn.Module:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -39,25 +39,14 @@ from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
 from . import data, resume
 from .loader import build_loader
-from .models import ModelName, build
+from .models import TrainingParams, build
 
 logger = logging.getLogger(__name__)
 
 
-class TrainParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: ModelName = ModelName.MLP
-    #: ``digits`` (scikit-learn's, shipped with the package) or a path to an ``.npz`` file.
-    dataset: str = Field(default="digits", min_length=1)
-    epochs: int = Field(default=20, ge=1, le=100_000)
-    batch_size: int = Field(default=64, ge=1, le=1_000_000)
-    lr: float = Field(default=3e-3, gt=0, le=10)
-    hidden: int = Field(default=128, ge=1, le=65_536)
+class TrainParams(TrainingParams):
     #: DataLoader worker processes; ``auto``: 4 on a GPU, else one per core beyond the first.
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
-    seed: int = 0
-    test_fraction: float = Field(default=0.2, gt=0, lt=1)
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
     #: A job that runs again after its worker died resumes from it.
     checkpoint_every_s: float = Field(default=CHECKPOINT_EVERY_S, ge=0)
