@@ -62,6 +62,8 @@ def measure(*, quick: bool = False) -> dict[str, Any] | None:
     alone: list[dict[str, Any]] = []
     shared: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-groups-") as tmp:
+        if not quick:  # this process's first training runs slower (torch's first calls): not a round
+            _run(cores[:1], 1, {**kwargs, "epochs": 1}, Path(tmp))
         for round_ in range(1 if quick else ROUNDS):
             runs = [(alone, cores[:1], 1), (shared, cores[:2], 2)]
             for results, pinned, processes in runs[::-1] if round_ % 2 else runs:
