@@ -175,9 +175,9 @@ def test_job_registry_only_knows_allowlisted_modules():
     import tests.forbidden_jobs  # noqa: F401  (defined, but not allowed)
 
     registry = JobRegistry(["tasks.jobs"])
-    assert registry.names == ["noop", "probe", "train"]
-    assert [d.task_name for d in registry.definitions()] == ["devicefleet.noop", "devicefleet.probe",
-                                                             "devicefleet.train"]
+    assert registry.names == ["hogwild", "noop", "probe", "train"]
+    assert [d.task_name for d in registry.definitions()] == ["devicefleet.hogwild", "devicefleet.noop",
+                                                             "devicefleet.probe", "devicefleet.train"]
     # What a job process and a worker answer for a job outside the allowlist (tasks.worker.consumer).
     with pytest.raises(UnknownJob) as raised:
         registry.get("forbidden")
