@@ -8,10 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -21,10 +20,8 @@ from kombu.exceptions import OperationalError
 from tasks.core.errors import EXIT_FLEET_LOST, FleetLost
 from tasks.core.registry import connect, live_workers
 from tasks.ops.fleet_lost import watching_the_fleet
-from tasks.ops.redis_server import EmbeddedRedis
 
 from .conftest import cli_env, make_settings, wait_for
-from .test_security import scan_an_up_fleet, up_environment
 
 CLI = [sys.executable, "-m", "tasks"]
 
@@ -71,19 +68,15 @@ def _busy_devices(url: str) -> set[str]:
 
 
 @contextmanager
-def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str, before_run: Callable[[subprocess.Popen[bytes]], None]
-                 | None = None, **env_extra: str) -> Iterator[tuple[subprocess.Popen[Any], ...]]:
-    """`devicefleet up` (two CPU workers, ``options``, ``env_extra`` in its environment; its
-    output in ``tmp_path/up.log``) and a `devicefleet run --json` of a probe that sleeps
-    ``busy_s`` on each; calls ``before_run(up)`` once the workers are ready, and yields
-    ``(up, run)`` once both jobs run, and kills both on the way out if they still run."""
-    state = tmp_path / "state"
-    env = cli_env(DEVICEFLEET_STATE_DIR=str(state), **env_extra)
-    with (tmp_path / "up.log").open("wb") as log:
-        up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", *options], env=env,
-                              stdout=log, stderr=subprocess.STDOUT)
-    started: list[subprocess.Popen[Any]] = [up]
-    fleet_file = state / "fleet.json"
+def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str) -> Iterator[tuple[subprocess.Popen[str], ...]]:
+    """`devicefleet up` (two CPU workers, ``options``) and a `devicefleet run --json` of a probe
+    that sleeps ``busy_s`` on each; yields ``(up, run)`` once both jobs run, and kills both on
+    the way out if they still run."""
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path))
+    up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", *options], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = [up]
+    fleet_file = tmp_path / "fleet.json"
 
     def ready() -> bool:
         if not fleet_file.exists():
@@ -94,10 +87,7 @@ def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str, before_run: Calla
 
     try:
         wait_for(ready, 120, "two ready workers", proc=up)
-        wait_for(lambda: "fleet up" in _up_log(tmp_path), 60, "`up` to say its fleet is up", proc=up)
         url = json.loads(fleet_file.read_text())["redis_url"]
-        if before_run is not None:
-            before_run(up)
         run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", json.dumps({"busy_s": busy_s, "mode": "sleep"}),
                                 "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started.append(run)
@@ -110,40 +100,26 @@ def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str, before_run: Calla
             process.communicate(timeout=30)
 
 
-def _up_log(tmp_path: Path) -> str:
-    return (tmp_path / "up.log").read_text(errors="replace")
-
-
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(180)
 def test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on(tmp_path):
     """Both jobs run when `up` is stopped: they finish, the fan-out's collect step runs (no
-    worker takes it any more: the launcher does, before Redis stops) and `run` prints both.
-
-    The `up` is the one tests/test_security.py scans first (given its Redis URL and Flower's
-    login, as a user sets them): one fleet started for both."""
-    redis_server = EmbeddedRedis(tmp_path / "redis")
-    redis_server.start()
-    env = up_environment(redis_server)
-    try:
-        with _a_run_on_up(tmp_path, 3, "--flower", **env,
-                          before_run=lambda up: scan_an_up_fleet(up, env, redis_server, tmp_path)) as (up, run):
-            up.send_signal(signal.SIGTERM)
-            out, err = run.communicate(timeout=60)
-            assert run.returncode == 0, err
-            assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok",
-                                                                                          "cpu1": "ok"}
-            assert up.wait(60) == 0 and "fleet stopped" in _up_log(tmp_path), _up_log(tmp_path)
-    finally:
-        redis_server.stop()
+    worker takes it any more: the launcher does, before Redis stops) and `run` prints both."""
+    with _a_run_on_up(tmp_path, 3) as (up, run):
+        up.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok", "cpu1": "ok"}
+        up_out, _ = up.communicate(timeout=60)
+        assert up.returncode == 0 and "fleet stopped" in up_out, up_out
 
 
 @pytest.mark.timeout(180)
 def test_a_run_whose_fleet_stops_before_its_jobs_end_says_so_in_one_line(tmp_path):
     """The jobs outlast `up`'s stop timeout: the workers are killed, no entry comes, Redis stops.
     `run` says so in one line and exits 3 within seconds (not after two minutes of retries)."""
-    with _a_run_on_up(tmp_path, 60, "--no-flower", "--stop-timeout", "1") as (up, run):
+    with _a_run_on_up(tmp_path, 60, "--stop-timeout", "1") as (up, run):
         up.send_signal(signal.SIGTERM)
-        up.wait(60)
+        up.communicate(timeout=60)
         stopped = time.monotonic()
         out, err = run.communicate(timeout=30)
         assert time.monotonic() - stopped < 10, err

@@ -115,27 +115,25 @@ def test_a_command_finds_no_key_to_the_fleets_redis_and_its_job_process_has_no_s
 
 
 def up_environment(redis_server: EmbeddedRedis) -> dict[str, str]:
-    """What a user sets for `devicefleet up` (as tests/test_cli_lifecycle.py starts it, for
-    :func:`scan_an_up_fleet`): its Redis URL, Flower's login, and the test jobs."""
-    return {"DEVICEFLEET_REDIS_URL": redis_server.url, "FLOWER_BASIC_AUTH": f"admin:{tokens.token_urlsafe(18)}",
-            "DEVICEFLEET_JOB_MODULES": "tasks.jobs,tests.fleet_jobs"}
+    """What a user sets for a `devicefleet up` that :func:`scan_an_up_fleet` scans: its Redis URL
+    and Flower's login (the job modules are the caller's: they must include tests.fleet_jobs)."""
+    return {"DEVICEFLEET_REDIS_URL": redis_server.url, "FLOWER_BASIC_AUTH": f"admin:{tokens.token_urlsafe(18)}"}
 
 
 def scan_an_up_fleet(up: subprocess.Popen[Any], env: dict[str, str], redis_server: EmbeddedRedis,
                      state: Path) -> None:
     """No process of an `up` fleet shows a job its Redis URL or Flower's login: `devicefleet up`
     given both in its environment (:func:`up_environment`), as a user sets them, and started
-    with Flower: the launcher (which runs the exporter), Flower and the workers all hold them,
-    and a job that reads every process of its user finds them in none.
+    with Flower and two CPU workers: the launcher (which runs the exporter), Flower and the
+    workers all hold them, and a job that reads every process of its user finds them in none.
 
-    Run on the `up` of tests/test_cli_lifecycle.py's warm-stop test, once its workers are ready
-    (one fleet started for both tests), in the state folder ``state``."""
+    tests/test_packaging.py runs it on its `up` once the fleet is up (one `up`, some 20 s to
+    start and stop on a 2-core host, for both tests); ``state``: a folder for the producer."""
     url, login = env["DEVICEFLEET_REDIS_URL"], env["FLOWER_BASIC_AUTH"]
     needles = [*_secrets(url), login, login_secrets(login)[-1]]
     flower = [p.pid for p in psutil.Process(up.pid).children(recursive=True) if "flower" in p.cmdline()]
     assert len(flower) == 1, flower
-    app = create_app(Settings.load(redis_url=url, state_dir=state / "producer",
-                                   job_modules=["tasks.jobs", "tests.fleet_jobs"]))
+    app = create_app(Settings.load(redis_url=url, state_dir=state, job_modules=["tasks.jobs", "tests.fleet_jobs"]))
     try:
         entry = fan_out("snoop", "cpu0", kwargs={"needles": needles}, app=app).get(timeout=60)["cpu0"]
         assert entry["status"] == "ok", entry
@@ -150,8 +148,9 @@ def scan_an_up_fleet(up: subprocess.Popen[Any], env: dict[str, str], redis_serve
         app.close()
 
 
-# tests/test_cli_lifecycle.py::test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on runs
-# scan_an_up_fleet on its `up` (an `up` costs some 20 s to start and stop on a 2-core host).
+# tests/test_packaging.py::test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package
+# runs scan_an_up_fleet on its `up`: no process of an up fleet shows a job its Redis URL or
+# Flower's login.
 
 
 def test_the_secrets_a_fleet_process_hides_are_its_redis_urls_and_flowers_login() -> None:
