@@ -2,7 +2,7 @@
 
 The session fleet runs two CPU devices (cpu0, cpu1) on its own embedded Redis, in a temporary
 state dir, plus one worker per GPU where torch sees one. It allowlists ``tests.fleet_jobs`` next
-to the built-in jobs, so tests can make a job fail on purpose.
+to the built-in jobs, so tests can make a job fail on purpose (and the docs' ``my_jobs``).
 """
 
 from __future__ import annotations
@@ -124,6 +124,11 @@ SCRIPTS = ROOT / "tests" / "scripts"
 FLEET_COMMANDS = {"programs": [sys.executable, "bash"], "workdirs": [str(SCRIPTS)]}
 
 
+#: The session fleet's job modules: the test jobs, and the job module the docs' "Your own job"
+#: page shows (tests/scripts/my_jobs.py, which tests/test_docs.py checks is the page's file), so
+#: that page's examples run on this fleet too.
+FLEET_JOB_MODULES = [*TEST_JOB_MODULES, "tests.scripts.my_jobs"]
+
 #: The session fleet's worker configs: a short grace for jobs asked to stop, and a memory
 #: threshold a test's leaking job crosses in two runs (tests/test_isolation.py).
 FLEET_CANCEL_GRACE_S = 2.0
@@ -136,7 +141,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     state = tmp_path_factory.mktemp("fleet")
     configs = worker_configs(state / "worker_configs", tables={"commands": FLEET_COMMANDS},
                              cancel_grace_s=FLEET_CANCEL_GRACE_S, max_memory_growth_mib=FLEET_MEMORY_GROWTH_MIB)
-    settings = make_settings(state, worker_configs_dir=configs)
+    settings = make_settings(state, worker_configs_dir=configs, job_modules=FLEET_JOB_MODULES)
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
         yield running
 

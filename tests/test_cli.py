@@ -35,6 +35,12 @@ def _ready_workers(env: dict[str, str]) -> dict[str, dict]:  # type: ignore[type
     return {d: w for d, w in json.loads(out.stdout)["workers"].items() if w.get("ready")}
 
 
+def busy_devices(url: str) -> set[str]:
+    """The devices whose worker runs a job, in the registry of the fleet at ``url``."""
+    with connect(url) as client:
+        return {device for device, record in live_workers(client).items() if record.busy is not None}
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -48,6 +54,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
     env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs")
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    waiting: subprocess.Popen[str] | None = None
     try:
         workers = wait_for(lambda: ready if len(ready := _ready_workers(env)) == 2 else None, 120,
                            "`devicefleet status` to show two ready workers", proc=up)
@@ -75,8 +82,17 @@ def test_up_run_status_and_clean_stop(tmp_path):
         failed = subprocess.run([*CLI, "run", "fail", "--devices", "cpu0", "--json"], env=env, capture_output=True, text=True, timeout=60)
         assert failed.returncode == 1 and json.loads(failed.stdout)["cpu0"]["error"]["type"] == "ValueError"
 
+        # A warm stop while both jobs of a `run` still run: they finish, the fan-out's collect
+        # step runs (no worker takes it any more: the launcher does, before Redis stops) and
+        # `run` prints both.
+        waiting = subprocess.Popen([*CLI, "run", "probe", "--kwargs", json.dumps({"busy_s": 3, "mode": "sleep"}),
+                                    "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: busy_devices(redis_url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=waiting)
         pids = [w["pid"] for w in workers.values()]
         up.send_signal(signal.SIGTERM)
+        waited, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        assert {device: entry["status"] for device, entry in json.loads(waited).items()} == {"cpu0": "ok", "cpu1": "ok"}
         out, _ = up.communicate(timeout=90)
         assert up.returncode == 0, out
         assert "fleet stopped" in out
@@ -85,9 +101,10 @@ def test_up_run_status_and_clean_stop(tmp_path):
         after = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True)
         assert after.returncode == 1 and "devicefleet up" in after.stderr
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        for process in (waiting, up):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.communicate()
 
 
 def _redis_server_of(up: subprocess.Popen[str]) -> psutil.Process | None:

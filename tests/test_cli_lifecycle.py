@@ -1,5 +1,6 @@
 """The command line as a newcomer meets it: `status` into a pipe and `status --url`, and a
-`devicefleet run` waiting while its `devicefleet up` stops (warm, or killed)."""
+`devicefleet run` waiting while its `devicefleet up` stops (killed here; warm: at the end of
+tests/test_cli.py::test_up_run_status_and_clean_stop)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tasks.core.registry import connect, live_workers
 from tasks.ops.fleet_lost import watching_the_fleet
 
 from .conftest import cli_env, make_settings, wait_for
+from .test_cli import busy_devices
 
 CLI = [sys.executable, "-m", "tasks"]
 
@@ -62,11 +64,6 @@ def test_status_watch_into_a_pipe_prints_a_frame_every_interval(fleet):
         watch.communicate(timeout=10)
 
 
-def _busy_devices(url: str) -> set[str]:
-    with connect(url) as client:
-        return {device for device, record in live_workers(client).items() if record.busy is not None}
-
-
 @contextmanager
 def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str) -> Iterator[tuple[subprocess.Popen[str], ...]]:
     """`devicefleet up` (two CPU workers, ``options``) and a `devicefleet run --json` of a probe
@@ -91,7 +88,7 @@ def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str) -> Iterator[tuple
         run = subprocess.Popen([*CLI, "run", "probe", "--kwargs", json.dumps({"busy_s": busy_s, "mode": "sleep"}),
                                 "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started.append(run)
-        wait_for(lambda: _busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
+        wait_for(lambda: busy_devices(url) == {"cpu0", "cpu1"}, 60, "both jobs to start", proc=run)
         yield up, run
     finally:
         for process in started:
@@ -100,17 +97,8 @@ def _a_run_on_up(tmp_path: Path, busy_s: float, *options: str) -> Iterator[tuple
             process.communicate(timeout=30)
 
 
-@pytest.mark.timeout(180)
-def test_a_warm_stop_of_up_finishes_the_fan_out_a_run_waits_on(tmp_path):
-    """Both jobs run when `up` is stopped: they finish, the fan-out's collect step runs (no
-    worker takes it any more: the launcher does, before Redis stops) and `run` prints both."""
-    with _a_run_on_up(tmp_path, 3) as (up, run):
-        up.send_signal(signal.SIGTERM)
-        out, err = run.communicate(timeout=60)
-        assert run.returncode == 0, err
-        assert {device: entry["status"] for device, entry in json.loads(out).items()} == {"cpu0": "ok", "cpu1": "ok"}
-        up_out, _ = up.communicate(timeout=60)
-        assert up.returncode == 0 and "fleet stopped" in up_out, up_out
+# A warm stop of `up` with a `run` waiting on both its jobs: the end of
+# tests/test_cli.py::test_up_run_status_and_clean_stop (one `up` for both).
 
 
 @pytest.mark.timeout(180)

@@ -38,8 +38,6 @@ import subprocess
 import sys
 import textwrap
 import tomllib
-from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +45,7 @@ import pytest
 
 from tasks import Fleet
 
-from .conftest import ROOT, SCRIPTS, cli_env, make_settings, test_env
+from .conftest import ROOT, SCRIPTS, cli_env
 
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKS = ("Needs a GPU", "Needs several hosts", "Needs root on a systemd host")
@@ -73,8 +71,6 @@ COVERED = {
 #: The README's two set-up commands, run word for word by .ci/fresh (and the second by .ci/run).
 SETUP = ["python3 -m pip install torch==2.13.0 -e . && devicefleet demo",
          "python3 -m pip install torch==2.13.0 -e '.[test]' && python3 -m pytest"]
-#: Pages whose examples need a fleet of their own: the job modules its workers allow.
-OWN_FLEET = {"docs/getting-started/your-own-job.md": ["tasks.jobs", "my_jobs"]}
 
 
 @dataclass(frozen=True)
@@ -204,34 +200,6 @@ def test_toml_examples_load(block: Block) -> None:
 # -- running a page ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def own_fleets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Fleet]]:
-    """The fleets of the pages in :data:`OWN_FLEET`, each started once, when first asked for."""
-    with ExitStack() as stack:
-        fleets: dict[Path, Fleet] = {}
-
-        def start(page: Path) -> Fleet:
-            if page not in fleets:
-                folder = tmp_path_factory.mktemp("own-fleet")
-                write_files(page, folder)
-                settings = make_settings(folder / "state", job_modules=OWN_FLEET[page_id(page)])
-                env = {"PYTHONPATH": f"{folder}{os.pathsep}{test_env()['PYTHONPATH']}"}
-                fleets[page] = stack.enter_context(Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=env).start())
-            return fleets[page]
-
-        yield start  # type: ignore[misc]
-
-
-@pytest.fixture
-def page_fleet(request: pytest.FixtureRequest) -> Fleet:
-    """The session fleet, or, for a page in :data:`OWN_FLEET`, one of its own whose workers
-    import the page's files (``my_jobs.py``) from its folder, as ``devicefleet up`` run there."""
-    page: Path = request.param
-    if page_id(page) not in OWN_FLEET:
-        return request.getfixturevalue("fleet")  # type: ignore[no-any-return]
-    return request.getfixturevalue("own_fleets")(page)  # type: ignore[no-any-return]
-
-
 def write_files(page: Path, folder: Path) -> None:
     for block in ALL_BLOCKS:
         if block.path == page and block.file_name and not (SCRIPTS / block.file_name).exists():
@@ -270,16 +238,15 @@ PYTHON_PAGES = blocks_of({"python"})
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("page_fleet", [p for p, bs in PYTHON_PAGES.items()
-                                        if any(not (b.file_name and (SCRIPTS / b.file_name).exists()) for b in bs)],
-                         ids=page_id, indirect=True)
-def test_python_examples_run(page_fleet: Fleet, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    page = request.node.callspec.params["page_fleet"]
+@pytest.mark.parametrize("page", [p for p, bs in PYTHON_PAGES.items()
+                                  if any(not (b.file_name and (SCRIPTS / b.file_name).exists()) for b in bs)],
+                         ids=page_id)
+def test_python_examples_run(page: Path, fleet: Fleet, tmp_path: Path) -> None:
     write_files(page, tmp_path)
     blocks = [(b.where, b.body) for b in PYTHON_PAGES[page] if not b.file_name]
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "blocks.json")], cwd=tmp_path,
-                          env=env_for(page_fleet, tmp_path), capture_output=True, text=True, timeout=540)
+                          env=env_for(fleet, tmp_path), capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
 
@@ -425,11 +392,10 @@ SHELL_PAGES = blocks_of({"bash", "console"})
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("page_fleet", list(SHELL_PAGES), ids=page_id, indirect=True)
-def test_shell_examples_run(page_fleet: Fleet, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    page = request.node.callspec.params["page_fleet"]
+@pytest.mark.parametrize("page", list(SHELL_PAGES), ids=page_id)
+def test_shell_examples_run(page: Path, fleet: Fleet, tmp_path: Path) -> None:
     write_files(page, tmp_path)
-    env = env_for(page_fleet, tmp_path)
+    env = env_for(fleet, tmp_path)
     for block in SHELL_PAGES[page]:
         if block.file_name:  # a script the examples run, not an example to run itself
             continue

@@ -487,6 +487,16 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(monitored: Monitored) -> N
         assert seen.count(b"device.cpu0") >= 2, seen.decode(errors="replace")[-2000:]
         assert b"jobs/s" in seen and b"\x1b[" in seen  # redrawn with cursor moves, in place
         proc.send_signal(signal.SIGINT)
+        # Read on, as a terminal does, until it exits: its last frame (and the frames it drew
+        # since the last read) must find room in the terminal, or its write blocks for ever
+        # (a pty holds a few KiB; on a loaded host the frames fill it before the SIGINT comes).
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    os.read(master, 65536)
+                except OSError:
+                    break
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

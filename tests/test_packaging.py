@@ -21,8 +21,10 @@ import tasks
 from tasks.core.registry import connect, live_workers
 from tasks.core.settings import read_fleet_file
 from tasks.core.shadow import PACKAGE, PACKAGE_ROOT, python_child, shadowing_module
+from tasks.ops.redis_server import EmbeddedRedis
 
 from .conftest import cli_env, wait_for
+from .test_security import scan_an_up_fleet, up_environment
 
 #: The command as users run it (`python -m tasks` in such a folder would run the user's module).
 DEVICEFLEET = Path(sys.executable).parent / "devicefleet"
@@ -139,11 +141,18 @@ def test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package(tm
     """As the issue found it: `devicefleet up` in a folder holding Celery's tutorial tasks.py
     (here a tasks/ package too) ended with `worker cpu0 exited with code 0 before joining`.
     Now the workers, Flower and the job processes run devicefleet, the job module in that folder
-    still imports, and `up` and `run` each say once that the folder's tasks shadows devicefleet."""
+    still imports, and `up` and `run` each say once that the folder's tasks shadows devicefleet.
+
+    The `up` is given its Redis URL and Flower's login, as a user sets them: tests/test_security.py's
+    scan (:func:`~tests.test_security.scan_an_up_fleet`) runs on it too."""
     assert DEVICEFLEET.is_file(), f"no devicefleet command beside {sys.executable}"
     folder, marker = user_folder(tmp_path)
     state = tmp_path / "state"
-    env = cli_env(DEVICEFLEET_STATE_DIR=str(state), DEVICEFLEET_JOB_MODULES="tasks.jobs,userjobs")
+    redis_server = EmbeddedRedis(tmp_path / "redis")
+    redis_server.start()
+    given = up_environment(redis_server)
+    env = cli_env(DEVICEFLEET_STATE_DIR=str(state), DEVICEFLEET_JOB_MODULES="tasks.jobs,userjobs,tests.fleet_jobs",
+                  **given)
     up = subprocess.Popen([str(DEVICEFLEET), "up", "--cpu-workers", "2", "--gpus", "0", "--flower"],
                           cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -170,6 +179,8 @@ def test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package(tm
         notices = [line for line in run.stderr.splitlines() if NOTICE in line]
         assert len(notices) == 1 and str(folder / "tasks") in notices[0], run.stderr
 
+        scan_an_up_fleet(up, given, redis_server, tmp_path / "producer")
+
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=90)
         assert up.returncode == 0, out
@@ -180,3 +191,4 @@ def test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package(tm
         if up.poll() is None:
             up.kill()
             up.wait()
+        redis_server.stop()

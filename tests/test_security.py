@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import secrets as tokens
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +38,7 @@ from tasks.core.hiding import environment_secrets, login_secrets
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
 
-from .conftest import SCRIPTS, cli_env, wait_for
-from .test_cli import CLI
+from .conftest import SCRIPTS
 
 PY = sys.executable
 
@@ -116,46 +114,43 @@ def test_a_command_finds_no_key_to_the_fleets_redis_and_its_job_process_has_no_s
     assert _sockets_to(job_process, _redis_port(fleet.redis_url)) == []
 
 
-@pytest.mark.timeout(240)
-def test_no_process_of_an_up_fleet_shows_a_job_its_redis_url_or_flowers_login(tmp_path: Path) -> None:
-    """`devicefleet up` given its Redis URL and Flower's login in its environment, as a user
-    sets them: the launcher (which runs the exporter), Flower and the worker all hold them, and
-    a job that reads every process of its user finds them in none."""
-    redis_server = EmbeddedRedis(tmp_path / "redis")
-    redis_server.start()
-    login = f"admin:{tokens.token_urlsafe(18)}"
-    url = redis_server.url
+def up_environment(redis_server: EmbeddedRedis) -> dict[str, str]:
+    """What a user sets for a `devicefleet up` that :func:`scan_an_up_fleet` scans: its Redis URL
+    and Flower's login (the job modules are the caller's: they must include tests.fleet_jobs)."""
+    return {"DEVICEFLEET_REDIS_URL": redis_server.url, "FLOWER_BASIC_AUTH": f"admin:{tokens.token_urlsafe(18)}"}
+
+
+def scan_an_up_fleet(up: subprocess.Popen[Any], env: dict[str, str], redis_server: EmbeddedRedis,
+                     state: Path) -> None:
+    """No process of an `up` fleet shows a job its Redis URL or Flower's login: `devicefleet up`
+    given both in its environment (:func:`up_environment`), as a user sets them, and started
+    with Flower and two CPU workers: the launcher (which runs the exporter), Flower and the
+    workers all hold them, and a job that reads every process of its user finds them in none.
+
+    tests/test_packaging.py runs it on its `up` once the fleet is up (one `up`, some 20 s to
+    start and stop on a 2-core host, for both tests); ``state``: a folder for the producer."""
+    url, login = env["DEVICEFLEET_REDIS_URL"], env["FLOWER_BASIC_AUTH"]
     needles = [*_secrets(url), login, login_secrets(login)[-1]]
-    env = cli_env(DEVICEFLEET_STATE_DIR=str(tmp_path / "state"), DEVICEFLEET_JOB_MODULES="tasks.jobs,tests.fleet_jobs",
-                  DEVICEFLEET_REDIS_URL=url, FLOWER_BASIC_AUTH=login)
-    log = tmp_path / "up.log"
-    with open(log, "wb") as out:
-        up = subprocess.Popen([*CLI, "up", "--cpu-workers", "1", "--gpus", "0", "--flower"], env=env,
-                              stdout=out, stderr=subprocess.STDOUT)
+    flower = [p.pid for p in psutil.Process(up.pid).children(recursive=True) if "flower" in p.cmdline()]
+    assert len(flower) == 1, flower
+    app = create_app(Settings.load(redis_url=url, state_dir=state, job_modules=["tasks.jobs", "tests.fleet_jobs"]))
     try:
-        wait_for(lambda: "fleet up" in log.read_text(errors="replace"), 180, "`up` to start its fleet", proc=up)
-        flower = [p.pid for p in psutil.Process(up.pid).children(recursive=True) if "flower" in p.cmdline()]
-        assert len(flower) == 1, flower
-        app = create_app(Settings.load(redis_url=url, state_dir=tmp_path / "producer",
-                                       job_modules=["tasks.jobs", "tests.fleet_jobs"]))
         entry = fan_out("snoop", "cpu0", kwargs={"needles": needles}, app=app).get(timeout=60)["cpu0"]
         assert entry["status"] == "ok", entry
         report = entry["output"]["snoop"]
         _assert_found_nothing(report)
         # Nor its own environment (the launcher keeps Flower's login from its workers). It looked
         # at every process of the fleet.
-        worker = tasks.live_devices(app)["cpu0"].pid
-        assert redis_server.process is not None
-        assert {up.pid, flower[0], worker, redis_server.process.pid} <= _seen(report), report["processes"]
+        workers = {record.pid for record in tasks.live_devices(app).values()}
+        assert len(workers) == 2 and redis_server.process is not None
+        assert {up.pid, flower[0], *workers, redis_server.process.pid} <= _seen(report), report["processes"]
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        redis_server.stop()
+        app.close()
+
+
+# tests/test_packaging.py::test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package
+# runs scan_an_up_fleet on its `up`: no process of an up fleet shows a job its Redis URL or
+# Flower's login.
 
 
 def test_the_secrets_a_fleet_process_hides_are_its_redis_urls_and_flowers_login() -> None:

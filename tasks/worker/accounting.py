@@ -45,21 +45,15 @@ def job_end(
     message's acknowledgement (``None`` when the message did not come through the fleet's
     transport, or was rejected already).
 
-    A worker that is not in the fleet (it has not joined, or has left it: it holds no leases)
-    hands nothing: its end is empty, and the store is Celery's plain one.
-
     Args:
         app: the worker's app, whose broker names the hash and index to acknowledge in.
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
     """
-    leases = worker.leases
-    if leases is None:
-        return JobEnd()
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
                      busy_seconds=max(0.0, finished - started), last_finished_at=finished,
                      gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}))
-    return JobEnd(attempt=leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
+    return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
 
 
 def message_ack(app: Celery, request: Any) -> MessageAck | None:

@@ -465,7 +465,7 @@ class GangWatch:
         return stop
 
 
-def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: str, expires_s: int,
+def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, expires_s: int,
              job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0) -> Ended:
     """Run ``job`` as the rank of gang ``spec`` on ``device`` (``run`` runs it in a job process):
     join, assemble, run; run it again with the gang when it restarts. ``token``: the fencing
@@ -473,9 +473,6 @@ def run_rank(client: redis.Redis | None, spec: GangSpec, device: str, address: s
     peers' watch (:class:`GangWatch`). Never raises: the
     :class:`Ended` says how it ended, ``give_way`` when an older gang needs the device (the
     caller sends its message back to the queue, :data:`~tasks.core.defaults.GIVE_WAY_S` later)."""
-    if client is None:
-        return Ended.by_worker(GangFailed, f"{device} is not joined to a fleet: a distributed job needs its Redis",
-                               pid=0, retired=None)
     if device not in spec.devices:
         return Ended.by_worker(GangFailed, f"{device} took a rank of {spec.id}, which runs on "
                                f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)",
