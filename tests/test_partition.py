@@ -72,9 +72,13 @@ MAX_OVERLAP_S = 2 * TICK_S
 #: A pause of the worker longer than its lease can last (longer than the margin: the
 #: assumption self-fencing rests on does not hold, so two runs may overlap for the pause).
 PAUSE_S = 7.0
-#: A worker resumed after such a pause stops its run within this long (it finds at once that
-#: its last confirmed renewal is older than the margin).
-STOPPED_AFTER_RESUME_S = 1.0
+#: The paused run's own length: paused 1 s in for PAUSE_S, it would tick on for 4 s after the
+#: resume if nothing stopped it.
+PAUSED_RUN_S = 12.0
+#: A worker resumed after such a pause stops its run at once (it finds that its last confirmed
+#: renewal is older than the margin): within half of what the run had left (an event a loaded
+#: 2-core machine still tells apart from the run ending by itself; 1.0 s failed at load 13).
+STOPPED_AFTER_RESUME_S = (PAUSED_RUN_S - 1.0 - PAUSE_S) / 2
 #: The job runs again elsewhere within lease TTL + reaper interval + this of the cut.
 RERUN_SLACK_S = 1.0
 #: A gang whose rank's host is cut off moves on within the lease TTL + this of the cut (the
@@ -110,7 +114,7 @@ def paused(rig: PartitionRig, rig_app: Any, tmp_path_factory: pytest.TempPathFac
     """The same with the worker paused (SIGSTOP) instead of cut off, longer than its lease
     lasts, while its job process runs on; then resumed."""
     figures = cut_long_trial(rig, rig_app, tmp_path_factory.mktemp("pause"), fault="pause",
-                             long_s=12.0, cut_s=PAUSE_S)
+                             long_s=PAUSED_RUN_S, cut_s=PAUSE_S)
     print(figures.report())
     return figures
 
