@@ -5,6 +5,10 @@
   addresses each device once;
 - ``fleet``: bookkeeping every worker may do, such as a chord's collect step.
 
+Each of them is one list per level (:mod:`tasks.core.priority`): ``device.cpu0:urgent``,
+``device.cpu0`` (``normal``), ``device.cpu0:batch``, and the worker takes every ``urgent`` list
+before any ``normal`` one.
+
 A sweep adds a fourth for its lifetime: ``sweep.<id>``, which the sweep's producer asks the
 chosen devices' workers to consume (Celery's ``add_consumer`` control command), so each device
 takes the sweep's next trial the moment it is free.
@@ -15,6 +19,7 @@ from __future__ import annotations
 from enum import Enum
 
 from .devices import Device
+from .priority import leveled
 
 DEVICE_QUEUE_PREFIX = "device."
 SWEEP_QUEUE_PREFIX = "sweep."
@@ -52,9 +57,10 @@ def sweep_queue(sweep_id: str) -> str:
 
 
 def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:
-    """Every queue the worker owning ``device`` consumes, in priority order."""
+    """Every queue list the worker owning ``device`` consumes, in the order it takes them: each
+    queue's list of every level, highest level first (:func:`tasks.core.priority.leveled`)."""
     queues = [device_queue(device.name), device.kind.value, QueueName.FLEET.value]
     for name in extra or []:
         if name not in queues:
             queues.append(name)
-    return queues
+    return leveled(queues)

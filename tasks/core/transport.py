@@ -145,11 +145,15 @@ else:  # a mixin: the kombu channel comes after it in each subclass's bases
 
 class HardenedChannel(_ChannelBase):
     """What devicefleet adds to a kombu Redis channel, plain or Sentinel: dropping a malformed
-    message instead of raising, one client object per connection pool, and :class:`QoS` (see
-    the module's docstring). A mixin, first in the bases of :class:`Channel` and
+    message instead of raising, one client object per connection pool, :class:`QoS` (see
+    the module's docstring), and queues taken in level order (:class:`~tasks.core.priority.LevelCycle`). A mixin, first in the bases of :class:`Channel` and
     :class:`SentinelChannel`."""
 
     QoS = QoS
+    #: kombu's queue cycle, by name: the worker's queues in level order, never rotated, so each
+    #: BRPOP takes the highest-level message waiting (:mod:`tasks.core.priority`). A transport
+    #: option of that name still overrides it.
+    queue_order_strategy = "tasks.core.priority:LevelCycle"
 
     _pool_client: Any = None
     #: The fleet's :class:`~tasks.core.sentinel.Replication` as a dict, from the transport option
