@@ -4,6 +4,7 @@ queued before it and whatever the worker had prefetched (tasks.core.priority).""
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
 from tasks import fan_out
 from tasks.core.errors import ConfigError
@@ -38,3 +39,42 @@ def test_a_bad_level_or_user_is_refused_before_anything_is_sent(fleet, app):
         fan_out("noop", ["cpu0"], priority="asap", app=app)
     with pytest.raises(ConfigError, match=r"user 'a b' is not a user name"):
         fan_out("noop", ["cpu0"], user="a b", app=app)
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fleet, app, tmp_path):
+    from tasks import waiting
+    from tasks.ops.status import render, report
+
+    release, order = tmp_path / "release", tmp_path / "order"
+    hold = fan_out("hold", ["cpu1"], kwargs={"steps": 1, "release_file": str(release)}, user="carol", app=app)
+    wait_for(lambda: hold.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+    # The registry says what cpu1 runs once its heartbeat wrote the busy slot.
+    wait_for(lambda: any(slot["busy"] for slot in report(fleet.redis_url)["workers"]["cpu1"]["slots"]),
+             30, "cpu1's record showing its running job")
+    batch = [fan_out("stamp", ["cpu1"], kwargs={"path": str(order), "label": f"b{i}"}, priority="batch", user="bob",
+                     app=app) for i in range(2)]
+    urgent = fan_out("stamp", ["cpu1"], kwargs={"path": str(order), "label": "u"}, priority="urgent", user="alice",
+                     app=app)
+    try:
+        jobs = [job for job in waiting(app=app) if job.devices == ["cpu1"]]
+        assert [(job.level.value, job.user, job.job, job.position) for job in jobs] == [
+            ("urgent", "alice", "stamp", 1), ("batch", "bob", "stamp", 2), ("batch", "bob", "stamp", 3)]
+        assert [job.queue for job in jobs] == ["device.cpu1:urgent", "device.cpu1:batch", "device.cpu1:batch"]
+        assert jobs[0].job_id == urgent.task_ids["cpu1"]
+        assert "busy (cpu1: hold (normal, carol))" in jobs[0].reason
+        assert jobs[2].reason.startswith("2 jobs ahead of it (1 urgent, 1 batch)")
+        rep = report(fleet.redis_url)
+        assert rep["waiting_by_level"] == {"urgent": {"alice": 1}, "batch": {"bob": 2}}
+        assert [job["position"] for job in rep["waiting"] if job["devices"] == ["cpu1"]] == [1, 2, 3]
+        console = Console(record=True, width=200)
+        console.print(render(rep))
+        text = console.export_text()
+        assert "waiting (urgent: alice 1; batch: bob 2)" in text
+        assert "device.cpu1:urgent" in text
+    finally:
+        release.touch()
+    assert urgent.get(timeout=60)["cpu1"]["status"] == "ok"
+    assert all(handle.get(timeout=60)["cpu1"]["status"] == "ok" for handle in batch)
+    hold.get(timeout=30)
+    assert order.read_text().split() == ["u", "b0", "b1"]

@@ -8,7 +8,8 @@ job goes to the bare name, the queue it went to before levels existed.
 
 How the order is kept: a worker waits for its next job with one Redis ``BRPOP`` over all the
 lists it consumes, and ``BRPOP`` pops from the first non-empty list in the order the keys are
-given. kombu's Redis channel builds that order from its queue cycle: :class:`LevelCycle` keeps
+given. kombu's Redis channel builds that order from its queue cycle, which
+:class:`tasks.core.transport.LevelCycle` keeps
 the worker's queues sorted by level (every ``urgent`` list first, then the ``normal`` ones, then
 ``batch``), in the order they were added within a level (the device's own, its kind's, ``fleet``,
 then the sweeps' as they attach), and never rotates them (kombu's default, ``round_robin``, moves
@@ -29,8 +30,6 @@ import getpass
 import re
 from enum import Enum
 from typing import Any
-
-from kombu.utils.scheduling import priority_cycle
 
 from .errors import ConfigError
 
@@ -126,16 +125,3 @@ def leveled(queues: list[str]) -> list[str]:
     """Each of ``queues`` at every level, in the order a worker takes them: every level's lists,
     highest level first, each level in the order of ``queues``."""
     return [level_queue(queue, level) for level in Level for queue in queues]
-
-
-class LevelCycle(priority_cycle):  # type: ignore[misc]
-    """kombu's queue cycle of a Redis channel (its ``queue_order_strategy``), in level order.
-
-    kombu hands it the channel's active queues whenever a consumer is added or cancelled
-    (``update``), takes the list for each ``BRPOP`` (``consume``) and would rotate the queue just
-    used (``rotate``: a no-op here, as in kombu's ``priority`` strategy). The queues are kept
-    sorted by level, stably: within a level, in the order they were added.
-    """
-
-    def update(self, it: Any) -> None:
-        self.items[:] = sorted(it, key=queue_rank)

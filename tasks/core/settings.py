@@ -27,7 +27,7 @@ from .defaults import (
 )
 from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, NoFleetError
-from .priority import USER_PATTERN, os_user
+from .priority import check_user, os_user
 from .records import FleetFile
 from .sentinel import Replication, SentinelURL, is_loopback, is_sentinel
 from .sentinel import redact as redact_sentinel_url
@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     advertise_address: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}$")
     #: The user the jobs this process sends are counted to (``devicefleet status``, the
     #: exporter), unless a call names another. Default: the OS user.
-    user: str | None = Field(default=None, pattern=USER_PATTERN)
+    user: str | None = None
 
     @field_validator("redis_url")
     @classmethod
@@ -138,6 +138,11 @@ class Settings(BaseSettings):
             SentinelURL.parse(value)  # every part there and well-formed
         check_redis_auth(value)
         return value
+
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, value: str | None) -> str | None:
+        return None if value is None else check_user(value)
 
     @field_validator("job_modules", mode="before")
     @classmethod

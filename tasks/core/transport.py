@@ -47,8 +47,10 @@ from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
+from kombu.utils.scheduling import priority_cycle
 
 from .errors import NoFleetError
+from .priority import queue_rank
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,21 @@ class QoS(kombu_redis.QoS):
             raise
 
 
+class LevelCycle(priority_cycle):  # type: ignore[misc]
+    """kombu's queue cycle of a Redis channel (its ``queue_order_strategy``), in level order
+    (:mod:`tasks.core.priority`).
+
+    kombu hands it the channel's active queues whenever a consumer is added or cancelled
+    (``update``), takes the list for each ``BRPOP`` (``consume``) and would rotate the queue just
+    used (``rotate``: a no-op here, as in kombu's ``priority`` strategy). The queues are kept
+    sorted by level, stably: within a level, in the order they were added (kombu 5.7.0's
+    ``kombu.utils.scheduling``).
+    """
+
+    def update(self, it: Any) -> None:
+        self.items[:] = sorted(it, key=queue_rank)
+
+
 if TYPE_CHECKING:
     _ChannelBase = kombu_redis.Channel
 else:  # a mixin: the kombu channel comes after it in each subclass's bases
@@ -153,7 +170,7 @@ class HardenedChannel(_ChannelBase):
     #: kombu's queue cycle, by name: the worker's queues in level order, never rotated, so each
     #: BRPOP takes the highest-level message waiting (:mod:`tasks.core.priority`). A transport
     #: option of that name still overrides it.
-    queue_order_strategy = "tasks.core.priority:LevelCycle"
+    queue_order_strategy = f"{__name__}:LevelCycle"
 
     _pool_client: Any = None
     #: The fleet's :class:`~tasks.core.sentinel.Replication` as a dict, from the transport option
