@@ -15,11 +15,11 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
+from ..core.defaults import STATUS_WAITING_ROWS
+from ..core.priority import DEFAULT_LEVEL, split_level
 from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
-from ..core.defaults import STATUS_WAITING_ROWS
-from ..core.priority import DEFAULT_LEVEL, split_level
 from ..producer.dead_letters import read_dead_letters
 from ..producer.waiting import by_level_and_user, read_waiting
 from .exporter import fleet_snapshot
