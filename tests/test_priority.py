@@ -78,3 +78,23 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
     assert all(handle.get(timeout=60)["cpu1"]["status"] == "ok" for handle in batch)
     hold.get(timeout=30)
     assert order.read_text().split() == ["u", "b0", "b1"]
+
+
+def test_a_worker_takes_every_urgent_list_first_and_an_attached_sweep_within_its_level():
+    from tasks.core.devices import Device, DeviceKind
+    from tasks.core.priority import Level, split_level
+    from tasks.core.queues import worker_queues
+    from tasks.core.transport import LevelCycle
+
+    queues = worker_queues(Device(kind=DeviceKind.CPU, index=0))
+    assert queues == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "device.cpu0", "cpu", "fleet",
+                      "device.cpu0:batch", "cpu:batch", "fleet:batch"]
+    cycle = LevelCycle()
+    cycle.update([*queues, "sweep.s1:urgent", "sweep.s2"])  # as kombu hands it after add_consumer
+    assert cycle.consume(11) == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "sweep.s1:urgent",
+                                 "device.cpu0", "cpu", "fleet", "sweep.s2", "device.cpu0:batch", "cpu:batch",
+                                 "fleet:batch"]
+    cycle.rotate("device.cpu0:urgent")  # kombu's round robin would move it last: the order stays
+    assert cycle.consume(1) == ["device.cpu0:urgent"]
+    # A host-qualified device whose host is named like a level is still a normal queue.
+    assert split_level("device.cpu0@batch") == ("device.cpu0@batch", Level.NORMAL)
