@@ -82,11 +82,11 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
 
 def test_a_worker_takes_every_urgent_list_first_and_an_attached_sweep_within_its_level():
     from tasks.core.devices import Device, DeviceKind
-    from tasks.core.priority import Level, split_level
+    from tasks.core.priority import Level, leveled, split_level
     from tasks.core.queues import worker_queues
     from tasks.core.transport import LevelCycle
 
-    queues = worker_queues(Device(kind=DeviceKind.CPU, index=0))
+    queues = leveled(worker_queues(Device(kind=DeviceKind.CPU, index=0)))
     assert queues == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "device.cpu0", "cpu", "fleet",
                       "device.cpu0:batch", "cpu:batch", "fleet:batch"]
     cycle = LevelCycle()

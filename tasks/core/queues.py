@@ -19,7 +19,6 @@ from __future__ import annotations
 from enum import Enum
 
 from .devices import Device
-from .priority import leveled
 
 DEVICE_QUEUE_PREFIX = "device."
 SWEEP_QUEUE_PREFIX = "sweep."
@@ -57,10 +56,11 @@ def sweep_queue(sweep_id: str) -> str:
 
 
 def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:
-    """Every queue list the worker owning ``device`` consumes, in the order it takes them: each
-    queue's list of every level, highest level first (:func:`tasks.core.priority.leveled`)."""
+    """Every queue the worker owning ``device`` consumes, in order within a level (its registry
+    record's ``queues``); it consumes each one's list of every level, in the order
+    :func:`tasks.core.priority.leveled` gives."""
     queues = [device_queue(device.name), device.kind.value, QueueName.FLEET.value]
     for name in extra or []:
         if name not in queues:
             queues.append(name)
-    return leveled(queues)
+    return queues

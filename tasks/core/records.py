@@ -288,6 +288,8 @@ class WorkerRecord(_Record):
     worker: str
     host: str
     pid: int
+    #: The queues it consumes, in order within a level; it takes each one's list of every level
+    #: (:func:`tasks.core.priority.leveled`).
     queues: list[str]
     cores: list[int]
     pool: str

@@ -91,7 +91,7 @@ def fleet_queues(live: Mapping[str, WorkerRecord], devices: list[str]) -> list[s
             if name not in names:
                 names.append(name)
     for rec in live.values():
-        for name in rec.queues:
+        for name in leveled(rec.queues):
             if name not in names:
                 names.append(name)
     return names

@@ -7,7 +7,8 @@
         print(job.level, job.user, job.job, job.position, job.reason)
 
 A queued job is a message in one of the lists a worker consumes (:mod:`tasks.core.priority`).
-:func:`waiting` reads the lists the live workers consume (their registry records) and the lists
+:func:`waiting` reads the lists the live workers consume (each level's list of the queues their
+registry records name) and the lists
 of running sweeps (``sweep.<id>`` and their levels), decodes each message's headers (the job,
 its :class:`~tasks.core.records.JobOptions`: level and user) and places it: its ``position`` is
 one more than the number of messages a device that consumes its list would take before it
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..core import keys
 from ..core.defaults import WAITING_READ_LIMIT
 from ..core.job import COLLECT_TASK, TASK_PREFIX
-from ..core.priority import Level, queue_rank, split_level
+from ..core.priority import Level, leveled, queue_rank, split_level
 from ..core.queues import SWEEP_QUEUE_PREFIX
 from ..core.records import JobOptions, SweepRecord, WorkerRecord
 from ..core.registry import live_workers
@@ -83,7 +84,7 @@ def by_level_and_user(jobs: list[WaitingJob]) -> dict[str, dict[str, int]]:
 def read_waiting(client: redis.Redis) -> list[WaitingJob]:
     """:func:`waiting` on a Redis client (``decode_responses`` either way)."""
     live = live_workers(client)
-    orders = {device: sorted(record.queues, key=queue_rank) for device, record in live.items()}
+    orders = {device: leveled(record.queues) for device, record in live.items()}
     for name, devices in _sweep_lists(client).items():
         for device in devices:
             if device in orders and name not in orders[device]:
