@@ -80,7 +80,7 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
     assert order.read_text().split() == ["u", "b0", "b1"]
 
 
-def test_a_worker_takes_every_urgent_list_first_and_an_attached_sweep_within_its_level():
+def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_turns():
     from tasks.core.devices import Device, DeviceKind
     from tasks.core.priority import Level, leveled, split_level
     from tasks.core.queues import worker_queues
@@ -94,7 +94,11 @@ def test_a_worker_takes_every_urgent_list_first_and_an_attached_sweep_within_its
     assert cycle.consume(11) == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "sweep.s1:urgent",
                                  "device.cpu0", "cpu", "fleet", "sweep.s2", "device.cpu0:batch", "cpu:batch",
                                  "fleet:batch"]
-    cycle.rotate("device.cpu0:urgent")  # kombu's round robin would move it last: the order stays
-    assert cycle.consume(1) == ["device.cpu0:urgent"]
+    # The list just used goes last among its level's (kombu's round robin, within a level only).
+    cycle.rotate("device.cpu0:urgent")
+    cycle.rotate("cpu")
+    assert cycle.consume(11) == ["cpu:urgent", "fleet:urgent", "sweep.s1:urgent", "device.cpu0:urgent",
+                                 "device.cpu0", "fleet", "sweep.s2", "cpu", "device.cpu0:batch", "cpu:batch",
+                                 "fleet:batch"]
     # A host-qualified device whose host is named like a level is still a normal queue.
     assert split_level("device.cpu0@batch") == ("device.cpu0@batch", Level.NORMAL)

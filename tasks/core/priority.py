@@ -9,13 +9,14 @@ job goes to the bare name, the queue it went to before levels existed.
 How the order is kept: a worker waits for its next job with one Redis ``BRPOP`` over all the
 lists it consumes, and ``BRPOP`` pops from the first non-empty list in the order the keys are
 given. kombu's Redis channel builds that order from its queue cycle, which
-:class:`tasks.core.transport.LevelCycle` keeps
-the worker's queues sorted by level (every ``urgent`` list first, then the ``normal`` ones, then
-``batch``), in the order they were added within a level (the device's own, its kind's, ``fleet``,
-then the sweeps' as they attach), and never rotates them (kombu's default, ``round_robin``, moves
-the list just used to the end). So a free device takes the highest-level message of any queue it
-consumes, first come first served within a level. Nothing else is stored and no message is read
-twice: the cost per job is nil in round trips, and a few more keys in each ``BRPOP``.
+:class:`tasks.core.transport.LevelCycle` keeps sorted by level: every ``urgent`` list first,
+then the ``normal`` ones, then ``batch``. Within a level the queues take turns as they always
+did (the list a message just came from goes to the end of its level's lists, as kombu's default
+``round_robin`` moves it to the end of all of them), so a fleet-wide sweep does not starve a
+fan-out's collect step of the same level. So a free device takes a message of the highest level
+waiting in any queue it consumes, first come first served within each list. Nothing else is
+stored and no message is read twice: the cost per job is nil in round trips, and more keys in
+each ``BRPOP`` (three lists per queue).
 
 Prefetch cannot let a lower job jump a higher one: a worker holds one unacknowledged message per
 slot (``worker_prefetch_multiplier = 1`` with ``task_acks_late``, :mod:`tasks.core.app`), and

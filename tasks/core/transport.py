@@ -47,7 +47,7 @@ from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
-from kombu.utils.scheduling import priority_cycle
+from kombu.utils.scheduling import round_robin_cycle
 
 from .errors import NoFleetError
 from .priority import queue_rank
@@ -139,19 +139,32 @@ class QoS(kombu_redis.QoS):
             raise
 
 
-class LevelCycle(priority_cycle):  # type: ignore[misc]
-    """kombu's queue cycle of a Redis channel (its ``queue_order_strategy``), in level order
-    (:mod:`tasks.core.priority`).
+class LevelCycle(round_robin_cycle):  # type: ignore[misc]
+    """kombu's queue cycle of a Redis channel (its ``queue_order_strategy``): levels strictly in
+    order, the queues of one level in turns (:mod:`tasks.core.priority`).
 
     kombu hands it the channel's active queues whenever a consumer is added or cancelled
-    (``update``), takes the list for each ``BRPOP`` (``consume``) and would rotate the queue just
-    used (``rotate``: a no-op here, as in kombu's ``priority`` strategy). The queues are kept
-    sorted by level, stably: within a level, in the order they were added (kombu 5.7.0's
-    ``kombu.utils.scheduling``).
+    (``update``), takes the list for each ``BRPOP`` (``consume``), and names the queue a message
+    just came from (``rotate``). The queues are kept sorted by level, stably (within a level, in
+    the order they were added); the queue just used goes to the end of its own level's queues,
+    as kombu's default ``round_robin`` moves it to the end of all of them, so that one busy queue
+    (a fleet-wide sweep's) does not starve the others of its level (a fan-out's collect step on
+    ``fleet``), and never past a lower level's. kombu 5.7.0's ``kombu.utils.scheduling``.
     """
 
     def update(self, it: Any) -> None:
         self.items[:] = sorted(it, key=queue_rank)
+
+    def rotate(self, last_used: str) -> str:
+        items = self.items
+        try:
+            items.pop(items.index(last_used))
+        except ValueError:
+            return last_used
+        rank = queue_rank(last_used)
+        at = next((i for i, name in enumerate(items) if queue_rank(name) > rank), len(items))
+        items.insert(at, last_used)
+        return last_used
 
 
 if TYPE_CHECKING:
@@ -167,9 +180,9 @@ class HardenedChannel(_ChannelBase):
     :class:`SentinelChannel`."""
 
     QoS = QoS
-    #: kombu's queue cycle, by name: the worker's queues in level order, never rotated, so each
-    #: BRPOP takes the highest-level message waiting (:mod:`tasks.core.priority`). A transport
-    #: option of that name still overrides it.
+    #: kombu's queue cycle, by name: the worker's queues in level order (in turns within a
+    #: level), so each BRPOP takes a message of the highest level waiting
+    #: (:mod:`tasks.core.priority`). A transport option of that name still overrides it.
     queue_order_strategy = f"{__name__}:LevelCycle"
 
     _pool_client: Any = None

@@ -13,7 +13,9 @@ of running sweeps (``sweep.<id>`` and their levels), decodes each message's head
 its :class:`~tasks.core.records.JobOptions`: level and user) and places it: its ``position`` is
 one more than the number of messages a device that consumes its list would take before it
 (every list it takes first, all of them, and the messages ahead in its own), on the device
-where that number is least. Its ``reason`` says what it waits for: the jobs ahead (by level),
+where that number is least. The lists of one level take turns (:class:`tasks.core.transport.LevelCycle`):
+the other lists of its level are counted as if all came first, so within a level the position
+is an upper bound. Its ``reason`` says what it waits for: the jobs ahead (by level),
 and what the devices that could take it run now. A fan-out's collect steps are bookkeeping:
 counted ahead, never listed.
 
