@@ -14,8 +14,8 @@ its :class:`~tasks.core.records.JobOptions`: level and user) and places it: its 
 one more than the number of messages a device that consumes its list would take before it
 (every list it takes first, all of them, and the messages ahead in its own), on the device
 where that number is least. The lists of one level take turns (:class:`tasks.core.transport.LevelCycle`):
-the other lists of its level are counted as if all came first, so within a level the position
-is an upper bound. Its ``reason`` says what it waits for: the jobs ahead (by level),
+the other lists of its level are counted as if all came first, so the position is an upper
+bound. Its ``reason`` says what it waits for: the jobs ahead (by level),
 and what the devices that could take it run now. A fan-out's collect steps are bookkeeping:
 counted ahead, never listed.
 
@@ -134,11 +134,13 @@ def _sweep_lists(client: redis.Redis) -> dict[str, list[str]]:
 
 
 def _ahead(order: list[str], name: str, depths: Mapping[str, int], in_list: int) -> tuple[int, Counter[Level]]:
-    """Messages a device with queue ``order`` takes before the ``in_list``-th of list ``name``
-    (0: its next), in all and by level."""
+    """Messages a device with queue ``order`` may take before the ``in_list``-th of list ``name``
+    (0: its next), in all and by level: every message of a higher level, and of the other lists
+    of its level (they take turns with it: an upper bound)."""
     by_level: Counter[Level] = Counter()
-    for queue in order[:order.index(name)]:
-        if depths.get(queue):
+    rank = queue_rank(name)
+    for queue in order:
+        if queue != name and depths.get(queue) and queue_rank(queue) <= rank:
             by_level[split_level(queue)[1]] += depths[queue]
     if in_list:
         by_level[split_level(name)[1]] += in_list
