@@ -27,6 +27,7 @@ chosen at that moment, among everything then queued.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import re
 from enum import Enum
@@ -93,8 +94,9 @@ def check_user(value: str) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=1)
 def os_user() -> str:
-    """The OS user of this process (the default user of the jobs it sends)."""
+    """The OS user of this process (the default user of the jobs it sends), read once."""
     try:
         name = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry and no LOGNAME/USER (a bare container)

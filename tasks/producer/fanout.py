@@ -158,6 +158,7 @@ def sender_of(app: Celery) -> str:
     settings = getattr(app, "fleet_settings", None)
     return settings.sender if settings is not None else os_user()
 
+
 def registry_client(app: Celery) -> redis.Redis:
     """The blocking Redis client of ``app``'s default connections (:meth:`Connections.of`)."""
     return Connections.of(app).redis
