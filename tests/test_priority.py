@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from tasks import fan_out
+from tasks import fan_out, sweep
 from tasks.core.errors import ConfigError
 
 from .conftest import wait_for
@@ -32,6 +32,23 @@ def test_an_urgent_job_starts_before_a_hundred_batch_jobs_queued_first(fleet, ap
     hold.get(timeout=30)
     # The urgent job was the next to start, then the batch jobs in the order they were sent.
     assert order.read_text().split() == ["urgent"] + [f"batch-{i}" for i in range(QUEUED_BATCH)]
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_sweeps_own_queue_yields_to_an_urgent_job_and_keeps_its_trial_order(fleet, app, tmp_path):
+    release, order = tmp_path / "release", tmp_path / "order"
+    hold = fan_out("hold", ["cpu0"], kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: hold.progress()["cpu0"].get("step") == 1, 60, "the hold job running on cpu0")
+    # One device of two: the sweep's own queue, whose batch list cpu0 is asked to consume.
+    trials = sweep("stamp", [{"label": f"s{i}"} for i in range(3)], devices="cpu0", kwargs={"path": str(order)},
+                   priority="batch", user="bob", app=app)
+    assert trials.queue.list == f"sweep.{trials.id}:batch"
+    urgent = fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": "u"}, priority="urgent", app=app)
+    release.touch()
+    assert [entry["status"] for entry in trials.get(timeout=60)] == ["ok"] * 3
+    assert urgent.get(timeout=60)["cpu0"]["status"] == "ok"
+    hold.get(timeout=30)
+    assert order.read_text().split() == ["u", "s0", "s1", "s2"]
 
 
 def test_a_bad_level_or_user_is_refused_before_anything_is_sent(fleet, app):
