@@ -49,6 +49,7 @@ from .core.errors import (
     WorkerStopped,
 )
 from .core.job import JobContext, JobMetric, job
+from .core.priority import Level
 from .core.queues import QueueName
 from .core.records import ENTRY_KEYS, DeadLetter, Entry, EntryStatus, JobOptions, WorkerRecord
 from .core.settings import Settings
@@ -63,6 +64,7 @@ from .producer import (
     Summary,
     Sweep,
     SweepSummary,
+    WaitingJob,
     command,
     dead_letters,
     fan_out,
@@ -71,6 +73,7 @@ from .producer import (
     grid,
     live_devices,
     sweep,
+    waiting,
 )
 
 if TYPE_CHECKING:
@@ -107,6 +110,7 @@ __all__ = [
     "JobOptions",
     "JobSpec",
     "JobTimeout",
+    "Level",
     "LogFollower",
     "NoFleetError",
     "NoJobProcess",
@@ -120,6 +124,7 @@ __all__ = [
     "SweepConflict",
     "SweepSummary",
     "UnknownJob",
+    "WaitingJob",
     "WorkerLost",
     "WorkerRecord",
     "WorkerStopped",
@@ -137,6 +142,7 @@ __all__ = [
     "optimize_async",
     "start_study",
     "sweep",
+    "waiting",
 ]
 
 # A tasks.py or tasks/ of the user's in the working directory: say so once (tasks.core.shadow).

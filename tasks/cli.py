@@ -229,6 +229,17 @@ def _command_options(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="With -- CMD: a variable for the command's environment (repeatable).")(func)
 
 
+def _priority_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--priority`` and ``--user``: the jobs' level and who they are counted to."""
+    from .core.priority import DEFAULT_LEVEL, Level
+
+    func = click.option("--user", help="Who the jobs are counted to (devicefleet status) [default: "
+                        "DEVICEFLEET_USER, else your OS user].")(func)
+    return click.option("--priority", type=click.Choice([level.value for level in Level], case_sensitive=False),
+                        default=DEFAULT_LEVEL.value, show_default=True,
+                        help="The jobs' level: a free device takes urgent work first, batch work last.")(func)
+
+
 def _job_or_command(job: str | None, env_pairs: tuple[str, ...], cwd: str | None) -> Any:
     """JOB, or the command after ``--`` (a :func:`tasks.command` job).
 
@@ -295,11 +306,13 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
               help="With --distributed: times the gang runs again after a rank's worker died [default: 2].")
 @click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True),
               help="With --distributed: seconds a rank waits for the others to start [default: 120].")
+@_priority_options
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
         max_attempts: int | None, per_slot: bool, distributed: bool, backend: str | None,
-        max_restarts: int | None, join_timeout: float | None, redis_url: str | None) -> None:
+        max_restarts: int | None, join_timeout: float | None, priority: str, user: str | None,
+        redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 3 if the
     fleet went away before every device reported, 130 after Ctrl-C (which cancels the fan-out).
 
@@ -315,7 +328,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     if is_command and kwargs_text:
         raise click.UsageError("--kwargs goes with a JOB; give a command's arguments after --")
     kwargs = _parse_kwargs(kwargs_text) if not is_command else None
-    settings = _settings(redis_url=redis_url)
+    settings = _settings(redis_url=redis_url, user=user)
     given = {"backend": backend, "max_restarts": max_restarts, "join_timeout_s": join_timeout}
     gang: dict[str, Any] | bool = {k: v for k, v in given.items() if v is not None} if distributed else False
     if not distributed and any(v is not None for v in given.values()):
@@ -324,7 +337,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
     handle = fan_out(target, devices, kwargs=kwargs,
                      options={k: v for k, v in options.items() if v is not None} or None,
-                     distributed=gang, per_slot=per_slot, app=app)
+                     distributed=gang, per_slot=per_slot, priority=priority, app=app)
     if is_command:
         watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
     else:
@@ -417,11 +430,12 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
 @click.option("--timeout", type=float, default=SWEEP_TIMEOUT_S, show_default=True, help="Seconds to wait for every trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print every trial's entry as JSON.")
+@_priority_options
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
           grid_text: str | None, kwargs_text: str | None, devices: str, name: str | None,
           max_concurrent: int | None, objective: str | None, direction: str, timeout: float,
-          as_json: bool, redis_url: str | None) -> None:
+          as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
     Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
@@ -437,11 +451,11 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
 
     if (trials_file is None) == (grid_text is None):
         raise click.UsageError("give exactly one of --trials FILE.jsonl and --grid JSON")
-    settings = _settings(redis_url=redis_url)
+    settings = _settings(redis_url=redis_url, user=user)
     trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
     app = _producer_app(settings)
     handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
-                         max_concurrent=max_concurrent,
+                         max_concurrent=max_concurrent, priority=priority,
                          kwargs=_parse_kwargs(kwargs_text), app=app)
     watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
                                  timeout=timeout)) if err_console.is_terminal else None
@@ -471,10 +485,11 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
 @click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials running at once (default: one per device).")
 @click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
+@_priority_options
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
              kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
-             timeout: float | None, as_json: bool, redis_url: str | None) -> None:
+             timeout: float | None, as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
     """Tune JOB's parameters with Optuna: each trial runs on the next free device.
 
     The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
@@ -488,7 +503,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
     from .producer.optimize import optimize as run_study
     from .producer.optimize import require_optuna
 
-    settings = _settings(redis_url=redis_url)
+    settings = _settings(redis_url=redis_url, user=user)
     view: Any = None
     try:
         optuna = require_optuna()
@@ -501,7 +516,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               direction=direction, devices=devices, pruner=pruner, name=name,
                               sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
                               kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent,
-                              timeout=timeout, on_update=view, app=app)
+                              timeout=timeout, on_update=view, priority=priority, app=app)
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
     rows = study_rows(study)

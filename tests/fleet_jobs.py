@@ -308,3 +308,19 @@ def snoop(ctx: JobContext, params: SnoopParams) -> dict[str, Any]:
 
     scan = runpy.run_path(str(Path(__file__).parent / "scripts" / "snoop.py"))["scan"]
     return {"snoop": scan(params.needles, params.paths)}
+
+
+class StampParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A file each run appends ``label`` to, one line per run: the order of its lines is the
+    #: order the jobs started in (on one device, one at a time).
+    path: str
+    label: str
+
+
+@job("stamp", params=StampParams)
+def stamp(ctx: JobContext, params: StampParams) -> dict[str, Any]:
+    """Append ``label`` to ``path`` as the job starts: the tests read the order of starts."""
+    with open(params.path, "a", encoding="utf-8") as out:
+        out.write(params.label + "\n")
+    return {"label": params.label, "device": ctx.device}

@@ -200,6 +200,11 @@ FOLLOW_BLOCK_MS = 200
 #: and how long it waits for the workers' replies to ``add_consumer``.
 SWEEP_REFRESH_S = 5.0
 SWEEP_ATTACH_TIMEOUT_S = 2.0
+#: Messages ``devicefleet status`` (:func:`tasks.waiting`) reads from each queue list: the next
+#: ones to start. Deeper messages are counted (``LLEN``), not listed.
+WAITING_READ_LIMIT = 1000
+#: Queued jobs ``devicefleet status`` lists in its table (``--json`` has them all).
+STATUS_WAITING_ROWS = 20
 #: Seconds a cancelled ``devicefleet run`` or sweep waits for its running jobs to stop and report.
 CANCEL_WAIT_S = 120.0
 #: Runs of a job that may take their whole worker down before it ends as ``WorkerLost``

@@ -5,6 +5,10 @@
   addresses each device once;
 - ``fleet``: bookkeeping every worker may do, such as a chord's collect step.
 
+Each of them is one list per level (:mod:`tasks.core.priority`): ``device.cpu0:urgent``,
+``device.cpu0`` (``normal``), ``device.cpu0:batch``, and the worker takes every ``urgent`` list
+before any ``normal`` one.
+
 A sweep adds a fourth for its lifetime: ``sweep.<id>``, which the sweep's producer asks the
 chosen devices' workers to consume (Celery's ``add_consumer`` control command), so each device
 takes the sweep's next trial the moment it is free.
@@ -52,7 +56,9 @@ def sweep_queue(sweep_id: str) -> str:
 
 
 def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:
-    """Every queue the worker owning ``device`` consumes, in priority order."""
+    """Every queue the worker owning ``device`` consumes, in order within a level (its registry
+    record's ``queues``); it consumes each one's list of every level, in the order
+    :func:`tasks.core.priority.leveled` gives."""
     queues = [device_queue(device.name), device.kind.value, QueueName.FLEET.value]
     for name in extra or []:
         if name not in queues:

@@ -19,10 +19,11 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from .commands import CommandRules
 from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS
+from .priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 
 
 class EntryStatus(str, Enum):
@@ -231,6 +232,15 @@ class JobOptions(_Record):
     #: Runs of the job that may take their whole worker down before it ends as ``WorkerLost``
     #: (a crash of the job's own process is an error entry at once, not an attempt).
     max_attempts: int = Field(default=MAX_ATTEMPTS, ge=1, le=100)
+    #: The job's level (:mod:`tasks.core.priority`): a free device takes the highest first.
+    priority: Level = DEFAULT_LEVEL
+    #: Who sent the job; None until it is sent (then the ``user`` setting, else the OS user).
+    user: str | None = Field(default=None, pattern=USER_PATTERN)
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _check_priority(cls, value: object) -> Level:
+        return parse_level(value)  # its ConfigError names the value and the levels
 
     @property
     def is_default(self) -> bool:
@@ -246,6 +256,9 @@ class BusyInfo(_Record):
     job: str
     job_id: str
     since: float
+    #: The job's level and who sent it (:class:`JobOptions`).
+    level: Level = DEFAULT_LEVEL
+    user: str | None = None
 
 
 class SlotRecord(_Record):
@@ -275,6 +288,8 @@ class WorkerRecord(_Record):
     worker: str
     host: str
     pid: int
+    #: The queues it consumes, in order within a level; it takes each one's list of every level
+    #: (:func:`tasks.core.priority.leveled`).
     queues: list[str]
     cores: list[int]
     pool: str

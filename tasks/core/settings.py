@@ -27,6 +27,7 @@ from .defaults import (
 )
 from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, NoFleetError
+from .priority import check_user, os_user
 from .records import FleetFile
 from .sentinel import Replication, SentinelURL, is_loopback, is_sentinel
 from .sentinel import redact as redact_sentinel_url
@@ -116,6 +117,9 @@ class Settings(BaseSettings):
     #: The address the other ranks of a distributed job reach this worker at when it is rank 0.
     #: Default: this host's address on its route to Redis (127.0.0.1 when Redis is on loopback).
     advertise_address: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}$")
+    #: The user the jobs this process sends are counted to (``devicefleet status``, the
+    #: exporter), unless a call names another. Default: the OS user.
+    user: str | None = None
 
     @field_validator("redis_url")
     @classmethod
@@ -134,6 +138,11 @@ class Settings(BaseSettings):
             SentinelURL.parse(value)  # every part there and well-formed
         check_redis_auth(value)
         return value
+
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, value: str | None) -> str | None:
+        return None if value is None else check_user(value)
 
     @field_validator("job_modules", mode="before")
     @classmethod
@@ -172,6 +181,11 @@ class Settings(BaseSettings):
             ConfigError: not a device name, or a host-qualified name under ``short`` naming.
         """
         return Device.named(name, self.device_names, self.device_host or socket.gethostname())
+
+    @property
+    def sender(self) -> str:
+        """The user of the jobs sent with these settings: ``user``, else the OS user."""
+        return self.user or os_user()
 
     # -- derived paths -------------------------------------------------------------------------
 

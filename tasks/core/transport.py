@@ -47,8 +47,10 @@ from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
+from kombu.utils.scheduling import round_robin_cycle
 
 from .errors import NoFleetError
+from .priority import queue_rank
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,34 @@ class QoS(kombu_redis.QoS):
             raise
 
 
+class LevelCycle(round_robin_cycle):  # type: ignore[misc]
+    """kombu's queue cycle of a Redis channel (its ``queue_order_strategy``): levels strictly in
+    order, the queues of one level in turns (:mod:`tasks.core.priority`).
+
+    kombu hands it the channel's active queues whenever a consumer is added or cancelled
+    (``update``), takes the list for each ``BRPOP`` (``consume``), and names the queue a message
+    just came from (``rotate``). The queues are kept sorted by level, stably (within a level, in
+    the order they were added); the queue just used goes to the end of its own level's queues,
+    as kombu's default ``round_robin`` moves it to the end of all of them, so that one busy queue
+    (a fleet-wide sweep's) does not starve the others of its level (a fan-out's collect step on
+    ``fleet``), and never past a lower level's. kombu 5.7.0's ``kombu.utils.scheduling``.
+    """
+
+    def update(self, it: Any) -> None:
+        self.items[:] = sorted(it, key=queue_rank)
+
+    def rotate(self, last_used: str) -> str:
+        items = self.items
+        try:
+            items.pop(items.index(last_used))
+        except ValueError:
+            return last_used
+        rank = queue_rank(last_used)
+        at = next((i for i, name in enumerate(items) if queue_rank(name) > rank), len(items))
+        items.insert(at, last_used)
+        return last_used
+
+
 if TYPE_CHECKING:
     _ChannelBase = kombu_redis.Channel
 else:  # a mixin: the kombu channel comes after it in each subclass's bases
@@ -145,11 +175,15 @@ else:  # a mixin: the kombu channel comes after it in each subclass's bases
 
 class HardenedChannel(_ChannelBase):
     """What devicefleet adds to a kombu Redis channel, plain or Sentinel: dropping a malformed
-    message instead of raising, one client object per connection pool, and :class:`QoS` (see
-    the module's docstring). A mixin, first in the bases of :class:`Channel` and
+    message instead of raising, one client object per connection pool, :class:`QoS` (see
+    the module's docstring), and queues taken in level order (:class:`~tasks.core.priority.LevelCycle`). A mixin, first in the bases of :class:`Channel` and
     :class:`SentinelChannel`."""
 
     QoS = QoS
+    #: kombu's queue cycle, by name: the worker's queues in level order (in turns within a
+    #: level), so each BRPOP takes a message of the highest level waiting
+    #: (:mod:`tasks.core.priority`). A transport option of that name still overrides it.
+    queue_order_strategy = f"{__name__}:LevelCycle"
 
     _pool_client: Any = None
     #: The fleet's :class:`~tasks.core.sentinel.Replication` as a dict, from the transport option

@@ -38,6 +38,7 @@ from ..core import keys
 from ..core.defaults import RATE_WINDOW_S
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
+from ..core.priority import leveled
 from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
@@ -82,13 +83,15 @@ def _sent_at(raw: Any) -> float | None:
 
 
 def fleet_queues(live: Mapping[str, WorkerRecord], devices: list[str]) -> list[str]:
-    """Every queue of the fleet: the shared ones, each device's own, and extra queues."""
-    names = [q.value for q in QueueName]
+    """Every queue list of the fleet: the shared ones, each device's own, and extra queues, each
+    at every level (:mod:`tasks.core.priority`)."""
+    names = leveled([q.value for q in QueueName])
     for device in devices:
-        if device_queue(device) not in names:
-            names.append(device_queue(device))
+        for name in leveled([device_queue(device)]):
+            if name not in names:
+                names.append(name)
     for rec in live.values():
-        for name in rec.queues:
+        for name in leveled(rec.queues):
             if name not in names:
                 names.append(name)
     return names

@@ -391,7 +391,8 @@ class Fleet:
 
 
 def run_left_collects(app: Celery, scan: int = LEFT_COLLECTS_SCAN) -> list[str]:
-    """Run here the fan-outs' collect steps waiting on the ``fleet`` queue, as a worker would:
+    """Run here the fan-outs' collect steps waiting on the ``fleet`` queue (its lists of every
+    level), as a worker would:
     each one's ``{device: entry}`` (a fold of the entries its message carries) is stored as its
     result, and its message acknowledged. Every other message goes back to the queue.
 
@@ -402,27 +403,29 @@ def run_left_collects(app: Celery, scan: int = LEFT_COLLECTS_SCAN) -> list[str]:
         The task ids of the collect steps run.
     """
     from ..core.job import COLLECT_TASK
+    from ..core.priority import leveled
     from ..core.queues import QueueName
     from ..worker.runner import collect
 
     done: list[str] = []
-    others = []
     with app.connection_for_write() as connection, connection.channel() as channel:
-        queue = app.amqp.queues[QueueName.FLEET.value](channel)
-        for _ in range(scan):
-            message = queue.get(no_ack=False)
-            if message is None:
-                break
-            if message.headers.get("task") != COLLECT_TASK:
-                others.append(message)
-                continue
-            task_id = str(message.headers["id"])
-            args, kwargs, _embed = message.decode()
-            app.backend.mark_as_done(task_id, collect(*args, **kwargs))
-            message.ack()
-            done.append(task_id)
-        for message in others:
-            message.reject(requeue=True)
+        for name in leveled([QueueName.FLEET.value]):  # a collect step goes at its fan-out's level
+            others = []
+            queue = app.amqp.queues[name](channel)
+            for _ in range(scan):
+                message = queue.get(no_ack=False)
+                if message is None:
+                    break
+                if message.headers.get("task") != COLLECT_TASK:
+                    others.append(message)
+                    continue
+                task_id = str(message.headers["id"])
+                args, kwargs, _embed = message.decode()
+                app.backend.mark_as_done(task_id, collect(*args, **kwargs))
+                message.ack()
+                done.append(task_id)
+            for message in others:
+                message.reject(requeue=True)
     if done:
         logger.info("ran %d collect step(s) the stop left queued: %s", len(done), ", ".join(done))
     return done

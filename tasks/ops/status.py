@@ -15,10 +15,13 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
+from ..core.defaults import STATUS_WAITING_ROWS
+from ..core.priority import DEFAULT_LEVEL, split_level
 from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
 from ..producer.dead_letters import read_dead_letters
+from ..producer.waiting import by_level_and_user, read_waiting
 from .exporter import fleet_snapshot
 from .progress_view import describe, fraction
 
@@ -26,11 +29,15 @@ logger = logging.getLogger(__name__)
 
 
 def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
-    """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "dead_letters", "at"}``.
+    """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "waiting",
+    "waiting_by_level", "dead_letters", "at"}``.
 
     ``workers`` are the registry records (as JSON); ``devices`` the throughput figures of
-    :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue's depth and oldest age;
-    ``dead_letters`` the jobs given up after taking their worker down (as JSON, oldest first).
+    :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue list's depth and oldest age;
+    ``waiting`` each queued job (:class:`tasks.producer.waiting.WaitingJob` as JSON: its level,
+    user, position and why it waits), in order, and ``waiting_by_level`` their counts
+    ``{level: {user: n}}``; ``dead_letters`` the jobs given up after taking their worker down
+    (as JSON, oldest first).
 
     Raises:
         FleetError: Redis cannot be read.
@@ -39,6 +46,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         live = live_workers(client)
         snap = fleet_snapshot(client)
         letters = read_dead_letters(client) if snap["dead_letters"] else []
+        waiting = read_waiting(client)
     return {
         "redis_url": redact_url(url),
         "flower_url": fleet_info.flower_url if fleet_info else None,
@@ -48,6 +56,8 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "workers": {device: record.to_dict() for device, record in live.items()},
         "devices": snap["devices"],
         "queues": snap["queues"],
+        "waiting": [job.model_dump(mode="json") for job in waiting],
+        "waiting_by_level": by_level_and_user(waiting),
         "dead_letters": [letter.to_dict() for letter in letters],
     }
 
@@ -99,6 +109,21 @@ def slot_lines(name: str, device: dict[str, Any], now: float) -> list[str]:
     return lines
 
 
+def waiting_part(rep: dict[str, Any]) -> list[Any]:
+    """The queued jobs, by level and user, then the first :data:`STATUS_WAITING_ROWS` of them in
+    order with their position and why they wait (nothing when no job waits)."""
+    jobs = rep.get("waiting") or []
+    if not jobs:
+        return []
+    counts = "; ".join(f"{level}: " + ", ".join(f"{user} {n}" for user, n in users.items())
+                       for level, users in (rep.get("waiting_by_level") or {}).items())
+    rows = table(f"{len(jobs)} job(s) waiting ({counts})", ["#", "level", "user", "job", "queue", "why"], right=("#",))
+    for job in jobs[:STATUS_WAITING_ROWS]:
+        rows.add_row(str(job["position"]), job["level"], job["user"] or "?", job["job"], job["queue"], job["reason"])
+    more = len(jobs) - STATUS_WAITING_ROWS
+    return ["", rows] + ([f"... and {more} more (devicefleet status --json lists them all)"] if more > 0 else [])
+
+
 def _num(value: float | None, fmt: str = "{:.3g}") -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -148,9 +173,11 @@ def render(rep: dict[str, Any]) -> Group:
                         f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}{allowed}")
     queues = table("queues", ["queue", "waiting", "oldest"], right=("waiting", "oldest"))
     for name, q in rep["queues"].items():
+        if not q["depth"] and split_level(name)[1] is not DEFAULT_LEVEL:
+            continue  # an empty urgent or batch list: the normal one stands for its queue
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
-    parts: list[Any] = [devices, *slot_rows, *seen, "", queues]
+    parts: list[Any] = [devices, *slot_rows, *seen, "", queues, *waiting_part(rep)]
     letters = rep.get("dead_letters") or []
     if letters:
         dead = table(f"{len(letters)} dead letter(s): jobs that took their worker down, not run again",

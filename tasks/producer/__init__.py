@@ -7,6 +7,7 @@ from .dead_letters import dead_letters, forget_dead_letter
 from .fanout import FanOut, JobSpec, fan_out, live_devices
 from .handle import JobHandle, Report, Summary
 from .sweep import Sweep, SweepSummary, grid, sweep
+from .waiting import WaitingJob, waiting
 
 __all__ = [
     "FanOut",
@@ -18,6 +19,7 @@ __all__ = [
     "Summary",
     "Sweep",
     "SweepSummary",
+    "WaitingJob",
     "command",
     "dead_letters",
     "fan_out",
@@ -26,4 +28,5 @@ __all__ = [
     "grid",
     "live_devices",
     "sweep",
+    "waiting",
 ]

@@ -46,6 +46,7 @@ from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
+from ..core.priority import Level, check_user, level_queue, os_user, parse_level
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, JobOptions, WorkerRecord
 from ..core.registry import live_workers
@@ -117,13 +118,46 @@ class JobSpec(BaseModel):
         base = cls.of(job)
         return cls.of(base, {**base.kwargs, **kwargs}) if kwargs else base
 
+    @property
+    def level(self) -> Level:
+        """The job's level (its options' ``priority``)."""
+        return self.options.priority
+
     def signature(self, app: Celery, queue: str) -> Any:
-        """The Celery signature that runs this job from ``queue``."""
-        headers = {} if self.options.is_default else {OPTIONS_HEADER: self.options.to_dict()}
-        return app.signature(task_name(self.name), kwargs=self.kwargs, queue=queue, headers=headers)
+        """The Celery signature that runs this job from ``queue``'s list of the job's level,
+        with its options (the user filled in: :func:`sender_of`). Flower shows the level and the
+        user as the task's args (a job takes kwargs only)."""
+        options = self.options if self.options.user else self.options.model_copy(update={"user": sender_of(app)})
+        return app.signature(task_name(self.name), kwargs=self.kwargs, queue=level_queue(queue, options.priority),
+                             headers={OPTIONS_HEADER: options.to_dict()},
+                             argsrepr=f"priority={options.priority.value} user={options.user}")
 
 
 JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
+
+
+def prioritized(job: JobLike, priority: Level | str | None = None, user: str | None = None) -> JobSpec:
+    """``job`` as a :class:`JobSpec` at level ``priority`` and sent as ``user`` (each where given;
+    otherwise as the job's own options say).
+
+    Raises:
+        ConfigError: a malformed spec, or ``priority`` is not a level or ``user`` not a user name.
+    """
+    spec = JobSpec.of(job)
+    update: dict[str, Any] = {}
+    if priority is not None:
+        update["priority"] = parse_level(priority)
+    if user is not None:
+        update["user"] = check_user(user)
+    return spec.model_copy(update={"options": spec.options.model_copy(update=update)}) if update else spec
+
+
+def sender_of(app: Celery) -> str:
+    """The user of the jobs ``app`` sends that name none: its settings' ``user``, else the OS
+    user (:attr:`tasks.core.settings.Settings.sender`)."""
+    settings = getattr(app, "fleet_settings", None)
+    return settings.sender if settings is not None else os_user()
+
 
 def registry_client(app: Celery) -> redis.Redis:
     """The blocking Redis client of ``app``'s default connections (:meth:`Connections.of`)."""
@@ -305,6 +339,8 @@ def fan_out(
     options: JobOptions | Mapping[str, Any] | None = None,
     distributed: bool | DistributedOptions | Mapping[str, Any] = False,
     per_slot: bool = False,
+    priority: Level | str | None = None,
+    user: str | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> FanOut:
@@ -325,6 +361,9 @@ def fan_out(
         per_slot: send each device as many copies of its job as it has slots (``slots`` in its
             worker config), to run at once; the result's keys are then ``<device>/<copy>``
             (``cpu0/0``, ``cpu0/1``) and each entry names the ``slot`` that ran it.
+        priority: the jobs' level, ``urgent``, ``normal`` (default) or ``batch``
+            (:mod:`tasks.core.priority`): a free device takes the highest level first.
+        user: who the jobs are counted to; default the ``user`` setting, else the OS user.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` (or
             :class:`~tasks.producer.connections.Connections`) whose Redis connections the handle
@@ -332,7 +371,7 @@ def fan_out(
 
     Raises:
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
-        ConfigError: a job spec is malformed.
+        ConfigError: a job spec is malformed, or ``priority`` or ``user`` is invalid.
         UnknownJob: a device's worker does not run the job (nothing is sent).
     """
     app = app or (client.app if client is not None else default_app())
@@ -346,11 +385,11 @@ def fan_out(
                 f"fan_out mapping keys must be device names, got {kinds}; use "
                 "fan_out(job, devices=...) to run one job on every device of a kind"
             )
-        plan = {device: JobSpec.of(job) for device, job in jobs.items()}
+        plan = {device: prioritized(job, priority, user) for device, job in jobs.items()}
         live = live_devices(client=client)
         select_devices(list(jobs), live)  # raises DeviceUnavailable before anything is sent
     else:
-        spec = JobSpec.of(jobs, kwargs, options)  # type: ignore[arg-type]
+        spec = prioritized(JobSpec.of(jobs, kwargs, options), priority, user)  # type: ignore[arg-type]
         live = live_devices(client=client)
         plan = {device: spec for device in select_devices(devices, live)}
     check_jobs(plan, live)
@@ -366,7 +405,10 @@ def fan_out(
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
     header = [spec.signature(app, device_queue(key_device(key))) for key, spec in plan.items()]
-    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=QueueName.FLEET.value)
+    # The collect step at the jobs' highest level: an urgent fan-out is not collected behind
+    # normal work.
+    level = min((spec.level for spec in plan.values()), key=lambda lvl: lvl.rank, default=Level.NORMAL)
+    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=level_queue(QueueName.FLEET.value, level))
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))
     return result

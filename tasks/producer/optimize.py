@@ -54,11 +54,12 @@ from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from ..core.job import PROGRESS_STATE
+from ..core.priority import Level
 from ..core.records import Entry, EntryStatus
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary
 from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_task_id
@@ -198,6 +199,8 @@ def start_study(
     kwargs: Mapping[str, Any] | None = None,
     max_concurrent: int | None = None,
     on_update: Callable[[StudyProgress], None] | None = None,
+    priority: Level | str | None = None,
+    user: str | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> StudyHandle:
@@ -219,6 +222,8 @@ def start_study(
         max_concurrent: trials running at once (default: one per slot of each device).
         on_update: called with a :class:`StudyProgress` after every read that advanced the study
             (for a live view; from a thread when the handle is awaited).
+        priority: the trials' level (``urgent``, ``normal``, ``batch``).
+        user: who the trials are counted to; default the ``user`` setting, else the OS user.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -239,7 +244,7 @@ def start_study(
         raise ConfigError(f"direction={direction!r}: use 'maximize' or 'minimize'")
     if not isinstance(objective, str) or not objective:
         raise ConfigError(f"objective={objective!r}: name the field of the job's output to optimize")
-    base = JobSpec.sharing(job, kwargs)
+    base = JobSpec.sharing(prioritized(job, priority, user), kwargs)
     clash = sorted(set(distributions) & set(base.kwargs))
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
@@ -260,7 +265,7 @@ def start_study(
         raise SweepConflict(f"study {study_name!r} is a study of job {owner!r}, not {base.name!r}: "
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
-    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections)
+    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections, level=base.level)
     queue.attach()
     handle = StudyHandle(_StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit,
                                    on_update))

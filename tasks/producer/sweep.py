@@ -37,9 +37,10 @@ from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
 from ..core.defaults import RESULT_EXPIRES_S
 from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
+from ..core.priority import Level
 from ..core.records import SweepRecord
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary, summarize
 from .trials import TrialQueue, entry_of, queue_for, trial_task_id
 
@@ -264,6 +265,8 @@ def sweep(
     name: str | None = None,
     max_concurrent: int | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    priority: Level | str | None = None,
+    user: str | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> Sweep:
@@ -278,19 +281,23 @@ def sweep(
         max_concurrent: at most this many trials sent and unfinished at a time (the handle
             sends more as it is polled); default: every trial is queued at once.
         kwargs: kwargs every trial shares.
+        priority: the trials' level (``urgent``, ``normal``, ``batch``); a resumed sweep keeps
+            the level and user it was sent with.
+        user: who the trials are counted to; default the ``user`` setting, else the OS user.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
 
     Raises:
-        ConfigError: a trial is not a dict, or an argument is out of range.
+        ConfigError: a trial is not a dict, an argument is out of range, or ``priority`` or
+            ``user`` is invalid.
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
         UnknownJob: a device's worker does not run the job (nothing is sent).
         SweepConflict: a sweep of that name exists with another job or other trials.
     """
     app = app or (client.app if client is not None else default_app())
     connections = client if client is not None and client.app is app else Connections.of(app)
-    specs = trial_specs(job, trials, kwargs)
+    specs = trial_specs(prioritized(job, priority, user), trials, kwargs)
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1, or None for all at once")
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -317,7 +324,8 @@ def sweep(
         sent = {int(i) for i in registry.smembers(keys.sweep_sent(sweep_id))}
         logger.info("sweep %s: resuming, %d of %d trials sent before", sweep_id, len(sent), len(specs))
     _save(app, record, connections)
-    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue, connections=connections)
+    level = specs[0].level if specs else prioritized(job, priority).level
+    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue, connections=connections, level=level)
     if not record.cancelled:
         queue.attach()
     handle = Sweep(app, record, specs, queue, sent, max_concurrent)

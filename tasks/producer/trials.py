@@ -34,6 +34,7 @@ from celery import Celery
 from ..core.defaults import SWEEP_ATTACH_TIMEOUT_S
 from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
+from ..core.priority import DEFAULT_LEVEL, Level, level_queue
 from ..core.queues import QueueName, sweep_queue
 from ..core.records import WorkerRecord
 from .connections import Connections
@@ -70,7 +71,7 @@ class TrialQueue:
 
     def __init__(self, app: Celery, queue_id: str, devices: list[str],
                  live: Mapping[str, WorkerRecord], queue: str | None = None,
-                 connections: Connections | None = None) -> None:
+                 connections: Connections | None = None, level: Level = DEFAULT_LEVEL) -> None:
         self.app = app
         self.connections = connections or Connections.of(app)
         #: The trials' states and progress (kept once final).
@@ -80,6 +81,9 @@ class TrialQueue:
         self.queue = queue or queue_for(queue_id, devices, live)
         #: Whether the queue is the sweep's own, which the workers consume only when asked.
         self.own = self.queue == sweep_queue(queue_id)
+        #: The trials' level, and the queue's list of that level (what the workers consume).
+        self.level = level
+        self.list = level_queue(self.queue, level)
         self.devices = devices
         self._workers = {device: live[device] for device in devices}
         self._device_of = {record.worker: device for device, record in live.items()}
@@ -93,11 +97,11 @@ class TrialQueue:
         if not self.own:
             return
         nodenames = [record.worker for record in self._workers.values()]
-        replies = self.app.control.add_consumer(self.queue, destination=nodenames, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
+        replies = self.app.control.add_consumer(self.list, destination=nodenames, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
         answered = {name for reply in replies or [] for name in reply}
         silent = [d for d, record in self._workers.items() if record.worker not in answered]
         if silent:
-            logger.warning("%s: no reply to add_consumer from %s; trials go to the others", self.queue,
+            logger.warning("%s: no reply to add_consumer from %s; trials go to the others", self.list,
                            ", ".join(silent))
         self._refreshed = time.monotonic()
 
@@ -120,7 +124,7 @@ class TrialQueue:
                 self._workers[device] = record
         if restarted:
             logger.info("%s: %s restarted; asking again to consume", self.queue, ", ".join(restarted))
-            self.app.control.add_consumer(self.queue, destination=restarted, reply=False)
+            self.app.control.add_consumer(self.list, destination=restarted, reply=False)
 
     def detach(self) -> None:
         """Let the workers stop consuming the sweep's own queue (best effort: an empty queue
@@ -128,7 +132,7 @@ class TrialQueue:
         if not self.own:
             return
         try:
-            self.app.control.cancel_consumer(self.queue, destination=[r.worker for r in self._workers.values()],
+            self.app.control.cancel_consumer(self.list, destination=[r.worker for r in self._workers.values()],
                                              reply=False)
         except Exception as exc:  # noqa: BLE001
             logger.debug("%s: cancel_consumer failed: %s", self.queue, exc)
@@ -170,7 +174,7 @@ class TrialQueue:
         purged = 0
         if self.own:  # a shared queue holds other work: its trial messages are dropped when taken
             with self.app.connection_for_write() as conn:
-                purged = conn.default_channel.queue_purge(self.queue)
+                purged = conn.default_channel.queue_purge(self.list)
         metas = self.metas(task_ids)
         unfinished = [tid for tid in metas if not self.reader.is_final(tid)]
         if unfinished:

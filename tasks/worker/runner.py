@@ -152,7 +152,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions,
              attempt: Attempt | None = None) -> dict[str, Any]:
     with worker.slots.take() as slot:
-        run = JobRun(worker, task, job, slot)
+        run = JobRun(worker, task, job, slot, options)
         message = run.job_message(kwargs, options)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
         try:
@@ -291,7 +291,8 @@ class JobRun:
     """One job's life on this worker, apart from running it: busy in the registry, its entry,
     its stored end."""
 
-    def __init__(self, worker: DeviceWorker, task: Task, job: JobInfo, slot: Slot | None = None) -> None:
+    def __init__(self, worker: DeviceWorker, task: Task, job: JobInfo, slot: Slot | None = None,
+                 options: JobOptions | None = None) -> None:
         self.worker = worker
         self.task = task
         self.job = job
@@ -299,8 +300,9 @@ class JobRun:
         self.started = time.time()
         self.job_id = str(task.request.id or f"local-{self.started}")
         if slot is not None:
-            worker.heartbeat.update_slot(slot.index, busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
-                                         after_s=HEARTBEAT_COALESCE_S)
+            opts = options or JobOptions()
+            busy = BusyInfo(job=job.name, job_id=self.job_id, since=self.started, level=opts.priority, user=opts.user)
+            worker.heartbeat.update_slot(slot.index, busy=busy, after_s=HEARTBEAT_COALESCE_S)
 
     def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
         request = self.task.request

@@ -50,6 +50,7 @@ from celery import bootsteps, signals
 
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
+from ..core.priority import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
@@ -252,8 +253,8 @@ class JobsStep(bootsteps.StartStopStep):
             app.register_task(task_cls())
         # The collect step is quick and on every fan-out's path: no STARTED state of its own.
         app.task(name=COLLECT_TASK, shared=False, track_started=False)(collect)
-        # Exactly the device's queues, whatever -Q said.
-        app.amqp.queues.select(worker.setup.queues)
+        # Exactly the device's queues, each one's list of every level, whatever -Q said.
+        app.amqp.queues.select(leveled(worker.setup.queues))
         # One job per slot at once, whatever --concurrency said: the pool and the consumer's
         # prefetch (N messages) are created after every step's __init__ (Blueprint.apply).
         slots = len(worker.slots)

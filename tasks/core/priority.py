@@ -1,0 +1,130 @@
+"""Priorities: the level a job runs at, the user who sent it, and how a worker keeps the order.
+
+A job carries a :class:`Level` (``urgent``, ``normal``, the default, or ``batch``) and the user who
+sent it, in its :class:`~tasks.core.records.JobOptions`. The level picks the queue: every queue
+of the fleet (a device's, a kind's, ``fleet``, a sweep's) has one list per level, the level after
+:data:`LEVEL_SEPARATOR` (``device.cpu0:urgent``, ``cpu:batch``, ``sweep.s1:urgent``); a ``normal``
+job goes to the bare name, the queue it went to before levels existed.
+
+How the order is kept: a worker waits for its next job with one Redis ``BRPOP`` over all the
+lists it consumes, and ``BRPOP`` pops from the first non-empty list in the order the keys are
+given. kombu's Redis channel builds that order from its queue cycle, which
+:class:`tasks.core.transport.LevelCycle` keeps sorted by level: every ``urgent`` list first,
+then the ``normal`` ones, then ``batch``. Within a level the queues take turns as they always
+did (the list a message just came from goes to the end of its level's lists, as kombu's default
+``round_robin`` moves it to the end of all of them), so a fleet-wide sweep does not starve a
+fan-out's collect step of the same level. So a free device takes a message of the highest level
+waiting in any queue it consumes, first come first served within each list. Nothing else is
+stored and no message is read twice: the cost per job is nil in round trips, and more keys in
+each ``BRPOP`` (three lists per queue).
+
+Prefetch cannot let a lower job jump a higher one: a worker holds one unacknowledged message per
+slot (``worker_prefetch_multiplier = 1`` with ``task_acks_late``, :mod:`tasks.core.app`), and
+kombu starts the next ``BRPOP`` only while it holds fewer than that (its QoS's
+``can_consume``). A busy device has no message in hand; the one it takes when a slot frees is
+chosen at that moment, among everything then queued.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import re
+from enum import Enum
+from typing import Any
+
+from .errors import ConfigError
+
+#: Between a queue's name and its level: ``device.cpu0:urgent``. Not a character of a device,
+#: kind, sweep or host name (``cpu0@host`` is a device under host naming), so a name never reads
+#: as a level.
+LEVEL_SEPARATOR = ":"
+#: What a user name may be: what ``devicefleet status`` shows and Prometheus labels carry.
+USER_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.@\-]{0,63}$"
+#: The user of a job sent by a process whose OS user cannot be read (no passwd entry in a
+#: container) and that named none.
+UNKNOWN_USER = "unknown"
+
+
+class Level(str, Enum):
+    """How urgent a job is; a free device takes the highest level first. In order, highest first."""
+
+    URGENT = "urgent"
+    NORMAL = "normal"
+    BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        """0 for the highest level: the order a worker takes its queues in."""
+        return _RANKS[self]
+
+
+_RANKS = {level: rank for rank, level in enumerate(Level)}
+#: The level of a job that names none.
+DEFAULT_LEVEL = Level.NORMAL
+_LEVEL_OF_SUFFIX = {level.value: level for level in Level if level is not DEFAULT_LEVEL}
+
+
+def parse_level(value: Any) -> Level:
+    """``value`` (a :class:`Level` or its name, any case) as a :class:`Level`.
+
+    Raises:
+        ConfigError: not a level; the message names the value and the levels.
+    """
+    if isinstance(value, Level):
+        return value
+    if isinstance(value, str):
+        try:
+            return Level(value.strip().lower())
+        except ValueError:
+            pass
+    raise ConfigError(f"priority {value!r} is not a level: use one of "
+                      f"{', '.join(level.value for level in Level)} (highest first; default {DEFAULT_LEVEL.value})")
+
+
+def check_user(value: str) -> str:
+    """``value`` if it is a valid user name.
+
+    Raises:
+        ConfigError: it is not; the message names it.
+    """
+    if not isinstance(value, str) or not re.fullmatch(USER_PATTERN, value):
+        raise ConfigError(f"user {value!r} is not a user name: letters, digits and _.@- "
+                          "(at most 64, not starting with . @ or -)")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def os_user() -> str:
+    """The OS user of this process (the default user of the jobs it sends), read once."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no LOGNAME/USER (a bare container)
+        return UNKNOWN_USER
+    return name if re.fullmatch(USER_PATTERN, name) else UNKNOWN_USER
+
+
+def level_queue(queue: str, level: Level) -> str:
+    """The list of ``queue`` that holds ``level``'s jobs: the bare name for ``normal``."""
+    if level is DEFAULT_LEVEL:
+        return queue
+    return f"{queue}{LEVEL_SEPARATOR}{level.value}"
+
+
+def split_level(name: str) -> tuple[str, Level]:
+    """``(queue, level)`` of a queue list's name: ``cpu:urgent`` -> ``("cpu", URGENT)``."""
+    base, sep, suffix = name.rpartition(LEVEL_SEPARATOR)
+    if sep and suffix in _LEVEL_OF_SUFFIX:
+        return base, _LEVEL_OF_SUFFIX[suffix]
+    return name, DEFAULT_LEVEL
+
+
+def queue_rank(name: str) -> int:
+    """The rank of a queue list's level (0: consumed first)."""
+    return split_level(name)[1].rank
+
+
+def leveled(queues: list[str]) -> list[str]:
+    """Each of ``queues`` at every level, in the order a worker takes them: every level's lists,
+    highest level first, each level in the order of ``queues``."""
+    return [level_queue(queue, level) for level in Level for queue in queues]

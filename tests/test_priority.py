@@ -1,0 +1,121 @@
+"""Priorities on the session fleet: a free device takes the highest level first, whatever was
+queued before it and whatever the worker had prefetched (tasks.core.priority)."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from tasks import fan_out, sweep
+from tasks.core.errors import ConfigError
+
+from .conftest import wait_for
+
+#: Batch jobs queued behind a running job before the urgent one (the issue's figure).
+QUEUED_BATCH = 100
+
+
+@pytest.mark.timeout(180)
+def test_an_urgent_job_starts_before_a_hundred_batch_jobs_queued_first(fleet, app, tmp_path):
+    release, order = tmp_path / "release", tmp_path / "order"
+    # cpu0 busy: everything below waits in Redis, and the worker holds no other message.
+    hold = fan_out("hold", ["cpu0"], kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: hold.progress()["cpu0"].get("step") == 1, 60, "the hold job running on cpu0")
+    batch = [fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": f"batch-{i}"}, priority="batch",
+                     user="bob", app=app) for i in range(QUEUED_BATCH)]
+    urgent = fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": "urgent"}, priority="urgent",
+                     user="alice", app=app)
+    release.touch()
+    assert urgent.get(timeout=60)["cpu0"]["status"] == "ok"
+    for handle in batch:
+        assert handle.get(timeout=120)["cpu0"]["status"] == "ok"
+    hold.get(timeout=30)
+    # The urgent job was the next to start, then the batch jobs in the order they were sent.
+    assert order.read_text().split() == ["urgent"] + [f"batch-{i}" for i in range(QUEUED_BATCH)]
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_sweeps_own_queue_yields_to_an_urgent_job_and_keeps_its_trial_order(fleet, app, tmp_path):
+    release, order = tmp_path / "release", tmp_path / "order"
+    hold = fan_out("hold", ["cpu0"], kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: hold.progress()["cpu0"].get("step") == 1, 60, "the hold job running on cpu0")
+    # One device of two: the sweep's own queue, whose batch list cpu0 is asked to consume.
+    trials = sweep("stamp", [{"label": f"s{i}"} for i in range(3)], devices="cpu0", kwargs={"path": str(order)},
+                   priority="batch", user="bob", app=app)
+    assert trials.queue.list == f"sweep.{trials.id}:batch"
+    urgent = fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": "u"}, priority="urgent", app=app)
+    release.touch()
+    assert [entry["status"] for entry in trials.get(timeout=60)] == ["ok"] * 3
+    assert urgent.get(timeout=60)["cpu0"]["status"] == "ok"
+    hold.get(timeout=30)
+    assert order.read_text().split() == ["u", "s0", "s1", "s2"]
+
+
+def test_a_bad_level_or_user_is_refused_before_anything_is_sent(fleet, app):
+    with pytest.raises(ConfigError, match=r"priority 'asap' is not a level: use one of urgent, normal, batch"):
+        fan_out("noop", ["cpu0"], priority="asap", app=app)
+    with pytest.raises(ConfigError, match=r"user 'a b' is not a user name"):
+        fan_out("noop", ["cpu0"], user="a b", app=app)
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fleet, app, tmp_path):
+    from tasks import waiting
+    from tasks.ops.status import render, report
+
+    release, order = tmp_path / "release", tmp_path / "order"
+    hold = fan_out("hold", ["cpu1"], kwargs={"steps": 1, "release_file": str(release)}, user="carol", app=app)
+    wait_for(lambda: hold.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+    # The registry says what cpu1 runs once its heartbeat wrote the busy slot.
+    wait_for(lambda: any(slot["busy"] for slot in report(fleet.redis_url)["workers"]["cpu1"]["slots"]),
+             30, "cpu1's record showing its running job")
+    batch = [fan_out("stamp", ["cpu1"], kwargs={"path": str(order), "label": f"b{i}"}, priority="batch", user="bob",
+                     app=app) for i in range(2)]
+    urgent = fan_out("stamp", ["cpu1"], kwargs={"path": str(order), "label": "u"}, priority="urgent", user="alice",
+                     app=app)
+    try:
+        jobs = [job for job in waiting(app=app) if job.devices == ["cpu1"]]
+        assert [(job.level.value, job.user, job.job, job.position) for job in jobs] == [
+            ("urgent", "alice", "stamp", 1), ("batch", "bob", "stamp", 2), ("batch", "bob", "stamp", 3)]
+        assert [job.queue for job in jobs] == ["device.cpu1:urgent", "device.cpu1:batch", "device.cpu1:batch"]
+        assert jobs[0].job_id == urgent.task_ids["cpu1"]
+        assert "busy (cpu1: hold (normal, carol))" in jobs[0].reason
+        assert jobs[2].reason.startswith("2 jobs ahead of it (1 urgent, 1 batch)")
+        rep = report(fleet.redis_url)
+        assert rep["waiting_by_level"] == {"urgent": {"alice": 1}, "batch": {"bob": 2}}
+        assert [job["position"] for job in rep["waiting"] if job["devices"] == ["cpu1"]] == [1, 2, 3]
+        console = Console(record=True, width=200)
+        console.print(render(rep))
+        text = console.export_text()
+        assert "waiting (urgent: alice 1; batch: bob 2)" in text
+        assert "device.cpu1:urgent" in text
+    finally:
+        release.touch()
+    assert urgent.get(timeout=60)["cpu1"]["status"] == "ok"
+    assert all(handle.get(timeout=60)["cpu1"]["status"] == "ok" for handle in batch)
+    hold.get(timeout=30)
+    assert order.read_text().split() == ["u", "b0", "b1"]
+
+
+def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_turns():
+    from tasks.core.devices import Device, DeviceKind
+    from tasks.core.priority import Level, leveled, split_level
+    from tasks.core.queues import worker_queues
+    from tasks.core.transport import LevelCycle
+
+    queues = leveled(worker_queues(Device(kind=DeviceKind.CPU, index=0)))
+    assert queues == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "device.cpu0", "cpu", "fleet",
+                      "device.cpu0:batch", "cpu:batch", "fleet:batch"]
+    cycle = LevelCycle()
+    cycle.update([*queues, "sweep.s1:urgent", "sweep.s2"])  # as kombu hands it after add_consumer
+    assert cycle.consume(11) == ["device.cpu0:urgent", "cpu:urgent", "fleet:urgent", "sweep.s1:urgent",
+                                 "device.cpu0", "cpu", "fleet", "sweep.s2", "device.cpu0:batch", "cpu:batch",
+                                 "fleet:batch"]
+    # The list just used goes last among its level's (kombu's round robin, within a level only).
+    cycle.rotate("device.cpu0:urgent")
+    cycle.rotate("cpu")
+    assert cycle.consume(11) == ["cpu:urgent", "fleet:urgent", "sweep.s1:urgent", "device.cpu0:urgent",
+                                 "device.cpu0", "fleet", "sweep.s2", "cpu", "device.cpu0:batch", "cpu:batch",
+                                 "fleet:batch"]
+    # A host-qualified device whose host is named like a level is still a normal queue.
+    assert split_level("device.cpu0@batch") == ("device.cpu0@batch", Level.NORMAL)
