@@ -168,6 +168,9 @@ GIVE_WAY_S = 0.5
 #: How often a running rank's worker looks at its gang (failed, or moved to a new generation:
 #: the rank is stopped).
 GANG_WATCH_INTERVAL_S = 0.25
+#: How often rank 0's job process of a distributed command looks at how many ranks have ended
+#: while it keeps the gang's store for them (tasks/jobproc/rank.py).
+STORE_POLL_S = 0.05
 #: How long a rank whose job raised waits for its worker to fail the gang before it takes its
 #: process group down (a worker that does not answer is stuck or gone: the rank goes on).
 RANK_FAILED_ASK_S = 10.0
@@ -280,3 +283,11 @@ LOADER_PREFETCH = 4
 #: How long the training loop waits for the shared memory of a batch its worker sent (it is sent
 #: ahead of the batch, so it is there at once; past this, a bug is reported instead of a hang).
 LOADER_HANDOFF_TIMEOUT_S = 10.0
+
+# -- built-in jobs ----------------------------------------------------------------------------------
+
+#: How often the ``hogwild`` job process looks at its training processes and at
+#: ``ctx.progress()`` (where a cancel or time limit reaches it).
+HOGWILD_POLL_S = 0.2
+#: How long a ``hogwild`` training process has after SIGTERM before SIGKILL when the job ends it.
+HOGWILD_STOP_GRACE_S = 2.0

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from ..core.defaults import STORE_POLL_S
 from ..core.errors import CommandFailed, PeerLost
 from ..core.job import DistributedInfo, JobContext
 from ..core.wire import Rank, RankFailed, StoreOpened
@@ -54,8 +55,6 @@ PEER_LOST_MARKERS = ("connection reset by peer", "connection closed by peer", "b
 #: command has ended: rank 0's job process, which hosts the store, keeps it until it reaches the
 #: world size.
 ENDED_KEY = "devicefleet/ranks-ended"
-#: How often rank 0 looks at :data:`ENDED_KEY` while it keeps the store.
-STORE_POLL_S = 0.05
 #: Environment variables a distributed command finds besides torchrun's.
 ENV_LOCAL_RANK = "DEVICEFLEET_LOCAL_RANK"
 ENV_BACKEND = "DEVICEFLEET_DIST_BACKEND"

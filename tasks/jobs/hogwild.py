@@ -40,6 +40,7 @@ from pydantic import Field
 from torch import nn
 
 from ..core.children import die_with_parent
+from ..core.defaults import HOGWILD_POLL_S, HOGWILD_STOP_GRACE_S
 from ..core.errors import JobError, TrainingDiverged
 from ..core.job import JobContext, JobMetric, job
 from . import data
@@ -47,10 +48,6 @@ from .models import TrainingParams, build
 
 logger = logging.getLogger(__name__)
 
-#: How often the job process looks at its children and at ``ctx.progress()`` (a cancel).
-POLL_S = 0.2
-#: How long a child has after SIGTERM before SIGKILL when the job ends it.
-STOP_GRACE_S = 2.0
 
 #: ``(epoch, summed loss, correct, samples)`` of one process's epoch.
 EpochReport = Callable[[int, float, int, int], None]
@@ -152,11 +149,11 @@ class _Epochs:
 
 
 def _stop(procs: list[Any]) -> None:
-    """End the children still running: SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`."""
+    """End the children still running: SIGTERM, then SIGKILL after :data:`HOGWILD_STOP_GRACE_S`."""
     for proc in procs:
         if proc.pid is not None and proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + HOGWILD_STOP_GRACE_S
     for proc in procs:
         if proc.pid is None:
             continue
@@ -207,14 +204,14 @@ def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split:
         while len(done) < processes:
             # Cancelled or past its time limit: raises here, and the finally ends the children.
             epochs.report()
-            for conn in wait(list(conns), timeout=POLL_S):
+            for conn in wait(list(conns), timeout=HOGWILD_POLL_S):
                 assert isinstance(conn, Connection)
                 try:
                     message = conn.recv()
                 except EOFError:  # the process ended (its end of the pipe closed with it)
                     rank = conns.pop(conn)
                     if rank not in done:
-                        procs[rank].join(STOP_GRACE_S)
+                        procs[rank].join(HOGWILD_STOP_GRACE_S)
                         raise JobError(f"hogwild process {rank} of {processes} ended (exit status "
                                        f"{procs[rank].exitcode}) before it was done") from None
                     continue
