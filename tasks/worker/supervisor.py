@@ -223,14 +223,49 @@ class Supervisor:
         """
         process = self._take()
         budget = None
-        if slot is not None:
+        if slot is not None and job.devices is None:  # a group's job comes with its devices' cores
             job = self._in_slot(job, slot, process)
             if slot.budget_bytes is not None and self.meter is not None:
                 budget = _Budget(slot, self.meter)
         ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         retire = ended.retired or self._retire_reason(process, ended.finished)
+        if retire is None and job.devices is not None:
+            # A group's job may have started processes over all its devices (a launcher's, or
+            # mp.spawn's): they end with this process's group, before the devices run other jobs.
+            retire = "it ran a device group's job: what that job started ends with it"
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
+
+    def needs_own_process(self, env: dict[str, str]) -> bool:
+        """Whether a job whose process must see ``env`` (a device group's visibility) cannot run
+        in one of this device's processes: CUDA reads its visibility once, at its start."""
+        return any(self._env.get(name) != value for name, value in env.items())
+
+    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str]) -> Ended:
+        """Run ``job`` in a process of its own, started with ``env`` over the device's
+        environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
+        lists all its GPUs), and end that process after it.
+
+        Raises:
+            NoJobProcess: it did not become ready within the start timeout.
+        """
+        cores = sorted(job.cores or self.spec.cores)
+        threads = job.torch_threads or len(cores)
+        spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
+        process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label)
+        with self._cond:
+            self._busy.add(process)
+        try:
+            try:
+                process.wait_hello(self.policy.start_timeout_s)
+            except ProcessGone as exc:
+                raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
+            return _Run(process, job, watch, self.policy.cancel_grace_s).wait()
+        finally:
+            process.kill("its group's job ended")
+            with self._cond:
+                self._busy.discard(process)
+                self._cond.notify_all()
 
     def _in_slot(self, job: RunJob, slot: Slot, process: JobProcess) -> RunJob:
         """``job`` on ``slot``'s cores and threads; on a GPU, its allocator capped at the slot's

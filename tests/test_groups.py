@@ -1,0 +1,177 @@
+"""Device groups: one job over several devices of one host, in one job process
+(tasks/worker/group.py, tasks/core/groups.py), on the session fleet's cpu0 and cpu1.
+
+The pure parts (which devices, which GPUs by their links, the refusal) are unit tests; the
+mechanism (reservation, holds, wait-die, the gate that stops new single jobs) is tested on the
+real fleet, each test in a few seconds. A worker killed under a group is in
+tests/test_reliability.py, whose fleet is supervised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+import tasks
+from tasks import fan_out
+from tasks.core import keys
+from tasks.core.errors import ConfigError, GroupUnavailable
+from tasks.core.groups import Link, best_connected, group_environment, plan_groups
+from tasks.core.records import WorkerRecord
+
+from .conftest import wait_for
+
+
+def _record(device: str, host: str, kind: str = "cpu", cores: list[int] | None = None) -> WorkerRecord:
+    return WorkerRecord(device=device, kind=kind, worker=f"{device}@{host}", host=host, pid=1, queues=[],
+                        cores=cores or [0], pool="threads", jobs=["train"], started_at=0.0)
+
+
+# -- the pure part -------------------------------------------------------------------------------
+
+
+def test_best_connected_prefers_nvlink_then_a_common_switch_on_a_fake_topology():
+    """Four GPUs: 0-1 and 2-3 on NVLink, 1-2 on one PCIe switch, the rest across sockets."""
+    nvlink = {frozenset({0, 1}), frozenset({2, 3})}
+    switch = {frozenset({1, 2})}
+
+    def link(a: int, b: int) -> Link:
+        pair = frozenset({a, b})
+        return Link.NVLINK if pair in nvlink else Link.PCIE_SWITCH if pair in switch else Link.SYSTEM
+
+    assert best_connected([0, 1, 2, 3], 2, link) == ([0, 1], "gpu0+gpu1: every pair at best nvlink")
+    assert best_connected([1, 2, 3], 2, link)[0] == [2, 3]
+    assert best_connected([0, 1, 2], 2, link)[0] == [0, 1]
+    assert best_connected([1, 2], 2, link) == ([1, 2], "gpu1+gpu2: every pair at best pcie switch")
+    # Three of four: the set without a cross-socket pair does not exist; the fewest worst pairs win.
+    chosen, why = best_connected([0, 1, 2, 3], 3, link)
+    assert chosen == [0, 1, 2] and why.endswith("system")
+
+
+def test_plan_groups_takes_one_host_and_kind_and_refuses_naming_each_host():
+    live = {"cpu0": _record("cpu0", "a"), "cpu1": _record("cpu1", "a"), "gpu0": _record("gpu0", "a", "gpu"),
+            "cpu0@b": _record("cpu0@b", "b"), "cpu1@b": _record("cpu1@b", "b"), "cpu2@b": _record("cpu2@b", "b")}
+    assert plan_groups(list(live), live, 2) == [["cpu0", "cpu1"], ["cpu0@b", "cpu1@b"]]
+    assert plan_groups(list(live), live, 3) == [["cpu0@b", "cpu1@b", "cpu2@b"]]
+    with pytest.raises(GroupUnavailable) as refused:
+        plan_groups(["cpu0", "gpu0", "cpu0@b"], live, 2)
+    message = str(refused.value)
+    assert "a has cpu0 (cpu), cpu1 (cpu), gpu0 (gpu)" in message
+    assert "b has cpu0@b (cpu), cpu1@b (cpu), cpu2@b (cpu)" in message
+
+
+def test_group_environment_lists_gpus_in_bus_order():
+    assert group_environment(["gpu3", "gpu1"]) == {"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert group_environment(["cpu0", "cpu1"]) == {"CUDA_VISIBLE_DEVICES": "-1"}
+
+
+# -- on the fleet ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rclient(fleet):  # type: ignore[no-untyped-def]
+    c = redis.Redis.from_url(fleet.redis_url, decode_responses=True)
+    yield c
+    c.close()
+
+
+def _free(client: redis.Redis, devices: list[str]) -> bool:
+    """No reservation or hold left on ``devices``."""
+    return all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+               for d in devices)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_job_sees_both_devices_cores_and_names(app, rclient):
+    live = tasks.live_devices(app)
+    results = fan_out("group_probe", "cpu", group=2, app=app).get(timeout=90)
+    assert list(results) == ["cpu0+cpu1"]
+    entry = results["cpu0+cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert entry["device"] == "cpu0+cpu1"
+    out = entry["output"]
+    cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
+    assert out["devices"] == ["cpu0", "cpu1"]
+    assert out["cores"] == cores and out["affinity"] == cores and out["threads"] == len(cores)
+    assert out["cuda_visible_devices"] == "-1"
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(60)
+def test_a_group_no_host_can_give_is_refused_before_anything_is_sent(app):
+    with pytest.raises(GroupUnavailable, match=r"has cpu0 \(cpu\), cpu1 \(cpu\)"):
+        fan_out("group_probe", "cpu", group=3, app=app)
+    with pytest.raises(GroupUnavailable):
+        fan_out("group_probe", "cpu0", group=2, app=app)
+    with pytest.raises(ConfigError, match="group=1"):
+        fan_out("group_probe", "cpu", group=1, app=app)
+    with pytest.raises(ConfigError, match="neither distributed"):
+        fan_out("group_probe", "cpu", group=2, distributed=True, app=app)
+
+
+@pytest.mark.timeout(120)
+def test_a_cancelled_group_job_leaves_no_process_behind(app, rclient, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    handle = fan_out("group_probe", "cpu", group=2, kwargs={"child_pid_file": str(pid_file)}, app=app)
+    wait_for(pid_file.is_file, 60, "the group job to start its child")
+    child = int(pid_file.read_text())
+    job_pid = wait_for(lambda: next((p for p in tasks.live_devices(app)["cpu0"].job_pids), None), 10,
+                       "cpu0's job process")
+    handle.cancel()
+    entry = handle.get(timeout=60)["cpu0+cpu1"]
+    assert entry["status"] == "cancelled", entry
+    wait_for(lambda: not _alive(child), 10, f"the job's child {child} to be ended")
+    assert job_pid > 0
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+    results = fan_out("echo", "cpu", kwargs={"value": 1}, app=app).get(timeout=60)
+    assert {d: e["status"] for d, e in results.items()} == {"cpu0": "ok", "cpu1": "ok"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+
+
+@pytest.mark.timeout(180)
+def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserved_device(app, rclient, tmp_path):
+    """cpu1 runs a single job; a group over cpu0+cpu1 reserves both and waits for it; single
+    jobs sent to cpu1 after the reservation start only after the group has run (the reservation
+    closed cpu1's gate: without it they would start as the first single ends, and a stream of
+    them would starve the group). A second group over the same devices, led by cpu1, waits its
+    turn (wait-die): all finish, and the two groups never run at once."""
+    release = tmp_path / "release"
+    first = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: tasks.live_devices(app)["cpu1"].busy is not None, 60, "cpu1 to run the single job")
+    group_a = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+    group_b = fan_out({"cpu1+cpu0": ("group_probe", {})}, app=app)
+
+    def waiting() -> bool:
+        runs = [rclient.hgetall(keys.group_run(a)) for a in rclient.zrange(keys.group_reservations("cpu1"), 0, -1)]
+        return any(r.get("state") == "waiting" and "cpu1" in r.get("waiting_for", "") and "closed:cpu1" in r
+                   for r in runs)
+
+    wait_for(waiting, 30, "a group to wait for cpu1, closed to new single jobs")
+    singles = [fan_out("echo", "cpu1", kwargs={"value": i}, app=app) for i in range(3)]
+    sent_at = time.time()
+    release.touch()
+    assert first.get(timeout=60)["cpu1"]["status"] == "ok"
+    a = group_a.get(timeout=90)["cpu0+cpu1"]
+    b = group_b.get(timeout=90)["cpu1+cpu0"]
+    assert a["status"] == "ok" and b["status"] == "ok", (a, b)
+    spans = sorted([(a["started_at"], a["finished_at"]), (b["started_at"], b["finished_at"])])
+    assert spans[0][1] <= spans[1][0], f"the two groups ran at once: {spans}"
+    group_ends = [a["finished_at"], b["finished_at"]]
+    for handle in singles:
+        entry = handle.get(timeout=90)["cpu1"]
+        assert entry["status"] == "ok", entry
+        # Sent while a group reserved cpu1: it started after that group had run.
+        assert entry["started_at"] >= min(group_ends), (entry["started_at"], group_ends, sent_at)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the groups' reservations and holds to go")
