@@ -19,10 +19,16 @@ A group's key in a fan-out's result is its devices joined by ``+`` (``cpu0+cpu1`
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import IntEnum
+from typing import Any
 
+import redis
+
+from . import keys
 from .devices import Device, DeviceKind
 from .errors import ConfigError, GroupUnavailable
 from .records import WorkerRecord
@@ -115,7 +121,7 @@ def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], siz
         while len(names) >= size:
             if kind == DeviceKind.GPU.value and links is not None:
                 index = {Device.parse(n).index: n for n in names}
-                chosen, _ = best_connected(list(index), size, lambda a, b, h=host: links(h, a, b))
+                chosen, _ = best_connected(list(index), size, functools.partial(links, host))
                 group = [index[i] for i in chosen]
             else:
                 group = names[:size]
@@ -161,3 +167,39 @@ def group_environment(devices: Sequence[str]) -> dict[str, str]:
         indexes = sorted(d.index for d in parsed if d.kind is DeviceKind.GPU)
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, indexes)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     return {"CUDA_VISIBLE_DEVICES": "-1"}
+
+
+def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, Any]]:
+    """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
+    first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
+    "since"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting group and
+    ``closed`` the devices that take no new single job for it."""
+    pipe = client.pipeline(transaction=False)
+    devices = list(devices)
+    for device in devices:
+        pipe.zrange(keys.group_reservations(device), 0, -1)
+    attempts = list(dict.fromkeys(_text(a) for found in pipe.execute() for a in found))
+    pipe = client.pipeline(transaction=False)
+    for attempt in attempts:
+        pipe.hgetall(keys.group_run(attempt))
+    out = []
+    for attempt, raw in zip(attempts, pipe.execute(), strict=True):
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if not fields:
+            continue
+        try:
+            waiting = json.loads(fields.get("waiting_for") or "{}")
+        except ValueError:
+            waiting = {}
+        out.append({
+            "attempt": attempt, "group": fields.get("group"), "name": fields.get("devices", "").replace(",", GROUP_SEPARATOR),
+            "job_id": fields.get("job_id"), "leader": fields.get("leader"), "state": fields.get("state"),
+            "waiting_for": waiting if fields.get("state") == "waiting" else {},
+            "closed": sorted(k.split(":", 1)[1] for k in fields if k.startswith("closed:")),
+            "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
+        })
+    return sorted(out, key=lambda g: g["seq"])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
