@@ -9,16 +9,19 @@ tests/test_reliability.py, whose fleet is supervised.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 from rich.console import Console
 
 import tasks
 from tasks import fan_out
+from tasks.cli import cli
 from tasks.core import keys
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.groups import Link, best_connected, group_environment, plan_groups
@@ -181,3 +184,14 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
         # Sent while a group reserved cpu1: it started after that group had run.
         assert entry["started_at"] >= min(group_ends), (entry["started_at"], group_ends, sent_at)
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the groups' reservations and holds to go")
+
+
+@pytest.mark.timeout(120)
+def test_devicefleet_run_group_prints_the_groups_entry(fleet):
+    result = CliRunner().invoke(cli, ["run", "group_probe", "--devices", "cpu", "--group", "2", "--json",
+                                      "--redis-url", fleet.redis_url])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(result.output)["cpu0+cpu1"]
+    assert entry["status"] == "ok" and entry["output"]["devices"] == ["cpu0", "cpu1"]
+    refused = CliRunner().invoke(cli, ["run", "group_probe", "--group", "3", "--redis-url", fleet.redis_url])
+    assert refused.exit_code != 0 and "no live host can run a group of 3" in refused.output
