@@ -19,7 +19,8 @@ and a spare, hands each running job to one of them (:meth:`Supervisor.run`) and 
 A process is retired (ended, and a fresh one spawned in the background while the spare takes
 the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
 poisoned its context, an out-of-memory, a job that raised SystemExit), when it grew past the memory
-threshold, or after ``jobs_per_process`` jobs. Otherwise it runs the next job too, from the
+threshold, after ``jobs_per_process`` jobs, or after a device group's job that left processes
+behind (they end with it, before the group's devices run anything else). Otherwise it runs the next job too, from the
 environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
 
 Job processes are started by :func:`tasks.core.children.spawn_child`: each leads its own process
@@ -36,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import psutil
 
 from ..core.defaults import (
     CANCEL_GRACE_S,
@@ -229,10 +232,10 @@ class Supervisor:
                 budget = _Budget(slot, self.meter)
         ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         retire = ended.retired or self._retire_reason(process, ended.finished)
-        if retire is None and job.devices is not None:
+        if retire is None and job.devices is not None and _has_children(process.pid):
             # A group's job may have started processes over all its devices (a launcher's, or
-            # mp.spawn's): they end with this process's group, before the devices run other jobs.
-            retire = "it ran a device group's job: what that job started ends with it"
+            # mp.spawn's): any left end with this process's group, before the devices run other jobs.
+            retire = "a device group's job left processes behind: they end with it"
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
 
@@ -368,6 +371,15 @@ class Supervisor:
             elif failure is None:
                 self._changed()
             backoff = RESPAWN_BACKOFF_S[0] if failure is None else min(RESPAWN_BACKOFF_S[1], backoff * 2)
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has a child (a job's leftover: the job process itself starts none
+    between jobs)."""
+    try:
+        return bool(psutil.Process(pid).children())
+    except psutil.Error:
+        return False
 
 
 @dataclass
