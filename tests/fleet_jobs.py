@@ -330,6 +330,7 @@ def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
 
     import torch
 
+    started = time.time()
     if params.child_pid_file:
         child = subprocess.Popen(["sleep", "300"])
         tmp = f"{params.child_pid_file}.tmp"
@@ -345,4 +346,4 @@ def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
     return {"devices": ctx.devices, "device": ctx.device, "cores": ctx.cores,
             "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-            "started": time.time()}
+            "started": started, "ended": time.time()}

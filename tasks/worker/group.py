@@ -339,11 +339,12 @@ class Reservation:
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
               supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
-              run: Callable[[RunJob, Watch], Ended]) -> Ended:
+              run: Callable[[RunJob, Watch], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
     hold, run it in one job process over them all, release. Its reservation lives as long as
     a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
-    says how it ended, ``give_way`` when an older group needs one of its devices."""
+    says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
+    is called once every device holds it, as its job starts (its entry's ``started_at``)."""
     if client is None:
         return Ended.by_worker(NoJobProcess, f"{device} is not joined to a fleet: a device group needs its Redis",
                                pid=0, retired=None)
@@ -370,6 +371,7 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
                 reservation.note_waiting()
             time.sleep(GROUP_POLL_S)
         logger.info("%s: group %s starts after %.2f s", device, spec.name, time.monotonic() - started)
+        on_start()
         records = [read_worker(client, d) for d in spec.devices]
         cores = group_cores([r for r in records if r is not None]) or list(supervisor.spec.cores)
         env = group_environment(spec.devices)

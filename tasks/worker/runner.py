@@ -174,7 +174,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
             if options.group is not None:
                 ended = group.run_group(worker.client, options.group, worker.device.name, worker.gate,
                                         worker.supervisor, worker.settings.lease_ttl_s, message, watch,
-                                        lambda grouped, group_watch: run_in_process(worker, grouped, group_watch, slot))
+                                        lambda grouped, group_watch: run_in_process(worker, grouped, group_watch, slot),
+                                        on_start=run.start_clock)
             elif options.gang is None:
                 ended = run_in_process(worker, message, watch, slot)
             else:
@@ -322,6 +323,14 @@ class JobRun:
         if slot is not None:
             worker.heartbeat.update_slot(slot.index, busy=BusyInfo(job=job.name, job_id=self.job_id, since=self.started),
                                          after_s=HEARTBEAT_COALESCE_S)
+
+    def start_clock(self) -> None:
+        """The job starts now (a device group's, once its devices are held): its entry's
+        ``started_at`` and the registry's ``since`` say so."""
+        self.started = time.time()
+        if self.slot is not None:
+            self.worker.heartbeat.update_slot(self.slot.index, busy=BusyInfo(
+                job=self.job.name, job_id=self.job_id, since=self.started), after_s=HEARTBEAT_COALESCE_S)
 
     def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
         self.options = options
