@@ -148,10 +148,10 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     closed cpu1's gate: without it they would start as the first single ends, and a stream of
     them would starve the group). A second group over the same devices, led by cpu1, waits its
     turn (wait-die): all finish, and the two groups never run at once."""
-    release = tmp_path / "release"
+    release, release_a = tmp_path / "release", tmp_path / "release-a"
     first = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release)}, app=app)
     wait_for(lambda: tasks.live_devices(app)["cpu1"].busy is not None, 60, "cpu1 to run the single job")
-    group_a = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+    group_a = fan_out({"cpu0+cpu1": ("group_probe", {"release_file": str(release_a)})}, app=app)
     group_b = fan_out({"cpu1+cpu0": ("group_probe", {})}, app=app)
 
     def waiting() -> bool:
@@ -171,6 +171,12 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     sent_at = time.time()
     release.touch()
     assert first.get(timeout=60)["cpu1"]["status"] == "ok"
+    # Group A runs (until the test lets it end) while the first of the singles waits at cpu1's
+    # closed gate: without the reservation it would run beside A.
+    a_run = keys.group_run(rclient.zrange(keys.group_reservations("cpu0"), 0, 0)[0])
+    wait_for(lambda: rclient.hget(a_run, "state") == "running" and int(rclient.hget(a_run, "closed:cpu1") or 0) >= 1,
+             30, "group A to run while a single job waits at cpu1's gate")
+    release_a.touch()
     a = group_a.get(timeout=90)["cpu0+cpu1"]
     b = group_b.get(timeout=90)["cpu1+cpu0"]
     assert a["status"] == "ok" and b["status"] == "ok", (a, b)

@@ -173,7 +173,8 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
     """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
     first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
     "since"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting group and
-    ``closed`` the devices that take no new single job for it."""
+    ``closed`` ``{device: single jobs waiting there}`` of the devices that take no new single
+    job for it."""
     pipe = client.pipeline(transaction=False)
     devices = list(devices)
     for device in devices:
@@ -195,7 +196,7 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
             "attempt": attempt, "group": fields.get("group"), "name": fields.get("devices", "").replace(",", GROUP_SEPARATOR),
             "job_id": fields.get("job_id"), "leader": fields.get("leader"), "state": fields.get("state"),
             "waiting_for": waiting if fields.get("state") == "waiting" else {},
-            "closed": sorted(k.split(":", 1)[1] for k in fields if k.startswith("closed:")),
+            "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
             "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
         })
     return sorted(out, key=lambda g: g["seq"])

@@ -133,7 +133,7 @@ def group_run(run_id: str) -> str:
     group's id), ``job_id``, ``leader``, ``devices`` (comma list), ``seq`` (its age), ``state``
     (``waiting`` | ``running``), ``waiting_for`` (JSON ``{device: what it runs}`` while it
     waits), ``since``, and ``closed:<device>`` once that device's worker takes no new single
-    job for it. Deleted when the attempt ends; expires with its ``alive`` key's TTL."""
+    job for it: the number of single jobs waiting there. Deleted when the attempt ends; expires with its ``alive`` key's TTL."""
     return f"{PREFIX}group:{run_id}"
 
 

@@ -186,6 +186,9 @@ def group_table(groups: list[dict[str, Any]], now: float) -> Table:
             open_to_singles = [d for d in group["name"].split("+") if d not in group["closed"]]
             if open_to_singles:
                 state += f" (reserving {', '.join(open_to_singles)})"
+        held = sum(group["closed"].values())
+        if held:
+            state += f", {held} single job{'' if held == 1 else 's'} held back"
         waiting = "; ".join(f"{device}: {what}" for device, what in group["waiting_for"].items()) or "-"
         out.add_row(group["name"], str(group["job_id"]), state, waiting)
     return out

@@ -107,14 +107,19 @@ class GroupGate:
         self._reserved = False
         #: ``{job id: the group attempt it runs for, or None for a single job}``.
         self._running: dict[str, str | None] = {}
+        #: Single jobs waiting at the closed gate now.
+        self.held_back = 0
 
     @contextmanager
     def single(self, job_id: str, give_up: Callable[[], bool]) -> Iterator[bool]:
         """Admit a single job once no group reserves the device; yields False instead when
         ``give_up()`` turned true while it waited (the worker stops: its message goes back)."""
         with self._cond:
-            while self._reserved and not give_up():
-                self._cond.wait(GROUP_POLL_S)
+            if self._reserved:
+                self.held_back += 1
+                while self._reserved and not give_up():
+                    self._cond.wait(GROUP_POLL_S)
+                self.held_back -= 1
             admitted = not self._reserved
             if admitted:
                 self._running[job_id] = None
@@ -163,8 +168,9 @@ class GroupKeeper:
         self.gate = gate
         self.poll_s = poll_s
         self._move = client.register_script(_MOVE_HOLD)
-        #: The group whose record says this device is closed to new single jobs.
-        self._told = ""
+        #: The group whose record says this device is closed to new single jobs, and how many
+        #: it said wait at the gate.
+        self._told: tuple[str, int] = ("", 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="devicefleet-groups", daemon=True)
 
@@ -203,16 +209,17 @@ class GroupKeeper:
                 self.client.zrem(reservations, *dead)
             attempts = sorted((score, a) for (a, score), up in zip(attempts, alive, strict=True) if up)  # type: ignore[misc]
         if not attempts:
-            self._told = ""
+            self._told = ("", 0)
             self.gate.open()
             if held:
                 self._move_hold(held, "")
             return
         _, oldest = attempts[0]
         idle = self.gate.close(oldest)
-        if self._told != oldest:  # the group's record says the device takes no new single job
-            self.client.hset(keys.group_run(oldest), f"closed:{self.device}", time.time())
-            self._told = oldest
+        told = (oldest, self.gate.held_back)
+        if self._told != told:  # the group's record says the device takes no new single job
+            self.client.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
+            self._told = told
         if held == oldest:
             return
         if idle or (held and held not in {a for _, a in attempts}):
