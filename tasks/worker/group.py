@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,7 +57,7 @@ from ..core.groups import group_cores, group_environment
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
 from ..core.wire import STOPS, Outcome, RunJob, StopJob
-from .supervisor import Ended, Supervisor, Watch
+from .supervisor import Ended, Supervisor, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
 
@@ -232,31 +232,16 @@ class GroupKeeper:
             logger.info("%s: held for group %s", self.device, to)
 
 
-class GroupWatch:
+class GroupWatch(WatchOver):
     """A group job's watch: the job's own, and its leader's ``alive`` key kept fresh."""
 
     def __init__(self, inner: Watch, client: redis.Redis, attempt: str, ttl_ms: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.client = client
         self.attempt = attempt
         self.ttl_ms = ttl_ms
         self.refresh_s = min(GROUP_REFRESH_S, ttl_ms / 4000)
         self._next = time.monotonic() + self.refresh_s
-
-    def report(self, fields: dict[str, Any]) -> None:
-        self.inner.report(fields)
-
-    def log(self, lines: Sequence[tuple[str, str]]) -> None:
-        self.inner.log(lines)
-
-    def memory(self, used: int) -> None:
-        self.inner.memory(used)
-
-    def store_opened(self, port: int) -> None:
-        self.inner.store_opened(port)
-
-    def rank_failed(self, reason: str) -> None:
-        self.inner.rank_failed(reason)
 
     def stop(self) -> StopJob | None:
         now = time.monotonic()

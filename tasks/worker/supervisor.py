@@ -111,6 +111,32 @@ class Watch(Protocol):
         """The job's memory at its latest sample (bytes)."""
 
 
+class WatchOver:
+    """A watch that adds to another's (a gang's, a group's): every call goes to ``inner``
+    unless a subclass says more."""
+
+    def __init__(self, inner: Watch) -> None:
+        self.inner = inner
+
+    def report(self, fields: dict[str, Any]) -> None:
+        self.inner.report(fields)
+
+    def log(self, lines: Sequence[tuple[str, str]]) -> None:
+        self.inner.log(lines)
+
+    def store_opened(self, port: int) -> None:
+        self.inner.store_opened(port)
+
+    def rank_failed(self, reason: str) -> None:
+        self.inner.rank_failed(reason)
+
+    def stop(self) -> StopJob | None:
+        return self.inner.stop()
+
+    def memory(self, used: int) -> None:
+        self.inner.memory(used)
+
+
 @dataclass(frozen=True)
 class Ended:
     """How a job ended, as the supervisor saw it."""
