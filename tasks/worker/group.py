@@ -188,6 +188,8 @@ class GroupKeeper:
                 self.tick()
             except redis.RedisError as exc:  # the gate stays as it was; looked at again next poll
                 logger.debug("%s: could not look at its reservations: %s", self.device, exc)
+            except Exception:  # a malformed record in Redis: this thread must go on for every group
+                logger.exception("%s: could not look at its reservations", self.device)
 
     def tick(self) -> None:
         """One look at the device's reservations and hold."""
