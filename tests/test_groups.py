@@ -14,6 +14,7 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,12 +25,16 @@ import tasks
 from tasks import fan_out
 from tasks.cli import cli
 from tasks.core import keys
+from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.groups import Link, best_connected, group_environment, plan_groups
 from tasks.core.records import WorkerRecord
+from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
+from tasks.worker.jobenv import job_environment
+from tasks.worker.supervisor import ProcessPolicy, Supervisor
 
-from .conftest import wait_for
+from .conftest import ROOT, TEST_JOB_MODULES, wait_for
 
 
 def _record(device: str, host: str, kind: str = "cpu", cores: list[int] | None = None) -> WorkerRecord:
@@ -201,3 +206,39 @@ def test_devicefleet_run_group_prints_the_groups_entry(fleet):
     assert entry["status"] == "ok" and entry["output"]["devices"] == ["cpu0", "cpu1"]
     refused = CliRunner().invoke(cli, ["run", "group_probe", "--group", "3", "--redis-url", fleet.redis_url])
     assert refused.exit_code != 0 and "no live host can run a group of 3" in refused.output
+
+
+class _QuietWatch:
+    """A watch that relays nothing and never stops the job."""
+
+    def report(self, fields: dict[str, Any]) -> None: ...
+    def log(self, lines: Any) -> None: ...
+    def store_opened(self, port: int) -> None: ...
+    def rank_failed(self, reason: str) -> None: ...
+    def memory(self, used: int) -> None: ...
+    def stop(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path):
+    """The GPU groups' path, run here with a visibility no CPU worker has: the group's job gets a
+    job process started with the group's environment and cores, ended after its job."""
+    spec = ProcessSpec(device="cpu0", torch_device="cpu", cores=[0], torch_threads=1, job_modules=TEST_JOB_MODULES,
+                       artifacts_dir=str(tmp_path / "artifacts"), tensorboard_dir=str(tmp_path / "tb"),
+                       result_expires_s=60)
+    supervisor = Supervisor(spec, job_environment(Device.parse("cpu0"), 1, []), ROOT, ProcessPolicy(), label="cpu0")
+    group_env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert supervisor.needs_own_process(group_env)
+    assert not supervisor.needs_own_process(group_environment(["cpu0", "cpu1"]))
+    cores = sorted(os.sched_getaffinity(0))
+    job = RunJob(job_id="apart", job="group_probe", kwargs={}, fan_out_id="apart", devices=["cpu0", "cpu1"],
+                 cores=cores, torch_threads=len(cores))
+    ended = supervisor.run_apart(job, _QuietWatch(), group_env)
+    assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
+    out = ended.finished.output
+    assert out is not None
+    assert out["cuda_visible_devices"] == "" and out["devices"] == ["cpu0", "cpu1"]
+    assert out["affinity"] == cores and out["threads"] == len(cores)
+    assert not _alive(int(out["pid"]))  # ended with its job
+    assert supervisor.pids == []
