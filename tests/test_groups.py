@@ -14,7 +14,6 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -35,6 +34,7 @@ from tasks.worker.jobenv import job_environment
 from tasks.worker.supervisor import ProcessPolicy, Supervisor
 
 from .conftest import ROOT, TEST_JOB_MODULES, wait_for
+from .test_components import _RankWatch  # a watch that relays nothing and never stops the job
 
 
 def _record(device: str, host: str, kind: str = "cpu", cores: list[int] | None = None) -> WorkerRecord:
@@ -208,18 +208,6 @@ def test_devicefleet_run_group_prints_the_groups_entry(fleet):
     assert refused.exit_code != 0 and "no live host can run a group of 3" in refused.output
 
 
-class _QuietWatch:
-    """A watch that relays nothing and never stops the job."""
-
-    def report(self, fields: dict[str, Any]) -> None: ...
-    def log(self, lines: Any) -> None: ...
-    def store_opened(self, port: int) -> None: ...
-    def rank_failed(self, reason: str) -> None: ...
-    def memory(self, used: int) -> None: ...
-    def stop(self) -> None:
-        return None
-
-
 @pytest.mark.timeout(120)
 def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path):
     """The GPU groups' path, run here with a visibility no CPU worker has: the group's job gets a
@@ -234,7 +222,7 @@ def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path)
     cores = sorted(os.sched_getaffinity(0))
     job = RunJob(job_id="apart", job="group_probe", kwargs={}, fan_out_id="apart", devices=["cpu0", "cpu1"],
                  cores=cores, torch_threads=len(cores))
-    ended = supervisor.run_apart(job, _QuietWatch(), group_env)
+    ended = supervisor.run_apart(job, _RankWatch(), group_env)
     assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
     out = ended.finished.output
     assert out is not None
