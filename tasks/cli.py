@@ -300,6 +300,9 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
               help="Run one copy of JOB per slot of each device, at once (keys DEVICE/N).")
 @click.option("--distributed", is_flag=True,
               help="Run JOB once over all DEVICES as the ranks of one torch.distributed group (DDP).")
+@click.option("--group", type=click.IntRange(2, 64),
+              help="Run JOB over this many DEVICES of one host at once, in one process that sees them all "
+                   "(keys cpu0+cpu1).")
 @click.option("--backend", type=click.Choice([b.value for b in DistBackend]),
               help="With --distributed: gloo or nccl [default: auto, nccl when every rank is a GPU, else gloo].")
 @click.option("--max-restarts", type=click.IntRange(0, 100),
@@ -310,7 +313,7 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
-        max_attempts: int | None, per_slot: bool, distributed: bool, backend: str | None,
+        max_attempts: int | None, per_slot: bool, distributed: bool, group: int | None, backend: str | None,
         max_restarts: int | None, join_timeout: float | None, priority: str, user: str | None,
         redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 3 if the
@@ -337,7 +340,7 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
     handle = fan_out(target, devices, kwargs=kwargs,
                      options={k: v for k, v in options.items() if v is not None} or None,
-                     distributed=gang, per_slot=per_slot, priority=priority, app=app)
+                     distributed=gang, per_slot=per_slot, group=group, priority=priority, app=app)
     if is_command:
         watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
     else:

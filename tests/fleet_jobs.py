@@ -324,3 +324,42 @@ def stamp(ctx: JobContext, params: StampParams) -> dict[str, Any]:
     with open(params.path, "a", encoding="utf-8") as out:
         out.write(params.label + "\n")
     return {"label": params.label, "device": ctx.device}
+
+
+class GroupProbeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: Wait for this file before returning (a test's signal); None: return at once.
+    release_file: str | None = None
+    #: Start a child process (``sleep``) and write its pid here, then wait at ``ctx.progress()``
+    #: until cancelled: a group job whose process tree a cancel must end.
+    child_pid_file: str | None = None
+    timeout_s: float = 120.0
+
+
+@job("group_probe", params=GroupProbeParams)
+def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
+    """What a device group's job process sees: ``ctx.devices``, its cores, its affinity, torch's
+    threads, ``CUDA_VISIBLE_DEVICES``; optionally wait for a file, or start a child and report
+    until cancelled."""
+    import subprocess
+    import time
+
+    import torch
+
+    started = time.time()
+    if params.child_pid_file:
+        child = subprocess.Popen(["sleep", "300"])
+        tmp = f"{params.child_pid_file}.tmp"
+        with open(tmp, "w") as out:
+            out.write(str(child.pid))
+        os.replace(tmp, params.child_pid_file)
+        deadline = time.monotonic() + params.timeout_s
+        while time.monotonic() < deadline:
+            ctx.progress(waiting=True)
+            time.sleep(0.05)
+    if params.release_file:
+        _wait_for_file(params.release_file, params.timeout_s)
+    return {"devices": ctx.devices, "device": ctx.device, "cores": ctx.cores,
+            "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+            "started": started, "ended": time.time()}

@@ -223,6 +223,43 @@ def test_a_dead_workers_job_whose_message_is_gone_is_sent_again(rfleet, rapp, cl
     rfleet.wait_ready(60)
 
 
+@pytest.mark.timeout(180)
+def test_a_group_jobs_killed_leader_runs_it_again_and_frees_the_devices(rfleet, rapp, client, tmp_path):
+    """SIGKILL the leader (cpu0) of a group over cpu0+cpu1 while its job runs: the job runs again
+    (a fresh attempt of the group, on the restarted cpu0), and afterwards no reservation or hold
+    is left on either device and both take single jobs."""
+    release = tmp_path / "release"
+    handle = fan_out("group_probe", "cpu", group=2, kwargs={"release_file": str(release)}, app=rapp)
+    job_id = handle.task_ids["cpu0+cpu1"]
+
+    def running_attempt() -> str | None:
+        for attempt in client.zrange(keys.group_reservations("cpu1"), 0, -1):
+            if client.hget(keys.group_run(attempt), "state") == "running":
+                return str(attempt)
+        return None
+
+    first_attempt = wait_for(running_attempt, 60, "the group's job to run")
+    first = _lease(client, job_id)
+    assert first is not None
+    victim = rfleet.workers["cpu0"]
+    victim.process.kill()
+    second = wait_for(lambda: (r := _lease(client, job_id)) is not None and r.pid != first.pid and r, 90,
+                      "the group's job to start again")
+    assert second.device == "cpu0"
+    second_attempt = wait_for(lambda: (a := running_attempt()) != first_attempt and a, 60,
+                              "a fresh attempt of the group to run")
+    assert second_attempt.split(".")[0] == first_attempt.split(".")[0]  # the same group
+    release.touch()
+    entry = handle.get(timeout=90)["cpu0+cpu1"]
+    assert entry["status"] == "ok", entry
+    assert entry["output"]["devices"] == ["cpu0", "cpu1"]
+    assert all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+               for d in ("cpu0", "cpu1"))
+    rfleet.wait_ready(60)
+    results = fan_out("echo", "cpu", kwargs={"value": 1}, app=rapp).get(timeout=60)
+    assert {d: e["status"] for d, e in results.items()} == {"cpu0": "ok", "cpu1": "ok"}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("outcome", ["SUCCESS", "FAILURE"])
 def test_a_redelivered_copy_of_a_job_runs_only_once(rfleet, rapp, client, tmp_path, outcome):

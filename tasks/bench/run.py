@@ -16,9 +16,10 @@ from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import commands, ddp, dispatch, efficiency, gpu, groups, isolation, pipeline, producer, slots, sweep
+from . import commands, ddp, dispatch, efficiency, gpu, group_start, groups, isolation, pipeline, producer, slots, sweep
 
-#: The sections of a bench run, in the order they run (``pipeline`` and ``groups`` need no fleet).
+#: The sections of a bench run, in the order they run (``pipeline`` needs no fleet; ``groups``
+#: measures its start and wait figures on the fleet, its Hogwild ones without it).
 SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pipeline",
             "groups")
 
@@ -72,7 +73,7 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline", "slots", "groups"}:
+        if chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
             with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
         if "slots" in chosen:  # fleets of its own, one per slot count
@@ -80,8 +81,8 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     if "pipeline" in chosen:
         figures["pipeline"] = pipeline.measure(quick=quick)
     groups_figures = groups.measure(quick=quick) if "groups" in chosen else None
-    if groups_figures is not None:
-        figures["groups"] = groups_figures
+    if groups_figures is not None or "group_start" in figures:
+        figures["groups"] = {**(groups_figures or {}), **figures.pop("group_start", {})}
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
     figures["elapsed_s"] = time.perf_counter() - started
     return figures
@@ -114,5 +115,7 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
         figures["gpu"] = gpu_figures
     if "commands" in chosen:
         figures["commands"] = commands.measure(app, cpus[0], workdir, quick=quick)
+    if "groups" in chosen and (start_figures := group_start.measure(app, cpus, quick=quick)) is not None:
+        figures["group_start"] = start_figures  # joins the Hogwild figures in the groups section
     if "isolation" in chosen:  # last: it crashes and kills job processes
         figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 #: and the consumer's step that marks it ready.
 WORKER_STEPS = tuple(f"tasks.worker.steps:{step}" for step in (
     "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "LeaseStep", "ReaperStep", "JobsStep",
-    "StopHandlersStep",
+    "GroupsStep", "StopHandlersStep",
 ))
 CONSUMER_STEP = "tasks.worker.steps:ConsumerReadyStep"
 #: The worker's consumer: Celery's, answering a task outside the allowlist as UnknownJob.

@@ -184,6 +184,17 @@ GANG_COLLECTIVE_TIMEOUT_S = 120.0
 #: How long a producer waits for another producer to finish sending its gang.
 GANG_SEND_WAIT_S = 30.0
 
+# -- Device groups (tasks.worker.group) ---------------------------------------------------------
+
+#: How often a device worker looks at the reservations of its device (one pipelined round trip)
+#: and a group's leader at its devices' holds: a group starts about this long after its last
+#: device fell idle.
+GROUP_POLL_S = 0.05
+#: How often a running group's leader refreshes its reservation's ``alive`` key (at most; a
+#: quarter of its TTL, the lease's: a dead leader's devices take work again as its job is given
+#: back by the reaper), and says in the group's record what it still waits for.
+GROUP_REFRESH_S = 1.0
+
 # -- Producers ---------------------------------------------------------------------------------
 
 #: Seconds between a blocking handle's reads while jobs finish often; it backs off (doubling) to

@@ -13,6 +13,7 @@ The tree, by area::
     │   └── DeviceVisibilityError a worker cannot see the device it owns
     ├── FanOutError               dispatching and collecting jobs
     │   ├── DeviceUnavailable     a requested device has no live worker
+    │   ├── GroupUnavailable      no live host has the devices a group asks for
     │   ├── FanOutTimeout         the result did not arrive in time
     │   └── SweepConflict         a named sweep exists with other trials
     └── JobError                  raised inside a worker, reported in an entry
@@ -50,7 +51,7 @@ report a failure, are documented apart from this tree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class DeviceFleetError(Exception):
@@ -123,6 +124,19 @@ class DeviceUnavailable(FanOutError, LookupError):
             f"no live worker for device(s) {', '.join(self.missing)}; live devices: {live_text}. "
             "Start the missing workers (`devicefleet up`, or `devicefleet worker NAME`) "
             "or ask for live devices only."
+        )
+
+
+class GroupUnavailable(FanOutError, LookupError):
+    """No live host can give a device group what it asks (k devices of one kind); nothing was sent."""
+
+    def __init__(self, asked: str, hosts: Mapping[str, Iterable[str]]) -> None:
+        self.asked = asked
+        self.hosts = {host: sorted(devices) for host, devices in hosts.items()}
+        has = "; ".join(f"{host} has {', '.join(devices) or 'none'}" for host, devices in sorted(self.hosts.items()))
+        super().__init__(
+            f"no live host can run a group of {asked}: {has or 'no live worker'}. A group's devices "
+            "are of one kind on one host: ask for fewer, or start more workers on one host."
         )
 
 

@@ -121,6 +121,14 @@ class JobContext:
     interruption: Callable[[], DeviceFleetError] | None = None
     #: Set when this run is one rank of a distributed job (``fan_out(..., distributed=True)``).
     distributed: DistributedInfo | None = None
+    #: Every device this run may use: ``[device]``, or a device group's devices
+    #: (``fan_out(..., group=2)``: ``["cpu0", "cpu1"]``), whose cores are all in ``cores``
+    #: and whose GPUs are all visible (``cuda:0`` .. ``cuda:<k-1>``, in PCI bus order).
+    devices: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [self.device]
 
     @property
     def rank(self) -> int:

@@ -125,6 +125,40 @@ def gangs_needing(device: str) -> str:
     return f"{PREFIX}gangs-needing:{device}"
 
 
+# -- device groups (tasks.worker.group) -----------------------------------------------------------
+
+
+def group_run(run_id: str) -> str:
+    """Hash of one attempt of a device group's job (its leader writes it): ``group`` (the
+    group's id), ``job_id``, ``leader``, ``devices`` (comma list), ``seq`` (its age), ``state``
+    (``waiting`` | ``running``), ``waiting_for`` (JSON ``{device: what it runs}`` while it
+    waits), ``since``, and ``closed:<device>`` once that device's worker takes no new single
+    job for it: the number of single jobs waiting there. Deleted when the attempt ends; expires with its ``alive`` key's TTL."""
+    return f"{PREFIX}group:{run_id}"
+
+
+def group_alive(run_id: str) -> str:
+    """Set, with a short TTL the leader refreshes, while a group's attempt waits or runs: a
+    reservation whose key is gone is a dead leader's and is dropped."""
+    return f"{PREFIX}group:{run_id}:alive"
+
+
+def group_reservations(device: str) -> str:
+    """Sorted set ``{group attempt id: seq}`` of the groups that reserved ``device``: its worker
+    takes no new single job while it is not empty, and holds the device for the oldest."""
+    return f"{PREFIX}group-reservations:{device}"
+
+
+def group_hold(device: str) -> str:
+    """The group attempt ``device`` is held for: its worker runs nothing else (set by the
+    device's worker once it is idle; a leader starts when every device of its group holds it)."""
+    return f"{PREFIX}group-hold:{device}"
+
+
+#: Counter that gives each device group its ``seq`` (its age), as ``GANG_SEQ`` does for gangs.
+GROUP_SEQ = f"{PREFIX}group:seq"
+
+
 # -- throughput counters (tasks.core.jobcount's records: the store script writes, the exporter reads)
 
 #: Set of the devices that have counters.

@@ -4,6 +4,7 @@
 - :class:`JobOptions`: per-job options that are not the job's own kwargs (a message header);
 - :class:`DistributedOptions`, :class:`GangSpec`: a distributed job as asked, and as every rank
   receives it;
+- :class:`GroupSpec`: a device group's job, as its leader receives it;
 - :class:`WorkerRecord`: a device worker's entry in the fleet registry;
 - :class:`LeaseRecord`: the lease of a running job, with what the reaper needs to send it again;
 - :class:`DeadLetter`: a job that took its worker down too often and is not run again;
@@ -213,6 +214,29 @@ class GangSpec(_Record):
         return self.devices.index(device)
 
 
+class GroupSpec(_Record):
+    """A device group as its job's message carries it: one job, in one job process, over
+    ``devices`` of one host at once; ``devices[0]``'s worker (the leader) takes the message,
+    reserves the others and runs it (:mod:`tasks.worker.group`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    devices: list[str] = Field(min_length=2)
+    #: The group's age (a fleet-wide counter at send time): of two groups that want one device,
+    #: the younger gives way (wait-die), as gangs do.
+    seq: int = Field(ge=0)
+
+    @property
+    def name(self) -> str:
+        """``cpu0+cpu1``: the group's key in a fan-out's result."""
+        return "+".join(self.devices)
+
+    @property
+    def leader(self) -> str:
+        return self.devices[0]
+
+
 class JobOptions(_Record):
     """Options of one job run that are not the job's own kwargs.
 
@@ -226,6 +250,8 @@ class JobOptions(_Record):
     fallback: Literal["cpu"] | None = None
     #: Set on each rank of a distributed job (``fan_out(..., distributed=True)``).
     gang: GangSpec | None = None
+    #: Set on a device group's job (``fan_out(..., group=2)``): the devices it runs over.
+    group: GroupSpec | None = None
     #: End the job as ``JobTimeout`` after this many seconds (None: the worker config's
     #: ``max_job_seconds``).
     time_limit_s: float | None = Field(default=None, gt=0, le=30 * 86_400)

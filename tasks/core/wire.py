@@ -175,6 +175,9 @@ class RunJob(_Message):
     allocator_limit_bytes: int | None = Field(default=None, ge=0)
     #: Set on a rank of a distributed job.
     rank: Rank | None = None
+    #: A device group's devices (``ctx.devices``), its leader's first; its ``cores`` and
+    #: ``torch_threads`` are then the union of theirs. None: the process's own device.
+    devices: list[str] | None = None
 
 
 class StopJob(_Message):

@@ -206,7 +206,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
         ctx = JobContext(
             device=spec.device, torch_device=spec.torch_device, job_id=job.job_id,
             artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=runtime.cores_of(job),
-            threads=runtime.threads_of(job), slot=job.slot or 0,
+            threads=runtime.threads_of(job), slot=job.slot or 0, devices=list(job.devices or [spec.device]),
             reporter=throttle.report, scalar_sink=scalars.log,
             cancelled=lambda: channel.stop_requested(job.job_id),
             interruption=lambda: channel.interruption(job.job_id),

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ..core.defaults import STATUS_WAITING_ROWS
 from ..core.priority import DEFAULT_LEVEL, split_level
+from ..core.groups import read_groups
 from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
@@ -30,14 +31,15 @@ logger = logging.getLogger(__name__)
 
 def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "waiting",
-    "waiting_by_level", "dead_letters", "at"}``.
+    "waiting_by_level", "dead_letters", "groups", "at"}``.
 
     ``workers`` are the registry records (as JSON); ``devices`` the throughput figures of
     :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue list's depth and oldest age;
     ``waiting`` each queued job (:class:`tasks.producer.waiting.WaitingJob` as JSON: its level,
     user, position and why it waits), in order, and ``waiting_by_level`` their counts
     ``{level: {user: n}}``; ``dead_letters`` the jobs given up after taking their worker down
-    (as JSON, oldest first).
+    (as JSON, oldest first); ``groups`` the device groups that reserved devices, waiting or
+    running, and what a waiting one waits for (:func:`tasks.core.groups.read_groups`).
 
     Raises:
         FleetError: Redis cannot be read.
@@ -45,6 +47,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     with reading(url) as client:
         live = live_workers(client)
         snap = fleet_snapshot(client)
+        groups = read_groups(client, live)
         letters = read_dead_letters(client) if snap["dead_letters"] else []
         waiting = read_waiting(client)
     return {
@@ -59,6 +62,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "waiting": [job.model_dump(mode="json") for job in waiting],
         "waiting_by_level": by_level_and_user(waiting),
         "dead_letters": [letter.to_dict() for letter in letters],
+        "groups": groups,
     }
 
 
@@ -178,6 +182,8 @@ def render(rep: dict[str, Any]) -> Group:
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
     parts: list[Any] = [devices, *slot_rows, *seen, "", queues, *waiting_part(rep)]
+    if rep.get("groups"):
+        parts.extend(["", group_table(rep["groups"], now)])
     letters = rep.get("dead_letters") or []
     if letters:
         dead = table(f"{len(letters)} dead letter(s): jobs that took their worker down, not run again",
@@ -194,3 +200,21 @@ def render(rep: dict[str, Any]) -> Group:
         links.append(f"Prometheus metrics: {rep['metrics_url']}")
     parts.extend(links)
     return Group(*parts)
+
+
+def group_table(groups: list[dict[str, Any]], now: float) -> Table:
+    """The device groups that reserved devices: running, or waiting and for what."""
+    out = table(f"{len(groups)} device group(s)", ["group", "job id", "state", "waiting for"])
+    for group in groups:
+        waited = f" {now - group['since']:.0f}s" if group["since"] else ""
+        state = f"{group['state']}{waited}"
+        if group["state"] == "waiting":
+            open_to_singles = [d for d in group["name"].split("+") if d not in group["closed"]]
+            if open_to_singles:
+                state += f" (reserving {', '.join(open_to_singles)})"
+        held = sum(group["closed"].values())
+        if held:
+            state += f", {held} single job{'' if held == 1 else 's'} held back"
+        waiting = "; ".join(f"{device}: {what}" for device, what in group["waiting_for"].items()) or "-"
+        out.add_row(group["name"], str(group["job_id"]), state, waiting)
+    return out

@@ -44,11 +44,12 @@ from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
+from ..core.groups import GROUP_SEPARATOR, check_group_size, check_named_group, group_key, key_devices, plan_groups
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
 from ..core.priority import Level, check_user, level_queue, os_user, parse_level
 from ..core.queues import QueueName, device_queue, key_device, slot_key
-from ..core.records import DistBackend, DistributedOptions, GangSpec, JobOptions, WorkerRecord
+from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import live_workers
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
@@ -341,6 +342,7 @@ def fan_out(
     per_slot: bool = False,
     priority: Level | str | None = None,
     user: str | None = None,
+    group: int | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> FanOut:
@@ -364,6 +366,11 @@ def fan_out(
         priority: the jobs' level, ``urgent``, ``normal`` (default) or ``batch``
             (:mod:`tasks.core.priority`): a free device takes the highest level first.
         user: who the jobs are counted to; default the ``user`` setting, else the OS user.
+        group: run the job over ``group`` devices of one kind on one host at once, in one job
+            process that sees them all (a *device group*: ``ctx.devices``, the union of their
+            cores, every GPU visible); as many groups as ``devices`` make, each keyed by its
+            devices joined with ``+`` (``cpu0+cpu1``). A mapping's key names a group the same
+            way: ``{"cpu0+cpu1": job}``. See the device groups guide.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` (or
             :class:`~tasks.producer.connections.Connections`) whose Redis connections the handle
@@ -371,6 +378,8 @@ def fan_out(
 
     Raises:
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
+        GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``, or
+            a named group's devices are not of one kind on one host (nothing is sent).
         ConfigError: a job spec is malformed, or ``priority`` or ``user`` is invalid.
         UnknownJob: a device's worker does not run the job (nothing is sent).
     """
@@ -385,14 +394,30 @@ def fan_out(
                 f"fan_out mapping keys must be device names, got {kinds}; use "
                 "fan_out(job, devices=...) to run one job on every device of a kind"
             )
+        if group is not None:
+            raise ConfigError("group= goes with one job over devices=...; in a mapping, name a group "
+                              "by its devices: {'cpu0+cpu1': job}")
         plan = {device: prioritized(job, priority, user) for device, job in jobs.items()}
         live = live_devices(client=client)
-        select_devices(list(jobs), live)  # raises DeviceUnavailable before anything is sent
+        # raises DeviceUnavailable before anything is sent
+        select_devices([device for key in jobs for device in key_devices(key)], live)
+        for key in plan:
+            if GROUP_SEPARATOR in key:
+                check_named_group(key_devices(key), live)
     else:
         spec = prioritized(JobSpec.of(jobs, kwargs, options), priority, user)  # type: ignore[arg-type]
         live = live_devices(client=client)
-        plan = {device: spec for device in select_devices(devices, live)}
-    check_jobs(plan, live)
+        chosen = select_devices(devices, live)
+        if group is not None:
+            chosen = [group_key(devices) for devices in plan_groups(chosen, live, check_group_size(group))]
+        plan = {key: spec for key in chosen}
+    check_jobs({device: spec for key, spec in plan.items() for device in key_devices(key)}, live)
+    grouped = [key for key in plan if GROUP_SEPARATOR in key]
+    if grouped:
+        if distributed is not False or per_slot:
+            raise ConfigError("a device group is one job in one process over its devices: it goes with "
+                              "neither distributed nor per_slot")
+        return _send_groups(app, plan, client)
     if distributed is not False:
         if per_slot:
             raise ConfigError("per_slot=True cannot be used with distributed: a gang has one rank per device")
@@ -404,7 +429,8 @@ def fan_out(
 
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
-    header = [spec.signature(app, device_queue(key_device(key))) for key, spec in plan.items()]
+    # A group's message goes to its leader, its first device.
+    header = [spec.signature(app, device_queue(key_devices(key_device(key))[0])) for key, spec in plan.items()]
     # The collect step at the jobs' highest level: an urgent fan-out is not collected behind
     # normal work.
     level = min((spec.level for spec in plan.values()), key=lambda lvl: lvl.rank, default=Level.NORMAL)
@@ -469,6 +495,24 @@ def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerR
     logger.info("distributed %s %s: %d ranks (%s) on %s", next(iter(plan.values())).name, gang.id,
                 gang.world_size, gang.backend, ", ".join(gang.devices))
     return FanOut(app, ranks, result, connections)
+
+
+def _send_groups(app: Celery, plan: dict[str, JobSpec], connections: Connections) -> FanOut:
+    """Send a fan-out with device groups: each group's job carries its
+    :class:`~tasks.core.records.GroupSpec`, with its age from ``keys.GROUP_SEQ``."""
+    client = connections.redis
+    sent: dict[str, JobSpec] = {}
+    for key, spec in plan.items():
+        if GROUP_SEPARATOR not in key:
+            sent[key] = spec
+            continue
+        if spec.options.gang is not None or spec.options.fallback is not None:
+            raise ConfigError(f"group {key}: a device group's job cannot be a gang's rank or fall back to the cpu")
+        spec_group = GroupSpec(id=uuid.uuid4().hex, devices=key_devices(key), seq=int(client.incr(keys.GROUP_SEQ)))
+        sent[key] = spec.model_copy(update={"options": spec.options.model_copy(update={"group": spec_group})})
+    result = _send(app, sent)
+    logger.info("fan-out %s: groups %s", result.id, ", ".join(k for k in sent if GROUP_SEPARATOR in k))
+    return FanOut(app, sent, result, connections)
 
 
 def _looks_like_spec(mapping: Mapping[str, Any]) -> bool:

@@ -48,6 +48,7 @@ from ..core.settings import Settings
 from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
 from .gang import route_address
+from .group import GroupGate
 from .heartbeat import Heartbeat
 from .jobenv import job_environment
 from .jobprocess import ProcessGone
@@ -320,6 +321,9 @@ class DeviceWorker:
     heartbeat: Heartbeat
     leases: LeaseKeeper
     reaper: Reaper
+    #: Which jobs run here, closed to new single jobs while a device group reserves the device
+    #: (:mod:`tasks.worker.group`).
+    gate: GroupGate = field(default_factory=GroupGate)
     #: When the worker was asked to stop (monotonic), for running jobs' stop timeout; None
     #: while it runs.
     stopping_since: float | None = None

@@ -49,7 +49,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,7 +65,7 @@ from ..core.jobstate import JobState
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
-from .supervisor import Ended, Watch
+from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class GangWatch:
+class GangWatch(WatchOver):
     """The watch of one rank's run in one generation: the job's own watch (progress, stops), and
     the gang's side of it: rank 0's store published, a rank's own failure failing the gang, a
     gang that failed or moved on stopping the rank, and a lost peer moving the gang on.
@@ -386,7 +386,7 @@ class GangWatch:
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
                  jobs: JobState | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rdv = rdv
         self.job_id = job_id
         self.generation = generation
@@ -397,15 +397,6 @@ class GangWatch:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"devicefleet-gang-{rdv.rank}", daemon=True)
         self._thread.start()
-
-    def report(self, fields: dict[str, Any]) -> None:
-        self.inner.report(fields)
-
-    def log(self, lines: Sequence[tuple[str, str]]) -> None:
-        self.inner.log(lines)
-
-    def memory(self, used: int) -> None:
-        self.inner.memory(used)
 
     def store_opened(self, port: int) -> None:
         try:

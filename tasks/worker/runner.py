@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from ..core import errors
 from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
-from ..core.errors import InvalidJobArguments, NoJobProcess, OutOfMemory, WorkerLost
+from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobstate import Attempt, hand_over
 from ..core.keys import OPTIONS_HEADER
@@ -49,7 +49,7 @@ from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, gang, progress
+from . import accounting, gang, group, progress
 from .device import DeviceWorker
 from .lease import deaths_kept_s
 from .slots import Slot
@@ -141,6 +141,21 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         return JobRun(worker, task, job).end(failed=exc)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
+    if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
+        return _leased(worker, task, job, kwargs, options)
+    job_id = str(task.request.id)
+    with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked) as admitted:
+        if admitted:
+            return _leased(worker, task, job, kwargs, options)
+    if job_id in worker_state.revoked:  # cancelled while a group held the device: it never ran
+        return JobRun(worker, task, job).end(ended=Ended.by_worker(
+            JobCancelled, f"job {job_id} on {worker.device} was cancelled before it started", pid=0,
+            retired=None, outcome=Outcome.CANCELLED))
+    # The worker stops while a group holds the device: the message goes back to the queue.
+    raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+
+
+def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
     with ExitStack() as held:
         try:
             attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
@@ -156,7 +171,12 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
         message = run.job_message(kwargs, options)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
         try:
-            if options.gang is None:
+            if options.group is not None:
+                ended = group.run_group(worker.client, options.group, worker.device.name, worker.gate,
+                                        worker.supervisor, worker.settings.lease_ttl_s, message, watch,
+                                        lambda grouped, group_watch: run_in_process(worker, grouped, group_watch, slot),
+                                        on_start=run.start_clock)
+            elif options.gang is None:
                 ended = run_in_process(worker, message, watch, slot)
             else:
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
@@ -299,12 +319,23 @@ class JobRun:
         self.slot = slot
         self.started = time.time()
         self.job_id = str(task.request.id or f"local-{self.started}")
+        #: The job's options, once its message is made (a group's entry names the group).
+        self.options: JobOptions | None = None
         if slot is not None:
             opts = options or JobOptions()
             busy = BusyInfo(job=job.name, job_id=self.job_id, since=self.started, level=opts.priority, user=opts.user)
             worker.heartbeat.update_slot(slot.index, busy=busy, after_s=HEARTBEAT_COALESCE_S)
 
+    def start_clock(self) -> None:
+        """The job starts now (a device group's, once its devices are held): its entry's
+        ``started_at`` and the registry's ``since`` say so."""
+        self.started = time.time()
+        if self.slot is not None:
+            self.worker.heartbeat.update_slot(self.slot.index, busy=BusyInfo(
+                job=self.job.name, job_id=self.job_id, since=self.started), after_s=HEARTBEAT_COALESCE_S)
+
     def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
+        self.options = options
         request = self.task.request
         return RunJob(job_id=self.job_id, job=self.job.name, kwargs=kwargs, options=options.to_dict(),
                       fan_out_id=str(getattr(request, "group", None) or self.job_id))
@@ -340,7 +371,9 @@ class JobRun:
             metrics={JobMetric(name): value for name, value in result.metrics.items()} if result is not None else None,
             gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None,
         ))
-        entry = Entry.make(device=self.worker.device.name, worker=self.worker.nodename, output=output,
+        group_spec = self.options.group if self.options is not None else None
+        entry = Entry.make(device=group_spec.name if group_spec is not None else self.worker.device.name,
+                           worker=self.worker.nodename, output=output,
                            error=error, started=self.started, finished=finished, visibility=self.worker.seen,
                            slot=self.slot.index if self.slot is not None else None)
         if error is None:

@@ -22,6 +22,8 @@ services it uses), starts them in that order and stops them in reverse::
     JobsStep            the DeviceWorker of all the above;    -                        a running job gets its
                         the job tasks, given it; the                                   stop timeout (terminate:
                         device's queues; one job per slot                              no wait)
+    GroupsStep          the keeper of the groups that         look at the device's     stop looking (the gate
+                        reserve the device                    reservations             stays as it was)
     StopHandlersStep    -                                     a 2nd SIGTERM or a       -
                                                               SIGQUIT stops at once
 
@@ -54,6 +56,7 @@ from ..core.priority import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
+from .group import GroupKeeper
 from .heartbeat import Heartbeat
 from .lease import LeaseKeeper, Reaper
 from .runner import JobTask, collect
@@ -274,6 +277,31 @@ class JobsStep(bootsteps.StartStopStep):
 
     def terminate(self, parent: Any) -> None:
         pass  # a cold shutdown: no wait (the job processes step ends a running job)
+
+
+class GroupsStep(bootsteps.StartStopStep):
+    """The device's side of device groups (:class:`~tasks.worker.group.GroupKeeper`): close the
+    jobs' gate while a group reserves the device, hold it for the oldest once idle. Stopped
+    before the jobs step drains: a single job still waiting at the closed gate goes back to its
+    queue (the worker is stopping), none starts on a held device."""
+
+    label = "Groups"
+    requires = (JobsStep,)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        worker = built(parent, JobsStep).worker
+        self.worker = worker
+        self.keeper = GroupKeeper(worker.client, worker.device.name, worker.gate)
+
+    def start(self, parent: Any) -> None:
+        self.keeper.start()
+
+    def stop(self, parent: Any) -> None:
+        self.worker.begin_stop()
+        self.keeper.stop()
+
+    terminate = stop
 
 
 class StopHandlersStep(bootsteps.StartStopStep):

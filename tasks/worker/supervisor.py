@@ -19,7 +19,8 @@ and a spare, hands each running job to one of them (:meth:`Supervisor.run`) and 
 A process is retired (ended, and a fresh one spawned in the background while the spare takes
 the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
 poisoned its context, an out-of-memory, a job that raised SystemExit), when it grew past the memory
-threshold, or after ``jobs_per_process`` jobs. Otherwise it runs the next job too, from the
+threshold, after ``jobs_per_process`` jobs, or after a device group's job that left processes
+behind (they end with it, before the group's devices run anything else). Otherwise it runs the next job too, from the
 environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
 
 Job processes are started by :func:`tasks.core.children.spawn_child`: each leads its own process
@@ -36,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import psutil
 
 from ..core.defaults import (
     CANCEL_GRACE_S,
@@ -106,6 +109,32 @@ class Watch(Protocol):
 
     def memory(self, used: int) -> None:
         """The job's memory at its latest sample (bytes)."""
+
+
+class WatchOver:
+    """A watch that adds to another's (a gang's, a group's): every call goes to ``inner``
+    unless a subclass says more."""
+
+    def __init__(self, inner: Watch) -> None:
+        self.inner = inner
+
+    def report(self, fields: dict[str, Any]) -> None:
+        self.inner.report(fields)
+
+    def log(self, lines: Sequence[tuple[str, str]]) -> None:
+        self.inner.log(lines)
+
+    def store_opened(self, port: int) -> None:
+        self.inner.store_opened(port)
+
+    def rank_failed(self, reason: str) -> None:
+        self.inner.rank_failed(reason)
+
+    def stop(self) -> StopJob | None:
+        return self.inner.stop()
+
+    def memory(self, used: int) -> None:
+        self.inner.memory(used)
 
 
 @dataclass(frozen=True)
@@ -223,14 +252,49 @@ class Supervisor:
         """
         process = self._take()
         budget = None
-        if slot is not None:
+        if slot is not None and job.devices is None:  # a group's job comes with its devices' cores
             job = self._in_slot(job, slot, process)
             if slot.budget_bytes is not None and self.meter is not None:
                 budget = _Budget(slot, self.meter)
         ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         retire = ended.retired or self._retire_reason(process, ended.finished)
+        if retire is None and job.devices is not None and _has_children(process.pid):
+            # A group's job may have started processes over all its devices (a launcher's, or
+            # mp.spawn's): any left end with this process's group, before the devices run other jobs.
+            retire = "a device group's job left processes behind: they end with it"
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
+
+    def needs_own_process(self, env: dict[str, str]) -> bool:
+        """Whether a job whose process must see ``env`` (a device group's visibility) cannot run
+        in one of this device's processes: CUDA reads its visibility once, at its start."""
+        return any(self._env.get(name) != value for name, value in env.items())
+
+    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str]) -> Ended:
+        """Run ``job`` in a process of its own, started with ``env`` over the device's
+        environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
+        lists all its GPUs), and end that process after it.
+
+        Raises:
+            NoJobProcess: it did not become ready within the start timeout.
+        """
+        cores = sorted(job.cores or self.spec.cores)
+        threads = job.torch_threads or len(cores)
+        spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
+        process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label)
+        with self._cond:
+            self._busy.add(process)
+        try:
+            try:
+                process.wait_hello(self.policy.start_timeout_s)
+            except ProcessGone as exc:
+                raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
+            return _Run(process, job, watch, self.policy.cancel_grace_s).wait()
+        finally:
+            process.kill("its group's job ended")
+            with self._cond:
+                self._busy.discard(process)
+                self._cond.notify_all()
 
     def _in_slot(self, job: RunJob, slot: Slot, process: JobProcess) -> RunJob:
         """``job`` on ``slot``'s cores and threads; on a GPU, its allocator capped at the slot's
@@ -333,6 +397,15 @@ class Supervisor:
             elif failure is None:
                 self._changed()
             backoff = RESPAWN_BACKOFF_S[0] if failure is None else min(RESPAWN_BACKOFF_S[1], backoff * 2)
+
+
+def _has_children(pid: int) -> bool:
+    """Whether process ``pid`` has a child (a job's leftover: the job process itself starts none
+    between jobs)."""
+    try:
+        return bool(psutil.Process(pid).children())
+    except psutil.Error:
+        return False
 
 
 @dataclass

@@ -1,0 +1,206 @@
+"""Device groups, the pure part: which devices make a group, what its one job process sees.
+
+A device group is one job over ``k`` devices of one kind on one host, in **one** job process
+that sees all of them (``fan_out(job, "cpu", group=2)``, ``devicefleet run --group 2``). The
+producer picks the devices (:func:`plan_groups`) from the fleet's registry and refuses a group
+that no live host can give (:class:`~tasks.core.errors.GroupUnavailable`); the leader's worker
+reserves and runs it (:mod:`tasks.worker.group`) with the visibility these functions compute:
+
+- :func:`group_cores`: the union of the devices' cores (the process's affinity and torch
+  threads);
+- :func:`group_environment`: ``CUDA_VISIBLE_DEVICES`` listing the GPUs in PCI bus order, with
+  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that the indices mean the bus order, as
+  ``nvidia-smi`` numbers them; ``-1`` for a CPU group;
+- :func:`best_connected`: on GPUs, the best-connected set (NVLink, then a common PCIe switch)
+  from a link-cost function (NVML's topology on a real host, a fake one in the tests).
+
+A group's key in a fan-out's result is its devices joined by ``+`` (``cpu0+cpu1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import IntEnum
+from typing import Any
+
+import redis
+
+from . import keys
+from .devices import Device, DeviceKind
+from .errors import ConfigError, GroupUnavailable
+from .records import WorkerRecord
+
+#: Between the devices of a group's key: ``cpu0+cpu1``.
+GROUP_SEPARATOR = "+"
+#: The most devices one group may ask for (the largest hosts have 16 GPUs).
+MAX_GROUP_SIZE = 64
+
+
+def group_key(devices: Sequence[str]) -> str:
+    """``["cpu0", "cpu1"]`` -> ``cpu0+cpu1``."""
+    return GROUP_SEPARATOR.join(devices)
+
+
+def key_devices(key: str) -> list[str]:
+    """The devices of a fan-out's key: ``cpu0+cpu1`` -> both; ``cpu0`` -> itself."""
+    return key.split(GROUP_SEPARATOR)
+
+
+def check_group_size(size: object) -> int:
+    """``size`` as a group's device count.
+
+    Raises:
+        ConfigError: it is not an integer from 2 to :data:`MAX_GROUP_SIZE`.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= MAX_GROUP_SIZE:
+        raise ConfigError(f"group={size!r}: give the number of devices the job runs over together, "
+                          f"an integer from 2 to {MAX_GROUP_SIZE} (e.g. group=2)")
+    return size
+
+
+class Link(IntEnum):
+    """How two GPUs of a host are connected, best first (NVML's ``nvmlGpuTopologyLevel_t``
+    levels, NVLink ahead of them): the cost :func:`best_connected` minimises."""
+
+    NVLINK = 0
+    #: One PCIe switch between them (``NVML_TOPOLOGY_SINGLE``).
+    PCIE_SWITCH = 10
+    #: Several PCIe switches, no host bridge (``NVML_TOPOLOGY_MULTIPLE``).
+    PCIE_SWITCHES = 20
+    #: Through the host bridge (``NVML_TOPOLOGY_HOSTBRIDGE``).
+    HOST_BRIDGE = 30
+    #: Through the CPU's interconnect on one NUMA node (``NVML_TOPOLOGY_NODE``).
+    NUMA_NODE = 40
+    #: Across sockets (``NVML_TOPOLOGY_SYSTEM``).
+    SYSTEM = 50
+
+
+def best_connected(gpus: Sequence[int], size: int, link: Callable[[int, int], Link]) -> tuple[list[int], str]:
+    """The ``size`` GPUs of ``gpus`` best connected to one another, and why, in words.
+
+    The set whose worst pair has the best link wins (every pair on NVLink beats any set with
+    one PCIe pair), then the lowest total cost, then the lowest indices. The result is in index
+    order (the PCI bus order, under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
+
+    Raises:
+        ValueError: fewer than ``size`` GPUs.
+    """
+    if len(gpus) < size:
+        raise ValueError(f"{size} GPUs asked of {len(gpus)}")
+    best: tuple[tuple[int, int, tuple[int, ...]], tuple[int, ...]] | None = None
+    for combo in itertools.combinations(sorted(gpus), size):
+        costs = [int(link(a, b)) for a, b in itertools.combinations(combo, 2)]
+        score = (max(costs, default=0), sum(costs), combo)
+        if best is None or score < best[0]:
+            best = (score, combo)
+    assert best is not None
+    (worst, _, _), chosen = best
+    why = f"gpu{'+gpu'.join(map(str, chosen))}: every pair at best {Link(worst).name.lower().replace('_', ' ')}"
+    return list(chosen), why
+
+
+def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int,
+                links: Callable[[str, int, int], Link] | None = None) -> list[list[str]]:
+    """Disjoint groups of ``size`` devices of one kind on one host, from ``candidates`` (live
+    device names, in the caller's order): as many as they make, each host's devices taken in
+    index order (on GPUs the best-connected set first, where ``links(host, a, b)`` is known).
+
+    Raises:
+        GroupUnavailable: no host has ``size`` devices of one kind among the candidates.
+    """
+    buckets: dict[tuple[str, str], list[str]] = {}
+    for name in candidates:
+        record = live[name]
+        buckets.setdefault((record.host, record.kind), []).append(name)
+    groups: list[list[str]] = []
+    for (host, kind), names in sorted(buckets.items()):
+        names = sorted(names, key=lambda n: Device.parse(n).index)
+        while len(names) >= size:
+            if kind == DeviceKind.GPU.value and links is not None:
+                index = {Device.parse(n).index: n for n in names}
+                chosen, _ = best_connected(list(index), size, functools.partial(links, host))
+                group = [index[i] for i in chosen]
+            else:
+                group = names[:size]
+            groups.append(group)
+            names = [n for n in names if n not in group]
+    if not groups:
+        hosts: dict[str, list[str]] = {}
+        for name, record in live.items():
+            hosts.setdefault(record.host, []).append(f"{name} ({record.kind})")
+        kinds = sorted({live[n].kind for n in candidates})
+        raise GroupUnavailable(f"{size} {' or '.join(kinds) or 'any'} devices of one host", hosts)
+    return groups
+
+
+def check_named_group(devices: Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
+    """A group named device by device (``{"cpu0+cpu1": job}``): live, one kind, one host.
+
+    Raises:
+        GroupUnavailable: they are not all live, or not of one kind on one host.
+    """
+    if len(devices) < 2 or len(set(devices)) != len(devices):
+        raise ConfigError(f"group {group_key(devices)!r}: name two or more different devices, e.g. cpu0+cpu1")
+    records = [live.get(d) for d in devices]
+    places = {(r.host, r.kind) for r in records if r is not None}
+    if None in records or len(places) != 1:
+        hosts: dict[str, list[str]] = {}
+        for name, record in live.items():
+            hosts.setdefault(record.host, []).append(f"{name} ({record.kind})")
+        raise GroupUnavailable(group_key(devices), hosts)
+    return list(devices)
+
+
+def group_cores(records: Sequence[WorkerRecord]) -> list[int]:
+    """The union of the devices' cores: the group's job process's affinity and thread count."""
+    return sorted({core for record in records for core in record.cores})
+
+
+def group_environment(devices: Sequence[str]) -> dict[str, str]:
+    """What a group's job process's environment says of its devices: the GPUs' indices in PCI
+    bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the indices mean it), else ``-1``."""
+    parsed = [Device.parse(d) for d in devices]
+    if any(d.kind is DeviceKind.GPU for d in parsed):
+        indexes = sorted(d.index for d in parsed if d.kind is DeviceKind.GPU)
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, indexes)), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    return {"CUDA_VISIBLE_DEVICES": "-1"}
+
+
+def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, Any]]:
+    """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
+    first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
+    "since"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting group and
+    ``closed`` ``{device: single jobs waiting there}`` of the devices that take no new single
+    job for it."""
+    pipe = client.pipeline(transaction=False)
+    devices = list(devices)
+    for device in devices:
+        pipe.zrange(keys.group_reservations(device), 0, -1)
+    attempts = list(dict.fromkeys(_text(a) for found in pipe.execute() for a in found))
+    pipe = client.pipeline(transaction=False)
+    for attempt in attempts:
+        pipe.hgetall(keys.group_run(attempt))
+    out = []
+    for attempt, raw in zip(attempts, pipe.execute(), strict=True):
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if not fields:
+            continue
+        try:
+            waiting = json.loads(fields.get("waiting_for") or "{}")
+        except ValueError:
+            waiting = {}
+        out.append({
+            "attempt": attempt, "group": fields.get("group"), "name": fields.get("devices", "").replace(",", GROUP_SEPARATOR),
+            "job_id": fields.get("job_id"), "leader": fields.get("leader"), "state": fields.get("state"),
+            "waiting_for": waiting if fields.get("state") == "waiting" else {},
+            "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
+            "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
+        })
+    return sorted(out, key=lambda g: g["seq"])
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,387 @@
+"""Device groups, owned by the workers: reservation, holds, wait-die, one job process.
+
+``tasks.fan_out(job, "cpu", group=2)`` sends one message per group to its first device's queue,
+carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worker, the
+**leader** (:func:`run_group`), runs the whole group in the slot the message took:
+
+1. it **reserves** every device of the group: one attempt id, added to each device's
+   reservations (:func:`tasks.core.keys.group_reservations`) with the group's age, and an
+   ``alive`` key it refreshes (:func:`tasks.core.keys.group_alive`);
+2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
+   sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job
+   starts there (one already taken waits, its message unacknowledged, in the slot it took); a
+   running one finishes. Once the device runs nothing but the oldest group that reserved it,
+   the keeper **holds** the device for that group (:func:`tasks.core.keys.group_hold`);
+3. the leader starts once every device holds it (one script: the holds and the group's
+   ``running`` state in one step, so a hold is never moved off a running group), and runs the
+   job in one job process over all the devices' cores (:mod:`tasks.core.groups`): one of its
+   own processes where the visibility is the same (a CPU group), else one started for the job
+   with the group's ``CUDA_VISIBLE_DEVICES`` (a GPU group); ``ctx.devices`` names them;
+4. at its end it drops its reservations and holds; the keepers open their gates.
+
+**Not starved.** A reservation closes the gates of its devices at once: a stream of single jobs
+cannot keep a group's device busy for ever; the group waits for the jobs running when it
+reserved (the longest of them) plus a poll or two.
+
+**No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
+waiting leader follows *wait-die*, as gangs do (:mod:`tasks.worker.gang`): a group's ``seq`` is
+its age; a leader that finds an older, live reservation on any of its devices drops its own,
+gives its slot up and its message goes back to the queue (:class:`~tasks.core.errors.GiveWay`,
+:data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper holds its device for the oldest group
+only. A group only waits for older groups and for running jobs, which end, so no cycle forms; a
+group that has started never gives way.
+
+**A dead leader.** Its job process dies with it (SIGKILL from the kernel); its ``alive`` key
+expires a lease's TTL (``DEVICEFLEET_LEASE_TTL_S``) later and each keeper drops the
+reservation and the hold: the devices take work again. The lease's reaper gives the job back, and
+it runs again as a fresh attempt (a new attempt id, the same age).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from ..core import keys
+from ..core.defaults import GROUP_POLL_S, GROUP_REFRESH_S
+from ..core.errors import GiveWay, NoJobProcess
+from ..core.groups import group_cores, group_environment
+from ..core.records import GroupSpec
+from ..core.registry import read_worker
+from ..core.wire import STOPS, Outcome, RunJob, StopJob
+from .supervisor import Ended, Supervisor, Watch, WatchOver
+
+logger = logging.getLogger(__name__)
+
+#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id.
+#: Start when every device holds this attempt: mark it running (a keeper never moves a hold
+#: off a running, live attempt). Returns 1 when started, else 0.
+_START = """
+for i = 2, #KEYS do
+  if redis.call('get', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+redis.call('hset', KEYS[1], 'state', 'running', 'waiting_for', '{}')
+return 1
+"""
+
+#: KEYS: the device's hold, the held attempt's hash, its alive key. ARGV: held attempt id
+#: ('' for none), the attempt to hold ('' to let go).
+#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive.
+_MOVE_HOLD = """
+local held = redis.call('get', KEYS[1]) or ''
+if held ~= ARGV[1] then return 0 end
+if held ~= '' and redis.call('hget', KEYS[2], 'state') == 'running' and redis.call('exists', KEYS[3]) == 1 then
+  return 0
+end
+if ARGV[2] == '' then redis.call('del', KEYS[1]) else redis.call('set', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+#: KEYS: each device's hold. ARGV: attempt id. Let go of every hold of this attempt.
+_LET_GO = """
+for i = 1, #KEYS do
+  if redis.call('get', KEYS[i]) == ARGV[1] then redis.call('del', KEYS[i]) end
+end
+return 1
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class GroupGate:
+    """Which jobs this worker runs now, and whether a group reserved its device (then no new
+    single job starts). Local to the worker; :class:`GroupKeeper` closes and opens it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reserved = False
+        #: ``{job id: the group attempt it runs for, or None for a single job}``.
+        self._running: dict[str, str | None] = {}
+        #: Single jobs waiting at the closed gate now.
+        self.held_back = 0
+
+    @contextmanager
+    def single(self, job_id: str, give_up: Callable[[], bool]) -> Iterator[bool]:
+        """Admit a single job once no group reserves the device; yields False instead when
+        ``give_up()`` turned true while it waited (the worker stops: its message goes back)."""
+        with self._cond:
+            if self._reserved:
+                self.held_back += 1
+                while self._reserved and not give_up():
+                    self._cond.wait(GROUP_POLL_S)
+                self.held_back -= 1
+            admitted = not self._reserved
+            if admitted:
+                self._running[job_id] = None
+        if not admitted:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.leave(job_id)
+
+    def enter_group(self, job_id: str, attempt: str) -> None:
+        """A group's job (its leader's) runs here: it never waits at the gate."""
+        with self._cond:
+            self._running[job_id] = attempt
+
+    def leave(self, job_id: str) -> None:
+        with self._cond:
+            self._running.pop(job_id, None)
+            self._cond.notify_all()
+
+    def close(self, attempt: str) -> bool:
+        """Take no new single job; whether the device runs nothing but ``attempt``'s job."""
+        with self._cond:
+            self._reserved = True
+            return all(running == attempt for running in self._running.values())
+
+    def open(self) -> None:
+        with self._cond:
+            if self._reserved:
+                self._reserved = False
+                self._cond.notify_all()
+
+    @property
+    def reserved(self) -> bool:
+        return self._reserved
+
+
+class GroupKeeper:
+    """The thread that keeps one device's side of the groups that reserve it: drop dead
+    reservations, close or open the gate, hold the device for the oldest group once idle."""
+
+    def __init__(self, client: redis.Redis, device: str, gate: GroupGate, poll_s: float = GROUP_POLL_S) -> None:
+        self.client = client
+        self.device = device
+        self.gate = gate
+        self.poll_s = poll_s
+        self._move = client.register_script(_MOVE_HOLD)
+        #: The group whose record says this device is closed to new single jobs, and how many
+        #: it said wait at the gate.
+        self._told: tuple[str, int] = ("", 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="devicefleet-groups", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5 * self.poll_s + 1)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.tick()
+            except redis.RedisError as exc:  # the gate stays as it was; looked at again next poll
+                logger.debug("%s: could not look at its reservations: %s", self.device, exc)
+            except Exception:  # a malformed record in Redis: this thread must go on for every group
+                logger.exception("%s: could not look at its reservations", self.device)
+
+    def tick(self) -> None:
+        """One look at the device's reservations and hold."""
+        reservations, hold = keys.group_reservations(self.device), keys.group_hold(self.device)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrange(reservations, 0, -1, withscores=True)
+        pipe.get(hold)
+        entries, held = pipe.execute()
+        held = _text(held) if held is not None else ""
+        attempts = [(_text(a), score) for a, score in entries]
+        if attempts:
+            pipe = self.client.pipeline(transaction=False)
+            for attempt, _ in attempts:
+                pipe.exists(keys.group_alive(attempt))
+            alive = pipe.execute()
+            dead = [a for (a, _), up in zip(attempts, alive, strict=True) if not up]
+            if dead:
+                logger.info("%s: dropping the reservation of %s: its leader is gone", self.device, ", ".join(dead))
+                self.client.zrem(reservations, *dead)
+            attempts = sorted((score, a) for (a, score), up in zip(attempts, alive, strict=True) if up)  # type: ignore[misc]
+        if not attempts:
+            self._told = ("", 0)
+            self.gate.open()
+            if held:
+                self._move_hold(held, "")
+            return
+        _, oldest = attempts[0]
+        idle = self.gate.close(oldest)
+        told = (oldest, self.gate.held_back)
+        if self._told != told:  # the group's record says the device takes no new single job
+            self.client.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
+            self._told = told
+        if held == oldest:
+            return
+        if idle or (held and held not in {a for _, a in attempts}):
+            self._move_hold(held, oldest if idle else "")
+
+    def _move_hold(self, held: str, to: str) -> None:
+        moved = self._move(keys=[keys.group_hold(self.device), keys.group_run(held or "-"),
+                                 keys.group_alive(held or "-")], args=[held, to])
+        if moved and to:
+            logger.info("%s: held for group %s", self.device, to)
+
+
+class GroupWatch(WatchOver):
+    """A group job's watch: the job's own, and its leader's ``alive`` key kept fresh."""
+
+    def __init__(self, inner: Watch, client: redis.Redis, attempt: str, ttl_ms: int) -> None:
+        super().__init__(inner)
+        self.client = client
+        self.attempt = attempt
+        self.ttl_ms = ttl_ms
+        self.refresh_s = min(GROUP_REFRESH_S, ttl_ms / 4000)
+        self._next = time.monotonic() + self.refresh_s
+
+    def stop(self) -> StopJob | None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.refresh_s
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
+                pipe.pexpire(keys.group_run(self.attempt), self.ttl_ms)
+                pipe.execute()
+            except redis.RedisError as exc:  # the lease's own fencing stops a job cut off for long
+                logger.debug("group %s: could not refresh its alive key: %s", self.attempt, exc)
+        return self.inner.stop()
+
+
+class Reservation:
+    """One attempt of a group's job, its leader's side in Redis."""
+
+    def __init__(self, client: redis.Redis, spec: GroupSpec, job_id: str, ttl_ms: int) -> None:
+        self.client = client
+        self.ttl_ms = ttl_ms
+        self.spec = spec
+        self.job_id = job_id
+        self.attempt = f"{spec.id}.{uuid.uuid4().hex[:8]}"
+        self.key = keys.group_run(self.attempt)
+        self._holds = [keys.group_hold(d) for d in spec.devices]
+        self._start = client.register_script(_START)
+        self._let_go = client.register_script(_LET_GO)
+
+    def reserve(self) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.key, mapping={
+            "group": self.spec.id, "job_id": self.job_id, "leader": self.spec.leader,
+            "devices": ",".join(self.spec.devices), "seq": self.spec.seq, "state": "waiting",
+            "waiting_for": "{}", "since": time.time(),
+        })
+        pipe.pexpire(self.key, self.ttl_ms)
+        pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
+        for device in self.spec.devices:
+            pipe.zadd(keys.group_reservations(device), {self.attempt: self.spec.seq})
+        pipe.execute()
+
+    def poll(self) -> bool:
+        """Refresh the reservation; True once every device holds it (it is then running).
+
+        Raises:
+            GiveWay: an older group that is alive reserved one of its devices.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
+        pipe.pexpire(self.key, self.ttl_ms)
+        for device in self.spec.devices:
+            pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.spec.seq}")
+        older = {_text(a): device for device, found in zip(self.spec.devices, pipe.execute()[2:], strict=True)
+                 for a in found}
+        if older:
+            pipe = self.client.pipeline(transaction=False)
+            for attempt in older:
+                pipe.exists(keys.group_alive(attempt))
+            for (attempt, device), up in zip(older.items(), pipe.execute(), strict=True):
+                if up:
+                    raise GiveWay(device, f"group {attempt}")
+        return bool(self._start(keys=[self.key, *self._holds], args=[self.attempt]))
+
+    def note_waiting(self) -> None:
+        """Say in the group's hash which devices it still waits for, and what they run."""
+        holds = self.client.mget(self._holds)
+        waiting: dict[str, str] = {}
+        for device, held in zip(self.spec.devices, holds, strict=True):
+            if held is not None and _text(held) == self.attempt:
+                continue
+            record = read_worker(self.client, device)
+            busy = record.busy if record is not None else None
+            waiting[device] = ("no live worker" if record is None else
+                               f"{busy.job} {busy.job_id} since {busy.since:.0f}" if busy is not None else
+                               f"held for another group ({_text(held)})" if held is not None else "its worker to hold it")
+        self.client.hset(self.key, "waiting_for", json.dumps(waiting))
+
+    def release(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for device in self.spec.devices:
+            pipe.zrem(keys.group_reservations(device), self.attempt)
+        pipe.delete(keys.group_alive(self.attempt), self.key)
+        pipe.execute()
+        self._let_go(keys=self._holds, args=[self.attempt])
+
+
+def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
+              supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
+              run: Callable[[RunJob, Watch], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
+    """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
+    hold, run it in one job process over them all, release. Its reservation lives as long as
+    a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
+    says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
+    is called once every device holds it, as its job starts (its entry's ``started_at``)."""
+    if client is None:
+        return Ended.by_worker(NoJobProcess, f"{device} is not joined to a fleet: a device group needs its Redis",
+                               pid=0, retired=None)
+    if device != spec.leader:
+        return Ended.by_worker(NoJobProcess, f"{device} took the message of group {spec.name}, which its "
+                               f"leader {spec.leader} runs: send groups with fan_out(..., group=k)", pid=0, retired=None)
+    ttl_ms = int(lease_ttl_s * 1000)
+    reservation = Reservation(client, spec, job.job_id, ttl_ms)
+    gate.enter_group(job.job_id, reservation.attempt)
+    try:
+        reservation.reserve()
+        logger.info("%s: group %s (%s) reserved %s; waiting for its devices", device, spec.name,
+                    reservation.attempt, ", ".join(spec.devices))
+        started = time.monotonic()
+        noted = 0.0
+        while not reservation.poll():
+            stop = watch.stop()
+            if stop is not None:
+                error, outcome = STOPS[stop.reason]
+                return Ended.by_worker(error, f"{stop.message} (while group {spec.name} waited for its devices)",
+                                       pid=0, retired=None, outcome=outcome)
+            if time.monotonic() - noted > GROUP_REFRESH_S:
+                noted = time.monotonic()
+                reservation.note_waiting()
+            time.sleep(GROUP_POLL_S)
+        logger.info("%s: group %s starts after %.2f s", device, spec.name, time.monotonic() - started)
+        on_start()
+        records = [read_worker(client, d) for d in spec.devices]
+        cores = group_cores([r for r in records if r is not None]) or list(supervisor.spec.cores)
+        env = group_environment(spec.devices)
+        job = job.model_copy(update={"devices": list(spec.devices), "cores": cores, "torch_threads": len(cores)})
+        group_watch = GroupWatch(watch, client, reservation.attempt, ttl_ms)
+        if supervisor.needs_own_process(env):
+            return supervisor.run_apart(job, group_watch, env)
+        return run(job, group_watch)
+    except GiveWay as exc:
+        logger.info("%s: group %s gives way: %s", device, spec.name, exc)
+        return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)
+    except NoJobProcess as exc:
+        return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
+    finally:
+        gate.leave(job.job_id)
+        try:
+            reservation.release()
+        except redis.RedisError as exc:  # its alive key expires: the keepers drop it then
+            logger.warning("%s: could not release group %s: %s", device, spec.name, exc)

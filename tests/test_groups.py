@@ -1,0 +1,232 @@
+"""Device groups: one job over several devices of one host, in one job process
+(tasks/worker/group.py, tasks/core/groups.py), on the session fleet's cpu0 and cpu1.
+
+The pure parts (which devices, which GPUs by their links, the refusal) are unit tests; the
+mechanism (reservation, holds, wait-die, the gate that stops new single jobs) is tested on the
+real fleet, each test in a few seconds. A worker killed under a group is in
+tests/test_reliability.py, whose fleet is supervised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+from rich.console import Console
+
+import tasks
+from tasks import fan_out
+from tasks.cli import cli
+from tasks.core import keys
+from tasks.core.devices import Device
+from tasks.core.errors import ConfigError, GroupUnavailable
+from tasks.core.groups import Link, best_connected, group_environment, plan_groups
+from tasks.core.records import WorkerRecord
+from tasks.core.wire import Outcome, ProcessSpec, RunJob
+from tasks.ops.status import render, report
+from tasks.worker.jobenv import job_environment
+from tasks.worker.supervisor import ProcessPolicy, Supervisor
+
+from .conftest import ROOT, TEST_JOB_MODULES, wait_for
+from .test_components import _RankWatch  # a watch that relays nothing and never stops the job
+
+
+def _record(device: str, host: str, kind: str = "cpu", cores: list[int] | None = None) -> WorkerRecord:
+    return WorkerRecord(device=device, kind=kind, worker=f"{device}@{host}", host=host, pid=1, queues=[],
+                        cores=cores or [0], pool="threads", jobs=["train"], started_at=0.0)
+
+
+# -- the pure part -------------------------------------------------------------------------------
+
+
+def test_best_connected_prefers_nvlink_then_a_common_switch_on_a_fake_topology():
+    """Four GPUs: 0-1 and 2-3 on NVLink, 1-2 on one PCIe switch, the rest across sockets."""
+    nvlink = {frozenset({0, 1}), frozenset({2, 3})}
+    switch = {frozenset({1, 2})}
+
+    def link(a: int, b: int) -> Link:
+        pair = frozenset({a, b})
+        return Link.NVLINK if pair in nvlink else Link.PCIE_SWITCH if pair in switch else Link.SYSTEM
+
+    assert best_connected([0, 1, 2, 3], 2, link) == ([0, 1], "gpu0+gpu1: every pair at best nvlink")
+    assert best_connected([1, 2, 3], 2, link)[0] == [2, 3]
+    assert best_connected([0, 1, 2], 2, link)[0] == [0, 1]
+    assert best_connected([1, 2], 2, link) == ([1, 2], "gpu1+gpu2: every pair at best pcie switch")
+    # Three of four: the set without a cross-socket pair does not exist; the fewest worst pairs win.
+    chosen, why = best_connected([0, 1, 2, 3], 3, link)
+    assert chosen == [0, 1, 2] and why.endswith("system")
+
+
+def test_plan_groups_takes_one_host_and_kind_and_refuses_naming_each_host():
+    live = {"cpu0": _record("cpu0", "a"), "cpu1": _record("cpu1", "a"), "gpu0": _record("gpu0", "a", "gpu"),
+            "cpu0@b": _record("cpu0@b", "b"), "cpu1@b": _record("cpu1@b", "b"), "cpu2@b": _record("cpu2@b", "b")}
+    assert plan_groups(list(live), live, 2) == [["cpu0", "cpu1"], ["cpu0@b", "cpu1@b"]]
+    assert plan_groups(list(live), live, 3) == [["cpu0@b", "cpu1@b", "cpu2@b"]]
+    with pytest.raises(GroupUnavailable) as refused:
+        plan_groups(["cpu0", "gpu0", "cpu0@b"], live, 2)
+    message = str(refused.value)
+    assert "a has cpu0 (cpu), cpu1 (cpu), gpu0 (gpu)" in message
+    assert "b has cpu0@b (cpu), cpu1@b (cpu), cpu2@b (cpu)" in message
+
+
+def test_group_environment_lists_gpus_in_bus_order():
+    assert group_environment(["gpu3", "gpu1"]) == {"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert group_environment(["cpu0", "cpu1"]) == {"CUDA_VISIBLE_DEVICES": "-1"}
+
+
+# -- on the fleet ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rclient(fleet):  # type: ignore[no-untyped-def]
+    c = redis.Redis.from_url(fleet.redis_url, decode_responses=True)
+    yield c
+    c.close()
+
+
+def _free(client: redis.Redis, devices: list[str]) -> bool:
+    """No reservation or hold left on ``devices``."""
+    return all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+               for d in devices)
+
+
+@pytest.mark.timeout(120)
+def test_a_group_job_sees_both_devices_cores_and_names(app, rclient):
+    live = tasks.live_devices(app)
+    results = fan_out("group_probe", "cpu", group=2, app=app).get(timeout=90)
+    assert list(results) == ["cpu0+cpu1"]
+    entry = results["cpu0+cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert entry["device"] == "cpu0+cpu1"
+    out = entry["output"]
+    cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
+    assert out["devices"] == ["cpu0", "cpu1"]
+    assert out["cores"] == cores and out["affinity"] == cores and out["threads"] == len(cores)
+    assert out["cuda_visible_devices"] == "-1"
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(60)
+def test_a_group_no_host_can_give_is_refused_before_anything_is_sent(app):
+    with pytest.raises(GroupUnavailable, match=r"has cpu0 \(cpu\), cpu1 \(cpu\)"):
+        fan_out("group_probe", "cpu", group=3, app=app)
+    with pytest.raises(GroupUnavailable):
+        fan_out("group_probe", "cpu0", group=2, app=app)
+    with pytest.raises(ConfigError, match="group=1"):
+        fan_out("group_probe", "cpu", group=1, app=app)
+    with pytest.raises(ConfigError, match="neither distributed"):
+        fan_out("group_probe", "cpu", group=2, distributed=True, app=app)
+
+
+@pytest.mark.timeout(120)
+def test_a_cancelled_group_job_leaves_no_process_behind(app, rclient, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    handle = fan_out("group_probe", "cpu", group=2, kwargs={"child_pid_file": str(pid_file)}, app=app)
+    wait_for(pid_file.is_file, 60, "the group job to start its child")
+    child = int(pid_file.read_text())
+    handle.cancel()
+    entry = handle.get(timeout=60)["cpu0+cpu1"]
+    assert entry["status"] == "cancelled", entry
+    wait_for(lambda: not _alive(child), 10, f"the job's child {child} to be ended")
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+
+
+@pytest.mark.timeout(180)
+def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserved_device(fleet, app, rclient, tmp_path):
+    """cpu1 runs a single job; a group over cpu0+cpu1 reserves both and waits for it; single
+    jobs sent to cpu1 after the reservation start only after the group has run (the reservation
+    closed cpu1's gate: without it they would start as the first single ends, and a stream of
+    them would starve the group). A second group over the same devices, led by cpu1, waits its
+    turn (wait-die): all finish, and the two groups never run at once."""
+    release, release_a = tmp_path / "release", tmp_path / "release-a"
+    first = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: tasks.live_devices(app)["cpu1"].busy is not None, 60, "cpu1 to run the single job")
+    group_a = fan_out({"cpu0+cpu1": ("group_probe", {"release_file": str(release_a)})}, app=app)
+    group_b = fan_out({"cpu1+cpu0": ("group_probe", {})}, app=app)
+
+    def waiting() -> bool:
+        runs = [rclient.hgetall(keys.group_run(a)) for a in rclient.zrange(keys.group_reservations("cpu1"), 0, -1)]
+        return any(r.get("state") == "waiting" and "cpu1" in r.get("waiting_for", "") and "closed:cpu1" in r
+                   for r in runs)
+
+    wait_for(waiting, 30, "a group to wait for cpu1, closed to new single jobs")
+    # `devicefleet status` shows the waiting group and what it waits for: cpu1's single job.
+    shown = [g for g in report(fleet.redis_url)["groups"] if g["state"] == "waiting" and "cpu1" in g["waiting_for"]]
+    assert shown and shown[0]["name"] in ("cpu0+cpu1", "cpu1+cpu0"), shown
+    assert shown[0]["waiting_for"]["cpu1"].startswith(f"hold {first.task_ids['cpu1']}"), shown
+    console = Console(width=200, record=True)
+    console.print(render(report(fleet.redis_url)))
+    assert f"cpu1: hold {first.task_ids['cpu1']}" in console.export_text()
+    singles = [fan_out("echo", "cpu1", kwargs={"value": i}, app=app) for i in range(3)]
+    sent_at = time.time()
+    release.touch()
+    assert first.get(timeout=60)["cpu1"]["status"] == "ok"
+    # Group A runs (until the test lets it end) while the first of the singles waits at cpu1's
+    # closed gate: without the reservation it would run beside A.
+    a_run = keys.group_run(rclient.zrange(keys.group_reservations("cpu0"), 0, 0)[0])
+    wait_for(lambda: rclient.hget(a_run, "state") == "running" and int(rclient.hget(a_run, "closed:cpu1") or 0) >= 1,
+             30, "group A to run while a single job waits at cpu1's gate")
+    release_a.touch()
+    a = group_a.get(timeout=90)["cpu0+cpu1"]
+    b = group_b.get(timeout=90)["cpu1+cpu0"]
+    assert a["status"] == "ok" and b["status"] == "ok", (a, b)
+    # The jobs' own clocks, read in their processes: a group's job ends before it lets its
+    # devices go, so these spans are ordered whatever the load.
+    spans = sorted([(a["output"]["started"], a["output"]["ended"]), (b["output"]["started"], b["output"]["ended"])])
+    assert spans[0][1] <= spans[1][0], f"the two groups ran at once: {spans}"
+    for handle in singles:
+        entry = handle.get(timeout=90)["cpu1"]
+        assert entry["status"] == "ok", entry
+        # Sent while a group reserved cpu1: it started after that group had run.
+        assert datetime.fromisoformat(entry["started_at"]).timestamp() >= spans[0][1], (entry, spans, sent_at)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the groups' reservations and holds to go")
+
+
+@pytest.mark.timeout(120)
+def test_devicefleet_run_group_prints_the_groups_entry(fleet):
+    result = CliRunner().invoke(cli, ["run", "group_probe", "--devices", "cpu", "--group", "2", "--json",
+                                      "--redis-url", fleet.redis_url])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(result.output)["cpu0+cpu1"]
+    assert entry["status"] == "ok" and entry["output"]["devices"] == ["cpu0", "cpu1"]
+    refused = CliRunner().invoke(cli, ["run", "group_probe", "--group", "3", "--redis-url", fleet.redis_url])
+    assert refused.exit_code != 0 and "no live host can run a group of 3" in refused.output
+
+
+@pytest.mark.timeout(120)
+def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path):
+    """The GPU groups' path, run here with a visibility no CPU worker has: the group's job gets a
+    job process started with the group's environment and cores, ended after its job."""
+    spec = ProcessSpec(device="cpu0", torch_device="cpu", cores=[0], torch_threads=1, job_modules=TEST_JOB_MODULES,
+                       artifacts_dir=str(tmp_path / "artifacts"), tensorboard_dir=str(tmp_path / "tb"),
+                       result_expires_s=60)
+    supervisor = Supervisor(spec, job_environment(Device.parse("cpu0"), 1, []), ROOT, ProcessPolicy(), label="cpu0")
+    group_env = {"CUDA_VISIBLE_DEVICES": ""}
+    assert supervisor.needs_own_process(group_env)
+    assert not supervisor.needs_own_process(group_environment(["cpu0", "cpu1"]))
+    cores = sorted(os.sched_getaffinity(0))
+    job = RunJob(job_id="apart", job="group_probe", kwargs={}, fan_out_id="apart", devices=["cpu0", "cpu1"],
+                 cores=cores, torch_threads=len(cores))
+    ended = supervisor.run_apart(job, _RankWatch(), group_env)
+    assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
+    out = ended.finished.output
+    assert out is not None
+    assert out["cuda_visible_devices"] == "" and out["devices"] == ["cpu0", "cpu1"]
+    assert out["affinity"] == cores and out["threads"] == len(cores)
+    assert not _alive(int(out["pid"]))  # ended with its job
+    assert supervisor.pids == []
