@@ -7,7 +7,8 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,16 @@ def host_info() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+@contextmanager
+def _timed(figures: dict[str, Any], section: str) -> Iterator[None]:
+    """Time one section into ``figures["sections_s"]`` (where a bench run's time goes)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        figures.setdefault("sections_s", {})[section] = round(time.perf_counter() - started, 2)
 
 
 def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
@@ -74,13 +85,18 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "worker_configs_dir": configs, "job_modules": modules,
         })
         if chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
-            with Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
+            with _timed(figures, "fleet"), Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
         if "slots" in chosen:  # fleets of its own, one per slot count
-            figures["slots"] = slots.measure(settings, quick=quick)
+            with _timed(figures, "slots"):
+                figures["slots"] = slots.measure(settings, quick=quick)
     if "pipeline" in chosen:
-        figures["pipeline"] = pipeline.measure(quick=quick)
-    groups_figures = groups.measure(quick=quick) if "groups" in chosen else None
+        with _timed(figures, "pipeline"):
+            figures["pipeline"] = pipeline.measure(quick=quick)
+    groups_figures = None
+    if "groups" in chosen:
+        with _timed(figures, "hogwild"):
+            groups_figures = groups.measure(quick=quick)
     if groups_figures is not None or "group_start" in figures:
         figures["groups"] = {**(groups_figures or {}), **figures.pop("group_start", {})}
     figures["host"]["load_avg_1m_end"] = os.getloadavg()[0]
@@ -96,26 +112,36 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
     figures["devices"] = devices
     config = load_worker_config(settings.worker_configs_path, Device.parse(cpus[0]))
     if "dispatch" in chosen:
-        # The plain Celery workers of the dispatch baseline: the same cores and log level.
-        figures["dispatch"] = dispatch.measure(
-            app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus], loglevel=config.loglevel,
-        )
+        with _timed(figures, "dispatch"):
+            # The plain Celery workers of the dispatch baseline: the same cores and log level.
+            figures["dispatch"] = dispatch.measure(
+                app, cpus, quick=quick, cores=[fleet.workers[d].cores for d in cpus], loglevel=config.loglevel,
+            )
     if "producer" in chosen:
-        figures["producer"] = producer.measure(app, cpus, quick=quick)
+        with _timed(figures, "producer"):
+            figures["producer"] = producer.measure(app, cpus, quick=quick)
     if "sweep" in chosen:
-        figures["sweep"] = sweep.measure(app, cpus, quick=quick,
-                                         jobs_per_s=figures.get("dispatch", {}).get("jobs_per_s"))
+        with _timed(figures, "sweep"):
+            figures["sweep"] = sweep.measure(app, cpus, quick=quick,
+                                             jobs_per_s=figures.get("dispatch", {}).get("jobs_per_s"))
     if "fanout" in chosen:
-        figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
-    ddp_figures = ddp.measure(app, cpus, quick=quick) if "ddp" in chosen else None
-    if ddp_figures is not None:
-        figures["ddp"] = ddp_figures
-    gpu_figures = gpu.measure(app, devices, quick=quick) if "gpu" in chosen else None
-    if gpu_figures is not None:
-        figures["gpu"] = gpu_figures
+        with _timed(figures, "fanout"):
+            figures["fanout"] = efficiency.measure(app, cpus, quick=quick)
+    if "ddp" in chosen:
+        with _timed(figures, "ddp"):
+            if (ddp_figures := ddp.measure(app, cpus, quick=quick)) is not None:
+                figures["ddp"] = ddp_figures
+    if "gpu" in chosen:
+        with _timed(figures, "gpu"):
+            if (gpu_figures := gpu.measure(app, devices, quick=quick)) is not None:
+                figures["gpu"] = gpu_figures
     if "commands" in chosen:
-        figures["commands"] = commands.measure(app, cpus[0], workdir, quick=quick)
-    if "groups" in chosen and (start_figures := group_start.measure(app, cpus, quick=quick)) is not None:
-        figures["group_start"] = start_figures  # joins the Hogwild figures in the groups section
+        with _timed(figures, "commands"):
+            figures["commands"] = commands.measure(app, cpus[0], workdir, quick=quick)
+    if "groups" in chosen:
+        with _timed(figures, "group_start"):
+            if (start_figures := group_start.measure(app, cpus, quick=quick)) is not None:
+                figures["group_start"] = start_figures  # joins the Hogwild figures in the groups section
     if "isolation" in chosen:  # last: it crashes and kills job processes
-        figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)
+        with _timed(figures, "isolation"):
+            figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)
