@@ -131,7 +131,11 @@ def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_tur
 
 @pytest.mark.timeout(120)
 def test_an_urgent_job_preempts_a_batch_job_which_resumes_from_its_checkpoint(fleet, app, tmp_path):
+    from tasks.ops.exporter import fleet_snapshot
+
     release, events = tmp_path / "release", tmp_path / "events"
+    client = connect(fleet.redis_url)
+    preempted_before = fleet_snapshot(client)["devices"]["cpu0"]["jobs_preempted"]
     batch = fan_out("resumable", ["cpu0"], kwargs={"path": str(events), "label": "batch", "steps": 6, "hold_at": 3,
                                                    "release_file": str(release)}, priority="batch", app=app)
     try:
@@ -150,10 +154,11 @@ def test_an_urgent_job_preempts_a_batch_job_which_resumes_from_its_checkpoint(fl
     # urgent job started once it had stopped, and it ran again from its checkpoint, never twice at once.
     assert events.read_text().splitlines() == [
         "batch start 1 0", "batch preempted 3", "urgent", "batch start 2 3", "batch done 6"]
-    client = connect(fleet.redis_url)
     try:
         task_id = batch.task_ids["cpu0"]
         assert client.llen(keys.worker_deaths(task_id)) == 0
         assert not client.hexists(keys.DEAD_LETTERS, task_id)
+        # Counted where Prometheus reads it (devicefleet_preemptions_total).
+        assert fleet_snapshot(client)["devices"]["cpu0"]["jobs_preempted"] == preempted_before + 1
     finally:
         client.close()

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any, NoReturn
 
+import redis
 from billiard.einfo import ExceptionWithTraceback
 from celery import Task, states
 from celery.exceptions import Ignore, TaskRevokedError
@@ -43,6 +44,7 @@ from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
+from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
 from ..core.keys import OPTIONS_HEADER, PREEMPTIONS_HEADER
 from ..core.priority import Level
@@ -225,6 +227,10 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
     logger.info("job %s on %s made way for %s work (preemption %d): back to its queue", job_id,
                 worker.device, level.value, count)
     worker.leases.release(job_id)
+    try:
+        count_preemption(worker.client, worker.device.name)
+    except redis.RedisError as exc:  # a figure only: the job goes back all the same
+        logger.warning("could not count the preemption of job %s: %s", job_id, exc)
     raise task.retry(countdown=0, max_retries=None, headers={**headers, PREEMPTIONS_HEADER: count})
 
 
