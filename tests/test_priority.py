@@ -162,3 +162,32 @@ def test_an_urgent_job_preempts_a_batch_job_which_resumes_from_its_checkpoint(fl
         assert fleet_snapshot(client)["devices"]["cpu0"]["jobs_preempted"] == preempted_before + 1
     finally:
         client.close()
+
+
+#: A command that checkpoints on SIGTERM (its first run) and resumes from it (the next).
+RESUMABLE_SCRIPT = """
+echo "command start $DEVICEFLEET_ATTEMPT" >> "$EVENTS"
+if [ ! -f "$DEVICEFLEET_ARTIFACTS_DIR/checkpoint" ]; then
+  trap 'echo 7 > "$DEVICEFLEET_ARTIFACTS_DIR/checkpoint"; echo "command term" >> "$EVENTS"; exit 0' TERM
+  while true; do sleep 0.05; done
+fi
+echo "command done $(cat "$DEVICEFLEET_ARTIFACTS_DIR/checkpoint")" >> "$EVENTS"
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_command_gets_sigterm_and_runs_again_with_its_attempt_and_artifacts(fleet, app, tmp_path):
+    import tasks
+
+    events = tmp_path / "events"
+    batch = fan_out(tasks.command(["bash", "-c", RESUMABLE_SCRIPT], env={"EVENTS": str(events)}), ["cpu1"],
+                    priority="batch", app=app)
+    wait_for(lambda: events.exists() and events.read_text() == "command start 1\n", 60,
+             "the batch command running on cpu1")
+    urgent = fan_out("stamp", ["cpu1"], kwargs={"path": str(events), "label": "urgent"}, priority="urgent", app=app)
+    assert urgent.get(timeout=60)["cpu1"]["status"] == "ok"
+    entry = batch.get(timeout=60)["cpu1"]
+    assert entry["status"] == "ok"
+    assert entry["preemptions"] == 1
+    assert events.read_text().splitlines() == [
+        "command start 1", "command term", "urgent", "command start 2", "command done 7"]
