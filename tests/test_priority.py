@@ -191,3 +191,36 @@ def test_a_preempted_command_gets_sigterm_and_runs_again_with_its_attempt_and_ar
     assert entry["preemptions"] == 1
     assert events.read_text().splitlines() == [
         "command start 1", "command term", "urgent", "command start 2", "command done 7"]
+
+
+def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_minimum_run(fleet):
+    import time
+
+    from tasks.core.priority import Level
+    from tasks.worker.preemption import Preemption
+
+    client = connect(fleet.redis_url)
+    queue = "preemption-unit"  # a queue no worker consumes
+    try:
+        # Two slots, both running batch jobs; one urgent message waits.
+        watch = Preemption(client, [queue], slots=2, min_run_s=30.0)
+        now = time.monotonic()
+        watch.running("a", Level.BATCH)
+        watch.running("b", Level.BATCH)
+        watch.tick()
+        assert watch.outranked("a", Level.BATCH, now) is None  # run less than min_run_s
+        client.lpush(f"{queue}:urgent", "m1")
+        watch.tick()
+        long_ago = now - 60.0
+        assert watch.outranked("a", Level.BATCH, long_ago) is Level.URGENT
+        assert watch.outranked("b", Level.BATCH, long_ago) is None  # one message: one job makes way
+        assert watch.outranked("c", Level.URGENT, long_ago) is None  # nothing waits above urgent
+        # A job that starts makes the last look stale: nothing is preempted until the next one.
+        watch.done("a")
+        watch.running("d", Level.BATCH)
+        assert watch.outranked("d", Level.BATCH, long_ago) is None
+        watch.tick()
+        assert watch.outranked("d", Level.BATCH, long_ago) is Level.URGENT
+    finally:
+        client.delete(f"{queue}:urgent")
+        client.close()

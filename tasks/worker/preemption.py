@@ -7,7 +7,8 @@ this worker runs a job below the top level, :class:`Preemption` looks every
 worker consumes (one pipelined round trip of ``LLEN``; none while it runs nothing, or only
 top-level or non-preemptible jobs). When one holds a message and every slot is busy, the job's
 watch (:class:`tasks.worker.runner.JobWatch`) asks the job to make way, once it has run
-``preempt_min_run_s`` and unless its options say ``preemptible=False``:
+``preempt_min_run_s`` and unless its options say ``preemptible=False`` (one job per message
+waiting: the other slots' jobs run on):
 
 - the job is told: ``ctx.preempted()`` turns true and its next ``ctx.progress()`` raises
   :class:`~tasks.core.errors.Preempted`; a command gets SIGTERM;
@@ -61,6 +62,10 @@ class Preemption(PeriodicThread):
         #: The highest level found waiting at the last look taken after every job in
         #: ``_running`` started (None: none, or not looked yet).
         self._waiting: Level | None = None
+        #: How many messages of a higher level than the lowest running job's wait (that look).
+        self._waiting_count = 0
+        #: The jobs asked to make way, until they end: no more are asked than messages wait.
+        self._making_way: set[str] = set()
         #: One more per job started: a look sent before a job started does not count for it.
         self._generation = 0
 
@@ -76,16 +81,22 @@ class Preemption(PeriodicThread):
     def done(self, job_id: str) -> None:
         with self._lock:
             self._running.pop(job_id, None)
+            self._making_way.discard(job_id)
 
-    def outranked(self, level: Level, started: float) -> Level | None:
-        """The higher level whose work waits for this device, if a job at ``level`` that started
-        at ``started`` (monotonic) must make way for it now; else None."""
-        waiting = self._waiting
-        if waiting is None or waiting.rank >= level.rank:
-            return None
-        if time.monotonic() - started < self.min_run_s:
-            return None
-        return waiting
+    def outranked(self, job_id: str, level: Level, started: float) -> Level | None:
+        """The higher level whose work waits for this device, if job ``job_id`` at ``level``,
+        started at ``started`` (monotonic), must make way for it now; else None. One job is
+        asked per waiting message: the others of a device with several slots run on."""
+        with self._lock:
+            waiting = self._waiting
+            if waiting is None or waiting.rank >= level.rank:
+                return None
+            if time.monotonic() - started < self.min_run_s:
+                return None
+            if len(self._making_way) >= self._waiting_count:
+                return None
+            self._making_way.add(job_id)
+            return waiting
 
     def tick(self) -> None:
         with self._lock:
@@ -104,9 +115,10 @@ class Preemption(PeriodicThread):
                 pipe.llen(name)
             lengths = pipe.execute()
         found = next((level for (level, _), length in zip(names, lengths, strict=True) if length), None)
+        count = sum(int(length) for length in lengths)
         with self._lock:
             if generation != self._generation:
                 return  # a job started meanwhile: its look is the next one (running() woke it)
             if found is not None and found != self._waiting:
                 logger.info("%s work waits for this device: lower-level work makes way", found.value)
-            self._waiting = found
+            self._waiting, self._waiting_count = found, count

@@ -279,7 +279,10 @@ class JobWatch:
         #: The level of the work :meth:`stop` stopped the job for (preemption); None: not preempted.
         self.preempted: Level | None = None
         self.level = options.priority
-        self.preemptible = options.preemptible and options.gang is None and options.group is None
+        # Not a gang's rank nor a group's job (they would have to stop as a whole), nor a job run
+        # in process without a message to send back.
+        self.preemptible = (options.preemptible and options.gang is None and options.group is None
+                            and attempt is not None)
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
@@ -342,7 +345,7 @@ class JobWatch:
                            message=f"{where} ran past its time limit of {self.time_limit_s:g} s")
         preemption = self.worker.preemption
         if self.preemptible and preemption is not None and \
-                (waiting := preemption.outranked(self.level, self.started)) is not None:
+                (waiting := preemption.outranked(self.job_id, self.level, self.started)) is not None:
             self.preempted = waiting
             grace = self.worker.config.preempt_grace_s
             return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=grace,
