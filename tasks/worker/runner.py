@@ -173,8 +173,7 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
         run = JobRun(worker, task, job, slot, options)
         message = run.job_message(kwargs, options, attempt)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
-        preemptible = options.preemptible and options.gang is None and options.group is None
-        preemption = worker.preemption if preemptible else None
+        preemption = worker.preemption if watch.preemptible else None
         if preemption is not None:
             preemption.running(run.job_id, options.priority)
         try:
