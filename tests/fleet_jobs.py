@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.core.job import JobContext, job
 
@@ -363,3 +363,55 @@ def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
             "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
             "started": started, "ended": time.time()}
+
+
+class ResumableParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A file each run appends its events to (``<label> start <attempt> <step>``, ``<label>
+    #: preempted <step>``, ``<label> done <step>``): the tests read their order.
+    path: str
+    label: str
+    steps: int = Field(ge=1)
+    #: After this step the run keeps reporting until ``release_file`` exists.
+    hold_at: int = Field(ge=0)
+    release_file: str
+    timeout_s: float = 60.0
+
+
+@job("resumable", params=ResumableParams)
+def resumable(ctx: JobContext, params: ResumableParams) -> dict[str, Any]:
+    """Count to ``steps``, one checkpoint (``<artifacts>/step``) per step, resuming from the
+    last one; it checkpoints again when preempted (``ctx.preempted()``), then lets
+    ``ctx.progress()`` raise. Its events show where each run started and ended."""
+    import time
+    from pathlib import Path
+
+    from tasks.core.errors import Preempted
+
+    checkpoint = ctx.artifacts_dir / "step"
+    ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    step = int(checkpoint.read_text()) if checkpoint.exists() else 0
+
+    def event(what: str) -> None:
+        with open(params.path, "a", encoding="utf-8") as out:
+            out.write(f"{params.label} {what} {step}\n")
+
+    event(f"start {ctx.attempt}")
+    deadline = time.monotonic() + params.timeout_s
+    try:
+        while step < params.steps:
+            if step >= params.hold_at and not Path(params.release_file).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+                time.sleep(0.02)
+            else:
+                step += 1
+                checkpoint.write_text(str(step))
+            if ctx.preempted():
+                checkpoint.write_text(str(step))
+            ctx.progress(step=step, total=params.steps)
+    except Preempted:
+        event("preempted")
+        raise
+    event("done")
+    return {"step": step, "attempt": ctx.attempt}

@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 #: The worker's bootsteps, one per service of a device worker (their ``requires`` order them),
 #: and the consumer's step that marks it ready.
 WORKER_STEPS = tuple(f"tasks.worker.steps:{step}" for step in (
-    "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "LeaseStep", "ReaperStep", "JobsStep",
-    "GroupsStep", "StopHandlersStep",
+    "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "LeaseStep", "ReaperStep", "PreemptionStep",
+    "JobsStep", "GroupsStep", "StopHandlersStep",
 ))
 CONSUMER_STEP = "tasks.worker.steps:ConsumerReadyStep"
 #: The worker's consumer: Celery's, answering a task outside the allowlist as UnknownJob.

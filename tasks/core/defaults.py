@@ -93,6 +93,15 @@ MAX_JOB_SECONDS = 3600
 #: at its next ``ctx.progress()`` before its process is ended (``cancel_grace_s``): a training
 #: step of a few seconds ends cleanly, a job that never reports is not waited on long.
 CANCEL_GRACE_S = 5.0
+#: Preemption (:mod:`tasks.worker.preemption`): how often a worker running a job below the top
+#: level looks for higher-level work waiting in its queues (one pipelined round trip of LLENs).
+PREEMPT_CHECK_S = 0.5
+#: Seconds a preempted job has to checkpoint and stop at ``ctx.progress()`` before its process is
+#: ended (``preempt_grace_s``): Slurm's ``GraceTime``.
+PREEMPT_GRACE_S = 5.0
+#: Seconds a job runs before it may be preempted (``preempt_min_run_s``): Slurm's
+#: ``PreemptExemptTime``, so that a job makes some progress between two preemptions.
+PREEMPT_MIN_RUN_S = 2.0
 #: Cores a GPU worker keeps for its data loading when its config does not say (``loader_cores``):
 #: PyTorch's usual starting point of 4 DataLoader workers per GPU.
 LOADER_CORES = 4

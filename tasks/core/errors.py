@@ -38,6 +38,7 @@ worker wing to steer a distributed job's rank, never reported in an entry::
     DeviceFleetError
     └── ControlFlow
         ├── GiveWay               a rank gives its device to an older assembling gang (wait-die)
+        ├── Preempted             higher-level work takes the device: the job goes back to its queue
         └── PeerLost              a rank's gang lost a peer: it runs again in the next generation
 
 Every message says what was wrong, with the offending value, and what to do.
@@ -250,6 +251,13 @@ class GiveWay(ControlFlow):
         super().__init__(f"{device} is needed by the older gang {older}; this rank comes back later")
         self.device = device
         self.older = older
+
+
+class Preempted(ControlFlow):
+    """Work of a higher level waits for the job's device: raised by ``ctx.progress()`` once the
+    worker asked the job to make way (:mod:`tasks.worker.preemption`). Let it propagate (the job
+    has checkpointed, or does in its ``finally``): the job goes back to its queue with the same id
+    and runs again, counted as a preemption, not as a failure or a death."""
 
 
 class PeerLost(ControlFlow):

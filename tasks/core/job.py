@@ -125,6 +125,11 @@ class JobContext:
     #: (``fan_out(..., group=2)``: ``["cpu0", "cpu1"]``), whose cores are all in ``cores``
     #: and whose GPUs are all visible (``cuda:0`` .. ``cuda:<k-1>``, in PCI bus order).
     devices: list[str] = field(default_factory=list)
+    #: True once the worker asked this run to make way for higher-level work (see :meth:`preempted`).
+    preemption: Callable[[], bool] | None = None
+    #: Which run of the job this is: 1 first, one more after each preemption or lost worker
+    #: (the same ``job_id`` and ``artifacts_dir`` each time: resume from a checkpoint there).
+    attempt: int = 1
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -153,6 +158,14 @@ class JobContext:
 
         return dist.group.WORLD
 
+    def preempted(self) -> bool:
+        """Whether higher-level work waits for this device and the worker asked this run to make
+        way: checkpoint now. Its next :meth:`progress` raises
+        :class:`~tasks.core.errors.Preempted`; the job then goes back to its queue and runs again
+        (``attempt`` one more), so save what it needs to resume in ``artifacts_dir``. Cheap: one
+        attribute read."""
+        return self.preemption is not None and self.preemption()
+
     def progress(self, **fields: Any) -> None:
         """Report progress, e.g. ``ctx.progress(epoch=3, epochs=15, loss=0.21)``.
 
@@ -164,6 +177,7 @@ class JobContext:
             JobCancelled: the run was cancelled or its trial pruned; let it propagate (the
                 job's ``finally`` blocks run) and the device takes its next job.
             JobTimeout: the run is past its time limit (likewise).
+            Preempted: higher-level work takes the device (likewise); the job runs again later.
         """
         if self.cancelled is not None and self.cancelled():
             if self.interruption is not None:

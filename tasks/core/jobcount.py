@@ -25,6 +25,9 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+import redis
+
+from . import keys
 from .defaults import FINISHED_KEEP_S
 from .job import JobMetric
 
@@ -121,6 +124,9 @@ class DeviceStats:
     #: Writes of this device's attempts refused for an older fencing token than the job's (a
     #: late store of a cut-off run: :data:`tasks.core.jobstate.STORE`).
     writes_refused: int = field(default=0, metadata={"script": int})
+    #: Jobs this device's worker preempted: made way for higher-level work, sent back to their
+    #: queue (:func:`count_preemption`).
+    jobs_preempted: int = field(default=0, metadata={"script": int})
     #: The counter metrics, summed.
     counters: Mapping[JobMetric, float] = field(default_factory=dict)
     #: The gauge metrics, the last job's.
@@ -142,3 +148,15 @@ class DeviceStats:
         gauges = {m: float(raw[gauge_field(m)]) for m in JobMetric
                   if not m.is_counter and gauge_field(m) in raw}
         return cls(**values, counters=counters, gauges=gauges)
+
+
+def count_preemption(client: redis.Redis, device: str) -> None:
+    """Add one to ``device``'s preempted jobs (its stats hash's ``jobs_preempted``).
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+    with client.pipeline(transaction=False) as pipe:
+        pipe.hincrby(keys.stats(device), "jobs_preempted", 1)
+        pipe.sadd(keys.STATS_DEVICES, device)
+        pipe.execute()

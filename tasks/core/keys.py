@@ -181,5 +181,8 @@ def finished(device: str) -> str:
 SENT_AT_HEADER = "devicefleet_sent_at"
 #: Header carrying a job's :class:`tasks.core.records.JobOptions` (beside its kwargs).
 OPTIONS_HEADER = "devicefleet_options"
+#: Header of a preempted job's message sent back to its queue: how many times it was preempted
+#: (absent: never). Its entry's ``preemptions``.
+PREEMPTIONS_HEADER = "devicefleet_preemptions"
 #: Key of the error entry inside a failed job's stored exception (tasks.core.backend).
 ENTRY_FIELD = "devicefleet_entry"

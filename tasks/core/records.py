@@ -103,11 +103,14 @@ class Entry(_Record):
     finished_at: str | None
     duration_s: float | None
     visibility: Visibility
+    #: How many times higher-level work preempted the job before this run (each time it went
+    #: back to its queue and ran again: :mod:`tasks.worker.preemption`).
+    preemptions: int = 0
 
     @classmethod
     def make(cls, *, device: str, worker: str | None, output: dict[str, Any] | None,
              error: ErrorInfo | None, started: float | None, finished: float | None,
-             visibility: Visibility | None = None, slot: int | None = None) -> Entry:
+             visibility: Visibility | None = None, slot: int | None = None, preemptions: int = 0) -> Entry:
         """An entry; ``status`` is ok without ``error``, else error, or cancelled for the
         :data:`CANCELLED_ERRORS`."""
         status = EntryStatus.OK if error is None else (
@@ -119,7 +122,7 @@ class Entry(_Record):
             error=error,
             started_at=iso(started), finished_at=iso(finished),
             duration_s=(finished - started) if started is not None and finished is not None else None,
-            visibility=visibility or Visibility(),
+            visibility=visibility or Visibility(), preemptions=preemptions,
         )
 
     @classmethod
@@ -262,6 +265,9 @@ class JobOptions(_Record):
     priority: Level = DEFAULT_LEVEL
     #: Who sent the job; None until it is sent (then the ``user`` setting, else the OS user).
     user: str | None = Field(default=None, pattern=USER_PATTERN)
+    #: Whether higher-level work waiting for the device may preempt the job (False: it runs to
+    #: its end, as Slurm's ``PreemptMode=OFF`` for one job).
+    preemptible: bool = True
 
     @field_validator("priority", mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
-from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, WorkerStopped
+from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
 from .records import ErrorInfo, Visibility
 
 
@@ -54,6 +54,9 @@ class StopReason(str, Enum):
     #: Self-fencing: its worker could not renew its lease (cut off from Redis) for long enough
     #: that the lease may soon go to another worker, or found it gone to a newer attempt.
     FENCED = "fenced"
+    #: Work of a higher level waits for the device (:mod:`tasks.worker.preemption`): the job goes
+    #: back to its queue and runs again.
+    PREEMPT = "preempt"
 
 
 class ProcessSpec(_Message):
@@ -178,6 +181,9 @@ class RunJob(_Message):
     #: A device group's devices (``ctx.devices``), its leader's first; its ``cores`` and
     #: ``torch_threads`` are then the union of theirs. None: the process's own device.
     devices: list[str] | None = None
+    #: Which run of the job this is (1 first; each preemption or lost worker adds one): a
+    #: command finds it in ``DEVICEFLEET_ATTEMPT``, a job in ``ctx.attempt``.
+    attempt: int = Field(default=1, ge=1)
 
 
 class StopJob(_Message):
@@ -241,6 +247,9 @@ class Outcome(str, Enum):
     #: A rank's gang lost a peer (:class:`~tasks.core.errors.PeerLost`): the worker's gang runs
     #: it again in the next generation.
     PEER_LOST = "peer_lost"
+    #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`): the
+    #: worker sends its message back to its queue.
+    PREEMPTED = "preempted"
 
 
 #: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
@@ -251,6 +260,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
     StopReason.FENCED: (WorkerStopped, Outcome.ERROR),
+    StopReason.PREEMPT: (Preempted, Outcome.PREEMPTED),
 }
 
 

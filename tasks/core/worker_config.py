@@ -15,7 +15,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .commands import CommandPolicy
-from .defaults import CANCEL_GRACE_S, LOADER_CORES, MAX_JOB_SECONDS, MAX_MEMORY_GROWTH_MIB, MAX_SLOTS
+from .defaults import (
+    CANCEL_GRACE_S,
+    LOADER_CORES,
+    MAX_JOB_SECONDS,
+    MAX_MEMORY_GROWTH_MIB,
+    MAX_SLOTS,
+    PREEMPT_GRACE_S,
+    PREEMPT_MIN_RUN_S,
+)
 from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
 from .validation import describe_validation_error
@@ -68,6 +76,11 @@ class WorkerConfig(BaseModel):
     #: Seconds a job asked to stop has to stop at ``ctx.progress()``; then its process group is
     #: ended (SIGTERM, then SIGKILL).
     cancel_grace_s: float = Field(default=CANCEL_GRACE_S, gt=0, le=3600)
+    #: Seconds a preempted job (higher-level work waits for the device) has to checkpoint and
+    #: stop at ``ctx.progress()`` (a command: after its SIGTERM); then its process group is ended.
+    preempt_grace_s: float = Field(default=PREEMPT_GRACE_S, gt=0, le=3600)
+    #: Seconds a job runs before it may be preempted.
+    preempt_min_run_s: float = Field(default=PREEMPT_MIN_RUN_S, ge=0, le=86_400)
     #: Jobs one job process runs before it is replaced by a fresh one; 0: no limit (it is
     #: replaced anyway after a crash, a kill, a CUDA error or past the memory threshold).
     jobs_per_process: int = Field(default=0, ge=0)

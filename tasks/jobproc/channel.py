@@ -31,6 +31,7 @@ from ..core.wire import (
     Report,
     RunJob,
     StopJob,
+    StopReason,
     StoreOpened,
     decode_from_worker,
 )
@@ -76,6 +77,11 @@ class Channel:
         """Whether the worker asked job ``job_id`` to stop (cheap: one attribute read)."""
         stop = self._stop
         return stop is not None and stop.job_id == job_id
+
+    def preempted(self, job_id: str) -> bool:
+        """Whether the worker asked job ``job_id`` to make way for higher-level work."""
+        stop = self._stop
+        return stop is not None and stop.job_id == job_id and stop.reason is StopReason.PREEMPT
 
     def interruption(self, job_id: str) -> DeviceFleetError:
         """The error ``ctx.progress()`` raises for the stop the worker asked of ``job_id``

@@ -40,6 +40,9 @@ ENV_EVENTS = "DEVICEFLEET_EVENTS"
 ENV_PARAMS = "DEVICEFLEET_PARAMS"
 ENV_DEVICE = "DEVICEFLEET_DEVICE"
 ENV_JOB_ID = "DEVICEFLEET_JOB_ID"
+#: Which run of the job this is (1 first; one more after each preemption or lost worker): a
+#: command that finds ``DEVICEFLEET_ATTEMPT`` > 1 resumes from its checkpoint in its artifacts folder.
+ENV_ATTEMPT = "DEVICEFLEET_ATTEMPT"
 
 
 
@@ -60,7 +63,7 @@ def command_environment(base: dict[str, str], spec: ProcessSpec, ctx: JobContext
         "MKL_NUM_THREADS": str(ctx.threads or spec.torch_threads),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         ENV_ARTIFACTS: str(ctx.artifacts_dir), ENV_EVENTS: events_path, ENV_DEVICE: spec.device,
-        ENV_JOB_ID: ctx.job_id, ENV_PARAMS: json.dumps(params.params),
+        ENV_JOB_ID: ctx.job_id, ENV_PARAMS: json.dumps(params.params), ENV_ATTEMPT: str(ctx.attempt),
     })
     env["CUDA_VISIBLE_DEVICES"] = base.get("CUDA_VISIBLE_DEVICES", "-1")
     return env

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.devices import Device, check_visibility
-from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost
+from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost, Preempted
 from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.records import ErrorInfo, JobOptions
 from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessSpec, Rank, Report, RunJob
@@ -210,6 +210,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
             reporter=throttle.report, scalar_sink=scalars.log,
             cancelled=lambda: channel.stop_requested(job.job_id),
             interruption=lambda: channel.interruption(job.job_id),
+            preemption=lambda: channel.preempted(job.job_id), attempt=job.attempt,
         )
         func = definition.func if job.rank is None else runtime.rank_of(definition, job.rank, channel)
         output, still_held = run_guarded(func, ctx, params, options.fallback)
@@ -227,6 +228,9 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
     except JobCancelled as exc:
         logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
         ending.failed(exc, Outcome.CANCELLED)
+    except Preempted as exc:
+        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
+        ending.failed(exc, Outcome.PREEMPTED)
     except PeerLost as exc:
         logger.warning("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
         ending.failed(exc, Outcome.PEER_LOST)
@@ -250,7 +254,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
 
 def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
     exc = ending.error
-    if ending.outcome is Outcome.CANCELLED:
+    if ending.outcome in (Outcome.CANCELLED, Outcome.PREEMPTED):
         # Out of the except block, so the job's tensors are unreachable: the device's memory is
         # back at its baseline before the next job (a pruned trial's GPU memory included).
         release_memory(runtime.spec.torch_device)

@@ -208,10 +208,13 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
             "samples_per_s": rank_samples / epoch_s if epoch_s > 0 else 0.0,
             "data_wait_fraction": (wait_s - epoch_wait) / epoch_s if epoch_s > 0 else 0.0,
         })
-        ctx.progress(epoch=epoch, epochs=params.epochs, loss=round(epoch_loss, 6))
-        if rank == 0 and epoch < params.epochs and time.monotonic() - last_save >= params.checkpoint_every_s:
+        # Saved before the report: a preempted run's ctx.progress() raises, and it runs again
+        # from this epoch's checkpoint (ctx.preempted(): higher-level work waits for the device).
+        due = time.monotonic() - last_save >= params.checkpoint_every_s
+        if rank == 0 and epoch < params.epochs and (due or ctx.preempted()):
             resume.save(ctx.artifacts_dir, net, optimizer, epoch, {"loss": epoch_loss})
             last_save = time.monotonic()
+        ctx.progress(epoch=epoch, epochs=params.epochs, loss=round(epoch_loss, 6))
     train_s = time.perf_counter() - started
 
     model.eval()

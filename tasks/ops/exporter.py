@@ -107,7 +107,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         latest report), ``slots`` (each slot's ``index``, ``busy``, ``progress``,
         ``memory_bytes``, ``budget_bytes``), ``memory_kind``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
-        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``. Also
+        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``, ``jobs_preempted``. Also
         ``"dead_letters"``: how many jobs are kept as dead letters.
     """
     now = time.time() if now is None else now
@@ -146,6 +146,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "gpu_memory_bytes": float(stats.gpu_memory_bytes) if stats.gpu_memory_bytes is not None else None,
             "jobs_fenced": stats.jobs_fenced,
             "writes_refused": stats.writes_refused,
+            "jobs_preempted": stats.jobs_preempted,
         }
     queues = {}
     for name in fleet_queues(live, devices):
@@ -190,6 +191,9 @@ class FleetCollector(Collector):
                                      "Jobs each device's worker stopped itself, cut off from Redis (stopped), "
                                      "and its writes refused for an older fencing token (refused)",
                                      labels=[*labels, "what"])
+        preempted = CounterMetricFamily("devicefleet_preemptions",
+                                        "Jobs each device's worker preempted for higher-level work (sent back "
+                                        "to their queue to run again)", labels=labels)
         samples = CounterMetricFamily("devicefleet_train_samples", "Training samples each device processed",
                                       labels=labels)
         online = GaugeMetricFamily("devicefleet_worker_online", "1 while the device's worker heartbeats",
@@ -222,6 +226,7 @@ class FleetCollector(Collector):
             busy_s.add_metric(lv, d["busy_seconds"])
             fenced.add_metric([*lv, "stopped"], d["jobs_fenced"])
             fenced.add_metric([*lv, "refused"], d["writes_refused"])
+            preempted.add_metric(lv, d["jobs_preempted"])
             samples.add_metric(lv, d["samples"])
             online.add_metric(lv, 1 if d["live"] else 0)
             busy.add_metric(lv, sum(1 for slot in d["slots"] if slot["busy"]) if d["slots"] else int(bool(d["busy"])))
@@ -252,7 +257,7 @@ class FleetCollector(Collector):
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")
         dead.add_metric([], snap["dead_letters"])
-        yield from (jobs, busy_s, fenced, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
+        yield from (jobs, busy_s, fenced, preempted, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
                     wait, gpu, depth, age, dead)
 
     def close(self) -> None:

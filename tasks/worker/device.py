@@ -56,6 +56,7 @@ from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
 from .memory import open_meter
 from .mps import MpsServer
+from .preemption import Preemption
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
 
@@ -324,6 +325,8 @@ class DeviceWorker:
     #: Which jobs run here, closed to new single jobs while a device group reserves the device
     #: (:mod:`tasks.worker.group`).
     gate: GroupGate = field(default_factory=GroupGate)
+    #: Says when a running job must make way for higher-level work; None: never.
+    preemption: Preemption | None = None
     #: When the worker was asked to stop (monotonic), for running jobs' stop timeout; None
     #: while it runs.
     stopping_since: float | None = None

@@ -27,8 +27,9 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, NoReturn
 
+import redis
 from billiard.einfo import ExceptionWithTraceback
 from celery import Task, states
 from celery.exceptions import Ignore, TaskRevokedError
@@ -43,8 +44,10 @@ from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
+from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
-from ..core.keys import OPTIONS_HEADER
+from ..core.keys import OPTIONS_HEADER, PREEMPTIONS_HEADER
+from ..core.priority import Level
 from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
@@ -168,8 +171,11 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
              attempt: Attempt | None = None) -> dict[str, Any]:
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot, options)
-        message = run.job_message(kwargs, options)
+        message = run.job_message(kwargs, options, attempt)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
+        preemption = worker.preemption if watch.preemptible else None
+        if preemption is not None:
+            preemption.running(run.job_id, options.priority)
         try:
             if options.group is not None:
                 ended = group.run_group(worker.client, options.group, worker.device.name, worker.gate,
@@ -184,6 +190,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
                                       lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
                                       token=attempt.token if attempt is not None else 0)
         finally:
+            if preemption is not None:
+                preemption.done(run.job_id)
             # Every report relayed before the job's end is stored; a fenced job's Redis may be
             # out of reach: its reports are left (their relay gives up with its retries).
             watch.drain(wait=not watch.fenced)
@@ -193,12 +201,42 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
             run.idle(done=False)
             worker.leases.fenced(run.job_id, deaths_kept_s(task.app))
             raise Ignore()
+        if watch.preempted is not None and ended.outcome is not Outcome.OK:
+            # It made way (or was ended for it after its grace): back to its queue, not a failure.
+            run.idle(done=False)
+            return requeue_preempted(worker, task, run.job_id, watch.preempted)
         if ended.outcome is Outcome.GIVE_WAY:
             run.idle(done=False)
         else:
             return run.end(ended=ended)
     # The same message (id, chord, options) back on the queue: it runs again later.
     raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+
+
+def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level) -> NoReturn:
+    """Send a preempted job's message back to its queue (:mod:`tasks.worker.preemption`): the
+    same id, kwargs, options and chord, its count of preemptions one more. Its lease is released
+    first (no death counted: it was not lost), so the worker that takes it next takes it at once.
+
+    Raises:
+        celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
+    """
+    headers = dict(task.request.headers or {})
+    count = preemptions_of(task.request) + 1
+    logger.info("job %s on %s made way for %s work (preemption %d): back to its queue", job_id,
+                worker.device, level.value, count)
+    worker.leases.release(job_id)
+    try:
+        count_preemption(worker.client, worker.device.name)
+    except redis.RedisError as exc:  # a figure only: the job goes back all the same
+        logger.warning("could not count the preemption of job %s: %s", job_id, exc)
+    raise task.retry(countdown=0, max_retries=None, headers={**headers, PREEMPTIONS_HEADER: count})
+
+
+def preemptions_of(request: Any) -> int:
+    """How many times the job of ``request`` was preempted before (its message's header)."""
+    value = (getattr(request, "headers", None) or {}).get(PREEMPTIONS_HEADER, 0)
+    return value if isinstance(value, int) and value >= 0 else 0
 
 
 def run_in_process(worker: DeviceWorker, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
@@ -237,6 +275,14 @@ class JobWatch:
         self._client = worker.client
         #: Whether :meth:`stop` stopped the job by self-fencing.
         self.fenced = False
+        #: The level of the work :meth:`stop` stopped the job for (preemption); None: not preempted.
+        self.preempted: Level | None = None
+        self.level = options.priority
+        # Not a gang's rank nor a group's job (they would have to stop as a whole), nor a job run
+        # in process without a message to send back.
+        self.preemptible = (options.preemptible and options.gang is None and options.group is None
+                            and attempt is not None)
+        self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
 
@@ -296,6 +342,14 @@ class JobWatch:
         if now > self.deadline:
             return StopJob(job_id=self.job_id, reason=StopReason.TIMEOUT,
                            message=f"{where} ran past its time limit of {self.time_limit_s:g} s")
+        preemption = self.worker.preemption
+        if self.preemptible and preemption is not None and \
+                (waiting := preemption.outranked(self.job_id, self.level, self.started)) is not None:
+            self.preempted = waiting
+            grace = self.worker.config.preempt_grace_s
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=grace,
+                           message=f"{where} ({self.level.value}) made way for {waiting.value} work waiting for "
+                                   f"the device; it goes back to its queue and runs again")
         if worker_state.should_stop is not None or worker_state.should_terminate is not None:
             self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
@@ -334,11 +388,12 @@ class JobRun:
             self.worker.heartbeat.update_slot(self.slot.index, busy=BusyInfo(
                 job=self.job.name, job_id=self.job_id, since=self.started), after_s=HEARTBEAT_COALESCE_S)
 
-    def job_message(self, kwargs: Any, options: JobOptions) -> RunJob:
+    def job_message(self, kwargs: Any, options: JobOptions, attempt: Attempt | None = None) -> RunJob:
         self.options = options
         request = self.task.request
         return RunJob(job_id=self.job_id, job=self.job.name, kwargs=kwargs, options=options.to_dict(),
-                      fan_out_id=str(getattr(request, "group", None) or self.job_id))
+                      fan_out_id=str(getattr(request, "group", None) or self.job_id),
+                      attempt=max(1, attempt.token) if attempt is not None else 1)
 
     def idle(self, done: bool = True) -> None:
         worker = self.worker
@@ -375,7 +430,8 @@ class JobRun:
         entry = Entry.make(device=group_spec.name if group_spec is not None else self.worker.device.name,
                            worker=self.worker.nodename, output=output,
                            error=error, started=self.started, finished=finished, visibility=self.worker.seen,
-                           slot=self.slot.index if self.slot is not None else None)
+                           slot=self.slot.index if self.slot is not None else None,
+                           preemptions=preemptions_of(request))
         if error is None:
             return entry.to_dict()
         exc = failed or exception_of(error, ended.error_module if ended is not None else None)

@@ -18,6 +18,8 @@ services it uses), starts them in that order and stops them in reverse::
                                                               owns the device? then    the client
                                                               the first write
     LeaseStep           the lease keeper                      renew leases             stop renewing
+    PreemptionStep      the preemption watch                  look for higher-level    stop looking
+                                                              work while jobs run
     ReaperStep          the reaper                            reap                     stop reaping
     JobsStep            the DeviceWorker of all the above;    -                        a running job gets its
                         the job tasks, given it; the                                   stop timeout (terminate:
@@ -59,6 +61,7 @@ from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, devic
 from .group import GroupKeeper
 from .heartbeat import Heartbeat
 from .lease import LeaseKeeper, Reaper
+from .preemption import Preemption
 from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
 
@@ -207,6 +210,29 @@ class LeaseStep(bootsteps.StartStopStep):
     terminate = stop
 
 
+class PreemptionStep(bootsteps.StartStopStep):
+    """The preemption watch: while the worker runs lower-level jobs, looks for higher-level work
+    waiting in its queues (:mod:`tasks.worker.preemption`)."""
+
+    label = "Preemption"
+    requires = (SlotsStep, RegistryStep)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        setup = built(parent, DeviceStep).setup
+        self.preemption = Preemption(built(parent, RegistryStep).client, setup.queues,
+                                     slots=len(built(parent, SlotsStep).slots),
+                                     min_run_s=setup.config.preempt_min_run_s)
+
+    def start(self, parent: Any) -> None:
+        self.preemption.start()
+
+    def stop(self, parent: Any) -> None:
+        self.preemption.stop()
+
+    terminate = stop
+
+
 class ReaperStep(bootsteps.StartStopStep):
     """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.lease`)."""
 
@@ -235,7 +261,7 @@ class JobsStep(bootsteps.StartStopStep):
     gets its stop timeout (:meth:`~tasks.worker.device.DeviceWorker.drain`)."""
 
     label = "Jobs"
-    requires = (LeaseStep, ReaperStep)
+    requires = (LeaseStep, ReaperStep, PreemptionStep)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
@@ -244,6 +270,7 @@ class JobsStep(bootsteps.StartStopStep):
             setup=built(parent, DeviceStep).setup, processes=built(parent, JobProcessesStep).processes,
             slots=built(parent, SlotsStep).slots, client=registry.client, heartbeat=registry.heartbeat,
             leases=built(parent, LeaseStep).leases, reaper=built(parent, ReaperStep).reaper,
+            preemption=built(parent, PreemptionStep).preemption,
         )
         # Celery's components hang their state on the worker (w.pool, w.timer): so does this one
         # (the consumer answers a job outside the allowlist with it).
