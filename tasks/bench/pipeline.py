@@ -93,11 +93,13 @@ def wait_fleet(work: Workload) -> float:
 
 def measure(*, quick: bool) -> dict[str, Any]:
     """``{"wait_s_sequential", "wait_s_mp_queue", "wait_s_fleet", ...}`` (and ``wait_s_ray``)."""
-    work = Workload(elements=100_000, batches=12, warmup=8) if quick else Workload()
+    # Quick (CI's smoke run): every figure, from a few short batches and two producers.
+    work = (Workload(latency_s=0.1, step_s=0.02, elements=100_000, batches=8, warmup=4, producers=2)
+            if quick else Workload())
     out: dict[str, Any] = {
         "latency_s": work.latency_s, "step_s": work.step_s, "batch_shape": [4, work.elements, 3],
         "producers": work.producers, "batches": work.batches,
-        "wait_s_sequential": wait_sequential(work, 4 if quick else 10),
+        "wait_s_sequential": wait_sequential(work, 2 if quick else 10),
         "wait_s_mp_queue": wait_mp_queue(work),
         "wait_s_fleet": wait_fleet(work),
     }
