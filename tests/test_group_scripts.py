@@ -18,15 +18,17 @@ from tasks.cli import cli
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.mark.parametrize("argv", [
-    # No --nprocs: one process per core of its affinity, which is the group's two devices' cores.
-    [sys.executable, "spawn_gloo.py"],
-    ["torchrun", "--standalone", "--nproc_per_node=2", "torchrun_gloo.py"],
+@pytest.mark.parametrize(("argv", "world"), [
+    # No --nprocs: one process per core of its affinity, the group's devices' cores (one each on
+    # a 2-core host: a world of 2).
+    ([sys.executable, "spawn_gloo.py"], "cores"),
+    (["torchrun", "--standalone", "--nproc_per_node=2", "torchrun_gloo.py"], 2),
 ], ids=["mp_spawn", "torchrun"])
-def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: list[str], fleet, app) -> None:  # type: ignore[no-untyped-def]
+def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: list[str], world: int | str,
+                                                                      fleet, app) -> None:  # type: ignore[no-untyped-def]
     live = tasks.live_devices(app)
     cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
-    assert len(cores) == 2  # one process per core in the mp.spawn script: world size 2
+    world_size = len(cores) if world == "cores" else world
     result = CliRunner().invoke(cli, ["run", "--devices", "cpu", "--group", "2", "--json", "--timeout", "140",
                                       "--redis-url", fleet.redis_url, "--", *argv])
     assert result.exit_code == 0, (result.stdout, result.stderr)
@@ -37,5 +39,6 @@ def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: lis
     lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[cpu0+cpu1] {")]
     assert len(lines) == 1, result.stderr  # rank 0 alone reports
     report = json.loads(lines[0])
-    assert report == {**report, "world_size": 2, "backend": "gloo", "rank_sum": 1.0, "weights_equal": True,
+    assert report == {**report, "world_size": world_size, "backend": "gloo",
+                      "rank_sum": float(sum(range(world_size))), "weights_equal": True,
                       "affinity": cores}
