@@ -336,8 +336,8 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
               run: Callable[[RunJob, Watch, int | None], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
     hold, run it in one job process over them all (``run(job, watch, budget_bytes)``: within
-    the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`), release. Its reservation lives as long as
-    a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
+    the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`), release.
+    Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
     says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
     is called once every device holds it, as its job starts (its entry's ``started_at``)."""
     if client is None:
