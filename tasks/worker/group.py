@@ -16,7 +16,8 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    ``running`` state in one step, so a hold is never moved off a running group), and runs the
    job in one job process over all the devices' cores (:mod:`tasks.core.groups`): one of its
    own processes where the visibility is the same (a CPU group), else one started for the job
-   with the group's ``CUDA_VISIBLE_DEVICES`` (a GPU group); ``ctx.devices`` names them;
+   with the group's ``CUDA_VISIBLE_DEVICES`` (a GPU group); ``ctx.devices`` names them; its
+   memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
 **Not starved.** A reservation closes the gates of its devices at once: a stream of single jobs
