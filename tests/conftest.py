@@ -119,9 +119,11 @@ def worker_configs(folder: Path, tables: dict[str, dict[str, object]] | None = N
     return folder
 
 
-#: Where the session fleet's commands run (tests/scripts) and the programs they may start.
+#: Where the session fleet's commands run (tests/scripts) and the programs they may start:
+#: torchrun is this Python's own (beside it), as a user's virtualenv has it.
 SCRIPTS = ROOT / "tests" / "scripts"
-FLEET_COMMANDS = {"programs": [sys.executable, "bash"], "workdirs": [str(SCRIPTS)]}
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+FLEET_COMMANDS = {"programs": [sys.executable, "bash", TORCHRUN], "workdirs": [str(SCRIPTS)]}
 
 
 #: The session fleet's job modules: the test jobs, and the job module the docs' "Your own job"

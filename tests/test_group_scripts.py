@@ -1,35 +1,44 @@
-"""Scripts that start their own processes over the devices they see (issue 40, item 6): one that
-calls ``mp.spawn``, one that ``torchrun --standalone --nproc_per_node=2`` runs. Each runs here as a
-plain command with the gloo backend, as it will run unchanged as a device group's command."""
+"""Your own scripts on a device group (issue 40, item 6): ``devicefleet run --group 2 --devices cpu
+-- torchrun --standalone --nproc_per_node=2 torchrun_gloo.py``, and a script that calls
+``mp.spawn`` over the cores it sees, run unchanged on the session fleet's ``cpu0+cpu1`` as a user
+runs them, with the gloo backend. The fleet's ``[commands]`` allow this Python and its torchrun
+in tests/scripts (tests/conftest.py, ``FLEET_COMMANDS``)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
-from .conftest import SCRIPTS, test_env
+import tasks
+from tasks.cli import cli
 
 pytestmark = pytest.mark.timeout(150)
 
 
-def _run(argv: list[str]) -> dict[str, object]:
-    env = {**os.environ, **test_env()}
-    proc = subprocess.run(argv, cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout  # rank 0 alone reports
-    return json.loads(lines[0])
-
-
-@pytest.mark.parametrize("argv", [
-    [sys.executable, "spawn_gloo.py", "--nprocs", "2"],
-    [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "torchrun_gloo.py"],
+@pytest.mark.parametrize(("argv", "world"), [
+    # No --nprocs: one process per core of its affinity, the group's devices' cores (one each on
+    # a 2-core host: a world of 2).
+    ([sys.executable, "spawn_gloo.py"], "cores"),
+    (["torchrun", "--standalone", "--nproc_per_node=2", "torchrun_gloo.py"], 2),
 ], ids=["mp_spawn", "torchrun"])
-def test_a_launcher_script_trains_over_two_processes_with_gloo(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, on any host
-    report = _run(argv)
-    assert report == {**report, "world_size": 2, "backend": "gloo", "rank_sum": 1.0, "weights_equal": True}
+def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: list[str], world: int | str,
+                                                                      fleet, app) -> None:  # type: ignore[no-untyped-def]
+    live = tasks.live_devices(app)
+    cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
+    world_size = len(cores) if world == "cores" else world
+    result = CliRunner().invoke(cli, ["run", "--devices", "cpu", "--group", "2", "--json", "--timeout", "140",
+                                      "--redis-url", fleet.redis_url, "--", *argv])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    entry = json.loads(result.stdout)["cpu0+cpu1"]
+    assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", entry
+    assert entry["output"]["command"]["exit_code"] == 0
+    # The script's own line, printed by rank 0 as it came, after the group's name (on stderr with --json).
+    lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[cpu0+cpu1] {")]
+    assert len(lines) == 1, result.stderr  # rank 0 alone reports
+    report = json.loads(lines[0])
+    assert report == {**report, "world_size": world_size, "backend": "gloo",
+                      "rank_sum": float(sum(range(world_size))), "weights_equal": True,
+                      "affinity": cores}

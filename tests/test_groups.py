@@ -14,6 +14,7 @@ import os
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -26,11 +27,12 @@ from tasks.cli import cli
 from tasks.core import keys
 from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
-from tasks.core.groups import Link, best_connected, group_environment, plan_groups
-from tasks.core.records import WorkerRecord
+from tasks.core.groups import Link, best_connected, group_budget, group_environment, plan_groups
+from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
 from tasks.worker.jobenv import job_environment
+from tasks.worker.memory import ResidentMeter
 from tasks.worker.supervisor import ProcessPolicy, Supervisor
 
 from .conftest import ROOT, TEST_JOB_MODULES, wait_for
@@ -73,6 +75,22 @@ def test_plan_groups_takes_one_host_and_kind_and_refuses_naming_each_host():
     message = str(refused.value)
     assert "a has cpu0 (cpu), cpu1 (cpu), gpu0 (gpu)" in message
     assert "b has cpu0@b (cpu), cpu1@b (cpu), cpu2@b (cpu)" in message
+
+
+def test_a_groups_memory_budget_is_the_sum_of_its_devices_budgets():
+    gib = 1 << 30
+
+    def budgeted(device: str, *budgets: int | None) -> WorkerRecord:
+        slots = [SlotRecord(index=i, cores=[i], budget_bytes=b) for i, b in enumerate(budgets)]
+        return _record(device, "a").model_copy(update={"slots": slots})
+
+    # Each device's budget is all its slots' (the group has the whole device), summed over devices.
+    assert group_budget([budgeted("cpu0", 2 * gib), budgeted("cpu1", gib, gib)]) == 4 * gib
+    # Not enforced on one of them, or one not known: not enforced on the group.
+    assert group_budget([budgeted("cpu0", 2 * gib), budgeted("cpu1", None)]) is None
+    assert group_budget([budgeted("cpu0", 2 * gib), None]) is None
+    assert group_budget([budgeted("cpu0", 2 * gib), _record("cpu1", "a")]) is None
+    assert group_budget([]) is None
 
 
 def test_group_environment_lists_gpus_in_bus_order():
@@ -208,21 +226,29 @@ def test_devicefleet_run_group_prints_the_groups_entry(fleet):
     assert refused.exit_code != 0 and "no live host can run a group of 3" in refused.output
 
 
+def _supervisor(tmp_path: Path) -> Supervisor:
+    spec = ProcessSpec(device="cpu0", torch_device="cpu", cores=[0], torch_threads=1, job_modules=TEST_JOB_MODULES,
+                       artifacts_dir=str(tmp_path / "artifacts"), tensorboard_dir=str(tmp_path / "tb"),
+                       result_expires_s=60)
+    return Supervisor(spec, job_environment(Device.parse("cpu0"), 1, []), ROOT, ProcessPolicy(), label="cpu0")
+
+
+def _group_job(job_id: str, **kwargs: Any) -> RunJob:
+    cores = sorted(os.sched_getaffinity(0))
+    return RunJob(job_id=job_id, job="group_probe", kwargs=kwargs, fan_out_id=job_id, devices=["cpu0", "cpu1"],
+                  cores=cores, torch_threads=len(cores))
+
+
 @pytest.mark.timeout(120)
 def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path):
     """The GPU groups' path, run here with a visibility no CPU worker has: the group's job gets a
     job process started with the group's environment and cores, ended after its job."""
-    spec = ProcessSpec(device="cpu0", torch_device="cpu", cores=[0], torch_threads=1, job_modules=TEST_JOB_MODULES,
-                       artifacts_dir=str(tmp_path / "artifacts"), tensorboard_dir=str(tmp_path / "tb"),
-                       result_expires_s=60)
-    supervisor = Supervisor(spec, job_environment(Device.parse("cpu0"), 1, []), ROOT, ProcessPolicy(), label="cpu0")
+    supervisor = _supervisor(tmp_path)
     group_env = {"CUDA_VISIBLE_DEVICES": ""}
     assert supervisor.needs_own_process(group_env)
     assert not supervisor.needs_own_process(group_environment(["cpu0", "cpu1"]))
     cores = sorted(os.sched_getaffinity(0))
-    job = RunJob(job_id="apart", job="group_probe", kwargs={}, fan_out_id="apart", devices=["cpu0", "cpu1"],
-                 cores=cores, torch_threads=len(cores))
-    ended = supervisor.run_apart(job, _RankWatch(), group_env)
+    ended = supervisor.run_apart(_group_job("apart"), _RankWatch(), group_env)
     assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
     out = ended.finished.output
     assert out is not None
@@ -230,3 +256,18 @@ def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path)
     assert out["affinity"] == cores and out["threads"] == len(cores)
     assert not _alive(int(out["pid"]))  # ended with its job
     assert supervisor.pids == []
+
+
+@pytest.mark.timeout(120)
+def test_a_group_job_past_its_groups_memory_budget_ends_as_out_of_memory(tmp_path):
+    """The group's budget (the sum of its devices', as the leader's worker computes it) is
+    enforced on its job process as a slot's is: here 1 MiB, which a job process holding torch
+    is far past at the first sample; its process ends and the error names the group."""
+    supervisor = _supervisor(tmp_path)
+    supervisor.meter = ResidentMeter()
+    job = _group_job("over", release_file=str(tmp_path / "never"), timeout_s=100)
+    ended = supervisor.run_apart(job, _RankWatch(), {"CUDA_VISIBLE_DEVICES": ""}, budget_bytes=1 << 20)
+    assert ended.outcome is Outcome.ERROR and ended.error is not None and ended.error.type == "OutOfMemory", ended
+    assert "past group cpu0+cpu1's budget of 1 MiB" in ended.error.message
+    assert ended.error.memory is not None and ended.error.memory["budget_mib"] == 1.0
+    assert not _alive(ended.pid) and supervisor.pids == []

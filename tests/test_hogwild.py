@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+import tasks
 from tasks import fan_out
 from tasks.core.errors import JobCancelled
 from tasks.core.job import JobContext
@@ -34,8 +35,8 @@ def _ctx(tmp_path: Path, **fields: Any) -> JobContext:
 
 @contextmanager
 def _one_core() -> Iterator[None]:
-    """This process pinned to one core, as the session fleet's cpu0 is: its last (the fleet gives
-    cpu0 the first), so that this run and the fleet's job overlap."""
+    """This process pinned to one core, as each of the session fleet's devices is: its last, so
+    that this run and the fleet's job (on the group of both devices' cores) overlap."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {max(before)})
     try:
@@ -52,15 +53,20 @@ def test_plan_gives_each_process_its_share_of_the_cores() -> None:
 
 
 def test_hogwild_job_on_the_fleet_matches_one_process(fleet, app, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On the group ``cpu0+cpu1``: as many processes as the group's cores, one thread each."""
+    live = tasks.live_devices(app)
+    cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
     kwargs = {"epochs": EPOCHS, "seed": 0}
-    handle = fan_out("hogwild", ["cpu0"], kwargs={**kwargs, "processes": 2}, app=app)
+    handle = fan_out("hogwild", "cpu", group=2, kwargs={**kwargs, "processes": "auto"}, app=app)
     with _one_core():
         alone = hogwild(_ctx(tmp_path), HogwildParams(**kwargs, processes=1))
-    entry = handle.get(timeout=170)["cpu0"]
+    entry = handle.get(timeout=170)["cpu0+cpu1"]
     assert entry["status"] == "ok", entry["error"]
+    assert entry["device"] == "cpu0+cpu1"
     shared = entry["output"]
-    assert (shared["processes"], shared["threads"]) == (2, 1)  # cpu0's one core, two processes
-    assert (alone["processes"], alone["threads"], alone["start_s"]) == (1, 1, 0.0)
+    assert shared["devices"] == ["cpu0", "cpu1"] and shared["cores"] == cores
+    assert (shared["processes"], shared["threads"]) == plan(len(cores), "auto") == (len(cores), 1)
+    assert (alone["processes"], alone["threads"], alone["start_s"], alone["devices"]) == (1, 1, 0.0, ["cpu0"])
     assert len(shared["history"]) == len(alone["history"]) == EPOCHS
     assert shared["accuracy"] >= 0.9 and alone["accuracy"] >= 0.9
     assert abs(shared["accuracy"] - alone["accuracy"]) <= 0.02, (shared["accuracy"], alone["accuracy"])

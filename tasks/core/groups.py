@@ -159,6 +159,21 @@ def group_cores(records: Sequence[WorkerRecord]) -> list[int]:
     return sorted({core for record in records for core in record.cores})
 
 
+def group_budget(records: Sequence[WorkerRecord | None]) -> int | None:
+    """A group's memory budget in bytes: the sum of its devices' budgets, each device's the sum
+    of its slots' (the whole device is the group's while it runs). None, not enforced, when any
+    device's is not (a slot without a budget, or a device whose record is not known)."""
+    total = 0
+    for record in records:
+        if record is None or not record.slots:
+            return None
+        for slot in record.slots:
+            if slot.budget_bytes is None:
+                return None
+            total += slot.budget_bytes
+    return total if records else None
+
+
 def group_environment(devices: Sequence[str]) -> dict[str, str]:
     """What a group's job process's environment says of its devices: the GPUs' indices in PCI
     bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the indices mean it), else ``-1``."""

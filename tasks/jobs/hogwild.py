@@ -282,6 +282,7 @@ def hogwild(ctx: JobContext, params: HogwildParams) -> dict[str, Any]:
         "start_s": start_s,
         "samples_per_s": samples / train_s if train_s > 0 else None,
         "cores": cores,
+        "devices": list(ctx.devices),  # a group's devices, its leader first
         "model": params.model.value,
         "dataset": split.name,
         "epochs": params.epochs,

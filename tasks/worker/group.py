@@ -16,7 +16,8 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    ``running`` state in one step, so a hold is never moved off a running group), and runs the
    job in one job process over all the devices' cores (:mod:`tasks.core.groups`): one of its
    own processes where the visibility is the same (a CPU group), else one started for the job
-   with the group's ``CUDA_VISIBLE_DEVICES`` (a GPU group); ``ctx.devices`` names them;
+   with the group's ``CUDA_VISIBLE_DEVICES`` (a GPU group); ``ctx.devices`` names them; its
+   memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
 **Not starved.** A reservation closes the gates of its devices at once: a stream of single jobs
@@ -53,7 +54,7 @@ import redis
 from ..core import keys
 from ..core.defaults import GROUP_POLL_S, GROUP_REFRESH_S
 from ..core.errors import GiveWay, NoJobProcess
-from ..core.groups import group_cores, group_environment
+from ..core.groups import group_budget, group_cores, group_environment
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
 from ..core.wire import STOPS, Outcome, RunJob, StopJob
@@ -333,10 +334,11 @@ class Reservation:
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
               supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
-              run: Callable[[RunJob, Watch], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
+              run: Callable[[RunJob, Watch, int | None], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
-    hold, run it in one job process over them all, release. Its reservation lives as long as
-    a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
+    hold, run it in one job process over them all (``run(job, watch, budget_bytes)``: within
+    the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`), release.
+    Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
     says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
     is called once every device holds it, as its job starts (its entry's ``started_at``)."""
     if client is None:
@@ -368,12 +370,13 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         on_start()
         records = [read_worker(client, d) for d in spec.devices]
         cores = group_cores([r for r in records if r is not None]) or list(supervisor.spec.cores)
+        budget = group_budget(records)
         env = group_environment(spec.devices)
         job = job.model_copy(update={"devices": list(spec.devices), "cores": cores, "torch_threads": len(cores)})
         group_watch = GroupWatch(watch, client, reservation.attempt, ttl_ms)
         if supervisor.needs_own_process(env):
-            return supervisor.run_apart(job, group_watch, env)
-        return run(job, group_watch)
+            return supervisor.run_apart(job, group_watch, env, budget)
+        return run(job, group_watch, budget)
     except GiveWay as exc:
         logger.info("%s: group %s gives way: %s", device, spec.name, exc)
         return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)

@@ -21,6 +21,7 @@ or raises; :class:`tasks.worker.lease.LeaseKeeper` settles the lease after it.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import queue
 import threading
@@ -180,7 +181,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
             if options.group is not None:
                 ended = group.run_group(worker.client, options.group, worker.device.name, worker.gate,
                                         worker.supervisor, worker.settings.lease_ttl_s, message, watch,
-                                        lambda grouped, group_watch: run_in_process(worker, grouped, group_watch, slot),
+                                        lambda grouped, group_watch, budget: run_in_process(
+                                            worker, grouped, group_watch, dataclasses.replace(slot, budget_bytes=budget)),
                                         on_start=run.start_clock)
             elif options.gang is None:
                 ended = run_in_process(worker, message, watch, slot)

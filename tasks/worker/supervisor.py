@@ -252,8 +252,10 @@ class Supervisor:
         """
         process = self._take()
         budget = None
-        if slot is not None and job.devices is None:  # a group's job comes with its devices' cores
-            job = self._in_slot(job, slot, process)
+        if slot is not None:
+            if job.devices is None:  # a group's job comes with its devices' cores
+                job = self._in_slot(job, slot, process)
+            # A group's slot carries its budget: the sum of its devices' (tasks.core.groups).
             if slot.budget_bytes is not None and self.meter is not None:
                 budget = _Budget(slot, self.meter)
         ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
@@ -270,10 +272,11 @@ class Supervisor:
         in one of this device's processes: CUDA reads its visibility once, at its start."""
         return any(self._env.get(name) != value for name, value in env.items())
 
-    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str]) -> Ended:
+    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str], budget_bytes: int | None = None) -> Ended:
         """Run ``job`` in a process of its own, started with ``env`` over the device's
         environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
-        lists all its GPUs), and end that process after it.
+        lists all its GPUs), within ``budget_bytes`` of memory where this device measures it,
+        and end that process after it.
 
         Raises:
             NoJobProcess: it did not become ready within the start timeout.
@@ -289,7 +292,11 @@ class Supervisor:
                 process.wait_hello(self.policy.start_timeout_s)
             except ProcessGone as exc:
                 raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
-            return _Run(process, job, watch, self.policy.cancel_grace_s).wait()
+            budget = None
+            if budget_bytes is not None and self.meter is not None:
+                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=budget_bytes),
+                                 self.meter)
+            return _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         finally:
             process.kill("its group's job ended")
             with self._cond:
@@ -505,11 +512,14 @@ class _Run:
         assert self.budget is not None
         slot, kind = self.budget.slot, self.budget.meter.kind
         what = "GPU memory" if kind == "device" else "resident memory"
-        self.process.kill(f"past its slot's memory budget ({used / memory.MiB:.0f} MiB)")
+        # A group's budget is its devices' together (tasks.core.groups.group_budget).
+        owner = f"group {'+'.join(self.job.devices)}" if self.job.devices else f"slot {slot.index}"
+        reason = f"past its {'group' if self.job.devices else 'slot'}'s memory budget"
+        self.process.kill(f"{reason} ({used / memory.MiB:.0f} MiB)")
         message = (f"job {self.job.job_id} ({self.job.job}) held {used / memory.MiB:.0f} MiB of {what}, past "
-                   f"slot {slot.index}'s budget of {budget / memory.MiB:.0f} MiB, so its process "
+                   f"{owner}'s budget of {budget / memory.MiB:.0f} MiB, so its process "
                    f"{self.process.pid} and everything it started were ended ({self.process.exit_text()})")
-        return Ended.by_worker(OutOfMemory, message, self.process.pid, "past its slot's memory budget",
+        return Ended.by_worker(OutOfMemory, message, self.process.pid, reason,
                                figures=memory.figures(used, budget, kind, slot.index))
 
     def _stopped(self, because: str) -> Ended:

@@ -43,4 +43,6 @@ def train_step(rank: int, world_size: int, local_rank: int) -> None:
             "world_size": world_size, "backend": dist.get_backend(), "rank_sum": ranks.item(),
             "weights_equal": all(torch.equal(gathered[0], g) for g in gathered),
             "pid": os.getpid(),
+            # The cores rank 0 may run on: under a device group, the union of its devices' cores.
+            "affinity": sorted(os.sched_getaffinity(0)),
         }), flush=True)
