@@ -570,16 +570,23 @@ def status(as_json: bool, watch: bool, interval: float, print_url: bool, redis_u
     else:
         from rich.live import Live
 
-        with Live(render(rep), console=console, refresh_per_second=4) as live:
-            try:
-                while True:
-                    time.sleep(interval)
+        # Ctrl-C sets an event the loop waits on, rather than raising KeyboardInterrupt wherever
+        # the main thread happens to be (inside a Redis read, or inside rich's Live with its
+        # refresh thread): a Ctrl-C there could leave `status --watch` running, and CI saw one
+        # that did not exit.
+        stop = threading.Event()
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+        try:
+            with Live(render(rep), console=console, refresh_per_second=4) as live:
+                while not stop.wait(interval):
                     try:
-                        live.update(render(report(url, info)))
+                        frame: Any = render(report(url, info))
                     except DeviceFleetError as exc:
-                        live.update(f"[red]{exc}[/]")
-            except KeyboardInterrupt:
-                pass
+                        frame = f"[red]{exc}[/]"
+                    if not stop.is_set():
+                        live.update(frame)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _watch_frames(frame: Callable[[], Any], first: Any, interval: float) -> None:

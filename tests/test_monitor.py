@@ -497,12 +497,27 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(monitored: Monitored) -> N
                     os.read(master, 65536)
                 except OSError:
                     break
-        assert proc.wait(timeout=30) == 0
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"status --watch still running after Ctrl-C; its stacks:\n{_stacks(proc.pid)}")
+        assert code == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+def _stacks(pid: int) -> str:
+    """A stuck process's Python stacks (py-spy, where installed), for the failure message."""
+    import shutil
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(py-spy not installed)"
+    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return dump.stdout + dump.stderr
 
 
 def test_progress_fields_to_bar() -> None:
