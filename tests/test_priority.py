@@ -20,13 +20,19 @@ QUEUED_BATCH = 100
 NOT_PREEMPTED = {"preemptible": False}
 
 
-@pytest.mark.timeout(180)
-def test_an_urgent_job_starts_before_a_hundred_batch_jobs_queued_first(fleet, app, tmp_path):
-    release, order = tmp_path / "release", tmp_path / "order"
-    # cpu0 busy: everything below waits in Redis, and the worker holds no other message.
+def _hold_cpu0(app, release):  # type: ignore[no-untyped-def]
+    """cpu0 busy with a job that is never preempted, until ``release`` exists: what is sent to
+    cpu0 meanwhile waits in Redis, and its worker holds no other message."""
     hold = fan_out("hold", ["cpu0"], kwargs={"steps": 1, "release_file": str(release)},
                    options=NOT_PREEMPTED, app=app)
     wait_for(lambda: hold.progress()["cpu0"].get("step") == 1, 60, "the hold job running on cpu0")
+    return hold
+
+
+@pytest.mark.timeout(180)
+def test_an_urgent_job_starts_before_a_hundred_batch_jobs_queued_first(fleet, app, tmp_path):
+    release, order = tmp_path / "release", tmp_path / "order"
+    hold = _hold_cpu0(app, release)
     batch = [fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": f"batch-{i}"}, priority="batch",
                      user="bob", app=app) for i in range(QUEUED_BATCH)]
     urgent = fan_out("stamp", ["cpu0"], kwargs={"path": str(order), "label": "urgent"}, priority="urgent",
@@ -43,9 +49,7 @@ def test_an_urgent_job_starts_before_a_hundred_batch_jobs_queued_first(fleet, ap
 @pytest.mark.timeout(120)
 def test_a_batch_sweeps_own_queue_yields_to_an_urgent_job_and_keeps_its_trial_order(fleet, app, tmp_path):
     release, order = tmp_path / "release", tmp_path / "order"
-    hold = fan_out("hold", ["cpu0"], kwargs={"steps": 1, "release_file": str(release)},
-                   options=NOT_PREEMPTED, app=app)
-    wait_for(lambda: hold.progress()["cpu0"].get("step") == 1, 60, "the hold job running on cpu0")
+    hold = _hold_cpu0(app, release)
     # One device of two: the sweep's own queue, whose batch list cpu0 is asked to consume.
     trials = sweep("stamp", [{"label": f"s{i}"} for i in range(3)], devices="cpu0", kwargs={"path": str(order)},
                    priority="batch", user="bob", app=app)
