@@ -162,7 +162,7 @@ def explain(devices: Sequence[str], link: Callable[[int, int], Link | None] | No
     known = [link(a.index, b.index) for a, b in itertools.combinations(parsed, 2)] if link is not None else [None]
     if not known or None in known:
         return f"{group_key(devices)}: {INDEX_ORDER}"
-    return f"{group_key(devices)}: {max(l for l in known if l is not None).words}"
+    return f"{group_key(devices)}: {max(found for found in known if found is not None).words}"
 
 
 def choose_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int) -> list[GroupChoice]:
@@ -189,7 +189,7 @@ def choose_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], s
             pairs = list(itertools.combinations(sorted(index), 2))
             known = {pair: found for pair in pairs if (found := link(*pair)) is not None}
             if kind == DeviceKind.GPU.value and len(known) == len(pairs):
-                chosen, _ = best_connected(list(index), size, lambda a, b: known[min(a, b), max(a, b)])
+                chosen, _ = best_connected(list(index), size, functools.partial(_pair_link, known))
                 group = [index[i] for i in chosen]
             else:
                 group = names[:size]
@@ -202,6 +202,10 @@ def choose_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], s
         kinds = sorted({live[n].kind for n in candidates})
         raise GroupUnavailable(f"{size} {' or '.join(kinds) or 'any'} devices of one host", hosts)
     return groups
+
+
+def _pair_link(known: Mapping[tuple[int, int], Link], a: int, b: int) -> Link:
+    return known[min(a, b), max(a, b)]
 
 
 def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int) -> list[list[str]]:

@@ -43,10 +43,11 @@ def read_links(index: int, nvml: Any | None = None) -> dict[int, str] | None:
     """
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             logger.info("gpu%d: nvidia-ml-py is not installed: no topology published", index)
             return None
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001  (NVML's errors are its own classes)
