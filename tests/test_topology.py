@@ -80,6 +80,19 @@ def test_read_links_publishes_nothing_where_nvml_does_not_start():
     assert read_links(0, nvml) is None
 
 
+def test_a_pair_nvml_does_not_describe_is_left_out():
+    """As one H200's driver under gVisor answered: no NVLink call and no common ancestor."""
+    nvml = fake_nvml(count=3)
+
+    def not_supported(*args: Any) -> int:
+        raise _NVMLError("Not Supported")
+
+    nvml.nvmlDeviceGetNvLinkState = not_supported
+    nvml.nvmlDeviceGetTopologyCommonAncestor = lambda a, b: 10 if {a, b} == {0, 2} else not_supported()
+    assert read_links(0, nvml) == {2: "pcie_switch"}
+    assert nvml.calls == ["init", "shutdown"]
+
+
 def test_the_published_links_survive_the_registry_record_and_feed_the_choice():
     nvml = fake_nvml()
     records = [_gpu(i, read_links(i, nvml)) for i in range(4)]

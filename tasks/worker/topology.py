@@ -14,6 +14,11 @@ host-level process. The row is what ``nvidia-smi topo -m`` prints for that GPU, 
 - else the closest common PCIe ancestor, ``nvmlDeviceGetTopologyCommonAncestor``'s level
   (one switch, several, the host bridge, one NUMA node, across sockets).
 
+A pair NVML does not describe is left out of the row (unknown: such a group is taken in index
+order). On one H200 under gVisor (driver 580.159.04) every NVLink call and the common-ancestor
+call answered ``Not Supported``; a host's driver outside a sandbox answers them as
+``nvidia-smi topo -m`` shows.
+
 Indices are NVML's, which enumerates GPUs in PCI bus order: the order of ``gpu<N>`` names and of
 a group's ``CUDA_VISIBLE_DEVICES`` under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
 (:func:`tasks.core.groups.group_environment`). A host without NVML (no driver, no
@@ -64,7 +69,11 @@ def read_links(index: int, nvml: Any | None = None) -> dict[int, str] | None:
             if _bus_id(nvml.nvmlDeviceGetPciInfo(handle)) in linked or _p2p_nvlink(nvml, own, handle):
                 link = Link.NVLINK
             else:
-                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(own, handle))
+                try:
+                    level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(own, handle))
+                except nvml.NVMLError as exc:  # a sandbox's driver may not say (gVisor: Not Supported)
+                    logger.info("gpu%d: NVML does not say how gpu%d is connected (%s)", index, other, exc)
+                    continue
                 # NVML_TOPOLOGY_INTERNAL (0): two GPUs of one board, behind its own switch.
                 link = Link.PCIE_SWITCH if level == 0 else Link(level) if level in Link._value2member_map_ else Link.SYSTEM
             row[other] = link.name.lower()
