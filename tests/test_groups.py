@@ -225,6 +225,7 @@ def test_a_sweep_and_a_study_with_group_run_each_trial_over_both_devices(fleet, 
     both devices, one trial at a time, its entry named by the group; a study's trials too
     (`devicefleet optimize --group 2`)."""
     live = tasks.live_devices(app)
+    assert live["cpu0"].gpu_links is None and live["cpu1"].gpu_links is None  # CPU workers publish no links
     cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
     with pytest.raises(GroupUnavailable, match=r"has cpu0 \(cpu\), cpu1 \(cpu\)"):
         tasks.sweep("group_probe", [{}], "cpu", group=3, app=app)
