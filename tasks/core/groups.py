@@ -159,10 +159,11 @@ def explain(devices: Sequence[str], link: Callable[[int, int], Link | None] | No
     parsed = [Device.parse(d) for d in devices]
     if any(d.kind is not DeviceKind.GPU for d in parsed):
         return f"{group_key(devices)}: index order (CPU devices)"
-    known = [link(a.index, b.index) for a, b in itertools.combinations(parsed, 2)] if link is not None else [None]
-    if not known or None in known:
+    pairs = list(itertools.combinations(parsed, 2))
+    known = [found for a, b in pairs if link is not None and (found := link(a.index, b.index)) is not None]
+    if not pairs or len(known) != len(pairs):
         return f"{group_key(devices)}: {INDEX_ORDER}"
-    return f"{group_key(devices)}: {max(found for found in known if found is not None).words}"
+    return f"{group_key(devices)}: {max(known).words}"
 
 
 def choose_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int) -> list[GroupChoice]:
