@@ -428,7 +428,11 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--kwargs", "kwargs_text", help="Kwargs every trial shares, as a JSON object.")
 @click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
 @click.option("--name", help="Name the sweep: the same command with the same name resumes it.")
-@click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials queued or running at once (default: all).")
+@click.option("--max-concurrent", type=click.IntRange(1, None),
+              help="Trials queued or running at once (default: all; with --group, one per group).")
+@click.option("--group", type=click.IntRange(2, 64),
+              help="Run each trial over this many DEVICES of one host at once, in one process that sees them "
+                   "all (each entry's device: cpu0+cpu1).")
 @click.option("--objective", help="Output field to rank the trials by (and the best so far).")
 @click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
 @click.option("--timeout", type=float, default=SWEEP_TIMEOUT_S, show_default=True, help="Seconds to wait for every trial.")
@@ -437,7 +441,7 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
           grid_text: str | None, kwargs_text: str | None, devices: str, name: str | None,
-          max_concurrent: int | None, objective: str | None, direction: str, timeout: float,
+          max_concurrent: int | None, group: int | None, objective: str | None, direction: str, timeout: float,
           as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
@@ -458,7 +462,7 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
     app = _producer_app(settings)
     handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
-                         max_concurrent=max_concurrent, priority=priority,
+                         max_concurrent=max_concurrent, priority=priority, group=group,
                          kwargs=_parse_kwargs(kwargs_text), app=app)
     watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
                                  timeout=timeout)) if err_console.is_terminal else None
@@ -485,14 +489,17 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
 @click.option("--kwargs", "kwargs_text", help="Kwargs every trial shares, as a JSON object.")
 @click.option("--devices", default="all", show_default=True, help="all, cpu, gpu, or names: cpu0,gpu0.")
 @click.option("--name", help="The study's name in the fleet's Redis: the same name resumes it.")
-@click.option("--max-concurrent", type=click.IntRange(1, None), help="Trials running at once (default: one per device).")
+@click.option("--max-concurrent", type=click.IntRange(1, None),
+              help="Trials running at once (default: one per device; with --group, one per group).")
+@click.option("--group", type=click.IntRange(2, 64),
+              help="Run each trial over this many DEVICES of one host at once, in one process that sees them all.")
 @click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
 @_priority_options
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
              kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
-             timeout: float | None, as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
+             group: int | None, timeout: float | None, as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
     """Tune JOB's parameters with Optuna: each trial runs on the next free device.
 
     The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
@@ -518,7 +525,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               n_trials, objective,
                               direction=direction, devices=devices, pruner=pruner, name=name,
                               sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
-                              kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent,
+                              kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent, group=group,
                               timeout=timeout, on_update=view, priority=priority, app=app)
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None

@@ -187,9 +187,13 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     shown = [g for g in report(fleet.redis_url)["groups"] if g["state"] == "waiting" and "cpu1" in g["waiting_for"]]
     assert shown and shown[0]["name"] in ("cpu0+cpu1", "cpu1+cpu0"), shown
     assert shown[0]["waiting_for"]["cpu1"].startswith(f"hold {first.task_ids['cpu1']}"), shown
+    # Why it got its devices: the caller named them.
+    assert shown[0]["why"] == f"{shown[0]['name']}: named by the caller", shown
     console = Console(width=200, record=True)
     console.print(render(report(fleet.redis_url)))
-    assert f"cpu1: hold {first.task_ids['cpu1']}" in console.export_text()
+    shown_text = console.export_text()
+    assert f"cpu1: hold {first.task_ids['cpu1']}" in shown_text
+    assert "named by the caller" in shown_text
     singles = [fan_out("echo", "cpu1", kwargs={"value": i}, app=app) for i in range(3)]
     sent_at = time.time()
     release.touch()
@@ -213,6 +217,41 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
         # Sent while a group reserved cpu1: it started after that group had run.
         assert datetime.fromisoformat(entry["started_at"]).timestamp() >= spans[0][1], (entry, spans, sent_at)
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the groups' reservations and holds to go")
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_and_a_study_with_group_run_each_trial_over_both_devices(fleet, app, rclient):
+    """A sweep of 3 short trials with group=2 on cpu0+cpu1: each trial ran in one process over
+    both devices, one trial at a time, its entry named by the group; a study's trials too
+    (`devicefleet optimize --group 2`)."""
+    live = tasks.live_devices(app)
+    assert live["cpu0"].gpu_links is None and live["cpu1"].gpu_links is None  # CPU workers publish no links
+    cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
+    with pytest.raises(GroupUnavailable, match=r"has cpu0 \(cpu\), cpu1 \(cpu\)"):
+        tasks.sweep("group_probe", [{}], "cpu", group=3, app=app)
+    with pytest.raises(ConfigError, match="group=1"):
+        tasks.sweep("group_probe", [{}], "cpu", group=1, app=app)
+    handle = tasks.sweep("group_probe", [{"timeout_s": 60.0 + i} for i in range(3)], "cpu", group=2, app=app)
+    assert handle.devices == ["cpu0+cpu1"]
+    entries = handle.get(timeout=90)
+    assert [e["trial"] for e in entries] == [0, 1, 2]
+    for entry in entries:
+        assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", entry
+        assert entry["output"]["devices"] == ["cpu0", "cpu1"] and entry["output"]["affinity"] == cores, entry
+    spans = sorted((e["output"]["started"], e["output"]["ended"]) for e in entries)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), f"two trials' groups ran at once: {spans}"
+    assert handle.summary().devices == {"cpu0+cpu1": {"done": 3, "running": 0}}
+
+    result = CliRunner().invoke(cli, ["optimize", "group_probe", "--space", '{"timeout_s": {"low": 30, "high": 60}}',
+                                      "--trials", "2", "--objective", "threads", "--devices", "cpu", "--group", "2",
+                                      "--json", "--redis-url", fleet.redis_url])
+    assert result.exit_code == 0, result.output
+    trials = json.loads(result.output)["trials"]
+    assert len(trials) == 2, trials
+    for trial in trials:
+        assert trial["status"] == "complete" and trial["objective"] == len(cores), trial
+        assert trial["device"] == "cpu0+cpu1", trial
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the trials' reservations and holds to go")
 
 
 @pytest.mark.timeout(120)

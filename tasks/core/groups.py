@@ -12,7 +12,9 @@ reserves and runs it (:mod:`tasks.worker.group`) with the visibility these funct
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that the indices mean the bus order, as
   ``nvidia-smi`` numbers them; ``-1`` for a CPU group;
 - :func:`best_connected`: on GPUs, the best-connected set (NVLink, then a common PCIe switch)
-  from a link-cost function (NVML's topology on a real host, a fake one in the tests).
+  from a link-cost function: :func:`choose_groups` feeds it the links each GPU worker read
+  from NVML and published with its registry record (:mod:`tasks.worker.topology`), and says
+  why each group got its devices (``gpu0+gpu1: NVLink``; ``devicefleet status`` shows it).
 
 A group's key in a fan-out's result is its devices joined by ``+`` (``cpu0+cpu1``).
 """
@@ -23,6 +25,7 @@ import functools
 import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -77,6 +80,25 @@ class Link(IntEnum):
     #: Across sockets (``NVML_TOPOLOGY_SYSTEM``).
     SYSTEM = 50
 
+    @property
+    def words(self) -> str:
+        """How ``devicefleet status`` says it: ``NVLink``, ``common PCIe switch``..."""
+        return _LINK_WORDS[self]
+
+    @classmethod
+    def named(cls, name: str) -> Link | None:
+        """The link a worker record names (``"nvlink"``); None for a name this version does not know."""
+        return cls.__members__.get(name.upper())
+
+
+_LINK_WORDS = {
+    Link.NVLINK: "NVLink", Link.PCIE_SWITCH: "common PCIe switch", Link.PCIE_SWITCHES: "PCIe switches",
+    Link.HOST_BRIDGE: "PCIe host bridge", Link.NUMA_NODE: "one NUMA node", Link.SYSTEM: "across CPU sockets",
+}
+
+#: Why a group got its devices where no link between them is known.
+INDEX_ORDER = "index order: no topology known"
+
 
 def best_connected(gpus: Sequence[int], size: int, link: Callable[[int, int], Link]) -> tuple[list[int], str]:
     """The ``size`` GPUs of ``gpus`` best connected to one another, and why, in words.
@@ -102,30 +124,77 @@ def best_connected(gpus: Sequence[int], size: int, link: Callable[[int, int], Li
     return list(chosen), why
 
 
-def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int,
-                links: Callable[[str, int, int], Link] | None = None) -> list[list[str]]:
+@dataclass(frozen=True)
+class GroupChoice:
+    """A group's devices and why it got them (``devicefleet status`` shows it)."""
+
+    devices: list[str]
+    why: str
+
+    @property
+    def key(self) -> str:
+        return group_key(self.devices)
+
+
+def host_links(live: Mapping[str, WorkerRecord]) -> Callable[[str, int, int], Link | None]:
+    """``links(host, a, b)``: how GPUs ``a`` and ``b`` of ``host`` are connected, from the GPU
+    workers' published :attr:`~tasks.core.records.WorkerRecord.gpu_links` (either side's
+    record); None where neither says."""
+    rows = {(r.host, Device.parse(name).index): r.gpu_links for name, r in live.items()
+            if r.kind == DeviceKind.GPU.value and r.gpu_links}
+
+    def links(host: str, a: int, b: int) -> Link | None:
+        for one, other in ((a, b), (b, a)):
+            name = (rows.get((host, one)) or {}).get(other)
+            if name is not None and (link := Link.named(name)) is not None:
+                return link
+        return None
+
+    return links
+
+
+def explain(devices: Sequence[str], link: Callable[[int, int], Link | None] | None) -> str:
+    """Why ``devices`` make a group: on GPUs, the worst link between two of them
+    (``gpu0+gpu1: NVLink``), else :data:`INDEX_ORDER`; a CPU group's devices are taken in index order."""
+    parsed = [Device.parse(d) for d in devices]
+    if any(d.kind is not DeviceKind.GPU for d in parsed):
+        return f"{group_key(devices)}: index order (CPU devices)"
+    pairs = list(itertools.combinations(parsed, 2))
+    known = [found for a, b in pairs if link is not None and (found := link(a.index, b.index)) is not None]
+    if not pairs or len(known) != len(pairs):
+        return f"{group_key(devices)}: {INDEX_ORDER}"
+    return f"{group_key(devices)}: {max(known).words}"
+
+
+def choose_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int) -> list[GroupChoice]:
     """Disjoint groups of ``size`` devices of one kind on one host, from ``candidates`` (live
-    device names, in the caller's order): as many as they make, each host's devices taken in
-    index order (on GPUs the best-connected set first, where ``links(host, a, b)`` is known).
+    device names, in the caller's order), and why each: as many as they make, each host's
+    devices taken in index order, except GPUs whose links are all known (each GPU worker
+    publishes its own, :attr:`~tasks.core.records.WorkerRecord.gpu_links`): there the
+    best-connected set first (:func:`best_connected`: NVLink, then a common PCIe switch).
 
     Raises:
         GroupUnavailable: no host has ``size`` devices of one kind among the candidates.
     """
+    links = host_links(live)
     buckets: dict[tuple[str, str], list[str]] = {}
     for name in candidates:
         record = live[name]
         buckets.setdefault((record.host, record.kind), []).append(name)
-    groups: list[list[str]] = []
+    groups: list[GroupChoice] = []
     for (host, kind), names in sorted(buckets.items()):
         names = sorted(names, key=lambda n: Device.parse(n).index)
+        link = functools.partial(links, host)
         while len(names) >= size:
-            if kind == DeviceKind.GPU.value and links is not None:
-                index = {Device.parse(n).index: n for n in names}
-                chosen, _ = best_connected(list(index), size, functools.partial(links, host))
+            index = {Device.parse(n).index: n for n in names}
+            pairs = list(itertools.combinations(sorted(index), 2))
+            known = {pair: found for pair in pairs if (found := link(*pair)) is not None}
+            if kind == DeviceKind.GPU.value and len(known) == len(pairs):
+                chosen, _ = best_connected(list(index), size, functools.partial(_pair_link, known))
                 group = [index[i] for i in chosen]
             else:
                 group = names[:size]
-            groups.append(group)
+            groups.append(GroupChoice(group, explain(group, link)))
             names = [n for n in names if n not in group]
     if not groups:
         hosts: dict[str, list[str]] = {}
@@ -134,6 +203,19 @@ def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], siz
         kinds = sorted({live[n].kind for n in candidates})
         raise GroupUnavailable(f"{size} {' or '.join(kinds) or 'any'} devices of one host", hosts)
     return groups
+
+
+def _pair_link(known: Mapping[tuple[int, int], Link], a: int, b: int) -> Link:
+    return known[min(a, b), max(a, b)]
+
+
+def plan_groups(candidates: Sequence[str], live: Mapping[str, WorkerRecord], size: int) -> list[list[str]]:
+    """The devices of :func:`choose_groups`' groups.
+
+    Raises:
+        GroupUnavailable: no host has ``size`` devices of one kind among the candidates.
+    """
+    return [choice.devices for choice in choose_groups(candidates, live, size)]
 
 
 def check_named_group(devices: Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
@@ -187,9 +269,9 @@ def group_environment(devices: Sequence[str]) -> dict[str, str]:
 def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, Any]]:
     """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
     first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
-    "since"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting group and
-    ``closed`` ``{device: single jobs waiting there}`` of the devices that take no new single
-    job for it."""
+    "since", "why"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting
+    group, ``closed`` ``{device: single jobs waiting there}`` of the devices that take no new
+    single job for it, and ``why`` why the group got its devices (None: not known)."""
     pipe = client.pipeline(transaction=False)
     devices = list(devices)
     for device in devices:
@@ -198,9 +280,12 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
     pipe = client.pipeline(transaction=False)
     for attempt in attempts:
         pipe.hgetall(keys.group_run(attempt))
+    runs = [{_text(k): _text(v) for k, v in raw.items()} for raw in pipe.execute()]
+    pipe = client.pipeline(transaction=False)
+    for fields in runs:
+        pipe.get(keys.group_choice(fields.get("group") or "-"))
     out = []
-    for attempt, raw in zip(attempts, pipe.execute(), strict=True):
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+    for attempt, fields, why in zip(attempts, runs, pipe.execute(), strict=True):
         if not fields:
             continue
         try:
@@ -213,6 +298,7 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
             "waiting_for": waiting if fields.get("state") == "waiting" else {},
             "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
             "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
+            "why": _text(why) if why is not None else None,
         })
     return sorted(out, key=lambda g: g["seq"])
 

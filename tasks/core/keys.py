@@ -155,6 +155,13 @@ def group_hold(device: str) -> str:
     return f"{PREFIX}group-hold:{device}"
 
 
+def group_choice(group_id: str) -> str:
+    """Why a device group got its devices (``gpu0+gpu1: NVLink``), written by the producer that
+    chose them (:func:`tasks.core.groups.choose_groups`) and shown by ``devicefleet status``;
+    expires with the job's result."""
+    return f"{PREFIX}group:{group_id}:choice"
+
+
 #: Counter that gives each device group its ``seq`` (its age), as ``GANG_SEQ`` does for gangs.
 GROUP_SEQ = f"{PREFIX}group:seq"
 

@@ -347,6 +347,12 @@ class WorkerRecord(_Record):
     #: The programs and folders commands may use here (its worker config's ``[commands]``,
     #: resolved when it started); None: it runs no commands.
     commands: CommandRules | None = None
+    #: A GPU's links to the other GPUs of its host, read from NVML when the worker started
+    #: (:mod:`tasks.worker.topology`): ``{other GPU's index: link}``, the link a
+    #: :class:`~tasks.core.groups.Link` name in lower case (``"nvlink"``, ``"pcie_switch"``...).
+    #: None where nothing was read: a CPU device, or no NVML. The producer's choice of a GPU
+    #: group's devices reads it (:func:`tasks.core.groups.choose_groups`).
+    gpu_links: dict[int, str] | None = None
 
     def same_process(self, host: str, pid: int) -> bool:
         return self.host == host and self.pid == pid

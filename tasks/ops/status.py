@@ -204,7 +204,7 @@ def render(rep: dict[str, Any]) -> Group:
 
 def group_table(groups: list[dict[str, Any]], now: float) -> Table:
     """The device groups that reserved devices: running, or waiting and for what."""
-    out = table(f"{len(groups)} device group(s)", ["group", "job id", "state", "waiting for"])
+    out = table(f"{len(groups)} device group(s)", ["group", "chosen for", "job id", "state", "waiting for"])
     for group in groups:
         waited = f" {now - group['since']:.0f}s" if group["since"] else ""
         state = f"{group['state']}{waited}"
@@ -216,5 +216,7 @@ def group_table(groups: list[dict[str, Any]], now: float) -> Table:
         if held:
             state += f", {held} single job{'' if held == 1 else 's'} held back"
         waiting = "; ".join(f"{device}: {what}" for device, what in group["waiting_for"].items()) or "-"
-        out.add_row(group["name"], str(group["job_id"]), state, waiting)
+        why = group.get("why") or "-"
+        why = why.removeprefix(f"{group['name']}: ")
+        out.add_row(group["name"], why, str(group["job_id"]), state, waiting)
     return out

@@ -41,10 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, check_command, command_params
-from ..core.defaults import GANG_SEND_WAIT_S
+from ..core.defaults import GANG_SEND_WAIT_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
-from ..core.groups import GROUP_SEPARATOR, check_group_size, check_named_group, group_key, key_devices, plan_groups
+from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
 from ..core.priority import Level, check_user, level_queue, os_user, parse_level
@@ -401,15 +401,17 @@ def fan_out(
         live = live_devices(client=client)
         # raises DeviceUnavailable before anything is sent
         select_devices([device for key in jobs for device in key_devices(key)], live)
-        for key in plan:
-            if GROUP_SEPARATOR in key:
-                check_named_group(key_devices(key), live)
+        whys = {key: f"{key}: named by the caller" for key in plan if GROUP_SEPARATOR in key}
+        for key in whys:
+            check_named_group(key_devices(key), live)
     else:
         spec = prioritized(JobSpec.of(jobs, kwargs, options), priority, user)  # type: ignore[arg-type]
         live = live_devices(client=client)
         chosen = select_devices(devices, live)
+        whys = {}
         if group is not None:
-            chosen = [group_key(devices) for devices in plan_groups(chosen, live, check_group_size(group))]
+            whys = {choice.key: choice.why for choice in choose_groups(chosen, live, check_group_size(group))}
+            chosen = list(whys)
         plan = {key: spec for key in chosen}
     check_jobs({device: spec for key, spec in plan.items() for device in key_devices(key)}, live)
     grouped = [key for key in plan if GROUP_SEPARATOR in key]
@@ -417,7 +419,7 @@ def fan_out(
         if distributed is not False or per_slot:
             raise ConfigError("a device group is one job in one process over its devices: it goes with "
                               "neither distributed nor per_slot")
-        return _send_groups(app, plan, client)
+        return _send_groups(app, plan, whys, client)
     if distributed is not False:
         if per_slot:
             raise ConfigError("per_slot=True cannot be used with distributed: a gang has one rank per device")
@@ -497,22 +499,29 @@ def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerR
     return FanOut(app, ranks, result, connections)
 
 
-def _send_groups(app: Celery, plan: dict[str, JobSpec], connections: Connections) -> FanOut:
-    """Send a fan-out with device groups: each group's job carries its
-    :class:`~tasks.core.records.GroupSpec`, with its age from ``keys.GROUP_SEQ``."""
-    client = connections.redis
-    sent: dict[str, JobSpec] = {}
-    for key, spec in plan.items():
-        if GROUP_SEPARATOR not in key:
-            sent[key] = spec
-            continue
-        if spec.options.gang is not None or spec.options.fallback is not None:
-            raise ConfigError(f"group {key}: a device group's job cannot be a gang's rank or fall back to the cpu")
-        spec_group = GroupSpec(id=uuid.uuid4().hex, devices=key_devices(key), seq=int(client.incr(keys.GROUP_SEQ)))
-        sent[key] = spec.model_copy(update={"options": spec.options.model_copy(update={"group": spec_group})})
+def _send_groups(app: Celery, plan: dict[str, JobSpec], whys: Mapping[str, str], connections: Connections) -> FanOut:
+    """Send a fan-out with device groups (:func:`group_job` each)."""
+    sent = {key: group_job(spec, GroupChoice(key_devices(key), whys.get(key, key)), connections, app)
+             if GROUP_SEPARATOR in key else spec for key, spec in plan.items()}
     result = _send(app, sent)
     logger.info("fan-out %s: groups %s", result.id, ", ".join(k for k in sent if GROUP_SEPARATOR in k))
     return FanOut(app, sent, result, connections)
+
+
+def group_job(spec: JobSpec, choice: GroupChoice, connections: Connections, app: Celery) -> JobSpec:
+    """``spec`` as the job of the device group ``choice``, to send to its leader's queue: its
+    options carry a fresh :class:`~tasks.core.records.GroupSpec` (its age from
+    ``keys.GROUP_SEQ``); why the group got its devices is stored for ``devicefleet status``.
+
+    Raises:
+        ConfigError: the job is a gang's rank or falls back to the cpu.
+    """
+    if spec.options.gang is not None or spec.options.fallback is not None:
+        raise ConfigError(f"group {choice.key}: a device group's job cannot be a gang's rank or fall back to the cpu")
+    client = connections.redis
+    group = GroupSpec(id=uuid.uuid4().hex, devices=list(choice.devices), seq=int(client.incr(keys.GROUP_SEQ)))
+    client.set(keys.group_choice(group.id), choice.why, ex=max(60, int(app.backend.expires or RESULT_EXPIRES_S)))
+    return spec.model_copy(update={"options": spec.options.model_copy(update={"group": group})})
 
 
 def _looks_like_spec(mapping: Mapping[str, Any]) -> bool:

@@ -62,7 +62,7 @@ from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary
 from .reader import Meta, state_of
-from .trials import TrialQueue, entry_of, trial_task_id
+from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
 
 if TYPE_CHECKING:
     import optuna
@@ -201,6 +201,7 @@ def start_study(
     on_update: Callable[[StudyProgress], None] | None = None,
     priority: Level | str | None = None,
     user: str | None = None,
+    group: int | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> StudyHandle:
@@ -224,6 +225,9 @@ def start_study(
             (for a live view; from a thread when the handle is awaited).
         priority: the trials' level (``urgent``, ``normal``, ``batch``).
         user: who the trials are counted to; default the ``user`` setting, else the OS user.
+        group: run each trial over ``group`` devices of one kind on one host at once, in one
+            job process (a device group, as :func:`tasks.sweep`'s ``group``): one trial per
+            group at a time by default; a trial's ``device`` user attribute names its group.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -250,11 +254,15 @@ def start_study(
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
     chosen = select_devices(devices, live)
+    groups = trial_groups(chosen, live, group, base)
+    if groups is not None:
+        chosen = [device for choice in groups for device in choice.devices]
     # A command's placeholders are filled from the space: check them with a value for each.
     probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
     check_jobs({device: probe for device in chosen}, live)
     # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once).
-    limit = max_concurrent if max_concurrent is not None else sum(live[device].slot_count for device in chosen)
+    limit = (max_concurrent if max_concurrent is not None else len(groups) if groups is not None
+             else sum(live[device].slot_count for device in chosen))
     if limit < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1")
     study_name = name or f"{base.name}-{uuid.uuid4().hex[:8]}"
@@ -265,7 +273,8 @@ def start_study(
         raise SweepConflict(f"study {study_name!r} is a study of job {owner!r}, not {base.name!r}: "
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
-    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections, level=base.level)
+    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections, level=base.level,
+                       groups=groups)
     queue.attach()
     handle = StudyHandle(_StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit,
                                    on_update))

@@ -16,6 +16,9 @@ A named sweep can be resumed: when its producer dies, the same call with the sam
 same job and trials; another set is refused with :class:`~tasks.core.errors.SweepConflict`)
 adopts what was sent and still runs, sends what was not, and returns every trial once.
 
+With ``group=k`` each trial runs over a device group of ``k`` devices of one host, in one job
+process (see :mod:`tasks.producer.trials`): ``tasks.sweep("train", trials, "cpu", group=2)``.
+
 ``handle.cancel()``: queued trials never start, running ones stop at their next
 ``ctx.progress()``; their entries say ``cancelled``.
 """
@@ -42,7 +45,7 @@ from ..core.records import SweepRecord
 from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary, summarize
-from .trials import TrialQueue, entry_of, queue_for, trial_task_id
+from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +270,7 @@ def sweep(
     kwargs: Mapping[str, Any] | None = None,
     priority: Level | str | None = None,
     user: str | None = None,
+    group: int | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> Sweep:
@@ -284,6 +288,10 @@ def sweep(
         priority: the trials' level (``urgent``, ``normal``, ``batch``); a resumed sweep keeps
             the level and user it was sent with.
         user: who the trials are counted to; default the ``user`` setting, else the OS user.
+        group: run each trial over ``group`` devices of one kind on one host at once, in one
+            job process that sees them all (a device group, as ``fan_out(..., group=k)``): the
+            groups ``devices`` make, each running one trial at a time (``max_concurrent``
+            defaults to their number); each entry's ``device`` names its group (``cpu0+cpu1``).
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -292,6 +300,8 @@ def sweep(
         ConfigError: a trial is not a dict, an argument is out of range, or ``priority`` or
             ``user`` is invalid.
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
+        GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``
+            (nothing is sent).
         UnknownJob: a device's worker does not run the job (nothing is sent).
         SweepConflict: a sweep of that name exists with another job or other trials.
     """
@@ -304,6 +314,10 @@ def sweep(
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
     live = live_devices(client=connections)
     chosen = select_devices(devices, live)
+    groups = trial_groups(chosen, live, group, specs[0] if specs else JobSpec.of(job))
+    if groups is not None:
+        chosen = [device for choice in groups for device in choice.devices]
+        max_concurrent = max_concurrent if max_concurrent is not None else len(groups)
     if specs:
         check_jobs({device: specs[0] for device in chosen}, live)
     sweep_id = name or uuid.uuid4().hex
@@ -325,7 +339,8 @@ def sweep(
         logger.info("sweep %s: resuming, %d of %d trials sent before", sweep_id, len(sent), len(specs))
     _save(app, record, connections)
     level = specs[0].level if specs else prioritized(job, priority).level
-    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue, connections=connections, level=level)
+    queue = TrialQueue(app, sweep_id, chosen, live, queue=record.queue, connections=connections, level=level,
+                       groups=groups)
     if not record.cancelled:
         queue.attach()
     handle = Sweep(app, record, specs, queue, sent, max_concurrent)

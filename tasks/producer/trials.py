@@ -14,6 +14,15 @@ What :mod:`tasks.producer.sweep` and :mod:`tasks.producer.optimize` share. A :cl
   runs again (a resumed sweep) sends a lost trial under the same id: a second copy of a trial
   that already ran or runs is dropped by the worker's lease (:mod:`tasks.worker.lease`), and
   every trial runs once;
+- with ``group=k`` (:func:`tasks.sweep`, :func:`tasks.start_study`), sends each trial as the
+  job of a device group instead: the groups are chosen once, as a fan-out's
+  (:func:`~tasks.core.groups.choose_groups`), and each trial goes to the leader's queue of the
+  group with the fewest unfinished trials of this queue, as that group's message (a fresh
+  :class:`~tasks.core.records.GroupSpec`: the leader reserves the group's devices and runs it
+  in one job process over them, :mod:`tasks.worker.group`). A group's message needs its
+  devices named when it is sent, so a group takes a trial when it is sent one, not when it is
+  free: the sweep and the study send at most one unfinished trial per group by default, and
+  the next as one ends. Each trial's entry names its group (``"device": "cpu0+cpu1"``);
 - reads the trials' states and entries with one ``MGET`` of their result keys per poll, and
   their latest progress reports with one more;
 - cancels: stores ``REVOKED`` for the trials that have not started (a worker that takes one
@@ -26,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from celery import Celery
@@ -34,14 +43,16 @@ from celery import Celery
 from ..core.defaults import SWEEP_ATTACH_TIMEOUT_S
 from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
+from ..core.errors import ConfigError
+from ..core.groups import GroupChoice, check_group_size, choose_groups
 from ..core.priority import DEFAULT_LEVEL, Level, level_queue
-from ..core.queues import QueueName, sweep_queue
+from ..core.queues import QueueName, device_queue, sweep_queue
 from ..core.records import WorkerRecord
 from .connections import Connections
-from .fanout import JobSpec, live_devices
+from .fanout import JobSpec, group_job, live_devices
 from .reader import RUNNING_STATES, StateReader, device_of, entry_of
 
-__all__ = ["RUNNING_STATES", "TrialQueue", "entry_of", "queue_for", "trial_task_id"]
+__all__ = ["RUNNING_STATES", "TrialQueue", "entry_of", "queue_for", "trial_groups", "trial_task_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +77,31 @@ def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord
     return sweep_queue(queue_id)
 
 
+def trial_groups(chosen: Sequence[str], live: Mapping[str, WorkerRecord], group: int | None,
+                 spec: JobSpec) -> list[GroupChoice] | None:
+    """The device groups a sweep's or a study's trials run on (``group=k``), chosen as a
+    fan-out's are; None without ``group``.
+
+    Raises:
+        ConfigError: ``group`` is not a device count, or the job falls back to the cpu.
+        GroupUnavailable: no live host has ``group`` devices of one kind among ``chosen``.
+    """
+    if group is None:
+        return None
+    groups = choose_groups(chosen, live, check_group_size(group))
+    if spec.options.fallback is not None or spec.options.gang is not None:
+        raise ConfigError(f"group={group}: a device group's job cannot be a gang's rank or fall back "
+                          "to the cpu (nothing was sent)")
+    return groups
+
+
 class TrialQueue:
     """The queue of one sweep or study, the devices that consume it, and its trials' results."""
 
     def __init__(self, app: Celery, queue_id: str, devices: list[str],
                  live: Mapping[str, WorkerRecord], queue: str | None = None,
-                 connections: Connections | None = None, level: Level = DEFAULT_LEVEL) -> None:
+                 connections: Connections | None = None, level: Level = DEFAULT_LEVEL,
+                 groups: list[GroupChoice] | None = None) -> None:
         self.app = app
         self.connections = connections or Connections.of(app)
         #: The trials' states and progress (kept once final).
@@ -88,6 +118,16 @@ class TrialQueue:
         self._workers = {device: live[device] for device in devices}
         self._device_of = {record.worker: device for device, record in live.items()}
         self._refreshed = 0.0
+        #: The device groups that run the trials, one trial per message (``group=k``); None:
+        #: the trials go to :attr:`queue`. Their keys are then the devices the handle names.
+        self.groups = groups
+        #: ``{task id: group key}`` of the trials this producer sent to a group.
+        self._placed: dict[str, str] = {}
+        if groups is not None:
+            self.own = False  # each trial goes to its group's leader's own queue
+            self.devices = [choice.key for choice in groups]
+            for choice in groups:  # a running trial's meta names its leader's worker: the group
+                self._device_of[live[choice.devices[0]].worker] = choice.key
 
     # -- consumers ---------------------------------------------------------------------------
 
@@ -144,10 +184,24 @@ class TrialQueue:
         sent: list[int] = []
         with self.app.producer_or_acquire() as producer:
             for trial, spec in trials:
-                spec.signature(self.app, self.queue).apply_async(
-                    task_id=trial_task_id(self.id, trial), producer=producer)
+                task_id, queue = trial_task_id(self.id, trial), self.queue
+                if self.groups is not None:
+                    choice = self._next_group()
+                    spec, queue = group_job(spec, choice, self.connections, self.app), device_queue(choice.devices[0])
+                    self._placed[task_id] = choice.key
+                spec.signature(self.app, queue).apply_async(task_id=task_id, producer=producer)
                 sent.append(trial)
         return sent
+
+    def _next_group(self) -> GroupChoice:
+        """The group with the fewest unfinished trials this producer sent it (the first of them)."""
+        assert self.groups is not None
+        for task_id in [t for t in self._placed if self.reader.is_final(t)]:
+            del self._placed[task_id]
+        load = {choice.key: 0 for choice in self.groups}
+        for key in self._placed.values():
+            load[key] += 1
+        return min(self.groups, key=lambda choice: load[choice.key])
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ from .mps import MpsServer
 from .preemption import Preemption
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
+from .topology import read_links
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +287,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
         torch_threads=v.torch_threads,
         job_pids=processes.supervisor.pids,
         commands=processes.supervisor.spec.commands,
+        gpu_links=read_links(setup.device.index) if setup.device.kind is DeviceKind.GPU else None,
     )
 
 
