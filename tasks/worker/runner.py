@@ -47,7 +47,7 @@ from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOf
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
-from ..core.keys import OPTIONS_HEADER, PREEMPTIONS_HEADER
+from ..core.keys import FRONT_HEADER, OPTIONS_HEADER, PREEMPTIONS_HEADER
 from ..core.priority import Level
 from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
@@ -217,8 +217,10 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
 
 def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level) -> NoReturn:
     """Send a preempted job's message back to its queue (:mod:`tasks.worker.preemption`): the
-    same id, kwargs, options and chord, its count of preemptions one more. Its lease is released
-    first (no death counted: it was not lost), so the worker that takes it next takes it at once.
+    same id, kwargs, options and chord, its count of preemptions one more, at the front of its
+    level's list (:data:`~tasks.core.keys.FRONT_HEADER`), so it keeps its place among its level:
+    it runs before the work of its level sent after it. Its lease is released first (no death
+    counted: it was not lost), so the worker that takes it next takes it at once.
 
     Raises:
         celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
@@ -232,7 +234,8 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
         count_preemption(worker.client, worker.device.name)
     except redis.RedisError as exc:  # a figure only: the job goes back all the same
         logger.warning("could not count the preemption of job %s: %s", job_id, exc)
-    raise task.retry(countdown=0, max_retries=None, headers={**headers, PREEMPTIONS_HEADER: count})
+    raise task.retry(countdown=0, max_retries=None,
+                     headers={**headers, PREEMPTIONS_HEADER: count, FRONT_HEADER: True})
 
 
 def preemptions_of(request: Any) -> int:
