@@ -376,6 +376,8 @@ class ResumableParams(BaseModel):
     hold_at: int = Field(ge=0)
     release_file: str
     timeout_s: float = 60.0
+    #: Seconds each step takes (a trial of ``steps * step_s`` seconds).
+    step_s: float = Field(default=0.0, ge=0)
 
 
 @job("resumable", params=ResumableParams)
@@ -405,6 +407,7 @@ def resumable(ctx: JobContext, params: ResumableParams) -> dict[str, Any]:
                     raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
                 time.sleep(0.02)
             else:
+                time.sleep(params.step_s)
                 step += 1
                 checkpoint.write_text(str(step))
             if ctx.preempted():
