@@ -1114,6 +1114,31 @@ def test_a_younger_gang_gives_a_device_to_an_older_assembling_gang(client):
 
 
 @pytest.mark.timeout(30)
+def test_a_gang_of_a_higher_level_wins_a_device_over_an_older_one_in_wait_die(client):
+    """The older gang is batch, the younger urgent: the urgent rank waits on, the batch one gives
+    its device up (a level goes before age); a normal gang's score is its age, as before."""
+    from tasks.core.priority import Level
+
+    older, younger = _gang("old-batch", 1, ["d0", "d1"]), _gang("new-urgent", 2, ["d0", "d1"])
+    urgent_d1 = Rendezvous(client, younger, "d1", "h", 60, level=Level.URGENT)
+    waited: dict[str, Any] = {}
+    assert urgent_d1.join() == 0
+    thread = threading.Thread(target=lambda: waited.update(assembled=urgent_d1.wait(0)))
+    thread.start()
+    wait_for(lambda: client.exists(keys.gang_alive("new-urgent")), 10, "the urgent gang to wait")
+    batch_d0 = Rendezvous(client, older, "d0", "h", 60, level=Level.BATCH)
+    assert batch_d0.join() == 0
+    with pytest.raises(GiveWay, match="d0 is needed by the older gang new-urgent"):
+        batch_d0.wait(0)
+    urgent_d0 = Rendezvous(client, younger, "d0", "h", 60, level=Level.URGENT)
+    urgent_d0.join()
+    assert urgent_d0.wait(0).hosts == {0: "h", 1: "h"}
+    thread.join(10)
+    assert waited["assembled"].generation == 0  # it never gave d1 up to the older batch gang
+    assert Rendezvous(client, older, "d0", "h", 60).precedence == 1
+
+
+@pytest.mark.timeout(30)
 def test_a_rank_that_dies_moves_its_gang_on_until_the_restarts_run_out(client):
     spec = _gang("restarts", 3, ["d0", "d1"], max_restarts=1)
     rank0, rank1 = Rendezvous(client, spec, "d0", "h", 60), Rendezvous(client, spec, "d1", "h", 60)

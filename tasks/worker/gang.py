@@ -35,11 +35,14 @@ for. The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK`
 device's queue holds one gang's ranks before the next's; but order alone is not enough (the
 reaper gives a dead worker's rank back at the front of its queue after its restarted worker may
 have taken another gang's rank). So ranks also follow *wait-die* (Rosenkrantz, Stearns and
-Lewis, 1978): a gang's ``seq`` is its age; a rank waiting for its gang on a device that an
-older, still assembling gang needs (``keys.gangs_needing``) gives the device up (its message
-goes back to the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
-:data:`~tasks.core.defaults.GIVE_WAY_S` later. A younger gang waits only for older ones and never the other way
-round, so no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
+Lewis, 1978) over a gang's *precedence*: its level first (a higher level wins, whatever the
+ages: :mod:`tasks.core.priority`), then its ``seq``, its age (:attr:`Rendezvous.precedence`). A
+rank waiting for its gang on a device that a gang of higher precedence, still assembling, needs
+(``keys.gangs_needing``, scored by precedence) gives the device up (its message goes back to
+the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
+:data:`~tasks.core.defaults.GIVE_WAY_S` later. A gang waits only for gangs of higher precedence
+and never the other way round (the order is total and a gang's precedence never changes), so
+no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
 from ..core.jobstate import JobState
+from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
@@ -69,8 +73,12 @@ from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
 
+#: How far one level moves a gang's precedence in wait-die: more than any ``seq`` (a fleet-wide
+#: counter) reaches, and exact in a sorted set's score (a double: integers to 2**53).
+LEVEL_PRECEDENCE = 2**40
+
 #: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
-#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), seq, gang id, max restarts, TTL s, the
+#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), precedence, gang id, max restarts, TTL s, the
 #: rank's task id and its attempt's fencing token ('' and '0' for a run under no lease).
 #: Join the current generation (recording the rank's task and token, whose lease its peers watch); first move the gang to the next one when this rank's earlier
 #: run joined a generation that had assembled (it died in it: 'fresh'), or when a collective of
@@ -148,7 +156,7 @@ redis.call('hset', gang, 'gen', gen + 1)
 return {gen + 1, ''}
 """
 
-#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, seq, generation, rank.
+#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, precedence, generation, rank.
 #: Leave the generation (to give the device up): the gang needs this device again.
 _LEAVE = """
 if redis.call('hget', KEYS[1], 'gen') == ARGV[3] and not redis.call('hget', KEYS[1], 'failed') then
@@ -177,8 +185,11 @@ class Rendezvous:
     """One rank's side of its gang's rendezvous in Redis."""
 
     def __init__(self, client: redis.Redis, spec: GangSpec, device: str, host: str,
-                 expires_s: int, task_id: str = "", token: int = 0) -> None:
+                 expires_s: int, task_id: str = "", token: int = 0, level: Level = DEFAULT_LEVEL) -> None:
         self.client = client
+        #: The gang's place in wait-die (lower goes first): its level, then its age. A ``normal``
+        #: gang's is its ``seq``; a level above or below moves it by :data:`LEVEL_PRECEDENCE`.
+        self.precedence = spec.seq + (level.rank - DEFAULT_LEVEL.rank) * LEVEL_PRECEDENCE
         #: This rank's task and its attempt's fencing token (recorded at join: its peers watch
         #: its lease); '' and 0 for a run under no lease (called in process).
         self.task_id = task_id if token else ""
@@ -204,7 +215,7 @@ class Rendezvous:
         """
         mode = "fresh" if after is None else f"after:{after}"
         gen, why = self._join(keys=[self.key, *self._needing], args=[
-            self.rank, self.host, mode, self.spec.seq, self.spec.id, self.spec.max_restarts,
+            self.rank, self.host, mode, self.precedence, self.spec.id, self.spec.max_restarts,
             self.expires_s, self.task_id, self.token])
         if int(gen) < 0:
             raise GangFailed(f"distributed job {self.spec.id}: {_text(why)}")
@@ -280,7 +291,8 @@ class Rendezvous:
         Raises:
             GangFailed: the gang failed, or the wait outlasted ``join_timeout_s`` (the message
                 names the devices that did not come).
-            GiveWay: an older gang that is assembling needs this device.
+            GiveWay: a gang of higher precedence (older, or of a higher level) that is
+                assembling needs this device.
         """
         deadline = time.monotonic() + self.spec.join_timeout_s
         needing = keys.gangs_needing(self.device)
@@ -288,7 +300,7 @@ class Rendezvous:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.gang_alive(self.spec.id), 1, px=ALIVE_TTL_MS)
             pipe.hgetall(self.key)
-            pipe.zrangebyscore(needing, "-inf", f"({self.spec.seq}", start=0, num=8)
+            pipe.zrangebyscore(needing, "-inf", f"({self.precedence}", start=0, num=8)
             _, fields, older = pipe.execute()
             fields = {_text(k): _text(v) for k, v in fields.items()}
             if "failed" in fields:
@@ -303,7 +315,7 @@ class Rendezvous:
             if give_way and older:
                 alive = [_text(g) for g, up in zip(older, self._alive(older), strict=True) if up]
                 if alive:
-                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.spec.seq, gen, self.rank])
+                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.precedence, gen, self.rank])
                     raise GiveWay(self.device, alive[0])
             if time.monotonic() > deadline:
                 missing = [d for r, d in enumerate(self.spec.devices) if not hosts[r]]
@@ -457,18 +469,20 @@ class GangWatch(WatchOver):
 
 
 def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, expires_s: int,
-             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0) -> Ended:
+             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0,
+             level: Level = DEFAULT_LEVEL) -> Ended:
     """Run ``job`` as the rank of gang ``spec`` on ``device`` (``run`` runs it in a job process):
     join, assemble, run; run it again with the gang when it restarts. ``token``: the fencing
     token of the attempt that holds the job's lease (0: none), recorded in the gang for its
-    peers' watch (:class:`GangWatch`). Never raises: the
+    peers' watch (:class:`GangWatch`); ``level``: the gang's, its precedence in wait-die before
+    its age. Never raises: the
     :class:`Ended` says how it ended, ``give_way`` when an older gang needs the device (the
     caller sends its message back to the queue, :data:`~tasks.core.defaults.GIVE_WAY_S` later)."""
     if device not in spec.devices:
         return Ended.by_worker(GangFailed, f"{device} took a rank of {spec.id}, which runs on "
                                f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)",
                                pid=0, retired=None)
-    rdv = Rendezvous(client, spec, device, host_name(), expires_s, task_id=job.job_id, token=token)
+    rdv = Rendezvous(client, spec, device, host_name(), expires_s, task_id=job.job_id, token=token, level=level)
     try:
         return _run_rank(rdv, address, job, watch, run)
     except GiveWay as exc:

@@ -190,7 +190,7 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                       worker.settings.result_expires_s, message, watch,
                                       lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
-                                      token=attempt.token if attempt is not None else 0)
+                                      token=attempt.token if attempt is not None else 0, level=options.priority)
         finally:
             if preemption is not None:
                 preemption.done(run.job_id)
