@@ -1164,12 +1164,87 @@ class _RankWatch:
     def store_opened(self, port: int) -> None: ...
     def rank_failed(self, reason: str) -> None: ...
     def memory(self, used: int) -> None: ...
+    preempted: Any = None
+    def made_way(self, level: Any) -> None: ...
     def stop(self) -> None:
         return None
 
 
 def _ended(outcome: Outcome, error: ErrorInfo | None = None) -> Ended:
     return Ended(outcome=outcome, finished=None, error=error, error_module=None, pid=1, retired=None)
+
+
+class _AskingWatch(_RankWatch):
+    """A rank's watch whose worker, once ``asks`` and its rank runs, asks it once to make way for
+    urgent work (as JobWatch does when its claim on a waiting message succeeds)."""
+
+    def __init__(self, asks: bool) -> None:
+        self.asks = asks
+        self.running = threading.Event()
+        self.preempted: Any = None
+
+    def made_way(self, level: Any) -> None:
+        self.preempted = self.preempted or level
+
+    def stop(self) -> Any:
+        if self.asks and self.running.is_set() and self.preempted is None:
+            from tasks.core.priority import Level
+
+            self.preempted = Level.URGENT
+            return StopJob(job_id="j1", reason=StopReason.PREEMPT, message="make way", grace_s=1.0)
+        return None
+
+
+@pytest.mark.timeout(30)
+def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(client):
+    """Rank 0's worker asks its rank to make way: the gang is marked first, every rank stops
+    (rank 1 told by the mark), each goes back to its queue; run again, they assemble in the next
+    generation though the gang has no restart to spend."""
+    from tasks.core.defaults import PREEMPT_GRACE_S
+    from tasks.core.priority import Level
+
+    spec = _gang("preempted", 4, ["d0", "d1"], max_restarts=0)
+    job = RunJob(job_id="j1", job="ranked", kwargs={}, fan_out_id="f1")
+    watches = [_AskingWatch(asks=True), _AskingWatch(asks=False)]
+    generations: dict[int, list[int]] = {0: [], 1: []}
+    stops: dict[int, Any] = {}
+
+    def run(message: RunJob, watch: Any) -> Ended:
+        rank = message.rank
+        assert rank is not None
+        generations[rank.rank].append(rank.generation)
+        if rank.rank == 0:
+            watch.store_opened(1234)
+        if watches[rank.rank].preempted is not None:  # its second run: to its end
+            return _ended(Outcome.OK)
+        watches[rank.rank].running.set()
+        deadline = time.monotonic() + 10
+        while (stop := watch.stop()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stops[rank.rank] = stop
+        return _ended(Outcome.OK if stop is None else Outcome.PREEMPTED)
+
+    def both() -> dict[int, Ended]:
+        ended: dict[int, Ended] = {}
+        threads = [threading.Thread(target=lambda i=i: ended.update(
+            {i: gang_module.run_rank(client, spec, f"d{i}", "h", 60, job, watches[i], run)})) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        return ended
+
+    ended = both()
+    assert {i: e.outcome for i, e in ended.items()} == {0: Outcome.PREEMPTED, 1: Outcome.PREEMPTED}
+    assert {i: (stop.reason, stop.grace_s) for i, stop in stops.items()} == {
+        0: (StopReason.PREEMPT, PREEMPT_GRACE_S), 1: (StopReason.PREEMPT, PREEMPT_GRACE_S)}
+    assert [watch.preempted for watch in watches] == [Level.URGENT, Level.URGENT]
+    assert client.hmget(keys.gang("preempted"), ["preempt", "preempted", "failed"]) == ["0:urgent", "1", None]
+    # Their messages came back: the gang assembles in generation 1 and runs to its end.
+    ended = both()
+    assert {i: e.outcome for i, e in ended.items()} == {0: Outcome.OK, 1: Outcome.OK}
+    assert generations == {0: [0, 1], 1: [0, 1]}
+    assert client.hget(keys.gang("preempted"), "failed") is None
 
 
 @pytest.mark.timeout(30)

@@ -190,7 +190,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                       worker.settings.result_expires_s, message, watch,
                                       lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
-                                      token=attempt.token if attempt is not None else 0, level=options.priority)
+                                      token=attempt.token if attempt is not None else 0, level=options.priority,
+                                      preempt_grace_s=worker.config.preempt_grace_s)
         finally:
             if preemption is not None:
                 preemption.done(run.job_id)
@@ -283,10 +284,10 @@ class JobWatch:
         #: The level of the work :meth:`stop` stopped the job for (preemption); None: not preempted.
         self.preempted: Level | None = None
         self.level = options.priority
-        # Not a gang's rank nor a group's job (they would have to stop as a whole), nor a job run
-        # in process without a message to send back.
-        self.preemptible = (options.preemptible and options.gang is None and options.group is None
-                            and attempt is not None)
+        # Not a group's job (its devices would have to stop as a whole), nor a job run in process
+        # without a message to send back. A gang's rank is: its gang stops as a whole
+        # (tasks.worker.gang.GangWatch tells every rank).
+        self.preemptible = options.preemptible and options.group is None and attempt is not None
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
@@ -328,6 +329,9 @@ class JobWatch:
 
     def rank_failed(self, reason: str) -> None:
         """A plain job has no gang: nothing to fail."""
+
+    def made_way(self, level: Level) -> None:
+        self.preempted = self.preempted or level
 
     def memory(self, used: int) -> None:
         # Folded into the next write: the samples come often.
