@@ -102,6 +102,8 @@ class RankedParams(BaseModel):
     crash_rank: int | None = None
     #: A folder where each run appends a line to ``<marker>/<device>``: the tests count runs.
     marker: str | None = None
+    #: After its first step, each rank reports (``waiting``) until this file exists.
+    release_file: str | None = None
 
 
 @job("ranked", params=RankedParams)
@@ -128,6 +130,9 @@ def ranked(ctx: JobContext, params: RankedParams) -> dict[str, Any]:
         total = float(value.item())
         time.sleep(params.seconds)
         ctx.progress(step=step, steps=params.steps)
+        while params.release_file is not None and not Path(params.release_file).exists():
+            ctx.progress(step=step, steps=params.steps, waiting=True)
+            time.sleep(0.02)
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
     return {"sum": total, "env": {name: os.environ.get(name) for name in names},
             "initialized": dist.is_initialized(), "pid": os.getpid(),

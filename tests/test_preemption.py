@@ -126,3 +126,28 @@ def test_an_urgent_fan_out_takes_both_devices_of_a_batch_sweep_which_then_resume
     # The preempted trials went back to the front of the batch list: they ran again before t2.
     starts = [line for line in _lines(events) if " start " in line]
     assert starts.index("t2 start 1 0") > max(starts.index("t0 start 2 10"), starts.index("t1 start 2 10"))
+
+
+@pytest.mark.timeout(150)
+def test_a_batch_gang_makes_way_as_a_whole_for_urgent_work_on_one_of_its_devices(fleet, app, tmp_path):
+    release, runs, events = tmp_path / "release", tmp_path / "runs", tmp_path / "events"
+    runs.mkdir()
+    gang = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2, "marker": str(runs), "release_file": str(release)},
+                   distributed=True, priority="batch", app=app)
+    try:
+        # Both ranks wait after their first all_reduce until released: neither can end first.
+        wait_for(lambda: all(p.get("waiting") for p in gang.progress().values()) and len(gang.progress()) == 2,
+                 90, "both ranks of the batch gang running")
+        urgent = fan_out("stamp", ["cpu0"], kwargs={"path": str(events), "label": "urgent"}, priority="urgent",
+                         app=app)
+        assert urgent.get(timeout=60)["cpu0"]["status"] == "ok"
+    finally:
+        release.touch()
+    results = gang.get(timeout=90)
+    # cpu1's rank, not asked by its own worker, stopped with it (no hang in a collective, no
+    # failure): each went back to its queue once and the gang ran again as one.
+    assert {device: (entry["status"], entry["preemptions"]) for device, entry in results.items()} == {
+        "cpu0": ("ok", 1), "cpu1": ("ok", 1)}, results
+    assert {entry["output"]["sum"] for entry in results.values()} == {3.0}
+    assert {device: len((runs / device).read_text().splitlines()) for device in ("cpu0", "cpu1")} == {
+        "cpu0": 2, "cpu1": 2}
