@@ -331,6 +331,21 @@ def stamp(ctx: JobContext, params: StampParams) -> dict[str, Any]:
     return {"label": params.label, "device": ctx.device}
 
 
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@job("gpu_memory", params=NoParams)
+def gpu_memory(ctx: JobContext, params: NoParams) -> dict[str, Any]:
+    """What the job's device holds as it starts: this process's CUDA allocator (allocated,
+    reserved: what a job before it in this process left) and the device's used memory (MiB)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "used_mib": round((total - free) / 2**20), "pid": os.getpid()}
+
+
 class GroupProbeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: Wait for this file before returning (a test's signal); None: return at once.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks import fan_out, sweep
+from tasks import fan_out, live_devices, sweep
 from tasks.core.defaults import PREEMPT_GRACE_S
 
 from .conftest import wait_for
@@ -151,3 +151,22 @@ def test_a_batch_gang_makes_way_as_a_whole_for_urgent_work_on_one_of_its_devices
     assert {entry["output"]["sum"] for entry in results.values()} == {3.0}
     assert {device: len((runs / device).read_text().splitlines()) for device in ("cpu0", "cpu1")} == {
         "cpu0": 2, "cpu1": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_a_batch_train_on_a_gpu_makes_way_with_its_memory_freed_and_resumes_from_its_checkpoint(fleet, app):
+    gpu = sorted(d for d, r in live_devices(app).items() if r.kind == "gpu")[0]
+    batch = fan_out("train", [gpu], kwargs={"epochs": 150, "batch_size": 16, "hidden": 4096}, priority="batch",
+                    app=app)
+    wait_for(lambda: (batch.progress()[gpu].get("epoch") or 0) >= 3, 120, f"the batch train running on {gpu}")
+    urgent = fan_out("gpu_memory", [gpu], priority="urgent", app=app).get(timeout=120)[gpu]
+    entry = batch.get(timeout=240)[gpu]
+    print(f"\ngpu preemption on {gpu}: the urgent job found {urgent['output']['used_mib']} MiB used on the device "
+          f"(allocated {urgent['output']['allocated']}, reserved {urgent['output']['reserved']} bytes in the job "
+          f"process the train ran in); the train resumed from epoch {entry['output']['resumed_from_epoch']}")
+    assert urgent["status"] == "ok", urgent
+    # The preempted train's tensors were freed before the urgent job started in the same process.
+    assert (urgent["output"]["allocated"], urgent["output"]["reserved"]) == (0, 0)
+    assert (entry["status"], entry["preemptions"]) == ("ok", 1), entry
+    assert entry["output"]["resumed_from_epoch"] >= 3
