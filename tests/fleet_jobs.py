@@ -102,6 +102,8 @@ class RankedParams(BaseModel):
     crash_rank: int | None = None
     #: A folder where each run appends a line to ``<marker>/<device>``: the tests count runs.
     marker: str | None = None
+    #: After its first step, each rank reports (``waiting``) until this file exists.
+    release_file: str | None = None
 
 
 @job("ranked", params=RankedParams)
@@ -128,6 +130,9 @@ def ranked(ctx: JobContext, params: RankedParams) -> dict[str, Any]:
         total = float(value.item())
         time.sleep(params.seconds)
         ctx.progress(step=step, steps=params.steps)
+        while params.release_file is not None and not Path(params.release_file).exists():
+            ctx.progress(step=step, steps=params.steps, waiting=True)
+            time.sleep(0.02)
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
     return {"sum": total, "env": {name: os.environ.get(name) for name in names},
             "initialized": dist.is_initialized(), "pid": os.getpid(),
@@ -326,6 +331,21 @@ def stamp(ctx: JobContext, params: StampParams) -> dict[str, Any]:
     return {"label": params.label, "device": ctx.device}
 
 
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@job("gpu_memory", params=NoParams)
+def gpu_memory(ctx: JobContext, params: NoParams) -> dict[str, Any]:
+    """What the job's device holds as it starts: this process's CUDA allocator (allocated,
+    reserved: what a job before it in this process left) and the device's used memory (MiB)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+            "used_mib": round((total - free) / 2**20), "pid": os.getpid()}
+
+
 class GroupProbeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: Wait for this file before returning (a test's signal); None: return at once.
@@ -376,6 +396,8 @@ class ResumableParams(BaseModel):
     hold_at: int = Field(ge=0)
     release_file: str
     timeout_s: float = 60.0
+    #: Seconds each step takes (a trial of ``steps * step_s`` seconds).
+    step_s: float = Field(default=0.0, ge=0)
 
 
 @job("resumable", params=ResumableParams)
@@ -405,6 +427,7 @@ def resumable(ctx: JobContext, params: ResumableParams) -> dict[str, Any]:
                     raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
                 time.sleep(0.02)
             else:
+                time.sleep(params.step_s)
                 step += 1
                 checkpoint.write_text(str(step))
             if ctx.preempted():

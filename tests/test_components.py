@@ -1114,6 +1114,31 @@ def test_a_younger_gang_gives_a_device_to_an_older_assembling_gang(client):
 
 
 @pytest.mark.timeout(30)
+def test_a_gang_of_a_higher_level_wins_a_device_over_an_older_one_in_wait_die(client):
+    """The older gang is batch, the younger urgent: the urgent rank waits on, the batch one gives
+    its device up (a level goes before age); a normal gang's score is its age, as before."""
+    from tasks.core.priority import Level
+
+    older, younger = _gang("old-batch", 1, ["d0", "d1"]), _gang("new-urgent", 2, ["d0", "d1"])
+    urgent_d1 = Rendezvous(client, younger, "d1", "h", 60, level=Level.URGENT)
+    waited: dict[str, Any] = {}
+    assert urgent_d1.join() == 0
+    thread = threading.Thread(target=lambda: waited.update(assembled=urgent_d1.wait(0)))
+    thread.start()
+    wait_for(lambda: client.exists(keys.gang_alive("new-urgent")), 10, "the urgent gang to wait")
+    batch_d0 = Rendezvous(client, older, "d0", "h", 60, level=Level.BATCH)
+    assert batch_d0.join() == 0
+    with pytest.raises(GiveWay, match="d0 is needed by the older gang new-urgent"):
+        batch_d0.wait(0)
+    urgent_d0 = Rendezvous(client, younger, "d0", "h", 60, level=Level.URGENT)
+    urgent_d0.join()
+    assert urgent_d0.wait(0).hosts == {0: "h", 1: "h"}
+    thread.join(10)
+    assert waited["assembled"].generation == 0  # it never gave d1 up to the older batch gang
+    assert Rendezvous(client, older, "d0", "h", 60).precedence == 1
+
+
+@pytest.mark.timeout(30)
 def test_a_rank_that_dies_moves_its_gang_on_until_the_restarts_run_out(client):
     spec = _gang("restarts", 3, ["d0", "d1"], max_restarts=1)
     rank0, rank1 = Rendezvous(client, spec, "d0", "h", 60), Rendezvous(client, spec, "d1", "h", 60)
@@ -1139,12 +1164,87 @@ class _RankWatch:
     def store_opened(self, port: int) -> None: ...
     def rank_failed(self, reason: str) -> None: ...
     def memory(self, used: int) -> None: ...
+    preempted: Any = None
+    def made_way(self, level: Any) -> None: ...
     def stop(self) -> None:
         return None
 
 
 def _ended(outcome: Outcome, error: ErrorInfo | None = None) -> Ended:
     return Ended(outcome=outcome, finished=None, error=error, error_module=None, pid=1, retired=None)
+
+
+class _AskingWatch(_RankWatch):
+    """A rank's watch whose worker, once ``asks`` and its rank runs, asks it once to make way for
+    urgent work (as JobWatch does when its claim on a waiting message succeeds)."""
+
+    def __init__(self, asks: bool) -> None:
+        self.asks = asks
+        self.running = threading.Event()
+        self.preempted: Any = None
+
+    def made_way(self, level: Any) -> None:
+        self.preempted = self.preempted or level
+
+    def stop(self) -> Any:
+        if self.asks and self.running.is_set() and self.preempted is None:
+            from tasks.core.priority import Level
+
+            self.preempted = Level.URGENT
+            return StopJob(job_id="j1", reason=StopReason.PREEMPT, message="make way", grace_s=1.0)
+        return None
+
+
+@pytest.mark.timeout(30)
+def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(client):
+    """Rank 0's worker asks its rank to make way: the gang is marked first, every rank stops
+    (rank 1 told by the mark), each goes back to its queue; run again, they assemble in the next
+    generation though the gang has no restart to spend."""
+    from tasks.core.defaults import PREEMPT_GRACE_S
+    from tasks.core.priority import Level
+
+    spec = _gang("preempted", 4, ["d0", "d1"], max_restarts=0)
+    job = RunJob(job_id="j1", job="ranked", kwargs={}, fan_out_id="f1")
+    watches = [_AskingWatch(asks=True), _AskingWatch(asks=False)]
+    generations: dict[int, list[int]] = {0: [], 1: []}
+    stops: dict[int, Any] = {}
+
+    def run(message: RunJob, watch: Any) -> Ended:
+        rank = message.rank
+        assert rank is not None
+        generations[rank.rank].append(rank.generation)
+        if rank.rank == 0:
+            watch.store_opened(1234)
+        if watches[rank.rank].preempted is not None:  # its second run: to its end
+            return _ended(Outcome.OK)
+        watches[rank.rank].running.set()
+        deadline = time.monotonic() + 10
+        while (stop := watch.stop()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stops[rank.rank] = stop
+        return _ended(Outcome.OK if stop is None else Outcome.PREEMPTED)
+
+    def both() -> dict[int, Ended]:
+        ended: dict[int, Ended] = {}
+        threads = [threading.Thread(target=lambda i=i: ended.update(
+            {i: gang_module.run_rank(client, spec, f"d{i}", "h", 60, job, watches[i], run)})) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        return ended
+
+    ended = both()
+    assert {i: e.outcome for i, e in ended.items()} == {0: Outcome.PREEMPTED, 1: Outcome.PREEMPTED}
+    assert {i: (stop.reason, stop.grace_s) for i, stop in stops.items()} == {
+        0: (StopReason.PREEMPT, PREEMPT_GRACE_S), 1: (StopReason.PREEMPT, PREEMPT_GRACE_S)}
+    assert [watch.preempted for watch in watches] == [Level.URGENT, Level.URGENT]
+    assert client.hmget(keys.gang("preempted"), ["preempt", "preempted", "failed"]) == ["0:urgent", "1", None]
+    # Their messages came back: the gang assembles in generation 1 and runs to its end.
+    ended = both()
+    assert {i: e.outcome for i, e in ended.items()} == {0: Outcome.OK, 1: Outcome.OK}
+    assert generations == {0: [0, 1], 1: [0, 1]}
+    assert client.hget(keys.gang("preempted"), "failed") is None
 
 
 @pytest.mark.timeout(30)

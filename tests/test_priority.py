@@ -200,14 +200,14 @@ def test_a_preempted_command_gets_sigterm_and_runs_again_with_its_attempt_and_ar
 def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_minimum_run(fleet):
     import time
 
-    from tasks.core.priority import Level
+    from tasks.core.priority import Level, leveled
     from tasks.worker.preemption import Preemption
 
     client = connect(fleet.redis_url)
     queue = "preemption-unit"  # a queue no worker consumes
     try:
         # Two slots, both running batch jobs; one urgent message waits.
-        watch = Preemption(client, [queue], slots=2, min_run_s=30.0)
+        watch = Preemption(client, lambda: leveled([queue]), slots=2, min_run_s=30.0)
         now = time.monotonic()
         watch.running("a", Level.BATCH)
         watch.running("b", Level.BATCH)
@@ -226,5 +226,5 @@ def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_m
         watch.tick()
         assert watch.outranked("d", Level.BATCH, long_ago) is Level.URGENT
     finally:
-        client.delete(f"{queue}:urgent")
+        client.delete(f"{queue}:urgent", keys.preempt_claims(f"{queue}:urgent"))
         client.close()

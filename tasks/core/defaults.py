@@ -99,6 +99,10 @@ PREEMPT_CHECK_S = 0.5
 #: Seconds a preempted job has to checkpoint and stop at ``ctx.progress()`` before its process is
 #: ended (``preempt_grace_s``): Slurm's ``GraceTime``.
 PREEMPT_GRACE_S = 5.0
+#: Seconds a worker's claim on a waiting message (:func:`tasks.core.keys.preempt_claims`) outlives
+#: the job it preempted: the time its freed slot has to take that message before another worker
+#: may preempt a job of its own for it. A claim also lasts at most ``preempt_grace_s`` plus this.
+PREEMPT_CLAIM_HOLD_S = 5.0
 #: Seconds a job runs before it may be preempted (``preempt_min_run_s``): Slurm's
 #: ``PreemptExemptTime``, so that a job makes some progress between two preemptions.
 PREEMPT_MIN_RUN_S = 2.0

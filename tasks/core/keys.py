@@ -182,6 +182,16 @@ def finished(device: str) -> str:
     return f"{PREFIX}finished:{device}"
 
 
+# -- preemption (tasks.worker.preemption) -------------------------------------------------------
+
+
+def preempt_claims(queue_list: str) -> str:
+    """Sorted set of the claims on the messages waiting in one queue list (a level's list of a
+    queue, ``cpu:urgent``): ``{job id: expiry}``, one per job asked to make way for that list's
+    work; a worker preempts a job only while there are fewer claims than messages waiting."""
+    return f"{PREFIX}preempt-claims:{queue_list}"
+
+
 # -- message headers ------------------------------------------------------------------------------
 
 #: Header every producer stamps with the send time, for the oldest waiting message's age.
@@ -191,5 +201,9 @@ OPTIONS_HEADER = "devicefleet_options"
 #: Header of a preempted job's message sent back to its queue: how many times it was preempted
 #: (absent: never). Its entry's ``preemptions``.
 PREEMPTIONS_HEADER = "devicefleet_preemptions"
+#: Header of a message to put at the front of its queue's list (the next one popped) instead of
+#: the back: a preempted job keeps its place among its level. The transport takes it off the
+#: message as it pushes it (:meth:`tasks.core.transport.HardenedChannel._put`): never stored.
+FRONT_HEADER = "devicefleet_front"
 #: Key of the error entry inside a failed job's stored exception (tasks.core.backend).
 ENTRY_FIELD = "devicefleet_entry"

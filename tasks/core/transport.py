@@ -47,9 +47,11 @@ from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
+from kombu.utils.json import dumps
 from kombu.utils.scheduling import round_robin_cycle
 
 from .errors import NoFleetError
+from .keys import FRONT_HEADER
 from .priority import queue_rank
 from .sentinel import ReadOnlyAwareConnection, Replication
 
@@ -198,6 +200,19 @@ class HardenedChannel(_ChannelBase):
         if client is None or client.connection_pool is not self.pool:
             client = self._pool_client = super()._create_client()
         return client
+
+    # kombu internals: the publish of one message to a queue (LPUSH: the back, as BRPOP pops
+    # from the right), the list it goes to (_q_for_pri, _get_message_priority), kombu 5.7.0.
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """kombu's publish; a message with :data:`~tasks.core.keys.FRONT_HEADER` goes to the
+        front of its list instead (RPUSH: the next one popped), without that header."""
+        headers = message.get("headers") if isinstance(message, dict) else None
+        if not (isinstance(headers, dict) and headers.pop(FRONT_HEADER, None)):
+            super()._put(queue, message, **kwargs)
+            return
+        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+        with self.conn_or_acquire() as client:
+            client.rpush(key, dumps(message))
 
     # kombu internal: the event loop's start of a BRPOP (kombu 5.7.0); _do_restore_message is
     # kombu's own restore of a message to its queue (the visibility timeout's), rightmost: next.

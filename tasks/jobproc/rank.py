@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..core.defaults import STORE_POLL_S
-from ..core.errors import CommandFailed, PeerLost
+from ..core.errors import CommandFailed, PeerLost, Preempted
 from ..core.job import DistributedInfo, JobContext
 from ..core.wire import Rank, RankFailed, StoreOpened
 from .command import stop_error
@@ -147,8 +147,9 @@ def run_rank(func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext,
                 with torchrun_env(info):
                     output = func(dataclasses.replace(ctx, distributed=info), params)
             except Exception as exc:
-                if not peer_lost(exc):
-                    # Before the group goes: the peers that see it go find the gang failed.
+                if not peer_lost(exc) and not isinstance(exc, Preempted):
+                    # Before the group goes: the peers that see it go find the gang failed (a
+                    # preempted gang's ranks all stop and go back to their queues: no failure).
                     channel.ask(RankFailed(reason=f"rank {rank.rank} on {ctx.device} failed: "
                                                   f"{type(exc).__name__}: {exc}"))
                 raise

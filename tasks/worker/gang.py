@@ -30,16 +30,30 @@ generations the gang fails (the restart budget is the join script's). Any other 
 rank's job fails the gang at once (before the rank's group goes: :class:`~tasks.core.wire.RankFailed`),
 and the peers fail naming it.
 
+**Preempted as a whole.** A rank's worker that finds higher-level work waiting for its device
+(:mod:`tasks.worker.preemption`) does not stop its rank alone (its peers would hang in their
+next collective): its :class:`GangWatch` first marks the gang's generation preempted in the
+gang's hash (:meth:`Rendezvous.preempt`), and every rank's watch, its own included, reads the
+mark at its next look (:data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`) and stops its rank
+with the preemption's grace. Each rank goes back to the front of its queue (a preemption, not a
+failure: no death, no restart counted) and the gang assembles again in its next generation once
+every device has taken its rank back; the generation a preemption ended is not counted against
+``max_restarts``. A rank whose collective failed because a peer stopped first finds the mark
+too (it is written before any rank stops).
+
 **No deadlock.** Two gangs over overlapping devices could each hold a device the other waits
 for. The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``), so every
 device's queue holds one gang's ranks before the next's; but order alone is not enough (the
 reaper gives a dead worker's rank back at the front of its queue after its restarted worker may
 have taken another gang's rank). So ranks also follow *wait-die* (Rosenkrantz, Stearns and
-Lewis, 1978): a gang's ``seq`` is its age; a rank waiting for its gang on a device that an
-older, still assembling gang needs (``keys.gangs_needing``) gives the device up (its message
-goes back to the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
-:data:`~tasks.core.defaults.GIVE_WAY_S` later. A younger gang waits only for older ones and never the other way
-round, so no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
+Lewis, 1978) over a gang's *precedence*: its level first (a higher level wins, whatever the
+ages: :mod:`tasks.core.priority`), then its ``seq``, its age (:attr:`Rendezvous.precedence`). A
+rank waiting for its gang on a device that a gang of higher precedence, still assembling, needs
+(``keys.gangs_needing``, scored by precedence) gives the device up (its message goes back to
+the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
+:data:`~tasks.core.defaults.GIVE_WAY_S` later. A gang waits only for gangs of higher precedence
+and never the other way round (the order is total and a gang's precedence never changes), so
+no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
 """
 
 from __future__ import annotations
@@ -59,9 +73,11 @@ from ..core import keys
 from ..core.defaults import GANG_ALIVE_TTL_MS as ALIVE_TTL_MS
 from ..core.defaults import GANG_POLL_S as POLL_S
 from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
+from ..core.defaults import PREEMPT_GRACE_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
 from ..core.jobstate import JobState
+from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
@@ -69,8 +85,12 @@ from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
 
+#: How far one level moves a gang's precedence in wait-die: more than any ``seq`` (a fleet-wide
+#: counter) reaches, and exact in a sorted set's score (a double: integers to 2**53).
+LEVEL_PRECEDENCE = 2**40
+
 #: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
-#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), seq, gang id, max restarts, TTL s, the
+#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), precedence, gang id, max restarts, TTL s, the
 #: rank's task id and its attempt's fencing token ('' and '0' for a run under no lease).
 #: Join the current generation (recording the rank's task and token, whose lease its peers watch); first move the gang to the next one when this rank's earlier
 #: run joined a generation that had assembled (it died in it: 'fresh'), or when a collective of
@@ -96,7 +116,7 @@ else
 end
 if bump then
   gen = gen + 1
-  if gen > tonumber(ARGV[6]) then
+  if gen - tonumber(redis.call('hget', gang, 'preempted') or '0') > tonumber(ARGV[6]) then
     local why = 'gave up after ' .. ARGV[6] .. ' restarts (a rank died or lost its peers each time)'
     redis.call('hset', gang, 'failed', why)
     for r = 0, world - 1 do redis.call('zrem', KEYS[r + 2], ARGV[5]) end
@@ -138,7 +158,7 @@ local failed = redis.call('hget', gang, 'failed')
 if failed then return {-1, failed} end
 local gen = tonumber(redis.call('hget', gang, 'gen') or '0')
 if gen ~= tonumber(ARGV[1]) then return {gen, ''} end
-if gen + 1 > tonumber(ARGV[2]) then
+if gen + 1 - tonumber(redis.call('hget', gang, 'preempted') or '0') > tonumber(ARGV[2]) then
   local why = 'gave up after ' .. ARGV[2] .. ' restarts (' .. ARGV[4] .. ')'
   redis.call('hset', gang, 'failed', why)
   for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[3]) end
@@ -148,7 +168,20 @@ redis.call('hset', gang, 'gen', gen + 1)
 return {gen + 1, ''}
 """
 
-#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, seq, generation, rank.
+#: KEYS: gang hash. ARGV: generation, level. Mark generation <gen> preempted for <level> work
+#: ('preempt' = '<gen>:<level>'; 'preempted' counts the generations so ended, which the restart
+#: budget leaves out), unless the gang failed or moved on. Returns 1 if the mark (this one or an
+#: earlier one for the same generation) is there.
+_PREEMPT = """
+if redis.call('hget', KEYS[1], 'failed') or redis.call('hget', KEYS[1], 'gen') ~= ARGV[1] then return 0 end
+local mark = redis.call('hget', KEYS[1], 'preempt')
+if mark and string.sub(mark, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return 1 end
+redis.call('hset', KEYS[1], 'preempt', ARGV[1] .. ':' .. ARGV[2])
+redis.call('hincrby', KEYS[1], 'preempted', 1)
+return 1
+"""
+
+#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, precedence, generation, rank.
 #: Leave the generation (to give the device up): the gang needs this device again.
 _LEAVE = """
 if redis.call('hget', KEYS[1], 'gen') == ARGV[3] and not redis.call('hget', KEYS[1], 'failed') then
@@ -177,8 +210,11 @@ class Rendezvous:
     """One rank's side of its gang's rendezvous in Redis."""
 
     def __init__(self, client: redis.Redis, spec: GangSpec, device: str, host: str,
-                 expires_s: int, task_id: str = "", token: int = 0) -> None:
+                 expires_s: int, task_id: str = "", token: int = 0, level: Level = DEFAULT_LEVEL) -> None:
         self.client = client
+        #: The gang's place in wait-die (lower goes first): its level, then its age. A ``normal``
+        #: gang's is its ``seq``; a level above or below moves it by :data:`LEVEL_PRECEDENCE`.
+        self.precedence = spec.seq + (level.rank - DEFAULT_LEVEL.rank) * LEVEL_PRECEDENCE
         #: This rank's task and its attempt's fencing token (recorded at join: its peers watch
         #: its lease); '' and 0 for a run under no lease (called in process).
         self.task_id = task_id if token else ""
@@ -194,6 +230,7 @@ class Rendezvous:
         self._fail = client.register_script(_FAIL)
         self._leave = client.register_script(_LEAVE)
         self._move_on = client.register_script(_MOVE_ON)
+        self._preempt = client.register_script(_PREEMPT)
 
     def join(self, after: int | None = None) -> int:
         """Join the current generation and return it; ``after``: the generation whose
@@ -204,7 +241,7 @@ class Rendezvous:
         """
         mode = "fresh" if after is None else f"after:{after}"
         gen, why = self._join(keys=[self.key, *self._needing], args=[
-            self.rank, self.host, mode, self.spec.seq, self.spec.id, self.spec.max_restarts,
+            self.rank, self.host, mode, self.precedence, self.spec.id, self.spec.max_restarts,
             self.expires_s, self.task_id, self.token])
         if int(gen) < 0:
             raise GangFailed(f"distributed job {self.spec.id}: {_text(why)}")
@@ -270,8 +307,21 @@ class Rendezvous:
 
     def state(self) -> tuple[str | None, int | None]:
         """Why the gang failed (None: it has not) and its current generation."""
-        failed, current = self.client.hmget(self.key, ["failed", "gen"])
-        return (_text(failed) if failed else None), (int(current) if current is not None else None)
+        failed, current, _ = self.look()
+        return failed, current
+
+    def look(self) -> tuple[str | None, int | None, tuple[int, Level] | None]:
+        """:meth:`state`, and the generation a preemption ended with the level it was for
+        (None: never preempted), in one read."""
+        failed, current, mark = self.client.hmget(self.key, ["failed", "gen", "preempt"])
+        gen, _, level = _text(mark).partition(":") if mark else ("", "", "")
+        return ((_text(failed) if failed else None), (int(current) if current is not None else None),
+                (int(gen), Level(level)) if gen else None)
+
+    def preempt(self, gen: int, level: Level) -> bool:
+        """Mark generation ``gen`` preempted for ``level`` work: every rank's watch stops its
+        rank. False if the gang failed or moved on from ``gen`` meanwhile."""
+        return bool(self._preempt(keys=[self.key], args=[gen, level.value]))
 
     def wait(self, gen: int, give_way: bool = True) -> Assembled:
         """Wait until every rank has joined generation ``gen`` (joining again if the gang has
@@ -280,7 +330,8 @@ class Rendezvous:
         Raises:
             GangFailed: the gang failed, or the wait outlasted ``join_timeout_s`` (the message
                 names the devices that did not come).
-            GiveWay: an older gang that is assembling needs this device.
+            GiveWay: a gang of higher precedence (older, or of a higher level) that is
+                assembling needs this device.
         """
         deadline = time.monotonic() + self.spec.join_timeout_s
         needing = keys.gangs_needing(self.device)
@@ -288,7 +339,7 @@ class Rendezvous:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.gang_alive(self.spec.id), 1, px=ALIVE_TTL_MS)
             pipe.hgetall(self.key)
-            pipe.zrangebyscore(needing, "-inf", f"({self.spec.seq}", start=0, num=8)
+            pipe.zrangebyscore(needing, "-inf", f"({self.precedence}", start=0, num=8)
             _, fields, older = pipe.execute()
             fields = {_text(k): _text(v) for k, v in fields.items()}
             if "failed" in fields:
@@ -303,7 +354,7 @@ class Rendezvous:
             if give_way and older:
                 alive = [_text(g) for g, up in zip(older, self._alive(older), strict=True) if up]
                 if alive:
-                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.spec.seq, gen, self.rank])
+                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.precedence, gen, self.rank])
                     raise GiveWay(self.device, alive[0])
             if time.monotonic() > deadline:
                 missing = [d for r, d in enumerate(self.spec.devices) if not hosts[r]]
@@ -344,6 +395,19 @@ class Rendezvous:
         return host, int(port)
 
 
+def _preempted(rdv: Rendezvous, gen: int, watch: Watch) -> bool:
+    """Whether generation ``gen`` of the gang was preempted (the mark is written before any rank
+    stops); if so the rank makes way (``watch.made_way``). False where Redis cannot say."""
+    try:
+        _, _, mark = rdv.look()
+    except redis.RedisError:
+        return False
+    if mark is None or mark[0] != gen:
+        return False
+    watch.made_way(mark[1])
+    return True
+
+
 def route_address(redis_url: str) -> str:
     """This host's address on its route to Redis: what the other hosts of the fleet can reach
     (``127.0.0.1`` when Redis is on loopback). Sends nothing (a UDP socket's ``connect``)."""
@@ -382,12 +446,21 @@ class GangWatch(WatchOver):
     The gang is read from a thread of its own, every :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`: the supervisor's
     loop, which asks :meth:`stop`, never waits on Redis (a cut-off worker's reads hang for as long
     as its TCP retries last, and its own job's self-fencing must not wait for them). :meth:`close`
-    ends it."""
+    ends it.
+
+    A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``) is held back
+    until this thread has marked the gang preempted (:meth:`Rendezvous.preempt`): the rank then
+    stops with every other, each told by the mark."""
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
-                 jobs: JobState | None = None) -> None:
+                 jobs: JobState | None = None, preempt_grace_s: float = PREEMPT_GRACE_S) -> None:
         super().__init__(inner)
         self.rdv = rdv
+        self.preempt_grace_s = preempt_grace_s
+        #: The preemption this rank's worker asked for (held back until the gang is marked).
+        self._asked: StopJob | None = None
+        #: Whether this rank was told its gang made way (the mark read): it goes back to its queue.
+        self.made_way_told = False
         self.job_id = job_id
         self.generation = generation
         self.address = address
@@ -411,7 +484,11 @@ class GangWatch(WatchOver):
             logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
 
     def stop(self) -> StopJob | None:
-        return self.inner.stop() or self._verdict
+        stop = self.inner.stop()
+        if stop is not None and stop.reason is StopReason.PREEMPT:
+            self._asked = stop  # the whole gang is told first (_watch), this rank with it
+            stop = None
+        return stop or self._verdict
 
     def close(self) -> None:
         """The run ended: stop watching (a read in flight is left to finish on its own)."""
@@ -420,6 +497,8 @@ class GangWatch(WatchOver):
     def _watch(self) -> None:
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
+                if self._asked is not None and not self.made_way_told:
+                    self._mark()
                 verdict = self.look()
             except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
                 logger.debug("%s: could not look at %s: %s", self.rdv.device, self.rdv.spec.id, exc)
@@ -427,6 +506,14 @@ class GangWatch(WatchOver):
             if verdict is not None:
                 self._verdict = verdict
                 return
+
+    def _mark(self) -> None:
+        """This rank's worker asked it to make way: mark the gang (``look`` then stops every
+        rank); a gang that failed or moved on meanwhile is stopped by ``look`` for that."""
+        level = self.inner.preempted or Level.URGENT  # set by the inner watch with its stop
+        if self.rdv.preempt(self.generation, level):
+            logger.info("%s: rank %d of %s makes way for %s work: the whole gang stops", self.rdv.device,
+                        self.rdv.rank, self.rdv.spec.id, level.value)
 
     def look(self) -> StopJob | None:
         """Look at the gang once: the stop its state calls for, or ``None``.
@@ -437,9 +524,16 @@ class GangWatch(WatchOver):
         spec, stop = self.rdv.spec, None
         if self._peers is None:
             self._peers = self.rdv.peers()
-        # The leases first: a peer writes its failure or its done mark before its lease goes.
+        # The leases first: a peer writes its failure, its done mark or the gang's preemption
+        # before its lease goes.
         lost = self.rdv.lost_peer(self._peers, self._jobs) if self._peers else None
-        failed, current = self.rdv.state()
+        failed, current, preempt = self.rdv.look()
+        if failed is None and preempt is not None and preempt[0] == self.generation:
+            self.made_way_told = True
+            self.inner.made_way(preempt[1])
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.preempt_grace_s,
+                           message=f"{spec.id} ({self.rdv.device}, rank {self.rdv.rank}) made way as a whole "
+                                   f"for {preempt[1].value} work; it goes back to its queues and runs again")
         if failed is None and lost is not None and current == self.generation:
             logger.warning("%s: rank %d of %s: %s; moving the gang on from generation %d", self.rdv.device,
                            self.rdv.rank, spec.id, lost, self.generation)
@@ -457,20 +551,22 @@ class GangWatch(WatchOver):
 
 
 def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, expires_s: int,
-             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0) -> Ended:
+             job: RunJob, watch: Watch, run: Callable[[RunJob, Watch], Ended], token: int = 0,
+             level: Level = DEFAULT_LEVEL, preempt_grace_s: float = PREEMPT_GRACE_S) -> Ended:
     """Run ``job`` as the rank of gang ``spec`` on ``device`` (``run`` runs it in a job process):
     join, assemble, run; run it again with the gang when it restarts. ``token``: the fencing
     token of the attempt that holds the job's lease (0: none), recorded in the gang for its
-    peers' watch (:class:`GangWatch`). Never raises: the
+    peers' watch (:class:`GangWatch`); ``level``: the gang's, its precedence in wait-die before
+    its age; ``preempt_grace_s``: a rank's grace when its gang is preempted. Never raises: the
     :class:`Ended` says how it ended, ``give_way`` when an older gang needs the device (the
     caller sends its message back to the queue, :data:`~tasks.core.defaults.GIVE_WAY_S` later)."""
     if device not in spec.devices:
         return Ended.by_worker(GangFailed, f"{device} took a rank of {spec.id}, which runs on "
                                f"{', '.join(spec.devices)}: send distributed jobs with fan_out(..., distributed=True)",
                                pid=0, retired=None)
-    rdv = Rendezvous(client, spec, device, host_name(), expires_s, task_id=job.job_id, token=token)
+    rdv = Rendezvous(client, spec, device, host_name(), expires_s, task_id=job.job_id, token=token, level=level)
     try:
-        return _run_rank(rdv, address, job, watch, run)
+        return _run_rank(rdv, address, job, watch, run, preempt_grace_s)
     except GiveWay as exc:
         logger.info("%s: job %s %s: %s", device, job.job, job.job_id, exc)
         return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)
@@ -484,14 +580,16 @@ def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, exp
 
 
 def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
-              run: Callable[[RunJob, Watch], Ended]) -> Ended:
+              run: Callable[[RunJob, Watch], Ended], preempt_grace_s: float = PREEMPT_GRACE_S) -> Ended:
     spec = rdv.spec
     jobs = JobState(rdv.client)
     gen = rdv.join()
     while True:
         stop = watch.stop()
         if stop is not None:
-            if stop.reason is not StopReason.FENCED:  # a fenced rank leaves the gang to its peers (below)
+            if stop.reason is StopReason.PREEMPT:  # between two runs: the gang makes way as a whole
+                rdv.preempt(gen, watch.preempted or Level.URGENT)
+            elif stop.reason is not StopReason.FENCED:  # a fenced rank leaves the gang to its peers (below)
                 rdv.fail(f"rank {rdv.rank} on {rdv.device} was stopped: {stop.message}")
             error, outcome = STOPS[stop.reason]
             return Ended.by_worker(error, stop.message, pid=0, retired=None, outcome=outcome)
@@ -507,7 +605,7 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
                     local_rank=assembled.local_rank(rdv.rank), generation=gen, max_restarts=spec.max_restarts,
                     backend=spec.backend, collective_timeout_s=spec.collective_timeout_s,
                     master_addr=master_addr, master_port=master_port)
-        gang_watch = GangWatch(watch, rdv, job.job_id, gen, address, jobs)
+        gang_watch = GangWatch(watch, rdv, job.job_id, gen, address, jobs, preempt_grace_s)
         try:
             ended = run(job.model_copy(update={"rank": rank}), gang_watch)
         finally:
@@ -519,6 +617,10 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
             # Cut off from Redis, its worker stopped it: the lease expires, the job is given back
             # and its next run joins the gang where its peers (who saw the lease go) moved it.
             # Failing the gang from here would undo that, once Redis is reachable again.
+            return ended
+        if gang_watch.made_way_told or _preempted(rdv, gen, watch):
+            # The gang made way (this rank told, or its collective failed as a peer stopped for
+            # it): back to its queue, as every rank (the runner sends the message back).
             return ended
         if ended.crashed and gen >= spec.max_restarts:
             # No restart left: the gang fails naming the crash, which this rank's entry keeps.

@@ -3,29 +3,38 @@
 A worker takes the highest level waiting whenever a slot frees (:mod:`tasks.core.priority`); a
 long ``batch`` job would still hold its device for hours while ``urgent`` work waits. So while
 this worker runs a job below the top level, :class:`Preemption` looks every
-:data:`~tasks.core.defaults.PREEMPT_CHECK_S` at the lists of the higher levels of the queues the
-worker consumes (one pipelined round trip of ``LLEN``; none while it runs nothing, or only
-top-level or non-preemptible jobs). When one holds a message and every slot is busy, the job's
-watch (:class:`tasks.worker.runner.JobWatch`) asks the job to make way, once it has run
-``preempt_min_run_s`` and unless its options say ``preemptible=False`` (one job per message
-waiting: the other slots' jobs run on):
+:data:`~tasks.core.defaults.PREEMPT_CHECK_S` at the lists of the higher levels of every queue the
+worker consumes now: its own, its kind's, ``fleet``, the config's ``extra_queues`` and the sweeps'
+own queues it was asked to consume (kombu's selected queues; one pipelined round trip of
+``LLEN``; none while it runs nothing, or only top-level or non-preemptible jobs). When one holds a
+message and every slot is busy, the job's watch (:class:`tasks.worker.runner.JobWatch`) asks the
+job to make way, once it has run ``preempt_min_run_s`` and unless its options say
+``preemptible=False``:
 
+- one job per waiting message, across the fleet: before a job is asked, its worker claims one
+  of the messages waiting in that list (:func:`tasks.core.keys.preempt_claims`, a script that
+  adds a claim only while the list holds more messages than claims). Work sent to a kind
+  (``cpu:urgent``) that every busy worker of the kind sees preempts one job, not one per device;
+  a claim lasts until the job it preempted has ended and
+  :data:`~tasks.core.defaults.PREEMPT_CLAIM_HOLD_S` more (its freed slot takes the message then),
+  ``preempt_grace_s`` plus that at most (a worker that dies holding it);
 - the job is told: ``ctx.preempted()`` turns true and its next ``ctx.progress()`` raises
   :class:`~tasks.core.errors.Preempted`; a command gets SIGTERM;
 - it has ``preempt_grace_s`` to checkpoint and stop, then its process group is ended, as a
   cancelled job's is (:mod:`tasks.worker.supervisor`);
 - its message goes back to its queue, as a distributed rank that gives way does: the same id,
   kwargs, options and chord, with ``devicefleet_preemptions`` one more
-  (:data:`~tasks.core.keys.PREEMPTIONS_HEADER`). Its lease is released first, so whichever worker
-  takes it next takes it at once. No death is counted and ``max_attempts`` is untouched; its
-  entry says only ``preemptions``. It runs again (``ctx.attempt``, ``DEVICEFLEET_ATTEMPT`` one
-  more) with the same ``artifacts_dir``: ``train`` resumes from its checkpoint there.
+  (:data:`~tasks.core.keys.PREEMPTIONS_HEADER`), at the front of its level's list
+  (:data:`~tasks.core.keys.FRONT_HEADER`): it keeps its place, before the work of its level sent
+  after it. Its lease is released first, so whichever worker takes it next takes it at once. No
+  death is counted and ``max_attempts`` is untouched; its entry says only ``preemptions``. It
+  runs again (``ctx.attempt``, ``DEVICEFLEET_ATTEMPT`` one more) with the same
+  ``artifacts_dir``: ``train`` resumes from its checkpoint there.
 
 The free slot then takes the highest level waiting: the work that preempted the job.
 
-Not preempted: a rank of a distributed job (a gang would have to stop as a whole), and work
-waiting in a sweep's own queue is not looked at (only the device's, its kind's, ``fleet`` and
-the config's ``extra_queues``).
+Not preempted: a rank of a distributed job (a gang would have to stop as a whole) and a job of a
+host group.
 """
 
 from __future__ import annotations
@@ -33,39 +42,103 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import redis
 
-from ..core.defaults import PREEMPT_CHECK_S
+from ..core import keys
+from ..core.defaults import PREEMPT_CHECK_S, PREEMPT_CLAIM_HOLD_S, PREEMPT_GRACE_S
 from ..core.periodic import PeriodicThread
-from ..core.priority import Level, level_queue
+from ..core.priority import Level, leveled, split_level
 
 logger = logging.getLogger(__name__)
+
+#: Claim one of the messages waiting in the first list that has one to spare. KEYS: pairs of
+#: (queue list, its claims); ARGV: the claiming job's id, the claim's lifetime in seconds, then
+#: per list this worker's claim whose job has ended (held for its freed slot; "" if none), which
+#: the new claim replaces whatever the count. Returns the 1-based index of the list claimed, or 0.
+_CLAIM = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local ttl = tonumber(ARGV[2])
+for i = 1, #KEYS / 2 do
+  local list, claims = KEYS[2 * i - 1], KEYS[2 * i]
+  redis.call('ZREMRANGEBYSCORE', claims, '-inf', now)
+  local held = ARGV[2 + i]
+  local reuse = held ~= '' and redis.call('ZSCORE', claims, held)
+  if reuse or redis.call('ZCARD', claims) < redis.call('LLEN', list) then
+    if reuse then redis.call('ZREM', claims, held) end
+    redis.call('ZADD', claims, now + ttl, ARGV[1])
+    redis.call('EXPIRE', claims, math.ceil(ttl) + 1)
+    return i
+  end
+end
+return 0
+"""
+#: A claim whose job has ended lasts ARGV[2] seconds more (if it is still there).
+_HOLD = """
+local t = redis.call('TIME')
+return redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[2]), ARGV[1])
+"""
+
+
+def consumed_lists(app: Any, queues: list[str]) -> Callable[[], list[str]]:
+    """What :class:`Preemption` looks at on a worker of Celery ``app`` whose own queues are
+    ``queues``: the lists its consumer takes from now (kombu's selected queues: every level of
+    ``queues``, and each sweep's own list it was asked to consume since), read from the
+    consumer's state at each look."""
+    own = leveled(queues)
+
+    def lists() -> list[str]:
+        try:
+            selected = list(app.amqp.queues.consume_from)  # a dict the consumer changes: one copy
+        except RuntimeError:  # changed while copied: the next look reads it again
+            selected = []
+        return selected or own
+
+    return lists
 
 
 class Preemption(PeriodicThread):
     """Looks for higher-level work waiting in this worker's queues while it runs lower-level
-    jobs; :meth:`outranked` says whether a job must make way."""
+    jobs; :meth:`outranked` says whether a job must make way (and claims the message it makes
+    way for)."""
 
     name = "devicefleet-preemption"
 
-    def __init__(self, client: redis.Redis, queues: list[str], slots: int, min_run_s: float,
-                 interval_s: float = PREEMPT_CHECK_S) -> None:
+    def __init__(self, client: redis.Redis, lists: Callable[[], Iterable[str]], slots: int, min_run_s: float,
+                 grace_s: float = PREEMPT_GRACE_S, interval_s: float = PREEMPT_CHECK_S,
+                 hold_s: float = PREEMPT_CLAIM_HOLD_S) -> None:
         super().__init__(interval_s)
         self._client = client
-        self._queues = list(queues)
+        self._lists = lists
         self._slots = slots
         self.min_run_s = min_run_s
+        self._claim_ttl_s = grace_s + hold_s
+        self._hold_s = hold_s
+        self._claim = client.register_script(_CLAIM)
+        self._hold = client.register_script(_HOLD)
         self._lock = threading.Lock()
         #: job id -> level of the preemptible jobs this worker runs now
         self._running: dict[str, Level] = {}
         #: The highest level found waiting at the last look taken after every job in
         #: ``_running`` started (None: none, or not looked yet).
         self._waiting: Level | None = None
+        #: The lists above the lowest running job's level that held messages (that look),
+        #: highest level first, with their levels.
+        self._waiting_lists: list[tuple[Level, str]] = []
         #: How many messages of a higher level than the lowest running job's wait (that look).
         self._waiting_count = 0
-        #: The jobs asked to make way, until they end: no more are asked than messages wait.
-        self._making_way: set[str] = set()
+        #: The jobs asked to make way, until they end, and the list each claimed a message of.
+        self._making_way: dict[str, str] = {}
+        #: list -> this worker's claim there whose job has ended (its freed slot takes the
+        #: message), which a job of this worker asked next may take over, with when it ended.
+        self._held: dict[str, tuple[str, float]] = {}
+        #: job id -> the look at which its claim was refused: tried again at the next look.
+        self._refused: dict[str, int] = {}
+        #: One more per look that found work waiting.
+        self._look = 0
         #: One more per job started: a look sent before a job started does not count for it.
         self._generation = 0
 
@@ -79,24 +152,56 @@ class Preemption(PeriodicThread):
             self.wake()
 
     def done(self, job_id: str) -> None:
+        """A job ended; a claim it held lasts :data:`PREEMPT_CLAIM_HOLD_S` more, for the slot
+        it freed to take the message it was made for (or a job of this worker asked next)."""
         with self._lock:
             self._running.pop(job_id, None)
-            self._making_way.discard(job_id)
+            self._refused.pop(job_id, None)
+            claimed = self._making_way.pop(job_id, None)
+            if claimed is not None:
+                self._held[claimed] = (job_id, time.monotonic())
+        if claimed is None:
+            return
+        try:
+            self._hold(keys=[keys.preempt_claims(claimed)], args=[job_id, self._hold_s])
+        except redis.RedisError as exc:  # it expires on its own, preempt_grace_s later at most
+            logger.warning("could not shorten the preemption claim of job %s: %s", job_id, exc)
 
     def outranked(self, job_id: str, level: Level, started: float) -> Level | None:
         """The higher level whose work waits for this device, if job ``job_id`` at ``level``,
         started at ``started`` (monotonic), must make way for it now; else None. One job is
-        asked per waiting message: the others of a device with several slots run on."""
+        asked per waiting message, across the workers that consume its list: the others run on.
+        A claim refused is tried again at the next look."""
         with self._lock:
             waiting = self._waiting
             if waiting is None or waiting.rank >= level.rank:
                 return None
             if time.monotonic() - started < self.min_run_s:
                 return None
-            if len(self._making_way) >= self._waiting_count:
+            if job_id in self._making_way or len(self._making_way) >= self._waiting_count:
                 return None
-            self._making_way.add(job_id)
-            return waiting
+            if self._refused.get(job_id) == self._look:
+                return None
+            lists = [name for above, name in self._waiting_lists if above.rank < level.rank]
+            expired = time.monotonic() - self._hold_s
+            held = [self._held[name][0] if name in self._held and self._held[name][1] > expired else ""
+                    for name in lists]
+            look = self._look
+        args: list[Any] = [job_id, self._claim_ttl_s, *held]
+        claim_keys = [key for name in lists for key in (name, keys.preempt_claims(name))]
+        try:
+            index = int(self._claim(keys=claim_keys, args=args))
+        except redis.RedisError as exc:  # no claim, no preemption: the next look tries again
+            logger.warning("could not claim waiting work for job %s to make way: %s", job_id, exc)
+            index = 0
+        with self._lock:
+            if not index:
+                self._refused[job_id] = look
+                return None
+            claimed = lists[index - 1]
+            self._held.pop(claimed, None)
+            self._making_way[job_id] = claimed
+        return split_level(claimed)[1]
 
     def tick(self) -> None:
         with self._lock:
@@ -108,17 +213,22 @@ class Preemption(PeriodicThread):
             # preemptible): a free slot takes the waiting work itself.
             self._waiting = None
             return
-        names = [(level, level_queue(queue, level)) for level in Level if level.rank < lowest
-                 for queue in self._queues]
+        above = sorted(((level, name) for name in self._lists() if (level := split_level(name)[1]).rank < lowest),
+                       key=lambda pair: pair[0].rank)
         with self._client.pipeline(transaction=False) as pipe:
-            for _, name in names:
+            for _, name in above:
                 pipe.llen(name)
             lengths = pipe.execute()
-        found = next((level for (level, _), length in zip(names, lengths, strict=True) if length), None)
+        waiting = [(level, name) for (level, name), length in zip(above, lengths, strict=True) if length]
         count = sum(int(length) for length in lengths)
         with self._lock:
             if generation != self._generation:
                 return  # a job started meanwhile: its look is the next one (running() woke it)
+            found = waiting[0][0] if waiting else None
             if found is not None and found != self._waiting:
                 logger.info("%s work waits for this device: lower-level work makes way", found.value)
-            self._waiting, self._waiting_count = found, count
+            self._waiting, self._waiting_count, self._waiting_lists = found, count, waiting
+            if waiting:
+                self._look += 1
+            expired = time.monotonic() - self._hold_s
+            self._held = {name: held for name, held in self._held.items() if held[1] > expired}

@@ -47,7 +47,7 @@ from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOf
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
-from ..core.keys import OPTIONS_HEADER, PREEMPTIONS_HEADER
+from ..core.keys import FRONT_HEADER, OPTIONS_HEADER, PREEMPTIONS_HEADER
 from ..core.priority import Level
 from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
@@ -190,7 +190,8 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
                 ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
                                       worker.settings.result_expires_s, message, watch,
                                       lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
-                                      token=attempt.token if attempt is not None else 0)
+                                      token=attempt.token if attempt is not None else 0, level=options.priority,
+                                      preempt_grace_s=worker.config.preempt_grace_s)
         finally:
             if preemption is not None:
                 preemption.done(run.job_id)
@@ -217,8 +218,10 @@ def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, option
 
 def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level) -> NoReturn:
     """Send a preempted job's message back to its queue (:mod:`tasks.worker.preemption`): the
-    same id, kwargs, options and chord, its count of preemptions one more. Its lease is released
-    first (no death counted: it was not lost), so the worker that takes it next takes it at once.
+    same id, kwargs, options and chord, its count of preemptions one more, at the front of its
+    level's list (:data:`~tasks.core.keys.FRONT_HEADER`), so it keeps its place among its level:
+    it runs before the work of its level sent after it. Its lease is released first (no death
+    counted: it was not lost), so the worker that takes it next takes it at once.
 
     Raises:
         celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
@@ -232,7 +235,8 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
         count_preemption(worker.client, worker.device.name)
     except redis.RedisError as exc:  # a figure only: the job goes back all the same
         logger.warning("could not count the preemption of job %s: %s", job_id, exc)
-    raise task.retry(countdown=0, max_retries=None, headers={**headers, PREEMPTIONS_HEADER: count})
+    raise task.retry(countdown=0, max_retries=None,
+                     headers={**headers, PREEMPTIONS_HEADER: count, FRONT_HEADER: True})
 
 
 def preemptions_of(request: Any) -> int:
@@ -280,10 +284,10 @@ class JobWatch:
         #: The level of the work :meth:`stop` stopped the job for (preemption); None: not preempted.
         self.preempted: Level | None = None
         self.level = options.priority
-        # Not a gang's rank nor a group's job (they would have to stop as a whole), nor a job run
-        # in process without a message to send back.
-        self.preemptible = (options.preemptible and options.gang is None and options.group is None
-                            and attempt is not None)
+        # Not a group's job (its devices would have to stop as a whole), nor a job run in process
+        # without a message to send back. A gang's rank is: its gang stops as a whole
+        # (tasks.worker.gang.GangWatch tells every rank).
+        self.preemptible = options.preemptible and options.group is None and attempt is not None
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
@@ -325,6 +329,9 @@ class JobWatch:
 
     def rank_failed(self, reason: str) -> None:
         """A plain job has no gang: nothing to fail."""
+
+    def made_way(self, level: Level) -> None:
+        self.preempted = self.preempted or level
 
     def memory(self, used: int) -> None:
         # Folded into the next write: the samples come often.

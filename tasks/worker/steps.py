@@ -61,7 +61,7 @@ from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, devic
 from .group import GroupKeeper
 from .heartbeat import Heartbeat
 from .lease import LeaseKeeper, Reaper
-from .preemption import Preemption
+from .preemption import Preemption, consumed_lists
 from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
 
@@ -220,9 +220,10 @@ class PreemptionStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         setup = built(parent, DeviceStep).setup
-        self.preemption = Preemption(built(parent, RegistryStep).client, setup.queues,
+        self.preemption = Preemption(built(parent, RegistryStep).client, consumed_lists(parent.app, setup.queues),
                                      slots=len(built(parent, SlotsStep).slots),
-                                     min_run_s=setup.config.preempt_min_run_s)
+                                     min_run_s=setup.config.preempt_min_run_s,
+                                     grace_s=setup.config.preempt_grace_s)
 
     def start(self, parent: Any) -> None:
         self.preemption.start()

@@ -50,6 +50,7 @@ from ..core.defaults import (
 )
 from ..core.defaults import JOB_POLL_S as POLL_S
 from ..core.errors import JobCrashed, NoJobProcess, OutOfMemory, WorkerStopped
+from ..core.priority import Level
 from ..core.records import ErrorInfo
 from ..core.wire import (
     STOPS,
@@ -92,6 +93,10 @@ class ProcessPolicy:
 class Watch(Protocol):
     """What the supervisor asks of the job it runs (implemented by the runner)."""
 
+    @property
+    def preempted(self) -> Level | None:
+        """The level of the work the job was stopped to make way for (None: not preempted)."""
+
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
@@ -110,6 +115,10 @@ class Watch(Protocol):
     def memory(self, used: int) -> None:
         """The job's memory at its latest sample (bytes)."""
 
+    def made_way(self, level: Level) -> None:
+        """The job stops to make way for ``level`` work though its own worker did not ask it (its
+        gang was preempted as a whole): it goes back to its queue."""
+
 
 class WatchOver:
     """A watch that adds to another's (a gang's, a group's): every call goes to ``inner``
@@ -117,6 +126,10 @@ class WatchOver:
 
     def __init__(self, inner: Watch) -> None:
         self.inner = inner
+
+    @property
+    def preempted(self) -> Level | None:
+        return self.inner.preempted
 
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
@@ -135,6 +148,9 @@ class WatchOver:
 
     def memory(self, used: int) -> None:
         self.inner.memory(used)
+
+    def made_way(self, level: Level) -> None:
+        self.inner.made_way(level)
 
 
 @dataclass(frozen=True)
