@@ -377,6 +377,14 @@ class LeaseKeeper(PeriodicThread):
         return (f"Redis has not confirmed its lease for {unconfirmed:.1f} s (cut off?); it is stopped before "
                 f"the lease's {self._ttl_ms / 1000:g} s can run out and the job be given to another worker")
 
+    def fence_deadline(self, task_id: str) -> float | None:
+        """When (this process's monotonic clock) :meth:`must_stop` will say to stop job
+        ``task_id`` unless a renewal is confirmed before: the last confirmed renewal's (or the
+        take's) send time plus :attr:`fence_after_s`; ``None`` if no lease of it is held."""
+        with self._lock:
+            confirmed = self._confirmed.get(task_id)
+        return None if confirmed is None else confirmed + self.fence_after_s
+
     def superseded(self, task_id: str) -> None:
         """A write of job ``task_id``'s attempt was refused (a newer attempt holds the job): it is
         to be stopped (:meth:`must_stop`), as when a renewal finds the lease taken."""
