@@ -222,19 +222,14 @@ class LeaseKeeper(PeriodicThread):
         self._client = client
         #: A taken lease waits for the replicas (a failover must not lose it: see the module).
         self._replication = replication or Replication()
-        # WAIT answers for the writes of its own connection only: made on another one of the
-        # pool (one whose last write was older, as another thread's use can leave it), it would
-        # confirm a renewal no replica has. With replicas, the keeper's writes and WAITs share
-        # one connection (redis-py's single-connection client, on the same pool): a WAIT then
-        # covers this keeper's last write, later or not than the one it asks about.
-        self._writer = client.client() if self._replication.replicas > 0 else client
+        self._pinned: tuple[redis.Redis, JobState] | None = None  # made on first use: _writer
+        self._pin_lock = threading.Lock()
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
         #: How long a lease may go unconfirmed before its job is stopped, and the stop's grace.
         self.fence_after_s = ttl_s * FENCE_AFTER_TTL
         self.fence_grace_s = ttl_s * FENCE_GRACE_TTL
-        self._jobs = JobState(self._writer)
         # task id -> monotonic time the last renewal Redis confirmed was sent (or the take)
         self._confirmed: dict[str, float] = {}
         self._taken_over: set[str] = set()  # task ids whose lease a newer attempt holds
@@ -245,11 +240,32 @@ class LeaseKeeper(PeriodicThread):
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
 
+    def _writer(self) -> tuple[redis.Redis, JobState]:
+        """The client the keeper writes and WAITs on, and its scripts.
+
+        WAIT answers for the writes of its own connection only: made on another connection of
+        the pool (one whose last write was older, as another thread's use can leave it), it
+        would confirm a renewal no replica has. With replicas the keeper's writes and WAITs
+        share one connection (redis-py's single-connection client, on the same pool), so a WAIT
+        covers this keeper's last write, the one it asks about or a later one. Made on first
+        use (it connects when made), not with the keeper."""
+        with self._pin_lock:
+            if self._pinned is None:
+                writer = self._client.client() if self._replication.replicas > 0 else self._client
+                self._pinned = (writer, JobState(writer))
+            return self._pinned
+
+    @property
+    def _jobs(self) -> JobState:
+        return self._writer()[1]
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop renewing; the keeper's own connection (with replicas) goes back to its pool."""
         super().stop(timeout)
-        if self._writer is not self._client:
-            self._writer.close()
+        with self._pin_lock:
+            pinned, self._pinned = self._pinned, None
+        if pinned is not None and pinned[0] is not self._client:
+            pinned[0].close()
 
     def held(self) -> list[str]:
         """The task ids whose leases this process holds now."""
@@ -314,7 +330,7 @@ class LeaseKeeper(PeriodicThread):
         if attempt is None:
             logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
             return Taken(Take.RUNNING_ELSEWHERE)
-        if not self._replication.wait(self._writer, f"lease of job {task_id}"):
+        if not self._replication.wait(self._writer()[0], f"lease of job {task_id}"):
             # No replica has it: a failover may drop it, and a promoted replica's copy of the
             # job is free for another worker. Not a lease (Replication's rule): give it up.
             logger.warning("job %s: no replica confirmed its lease; not running this copy, it goes back to its queue",
@@ -581,7 +597,7 @@ class LeaseKeeper(PeriodicThread):
         """Whether the replicas have this keeper's writes (:meth:`Replication.wait`); False if
         the ``WAIT`` itself fails (cut off)."""
         try:
-            return self._replication.wait(self._writer, what)
+            return self._replication.wait(self._writer()[0], what)
         except redis.RedisError as exc:
             logger.warning("%s: could not ask the replicas: %s", what, exc)
             return False
