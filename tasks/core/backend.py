@@ -30,7 +30,10 @@ store did is recorded on the hand-over, for the worker's lease keeper.
 
 On a fleet with replicas the store then waits for a replica to have it (Redis's ``WAIT``,
 :class:`tasks.core.sentinel.Replication`): the result, the lease's release and the
-acknowledgement survive a failover that comes after. A ``sentinel://`` fleet's backend is
+acknowledgement survive a failover that comes after. A store no replica had in time is not done
+(:class:`~tasks.core.sentinel.Replication`'s rule): recorded on the hand-over
+(``confirmed=False``, which the lease keeper logs) and its message left unacknowledged
+everywhere but on the primary that took it, so a failover that drops it runs the job again. A ``sentinel://`` fleet's backend is
 :class:`FleetSentinelBackend`: the same over Celery's Sentinel backend.
 """
 
@@ -55,7 +58,7 @@ from .jobstate import Attempt, JobEnd, JobState, StateMeta, Stored, handover
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
 from .sentinel import ReadOnlyAwareConnection, Replication
-from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
+from .transport import NO_FLEET_OPTION, REPLICATION_OPTION, acked_in_redis
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +173,25 @@ class FleetBackend(RedisBackend):
         handed = handover(request) if state in states.READY_STATES else None
         expires = (self.failure_expires if state == states.FAILURE else None) or self.expires or 0
         state_meta = StateMeta(key=bytes_to_str(self.get_key_for_task(task_id)), value=value, expires_s=int(expires))
-        stored = self.ensure(self._store, (bytes_to_str(task_id), state_meta, handed.end if handed else None,
-                                           fleet_task(request)))
+        stored, confirmed = self.ensure(self._store, (bytes_to_str(task_id), state_meta,
+                                                      handed.end if handed else None, fleet_task(request)))
         if handed is not None:
-            handed.stored = stored
+            handed.stored, handed.confirmed = stored, confirmed
+            if not confirmed:
+                self._leave_unacked(request, handed.end)
         return result
+
+    @staticmethod
+    def _leave_unacked(request: Any, end: JobEnd) -> None:
+        """No replica had the store of a job's end: it is not done (Replication's rule). Its
+        message must stay unacknowledged on any other primary: the channel's acknowledgement that
+        follows is made kombu's bookkeeping only, as after the script's own. (The script's
+        acknowledgement, on this primary, goes with the result if a failover drops it; the new
+        primary's reaper then gives the job back from its lease.)"""
+        tag = end.ack.delivery_tag if end.ack is not None else (getattr(request, "properties", None) or {}).get(
+            "delivery_tag")
+        if tag:
+            acked_in_redis(str(tag))
 
     @cached_property
     def replication(self) -> Replication:
@@ -194,12 +211,12 @@ class FleetBackend(RedisBackend):
                                expires_s=int(self.expires or 0))
         return bool(self.ensure(self._jobs.progress, (attempt, state_meta, json.dumps(report), expires_s, device)))
 
-    def _store(self, task_id: str, meta: StateMeta, end: JobEnd | None, final: bool) -> Stored:
+    def _store(self, task_id: str, meta: StateMeta, end: JobEnd | None, final: bool) -> tuple[Stored, bool]:
+        """The store (:meth:`JobState.finish`) and whether a replica had it in time."""
         stored = self._jobs.finish(task_id, meta, end, final=final)
         # A failover while waiting is a connection error: ensure() runs the script again on the
         # new primary, where it stores what was lost or finds it stored (it is idempotent).
-        self.replication.wait(self.client, f"state of task {task_id}")
-        return stored
+        return stored, self.replication.wait(self.client, f"state of task {task_id}")
 
     def metas(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
         """Each task's stored meta (``status``, ``result``...), ``None`` where none is stored or

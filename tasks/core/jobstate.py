@@ -413,10 +413,13 @@ END_FIELD = "devicefleet_end"
 @dataclass
 class Handover:
     """A job's end handed to the store of its finished state, and what that store did
-    (``None`` until it ran: it failed, or has not come yet)."""
+    (``None`` until it ran: it failed, or has not come yet) and whether a replica had it."""
 
     end: JobEnd
     stored: Stored | None = None
+    #: Whether a replica had the store (:class:`tasks.core.sentinel.Replication`; always with
+    #: none asked for): False, it is not done, and the job may run again after a failover.
+    confirmed: bool = True
 
 
 def hand_over(request: Any, end: JobEnd) -> Handover:

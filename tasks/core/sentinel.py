@@ -272,12 +272,31 @@ class Replication:
     """How many replicas must have a write before the fleet goes on from it (Redis's ``WAIT``),
     and for how long at most; ``replicas=0`` waits for none (a single Redis).
 
-    Redis replicates asynchronously: a write the primary acknowledged can be lost when it dies
-    before a replica has it. ``WAIT`` after the writes that matter (a job's lease taken, its
-    result stored, a message published, an Optuna journal entry) makes a failover keep them
-    (Sentinel promotes the replica with the most data), at one round trip each. It gives up
-    after ``timeout_ms`` (a replica down or slow): the write stays, not yet replicated, and the
-    fleet goes on; the README's "Reliability" says what a failover right then costs.
+    Redis replicates asynchronously: a write the primary acknowledged can be lost when it dies,
+    or is cut off from its replicas and sentinels, before a replica has it (Sentinel promotes
+    the replica with the most data; Jepsen's Redis analysis, 2013). ``WAIT`` after the writes
+    that matter (a job's lease taken or renewed, its result stored, a message published, an
+    Optuna journal entry) tells which of them a failover keeps, at one round trip each.
+
+    The rule: **a write is done only once** :attr:`replicas` **replicas have it.** A ``WAIT``
+    that gives up after ``timeout_ms`` with fewer (:meth:`wait` returns False) leaves the write
+    on this primary only, where a failover may drop it; whoever made it acts as if it may not
+    have happened:
+
+    - a lease taken: it is no lease; the job is not started, the lease is released and the
+      message goes back to its queue (:meth:`tasks.worker.lease.LeaseKeeper.take`);
+    - a lease renewed: it does not count towards self-fencing; the job is stopped
+      ``fence_after_s`` after the last renewal a replica had, before the copy of the lease a
+      promoted replica holds can expire and the job be given to another worker;
+    - a result stored: it is not acknowledged anywhere else (the channel's acknowledgement
+      stays kombu's bookkeeping: a new primary still holds the message and the job's lease,
+      whose reaper gives the job back to run again); the lease keeper logs it as unconfirmed
+      (:class:`tasks.core.backend.FleetBackend`);
+    - a message published, a message given back, an Optuna journal entry: logged as
+      unconfirmed, the caller goes on (the write may well be kept: a replica late by more than
+      ``timeout_ms`` is no partition, and sending the message again would run its job twice).
+
+    With ``replicas=0`` nothing is waited for and every write counts as done (no round trip).
     """
 
     replicas: int = 0
@@ -292,15 +311,22 @@ class Replication:
         """From :meth:`to_dict`'s form; ``None`` (an app made without it): wait for none."""
         return cls(**value) if isinstance(value, dict) else cls()
 
-    def wait(self, client: Any, what: str) -> None:
-        """``WAIT`` for :attr:`replicas` after the writes ``client`` made (``what`` names them in
-        the warning when fewer replicas had them in time)."""
+    def wait(self, client: Any, what: str) -> bool:
+        """``WAIT`` for :attr:`replicas` after the writes ``client`` made; ``what`` names them in
+        the warning when fewer replicas had them in time.
+
+        Returns:
+            Whether the writes are done by the rule above: True with ``replicas=0`` (no round
+            trip) or when enough replicas had them within :attr:`timeout_ms`.
+        """
         if self.replicas <= 0:
-            return
+            return True
         acked = int(client.execute_command("WAIT", self.replicas, self.timeout_ms))
         if acked < self.replicas:
-            logger.warning("%s: %d of %d replicas had it within %d ms; a failover now could lose it",
+            logger.warning("%s: %d of %d replicas had it within %d ms: not done (a failover now could lose it)",
                            what, acked, self.replicas, self.timeout_ms)
+            return False
+        return True
 
 
 def is_sentinel(url: str) -> bool:

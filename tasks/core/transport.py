@@ -21,7 +21,8 @@ A ``sentinel://`` fleet uses :class:`SentinelTransport`: kombu's Sentinel channe
 the sentinels where the primary is, each in turn) with the same hardening, connections that
 take ``READONLY`` from a demoted primary as a lost connection
 (:class:`tasks.core.sentinel.ReadOnlyAwareConnection`), and a publish that waits for a replica
-to have the message (:class:`tasks.core.sentinel.Replication`), so a failover cannot lose it.
+to have the message (:class:`tasks.core.sentinel.Replication`), so a failover cannot lose it (a
+publish no replica had in time is logged and the producer goes on: see that rule).
 
 A message popped but not recorded is given back (:class:`QoS`, :meth:`HardenedChannel._brpop_start`):
 kombu takes a message from its queue (BRPOP) and records it in its unacked hash (the one the

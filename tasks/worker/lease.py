@@ -73,7 +73,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.states import STARTED
 from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
@@ -109,6 +109,10 @@ class Take(str, Enum):
     #: The lease is ours, but the job has taken its worker down ``max_attempts`` times: end it
     #: as :class:`~tasks.core.errors.WorkerLost` instead of running it.
     LOST = "lost"
+    #: The primary took the lease but no replica had it in time (a primary cut off from its
+    #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease. It was released;
+    #: the message goes back to its queue, the job is not started.
+    UNCONFIRMED = "unconfirmed"
 
 
 @dataclass(frozen=True)
@@ -196,6 +200,10 @@ class LeaseKeeper(PeriodicThread):
     clock from the time the last confirmed renewal (or the take) was *sent*, is to be stopped
     (:meth:`must_stop`, which the job's watch asks; its stop has :attr:`fence_grace_s`) before
     its lease can expire and go to another worker; so is one whose lease a newer attempt took.
+    On a fleet with replicas, confirmed means a replica had it too (Redis's ``WAIT``,
+    :class:`~tasks.core.sentinel.Replication`): a primary cut off from its replicas still confirms
+    renewals that a failover drops, while the promoted replica's copy of the lease expires from
+    the last renewal it had; the job stops from that one, before the copy can go to another worker.
     The rule rests on two assumptions: the clocks of this host and Redis's run at rates that
     differ by far less than the margin left (the TTL less both), and this process is never paused
     (SIGSTOP, a VM migration, swapping) for longer than that margin. While Redis refuses
@@ -214,13 +222,14 @@ class LeaseKeeper(PeriodicThread):
         self._client = client
         #: A taken lease waits for the replicas (a failover must not lose it: see the module).
         self._replication = replication or Replication()
+        self._pinned: tuple[redis.Redis, JobState] | None = None  # made on first use: _writer
+        self._pin_lock = threading.Lock()
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
         #: How long a lease may go unconfirmed before its job is stopped, and the stop's grace.
         self.fence_after_s = ttl_s * FENCE_AFTER_TTL
         self.fence_grace_s = ttl_s * FENCE_GRACE_TTL
-        self._jobs = JobState(client)
         # task id -> monotonic time the last renewal Redis confirmed was sent (or the take)
         self._confirmed: dict[str, float] = {}
         self._taken_over: set[str] = set()  # task ids whose lease a newer attempt holds
@@ -230,6 +239,33 @@ class LeaseKeeper(PeriodicThread):
         self._held: dict[str, Attempt] = {}  # task id -> the attempt this process runs
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
+
+    def _writer(self) -> tuple[redis.Redis, JobState]:
+        """The client the keeper writes and WAITs on, and its scripts.
+
+        WAIT answers for the writes of its own connection only: made on another connection of
+        the pool (one whose last write was older, as another thread's use can leave it), it
+        would confirm a renewal no replica has. With replicas the keeper's writes and WAITs
+        share one connection (redis-py's single-connection client, on the same pool), so a WAIT
+        covers this keeper's last write, the one it asks about or a later one. Made on first
+        use (it connects when made), not with the keeper."""
+        with self._pin_lock:
+            if self._pinned is None:
+                writer = self._client.client() if self._replication.replicas > 0 else self._client
+                self._pinned = (writer, JobState(writer))
+            return self._pinned
+
+    @property
+    def _jobs(self) -> JobState:
+        return self._writer()[1]
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop renewing; the keeper's own connection (with replicas) goes back to its pool."""
+        super().stop(timeout)
+        with self._pin_lock:
+            pinned, self._pinned = self._pinned, None
+        if pinned is not None and pinned[0] is not self._client:
+            pinned[0].close()
 
     def held(self) -> list[str]:
         """The task ids whose leases this process holds now."""
@@ -294,12 +330,18 @@ class LeaseKeeper(PeriodicThread):
         if attempt is None:
             logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
             return Taken(Take.RUNNING_ELSEWHERE)
+        if not self._replication.wait(self._writer()[0], f"lease of job {task_id}"):
+            # No replica has it: a failover may drop it, and a promoted replica's copy of the
+            # job is free for another worker. Not a lease (Replication's rule): give it up.
+            logger.warning("job %s: no replica confirmed its lease; not running this copy, it goes back to its queue",
+                           task_id)
+            self._give_up(attempt)
+            return Taken(Take.UNCONFIRMED)
         with self._lock:
             self._held[task_id] = attempt
             self._confirmed[task_id] = sent
             self._taken_over.discard(task_id)
             self._finishing.discard(task_id)
-        self._replication.wait(self._client, f"lease of job {task_id}")
         if reply.status is Took.LOST:
             return Taken(Take.LOST, reply.lost_to, attempt)
         return Taken(Take.TAKEN, attempt=attempt)
@@ -315,8 +357,12 @@ class LeaseKeeper(PeriodicThread):
         """Give up ``task_id``'s lease, if this process holds it, without a result."""
         with self._lock:
             attempt = self._drop(task_id)
-        if attempt is None:
-            return
+        if attempt is not None:
+            self._give_up(attempt)
+
+    def _give_up(self, attempt: Attempt) -> None:
+        """Release ``attempt``'s lease in Redis (only while it is still that attempt's)."""
+        task_id = attempt.task_id
         try:
             # Only our own lease: a worker that was cut off must not delete its successor's.
             if not self._jobs.release(attempt):
@@ -358,6 +404,14 @@ class LeaseKeeper(PeriodicThread):
             return None
         return (f"Redis has not confirmed its lease for {unconfirmed:.1f} s (cut off?); it is stopped before "
                 f"the lease's {self._ttl_ms / 1000:g} s can run out and the job be given to another worker")
+
+    def fence_deadline(self, task_id: str) -> float | None:
+        """When (this process's monotonic clock) :meth:`must_stop` will say to stop job
+        ``task_id`` unless a renewal is confirmed before: the last confirmed renewal's (or the
+        take's) send time plus :attr:`fence_after_s`; ``None`` if no lease of it is held."""
+        with self._lock:
+            confirmed = self._confirmed.get(task_id)
+        return None if confirmed is None else confirmed + self.fence_after_s
 
     def superseded(self, task_id: str) -> None:
         """A write of job ``task_id``'s attempt was refused (a newer attempt holds the job): it is
@@ -408,6 +462,10 @@ class LeaseKeeper(PeriodicThread):
         if handed is not None and handed.stored is Stored.FENCED:
             logger.error("job %s: the store of its end was refused: a newer attempt holds the job (token %d is "
                          "older); this run's result is dropped", task_id, attempt.token)
+        elif handed is not None and handed.stored is not None and not handed.confirmed:
+            logger.error("job %s: no replica confirmed the store of its end: not done (a failover now would drop "
+                         "it); its message stays unacknowledged elsewhere, and the job runs again if it is lost",
+                         task_id)
         if handed is not None and handed.stored is not None and handed.end.attempt == attempt:
             self.forget(task_id)
         else:
@@ -439,6 +497,10 @@ class LeaseKeeper(PeriodicThread):
             celery.exceptions.Ignore: another live worker runs this job now, or it has already
                 finished (its result is stored); this copy is acknowledged and dropped, with
                 no result stored.
+            celery.exceptions.Reject: no replica confirmed the lease (:attr:`Take.UNCONFIRMED`):
+                the message goes back to its queue (kombu's ``restore_by_tag`` on whichever
+                primary the channel reaches: on a new one, where the message still is, it
+                is given back to its queue), the job is not started.
             WorkerLost: the job took its worker down ``max_attempts`` times; it is recorded in
                 ``keys.DEAD_LETTERS``, its lease is held (to go with its stored failure) and the
                 block does not run.
@@ -457,6 +519,8 @@ class LeaseKeeper(PeriodicThread):
                           max_attempts=bound, keep_s=deaths_kept_s(task.app))
         if taken.outcome is Take.LOST:
             raise self._lost(task_id, resend, taken.lost_to, bound)
+        if taken.outcome is Take.UNCONFIRMED:
+            raise Reject(f"job {task_id}: no replica confirmed its lease", requeue=True)
         if taken.outcome is not Take.TAKEN or taken.attempt is None:
             raise Ignore()
         try:
@@ -500,26 +564,43 @@ class LeaseKeeper(PeriodicThread):
         with self._lock:
             held = dict(self._held)
             finishing = set(self._finishing)
+        renewed: dict[str, float] = {}  # task id -> when its renewal was sent
         for task_id, attempt in held.items():
             if self.must_stop(task_id) is not None:
                 continue  # being stopped: its lease must expire, never come back
             sent = time.monotonic()
             try:
-                renewed = self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing)
+                ours = self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing)
             except redis.RedisError as exc:  # Redis restarting or cut off: renew on the next beat
                 self._redis_down = _refused(exc)
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
                 continue
             self._redis_down = False
+            if ours:
+                renewed[task_id] = sent
+                continue
             with self._lock:
-                if task_id not in self._held:
-                    continue
-                if renewed:
-                    self._confirmed[task_id] = max(sent, self._confirmed.get(task_id, sent))
-                else:
+                if task_id in self._held:
                     self._taken_over.add(task_id)
-            if not renewed:
-                logger.error("the lease of job %s was taken over by a newer attempt: stopping it", task_id)
+            logger.error("the lease of job %s was taken over by a newer attempt: stopping it", task_id)
+        # A renewal no replica has does not count (Replication's rule): a promoted replica's copy
+        # of a lease expires from the last renewal it had, so a job must stop from that one. One
+        # WAIT for the round's renewals (replicated in order); none with replicas=0.
+        if not renewed or not self._replicated(f"renewal of the leases of jobs {', '.join(renewed)}"):
+            return
+        with self._lock:
+            for task_id, sent in renewed.items():
+                if task_id in self._held:
+                    self._confirmed[task_id] = max(sent, self._confirmed.get(task_id, sent))
+
+    def _replicated(self, what: str) -> bool:
+        """Whether the replicas have this keeper's writes (:meth:`Replication.wait`); False if
+        the ``WAIT`` itself fails (cut off)."""
+        try:
+            return self._replication.wait(self._writer()[0], what)
+        except redis.RedisError as exc:
+            logger.warning("%s: could not ask the replicas: %s", what, exc)
+            return False
 
 
 def _refused(exc: BaseException) -> bool:
