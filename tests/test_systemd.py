@@ -338,33 +338,46 @@ PROBE = ("import errno, os\n"
          "        print('devprobe', path, errno.errorcode[exc.errno])\n")
 
 
-def test_a_gpu_unit_opens_only_its_own_card_under_systemd(fleet_host: Host, tmp_path: Path) -> None:
-    """Stand-in device nodes (no NVIDIA driver here): GPU 0's instance, with its rendered drop-in,
-    gets past the device cgroup for /dev/nvidia0 (ENXIO: no driver behind it) and is stopped at
-    /dev/nvidia1 (EPERM); a CPU instance sees neither node (ENOENT, PrivateDevices)."""
+def test_a_gpu_unit_opens_only_its_own_card_and_the_group_unit_every_card_under_systemd(fleet_host: Host,
+                                                                                          tmp_path: Path) -> None:
+    """Stand-in device nodes (no NVIDIA driver here), units rendered for a host with two GPUs:
+    each GPU instance, with its rendered drop-in, gets past the device cgroup for its own card
+    (ENXIO: no driver behind it) and is stopped at the other's (EPERM); the group unit, where a
+    GPU group's job process runs, gets past it for both; a CPU instance sees neither node
+    (ENOENT, PrivateDevices). Each probe runs as its unit's main process, where that unit's job
+    processes run (a worker's are its children, in its cgroup; the group unit's is its main)."""
     box = fleet_host.box
     for index in (0, 1):
         box.run("mknod", "-m", "0666", f"/dev/nvidia{index}", "c", "195", str(index), check=False)
-    gpu_plan = plan_host(gpus=1, cpu_workers=1, root=tmp_path, worker_configs_src=ROOT / "worker_configs",
+    gpu_plan = plan_host(gpus=2, cpu_workers=1, root=tmp_path, worker_configs_src=ROOT / "worker_configs",
                          devicefleet_bin=fleet_host.plan.devicefleet_bin)
     render(gpu_plan, tmp_path)
-    dropin = tmp_path / "etc/systemd/system/devicefleet-worker@gpu0.service.d/20-gpu.conf"
-    probe = (f"[Service]\nType=oneshot\nRestart=no\nExecStart=\n"
+    rendered = tmp_path / "etc/systemd/system"
+    probe = (f"[Service]\nType=oneshot\nRestart=no\nStandardInput=null\nExecStart=\n"
              f"ExecStart={sys.executable} -c \"exec(bytes.fromhex('{PROBE.encode().hex()}'))\"\n")
+    units = {"gpu0": "devicefleet-worker@gpu0.service", "gpu1": "devicefleet-worker@gpu1.service",
+             "group": "devicefleet-group@probe.service", "cpu7": "devicefleet-worker@cpu7.service"}
     seen: dict[str, list[str]] = {}
     try:
-        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", dropin.read_text())
-        for device in ("gpu0", "cpu7"):
-            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", probe)
-            box.systemctl("start", f"devicefleet-worker@{device}.service")
-            seen[device] = sorted(line.split(" ", 1)[1] for line in
-                                  box.journal(f"devicefleet-worker@{device}.service").splitlines()
-                                  if line.startswith("devprobe "))
+        (fleet_host.units / "devicefleet-group@.service").write_text((rendered / "devicefleet-group@.service").read_text())
+        for gpu in ("gpu0", "gpu1"):
+            fleet_host.dropin(units[gpu], "20-gpu.conf",
+                              (rendered / f"{units[gpu]}.d" / "20-gpu.conf").read_text())
+        for name, unit in units.items():
+            fleet_host.dropin(unit, "99-probe.conf", probe)
+            box.systemctl("start", unit)
+            seen[name] = sorted(line.split(" ", 1)[1] for line in box.journal(unit).splitlines()
+                                if line.startswith("devprobe "))
     finally:
-        for device in ("gpu0", "cpu7"):
-            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", None)
-        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", None)
+        for unit in units.values():
+            fleet_host.dropin(unit, "99-probe.conf", None)
+        for gpu in ("gpu0", "gpu1"):
+            fleet_host.dropin(units[gpu], "20-gpu.conf", None)
+        (fleet_host.units / "devicefleet-group@.service").unlink(missing_ok=True)
+        box.systemctl("daemon-reload")
     assert seen["gpu0"] == ["/dev/nvidia0 ENXIO", "/dev/nvidia1 EPERM"], seen
+    assert seen["gpu1"] == ["/dev/nvidia0 EPERM", "/dev/nvidia1 ENXIO"], seen
+    assert seen["group"] == ["/dev/nvidia0 ENXIO", "/dev/nvidia1 ENXIO"], seen
     assert seen["cpu7"] == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENOENT"], seen
 
 

@@ -59,6 +59,10 @@ from ..core.worker_config import config_file, load_worker_config
 logger = logging.getLogger(__name__)
 
 WORKER_UNIT = "devicefleet-worker@.service"
+#: Where a GPU device group's job process runs, on a host with two GPUs or more.
+GROUP_UNIT = "devicefleet-group@.service"
+#: The worker template's sandbox, which the group unit copies: from this line to ``[Install]``.
+SANDBOX_START = "# Hardening:"
 FLOWER_UNIT = "devicefleet-flower.service"
 METRICS_UNIT = "devicefleet-metrics.service"
 TARGET_UNIT = "devicefleet.target"
@@ -582,6 +586,11 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
                 "programs": json.dumps(policy.programs), "workdirs": json.dumps(policy.workdirs),
                 "command_paths": "\n".join(opened.lines()),
             }))
+    if plan.gpus >= 2:
+        write(units / GROUP_UNIT, template(GROUP_UNIT, {
+            "sandbox": worker_sandbox(template(WORKER_UNIT)),
+            "gpu_device_allow": "\n".join(f"DeviceAllow=/dev/nvidia{i} rw" for i in range(plan.gpus)),
+        }))
     write(units / FLOWER_UNIT, template(FLOWER_UNIT))
     write(units / METRICS_UNIT, template(METRICS_UNIT))
     write(units / TARGET_UNIT, template(TARGET_UNIT))
@@ -604,6 +613,28 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             text += template("redis-devicefleet-tls.conf", redis_values)
         write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
     return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT, METRICS_UNIT])
+
+
+def worker_sandbox(worker_unit: str) -> str:
+    """The hardening lines of a rendered worker unit, for the group unit: one sandbox for every
+    process that runs jobs, without the worker's ``PrivateDevices=yes`` (the group unit opens
+    its GPUs' nodes).
+
+    Raises:
+        ConfigError: the worker template has no ``# Hardening:`` block before ``[Install]``.
+    """
+    start, end = worker_unit.find(SANDBOX_START), worker_unit.find("[Install]")
+    if start < 0 or end < start:
+        raise ConfigError(f"{WORKER_UNIT}: no '{SANDBOX_START}' block before [Install] to copy into {GROUP_UNIT}")
+    lines = worker_unit[start:end].rstrip().splitlines()
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("PrivateDevices="):
+            while out and out[-1].startswith("#"):  # its comment goes with it
+                out.pop()
+            continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def _render_sentinel_host(plan: HostPlan, template: Callable[[str, dict[str, object]], str],
@@ -756,4 +787,5 @@ __all__ = [
     "script_interpreter",
     "stop_timeout",
     "templates_dir",
+    "worker_sandbox",
 ]
