@@ -362,7 +362,7 @@ def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
     return {"devices": ctx.devices, "device": ctx.device, "cores": ctx.cores,
             "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-            "started": started, "ended": time.time()}
+            "ppid": os.getppid(), "started": started, "ended": time.time()}
 
 
 class ResumableParams(BaseModel):
