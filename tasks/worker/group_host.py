@@ -247,7 +247,6 @@ class _Leader:
         self.path = path
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self.lock = threading.Lock()
-        self.conn: socket.socket | None = None
 
     def run(self) -> None:
         while True:
@@ -259,7 +258,6 @@ class _Leader:
                 time.sleep(RECONNECT_S)  # the leader is not listening (yet): its unit starts it
                 continue
             logger.info("connected to the leader at %s", self.path)
-            self.conn = conn
             self._serve(conn)
             self.end_children("its leader's connection closed (the worker stopped or died)")
             conn.close()

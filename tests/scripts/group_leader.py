@@ -14,7 +14,9 @@ import errno
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tasks.core.devices import Device
 from tasks.core.groups import group_environment
@@ -29,12 +31,12 @@ NODES = ["/dev/nvidia0", "/dev/nvidia1"]
 class Watch:
     """Relays nothing, never stops the job."""
 
-    def report(self, fields): ...
-    def log(self, lines): ...
-    def store_opened(self, port): ...
-    def rank_failed(self, reason): ...
-    def stop(self): return None
-    def memory(self, used): ...
+    def report(self, fields: dict[str, Any]) -> None: ...
+    def log(self, lines: Sequence[tuple[str, str]]) -> None: ...
+    def store_opened(self, port: int) -> None: ...
+    def rank_failed(self, reason: str) -> None: ...
+    def stop(self) -> None: return None
+    def memory(self, used: int) -> None: ...
 
 
 def main() -> int:
@@ -43,7 +45,7 @@ def main() -> int:
             os.close(os.open(path, os.O_RDWR))
             print("devprobe leader", path, "opened")
         except OSError as exc:
-            print("devprobe leader", path, errno.errorcode[exc.errno])
+            print("devprobe leader", path, errno.errorcode[exc.errno or 0])
     listener = inherited_listener()
     if listener is None:
         print("group leader: no listening socket from systemd", file=sys.stderr)
@@ -55,13 +57,15 @@ def main() -> int:
     supervisor = Supervisor(spec, job_environment(Device.parse("gpu0"), 1, []), Path("/"), ProcessPolicy(),
                             label="gpu0")
     supervisor.group_host = GroupHostLink(listener, "gpu0")
-    job = RunJob(job_id="group-under-systemd", job="sandbox", kwargs={"open": NODES}, fan_out_id="group-under-systemd",
+    kwargs: dict[str, Any] = {"open": NODES}
+    job = RunJob(job_id="group-under-systemd", job="sandbox", kwargs=kwargs, fan_out_id="group-under-systemd",
                  devices=["gpu0", "gpu1"], cores=spec.cores, torch_threads=1)
     ended = supervisor.run_apart(job, Watch(), group_environment(["gpu0", "gpu1"]))
     if ended.finished is None or ended.finished.output is None:
         print("group leader: the job did not finish:", ended.error, file=sys.stderr)
         return 1
     out = ended.finished.output
+    assert isinstance(out, dict) and isinstance(out["opens"], dict)
     for path, seen in out["opens"].items():
         print("devprobe group", path, seen)
     print("grouprun", json.dumps({"ppid": out["ppid"], "uid": out["uid"],
