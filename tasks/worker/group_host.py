@@ -135,8 +135,9 @@ class GroupHostLink:
         self._lock = threading.Condition()
         self._conn: socket.socket | None = None
         self._next = 0
-        self._pending: dict[int, Future[tuple[dict[str, Any], list[int]]]] = {}
-        self._children: dict[int, RemoteChild] = {}
+        #: By request id: the connection it went out on, and what waits for its answer / its end.
+        self._pending: dict[int, tuple[socket.socket, Future[tuple[RemoteChild, socket.socket]]]] = {}
+        self._children: dict[int, tuple[socket.socket, RemoteChild]] = {}
         threading.Thread(target=self._accept, name="devicefleet-group-host", daemon=True).start()
 
     @property
@@ -161,8 +162,8 @@ class GroupHostLink:
             with self._lock:
                 old, self._conn = self._conn, conn
                 self._lock.notify_all()
-            if old is not None:
-                old.close()
+            if old is not None:  # its reader sees the end (a close would not wake it) and closes it
+                old.shutdown(socket.SHUT_RDWR)
             logger.info("%s: the group host connected", self.label)
             threading.Thread(target=self._read, args=(conn,), name="devicefleet-group-host-read", daemon=True).start()
 
@@ -178,26 +179,33 @@ class GroupHostLink:
             ident = int(message.get("id", -1))
             if message.get("op") == "exit":
                 with self._lock:
-                    child = self._children.pop(ident, None)
-                if child is not None:
-                    child.ended(int(message["code"]))
+                    _, ended = self._children.pop(ident, (conn, None))
+                if ended is not None:
+                    ended.ended(int(message["code"]))
                 continue
             with self._lock:
-                future = self._pending.pop(ident, None)
-            if future is None:
-                for fd in fds:
-                    os.close(fd)
-            else:
-                future.set_result((message, fds))
+                _, future = self._pending.pop(ident, (conn, None))
+                if future is not None and message.get("op") == "spawned" and len(fds) == 2:
+                    # Known before the next message is read, which may be its exit.
+                    child = RemoteChild(int(message["pid"]), os.fdopen(fds[1], "rb"))
+                    self._children[ident] = (conn, child)
+                    future.set_result((child, socket.socket(fileno=fds[0])))
+                    continue
+            for fd in fds:
+                os.close(fd)
+            if future is not None:
+                future.set_exception(GroupHostGone(f"{self.label}: the group host refused: "
+                                                   f"{message.get('error', message)}"))
         with self._lock:
             if self._conn is conn:
                 self._conn = None
-            # The host is gone (its job processes got SIGKILL with it), or replaced by a new one.
-            children, self._children = self._children, {}
-            pending, self._pending = self._pending, {}
-        for child in children.values():
+            # The host on this connection is gone (its job processes got SIGKILL with it), or was
+            # replaced by a new one (which ended the old one's job processes as it left).
+            children = [self._children.pop(i)[1] for i, (c, _) in list(self._children.items()) if c is conn]
+            pending = [self._pending.pop(i)[1] for i, (c, _) in list(self._pending.items()) if c is conn]
+        for child in children:
             child.ended(-signal.SIGKILL)
-        for future in pending.values():
+        for future in pending:
             future.set_exception(GroupHostGone(f"{self.label}: the group host went away before it answered"))
         conn.close()
 
@@ -209,7 +217,7 @@ class GroupHostLink:
                 the message), or it went away.
         """
         deadline = time.monotonic() + timeout
-        future: Future[tuple[dict[str, Any], list[int]]] = Future()
+        future: Future[tuple[RemoteChild, socket.socket]] = Future()
         with self._lock:
             while self._conn is None:
                 left = deadline - time.monotonic()
@@ -219,22 +227,14 @@ class GroupHostLink:
                 self._lock.wait(left)
             conn, ident = self._conn, self._next
             self._next += 1
-            self._pending[ident] = future
+            self._pending[ident] = (conn, future)
         try:
             _send(conn, {"op": "spawn", "id": ident, "env": env, "cwd": str(cwd)})
-            message, fds = future.result(max(0.0, deadline - time.monotonic()))
+            return future.result(max(0.0, deadline - time.monotonic()))
         except (OSError, FutureTimeout) as exc:
             with self._lock:
                 self._pending.pop(ident, None)
             raise GroupHostGone(f"{self.label}: the group host did not start a job process: {exc!r}") from None
-        if message.get("op") != "spawned" or len(fds) != 2:
-            for fd in fds:
-                os.close(fd)
-            raise GroupHostGone(f"{self.label}: the group host refused: {message.get('error', message)}")
-        child = RemoteChild(int(message["pid"]), os.fdopen(fds[1], "rb"))
-        with self._lock:
-            self._children[ident] = child
-        return child, socket.socket(fileno=fds[0])
 
 
 # -- the group host's end -------------------------------------------------------------------------
