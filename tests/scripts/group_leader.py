@@ -52,7 +52,7 @@ def main() -> int:
         return 1
     state = Path(sys.argv[1])
     spec = ProcessSpec(device="cpu0", torch_device="cpu", cores=sorted(os.sched_getaffinity(0))[:1], torch_threads=1,
-                       job_modules=["tasks.jobs", "tests.fleet_jobs"], artifacts_dir=str(state / "artifacts"),
+                       job_modules=["tests.fleet_jobs"], artifacts_dir=str(state / "artifacts"),
                        tensorboard_dir=str(state / "tb"), result_expires_s=60)
     supervisor = Supervisor(spec, job_environment(Device.parse("gpu0"), 1, []), Path("/"), ProcessPolicy(),
                             label="gpu0")
