@@ -143,13 +143,23 @@ class SandboxParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: Files to create: each reports "ok" or the errno's name.
     write: list[str] = []
+    #: Device nodes to open read-write: each reports "opened" or the errno's name.
+    open: list[str] = []
 
 
 @job("sandbox", params=SandboxParams)
 def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
-    """What the worker's sandbox lets a job do: write the given files, see other processes."""
+    """What the worker's sandbox lets a job do: write the given files, open the given device
+    nodes, see other processes."""
     import errno
 
+    opens: dict[str, str] = {}
+    for path in params.open:
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            opens[path] = "opened"
+        except OSError as exc:
+            opens[path] = errno.errorcode.get(exc.errno or 0, str(exc))
     writes: dict[str, str] = {}
     for path in params.write:
         try:
@@ -159,7 +169,8 @@ def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
         except OSError as exc:
             writes[path] = errno.errorcode.get(exc.errno or 0, str(exc))
     pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    return {"writes": writes, "visible_pids": pids, "uid": os.getuid(), "pid": os.getpid()}
+    return {"writes": writes, "opens": opens, "visible_pids": pids, "uid": os.getuid(), "pid": os.getpid(),
+            "ppid": os.getppid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 # -- jobs that misbehave the way research code does (tests/test_isolation.py) -----------------
@@ -382,7 +393,7 @@ def group_probe(ctx: JobContext, params: GroupProbeParams) -> dict[str, Any]:
     return {"devices": ctx.devices, "device": ctx.device, "cores": ctx.cores,
             "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-            "started": started, "ended": time.time()}
+            "ppid": os.getppid(), "started": started, "ended": time.time()}
 
 
 class ResumableParams(BaseModel):

@@ -77,9 +77,14 @@ def test_render_gives_one_instance_per_device(tmp_path: Path, gpus: int) -> None
     assert gpu_dropins == {f"devicefleet-worker@gpu{i}.service.d" for i in range(gpus)}
     target = load_unit(unit_dir, "devicefleet.target")
     wanted = set(" ".join(target["Unit.Wants"]).split())
+    # Two GPUs or more: the group host, and each GPU worker's socket it connects to.
+    groups = {"devicefleet-groups.service"} | {f"devicefleet-worker@gpu{i}.socket" for i in range(gpus)}
     assert wanted == {"redis-server.service", "devicefleet-flower.service", "devicefleet-metrics.service"} | {
         f"devicefleet-worker@{d}.service" for d in expected
-    }
+    } | (groups if gpus >= 2 else set())
+    assert (unit_dir / "devicefleet-groups.service").exists() == (gpus >= 2)
+    assert {p.parent.name for p in unit_dir.glob("*/25-groups.conf")} == (
+        {f"devicefleet-worker@gpu{i}.service.d" for i in range(gpus)} if gpus >= 2 else set())
     assert done.units[0] == "devicefleet.target"
     env = parse_env_file((plan.config_dir / "devicefleet.env").read_text())
     assert env["DEVICEFLEET_GPUS"] == str(gpus) and env["DEVICEFLEET_CPU_WORKERS"] == "1"
@@ -129,7 +134,9 @@ def test_units_carry_signals_timeouts_and_hardening(tmp_path: Path) -> None:
         assert stat.S_IMODE((plan.config_dir / name).stat().st_mode) == 0o640
     # Nor readable to the worker and its jobs (systemd reads the environment file before it
     # starts the worker): tests/test_systemd.py checks it under a real systemd.
-    assert cpu["Service.InaccessiblePaths"] == [f"-{plan.config_dir}/devicefleet.env -{plan.config_dir}/flower.env"]
+    # Nor the GPU leaders' sockets, which only the group host may connect to.
+    assert cpu["Service.InaccessiblePaths"] == [f"-{plan.config_dir}/devicefleet.env -{plan.config_dir}/flower.env "
+                                                f"-{plan.group_socket_dir}"]
     assert gpu1["Service.InaccessiblePaths"] == cpu["Service.InaccessiblePaths"]
     assert stat.S_IMODE((plan.redis_conf_dir / "devicefleet.conf").stat().st_mode) == 0o640
 
@@ -220,9 +227,10 @@ def test_systemd_analyze_verify_accepts_the_commands_dropin(tmp_path: Path) -> N
 
 def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")
-    plan = _plan(tmp_path, unit_dir=Path("/etc/systemd/system"))
+    plan = _plan(tmp_path, unit_dir=Path("/etc/systemd/system"), gpus=2)
     render(plan, tmp_path / "root")
-    for unit in ("devicefleet-worker@cpu0.service", "devicefleet-flower.service", "devicefleet-metrics.service"):
+    for unit in ("devicefleet-worker@cpu0.service", "devicefleet-flower.service", "devicefleet-metrics.service",
+                 "devicefleet-groups.service"):
         out = subprocess.run([analyze, "security", "--offline=true", f"--root={tmp_path / 'root'}", unit],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -242,7 +250,8 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
         extra["sentinel_hosts"] = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     plan = _plan(tmp_path, **extra)
     render(plan)
-    units = ["devicefleet.target", "devicefleet-flower.service", "devicefleet-metrics.service"] + [
+    units = ["devicefleet.target", "devicefleet-flower.service", "devicefleet-metrics.service",
+             "devicefleet-groups.service", "devicefleet-worker@gpu1.socket"] + [
         f"devicefleet-worker@{d}.service" for d in plan.devices
     ]
     for unit in units:

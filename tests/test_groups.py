@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ from tasks.core.groups import Link, best_connected, group_budget, group_environm
 from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
+from tasks.worker.group_host import GroupHostLink
 from tasks.worker.jobenv import job_environment
 from tasks.worker.memory import ResidentMeter
 from tasks.worker.supervisor import ProcessPolicy, Supervisor
@@ -295,6 +301,51 @@ def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path)
     assert out["affinity"] == cores and out["threads"] == len(cores)
     assert not _alive(int(out["pid"]))  # ended with its job
     assert supervisor.pids == []
+
+
+@pytest.fixture
+def group_host(tmp_path: Path) -> Iterator[tuple[GroupHostLink, subprocess.Popen[bytes]]]:
+    """A leader's listening socket, as systemd passes it to a GPU worker, and the group host
+    (``python -m tasks.worker.group_host``) connected to it, as devicefleet-groups.service runs it."""
+    path = tmp_path / "gpu0.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen()
+    link = GroupHostLink(listener, "cpu0")
+    host = subprocess.Popen([sys.executable, "-m", "tasks.worker.group_host", str(path)],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        wait_for(lambda: link.connected, 30, "the group host to connect to the leader's socket")
+        yield link, host
+    finally:
+        host.terminate()
+        host.wait(10)
+        listener.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_group_job_process_started_by_the_group_host_runs_and_ends_with_its_leader(tmp_path, group_host):
+    """Under systemd a GPU group's job process is the group host's child (its unit opens the
+    group's GPUs, tests/test_systemd.py): the leader runs the job in it as in its own, and a
+    process the host started for a leader whose connection closes (the worker died) ends."""
+    link, host = group_host
+    supervisor = _supervisor(tmp_path)
+    supervisor.group_host = link
+    ended = supervisor.run_apart(_group_job("hosted"), _RankWatch(), {"CUDA_VISIBLE_DEVICES": ""})
+    assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
+    out = ended.finished.output
+    assert out is not None
+    assert out["ppid"] == host.pid and out["cuda_visible_devices"] == "" and out["devices"] == ["cpu0", "cpu1"]
+    assert not _alive(int(out["pid"])) and supervisor.pids == []
+    # A process started for this leader, then the leader's end of the connection gone.
+    child, channel = link.spawn({**os.environ, "PYTHONPATH": str(ROOT)}, ROOT, 30)
+    assert _alive(child.pid)
+    link.disconnect()
+    assert child.wait(30) == -signal.SIGKILL
+    wait_for(lambda: not _alive(child.pid), 30, "the host to end the leader's job process")
+    channel.close()
+    assert child.stdout is not None
+    child.stdout.close()
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ only what a user adds for their own jobs (the test job modules and short lease t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import urllib.error
@@ -330,42 +331,82 @@ def test_a_job_under_systemd_reads_neither_the_environment_files_nor_a_fleet_pro
     assert jobs and {seen[pid]["environ"] for pid in jobs} == {"read"}, (jobs, seen)
 
 
-PROBE = ("import errno, os\n"
+PROBE = ("import errno, os, socket\n"
          "for path in ('/dev/nvidia0', '/dev/nvidia1'):\n"
          "    try:\n"
          "        os.close(os.open(path, os.O_RDWR)); print(path, 'opened')\n"
          "    except OSError as exc:\n"
-         "        print('devprobe', path, errno.errorcode[exc.errno])\n")
+         "        print('devprobe', path, errno.errorcode[exc.errno])\n"
+         "leader = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+         "try:\n"
+         "    leader.connect('/run/devicefleet/groups/gpu0.sock'); print('devprobe connect opened')\n"
+         "except OSError as exc:\n"
+         "    print('devprobe connect', errno.errorcode[exc.errno])\n")
 
 
-def test_a_gpu_unit_opens_only_its_own_card_under_systemd(fleet_host: Host, tmp_path: Path) -> None:
-    """Stand-in device nodes (no NVIDIA driver here): GPU 0's instance, with its rendered drop-in,
-    gets past the device cgroup for /dev/nvidia0 (ENXIO: no driver behind it) and is stopped at
-    /dev/nvidia1 (EPERM); a CPU instance sees neither node (ENOENT, PrivateDevices)."""
-    box = fleet_host.box
+@pytest.mark.timeout(180)
+def test_gpu_units_open_their_own_card_and_a_group_job_its_groups_cards_under_systemd(fleet_host: Host,
+                                                                                    tmp_path: Path) -> None:
+    """Stand-in device nodes (no NVIDIA driver here), units rendered for a host with two GPUs.
+    gpu0's worker, the group's leader (tests/scripts/group_leader.py in its place: the worker's own
+    run_apart), runs a group job over gpu0 and gpu1: its job process, the group host's child in
+    devicefleet-groups.service, gets past the device cgroup for both cards (ENXIO: no driver
+    behind them), while the leader itself is stopped at gpu1's (EPERM). A single-device unit,
+    gpu1's, opens its own card only and cannot reach the leader's socket (EACCES: hidden from
+    every worker unit); a CPU instance sees neither node (ENOENT, PrivateDevices)."""
+    box, units = fleet_host.box, fleet_host.units
     for index in (0, 1):
         box.run("mknod", "-m", "0666", f"/dev/nvidia{index}", "c", "195", str(index), check=False)
-    gpu_plan = plan_host(gpus=1, cpu_workers=1, root=tmp_path, worker_configs_src=ROOT / "worker_configs",
+    gpu_plan = plan_host(gpus=2, cpu_workers=1, root=tmp_path, worker_configs_src=ROOT / "worker_configs",
                          devicefleet_bin=fleet_host.plan.devicefleet_bin)
     render(gpu_plan, tmp_path)
-    dropin = tmp_path / "etc/systemd/system/devicefleet-worker@gpu0.service.d/20-gpu.conf"
+    rendered = tmp_path / "etc/systemd/system"
     probe = (f"[Service]\nType=oneshot\nRestart=no\nExecStart=\n"
              f"ExecStart={sys.executable} -c \"exec(bytes.fromhex('{PROBE.encode().hex()}'))\"\n")
+    leader = (f"[Service]\nType=oneshot\nRestart=no\nTimeoutStartSec=120\nExecStart=\n"
+              f"ExecStart={sys.executable} {ROOT / 'tests/scripts/group_leader.py'} {STATE}\n")
+    workers = {d: f"devicefleet-worker@{d}.service" for d in ("gpu0", "gpu1", "cpu7")}
+    host = "devicefleet-groups.service"
+    installed = [units / host, units / "devicefleet-worker@.socket"]
     seen: dict[str, list[str]] = {}
     try:
-        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", dropin.read_text())
-        for device in ("gpu0", "cpu7"):
-            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", probe)
-            box.systemctl("start", f"devicefleet-worker@{device}.service")
-            seen[device] = sorted(line.split(" ", 1)[1] for line in
-                                  box.journal(f"devicefleet-worker@{device}.service").splitlines()
+        for path in installed:
+            path.write_text((rendered / path.name).read_text())
+        # The checkout's code for the group host, as the rendered environment file gives the workers.
+        fleet_host.dropin(host, "90-checkout.conf", f"[Service]\nEnvironment=PYTHONPATH={ROOT}\n")
+        for gpu in ("gpu0", "gpu1"):
+            for name in ("20-gpu.conf", "25-groups.conf"):
+                fleet_host.dropin(workers[gpu], name, (rendered / f"{workers[gpu]}.d" / name).read_text())
+        for device in ("gpu1", "cpu7"):
+            fleet_host.dropin(workers[device], "99-probe.conf", probe)
+        fleet_host.dropin(workers["gpu0"], "99-probe.conf", leader)
+        box.systemctl("start", host)
+        host_pid = fleet_host.main_pid(host)
+        for device in ("gpu1", "cpu7", "gpu0"):
+            box.systemctl("start", workers[device], check=False)
+            seen[device] = sorted(line.split(" ", 1)[1] for line in box.journal(workers[device]).splitlines()
                                   if line.startswith("devprobe "))
+        run = [line.split(" ", 1)[1] for line in box.journal(workers["gpu0"]).splitlines()
+               if line.startswith("grouprun ")]
+        leader_result = box.show(workers["gpu0"], "Result")["Result"]
     finally:
-        for device in ("gpu0", "cpu7"):
-            fleet_host.dropin(f"devicefleet-worker@{device}.service", "99-probe.conf", None)
-        fleet_host.dropin("devicefleet-worker@gpu0.service", "20-gpu.conf", None)
-    assert seen["gpu0"] == ["/dev/nvidia0 ENXIO", "/dev/nvidia1 EPERM"], seen
-    assert seen["cpu7"] == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENOENT"], seen
+        box.systemctl("stop", host, "devicefleet-worker@gpu0.socket", "devicefleet-worker@gpu1.socket", check=False)
+        for unit in workers.values():
+            fleet_host.dropin(unit, "99-probe.conf", None)
+        for gpu in ("gpu0", "gpu1"):
+            for name in ("20-gpu.conf", "25-groups.conf"):
+                fleet_host.dropin(workers[gpu], name, None)
+        fleet_host.dropin(host, "90-checkout.conf", None)
+        for path in installed:
+            path.unlink(missing_ok=True)
+        box.systemctl("daemon-reload")
+    assert leader_result == "success", box.journal(workers["gpu0"])[-3000:]
+    assert seen["gpu0"] == ["group /dev/nvidia0 ENXIO", "group /dev/nvidia1 ENXIO",
+                            "leader /dev/nvidia0 ENXIO", "leader /dev/nvidia1 EPERM"], seen
+    uid = int(box.run("id", "-u", "devicefleet").stdout)
+    assert len(run) == 1 and json.loads(run[0]) == {"ppid": host_pid, "uid": uid, "cuda_visible_devices": "0,1"}, run
+    assert seen["gpu1"] == ["/dev/nvidia0 EPERM", "/dev/nvidia1 ENXIO", "connect EACCES"], seen
+    assert seen["cpu7"] == ["/dev/nvidia0 ENOENT", "/dev/nvidia1 ENOENT", "connect EACCES"], seen
 
 
 # -- 6. restarting the whole fleet -----------------------------------------------------------------

@@ -7,6 +7,10 @@ only thing filled in. A host gets:
 - ``devicefleet-worker@.service`` (the worker of one device per instance) and, per instance,
   drop-ins with its stop timeout (and, for a GPU, access to the NVIDIA devices; for a worker
   whose config allows commands, the folders they may run in, made writable in the sandbox);
+- on a host with two GPUs or more, ``devicefleet-groups.service`` (the group host, where GPU
+  device groups' job processes run, behind a device policy that opens every GPU of the host)
+  and ``devicefleet-worker@.socket`` (each GPU worker's socket, on which the group host
+  connects: :mod:`tasks.worker.group_host`);
 - ``devicefleet-flower.service``, ``devicefleet-metrics.service`` (the Prometheus exporter) and
   ``devicefleet.target`` (wants every unit of this host);
 - ``devicefleet.env`` and ``flower.env`` (fleet-wide settings, secrets: 0640, and hidden from
@@ -59,6 +63,12 @@ from ..core.worker_config import config_file, load_worker_config
 logger = logging.getLogger(__name__)
 
 WORKER_UNIT = "devicefleet-worker@.service"
+#: The group host, where GPU device groups' job processes run, on a host with two GPUs or more;
+#: it connects to each GPU worker's socket (tasks.worker.group_host).
+GROUP_UNIT = "devicefleet-groups.service"
+GROUP_SOCKET_UNIT = "devicefleet-worker@.socket"
+#: The worker template's sandbox, which the group unit copies: from this line to ``[Install]``.
+SANDBOX_START = "# Hardening:"
 FLOWER_UNIT = "devicefleet-flower.service"
 METRICS_UNIT = "devicefleet-metrics.service"
 TARGET_UNIT = "devicefleet.target"
@@ -136,6 +146,8 @@ class HostPlan:
     unit_dir: Path = Path("/etc/systemd/system")
     redis_conf_dir: Path = Path("/etc/redis")
     state_dir: Path = Path("/var/lib/devicefleet")
+    #: Where the GPU workers' sockets for the group host are (hidden from every worker unit).
+    group_socket_dir: Path = Path("/run/devicefleet/groups")
     artifacts_dir: Path | None = None
     #: Join this Redis (another host's). None: this host runs Redis (Debian's redis-server).
     join_url: str | None = None
@@ -171,6 +183,15 @@ class HostPlan:
     def devices(self) -> list[str]:
         """The worker instances of this host: ``cpu0..``, then ``gpu0..``."""
         return [f"cpu{i}" for i in range(self.cpu_workers)] + [f"gpu{i}" for i in range(self.gpus)]
+
+    @property
+    def runs_groups(self) -> bool:
+        """Whether this host runs a group host: GPU groups need one, and two GPUs to be one."""
+        return self.gpus >= 2
+
+    @property
+    def gpu_devices(self) -> list[str]:
+        return [f"gpu{i}" for i in range(self.gpus)]
 
     @property
     def runs_redis(self) -> bool:
@@ -524,7 +545,8 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
 
     after = " ".join(plan.local_units)
     workers = [f"devicefleet-worker@{d}.service" for d in plan.devices]
-    wanted = plan.local_units + workers + [FLOWER_UNIT, METRICS_UNIT]
+    groups = [f"devicefleet-worker@{d}.socket" for d in plan.gpu_devices] + [GROUP_UNIT] if plan.runs_groups else []
+    wanted = plan.local_units + workers + groups + [FLOWER_UNIT, METRICS_UNIT]
     margin = plan.stop_margin_s
     timeouts = {d: stop_timeout(configs_here, Device.parse(d), margin) for d in plan.devices}
     binds = plan.hidden_code_dirs
@@ -537,6 +559,7 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "user": _check_safe("user", plan.user),
         "config_dir": _check_safe("config dir", str(plan.config_dir)),
         "state_dir": _check_safe("state dir", str(plan.state_dir)),
+        "group_socket_dir": _check_safe("group socket dir", str(plan.group_socket_dir)),
         "artifacts_dir": _check_safe("artifacts dir", str(plan.artifacts)),
         "devicefleet_bin": _check_safe("devicefleet binary", str(plan.devicefleet_bin)),
         "python_bin": _check_safe("Python binary", str(plan.python_bin)),
@@ -573,6 +596,8 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             write(dropins / "20-gpu.conf", template("worker-gpu.conf", {
                 "device": device, "gpu_index": parsed.index,
             }))
+            if plan.runs_groups:
+                write(dropins / "25-groups.conf", template("worker-groups.conf", {"device": device}))
         policy = load_worker_config(configs_here, parsed).commands
         opened = command_paths(policy, binds)
         if opened is not None:
@@ -582,6 +607,13 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
                 "programs": json.dumps(policy.programs), "workdirs": json.dumps(policy.workdirs),
                 "command_paths": "\n".join(opened.lines()),
             }))
+    if plan.runs_groups:
+        write(units / GROUP_SOCKET_UNIT, template(GROUP_SOCKET_UNIT))
+        write(units / GROUP_UNIT, template(GROUP_UNIT, {
+            "sandbox": worker_sandbox(template(WORKER_UNIT)),
+            "gpu_device_allow": "\n".join(f"DeviceAllow=/dev/nvidia{i} rw" for i in range(plan.gpus)),
+            "leader_sockets": " ".join(str(plan.group_socket_dir / f"{d}.sock") for d in plan.gpu_devices),
+        }))
     write(units / FLOWER_UNIT, template(FLOWER_UNIT))
     write(units / METRICS_UNIT, template(METRICS_UNIT))
     write(units / TARGET_UNIT, template(TARGET_UNIT))
@@ -603,7 +635,29 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         if plan.serve_address is not None:
             text += template("redis-devicefleet-tls.conf", redis_values)
         write(plan.redis_conf_dir / "devicefleet.conf", text, 0o640)
-    return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, FLOWER_UNIT, METRICS_UNIT])
+    return Rendered(written, kept, commands(plan, root), [TARGET_UNIT, *workers, *groups, FLOWER_UNIT, METRICS_UNIT])
+
+
+def worker_sandbox(worker_unit: str) -> str:
+    """The hardening lines of a rendered worker unit, for the group unit: one sandbox for every
+    process that runs jobs, without the worker's ``PrivateDevices=yes`` (the group unit opens
+    its GPUs' nodes).
+
+    Raises:
+        ConfigError: the worker template has no ``# Hardening:`` block before ``[Install]``.
+    """
+    start, end = worker_unit.find(SANDBOX_START), worker_unit.find("[Install]")
+    if start < 0 or end < start:
+        raise ConfigError(f"{WORKER_UNIT}: no '{SANDBOX_START}' block before [Install] to copy into {GROUP_UNIT}")
+    lines = worker_unit[start:end].rstrip().splitlines()
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("PrivateDevices="):
+            while out and out[-1].startswith("#"):  # its comment goes with it
+                out.pop()
+            continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def _render_sentinel_host(plan: HostPlan, template: Callable[[str, dict[str, object]], str],
@@ -756,4 +810,5 @@ __all__ = [
     "script_interpreter",
     "stop_timeout",
     "templates_dir",
+    "worker_sandbox",
 ]

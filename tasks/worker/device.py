@@ -49,6 +49,7 @@ from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, load_worker_config
 from .gang import route_address
 from .group import GroupGate
+from .group_host import GroupHostLink, inherited_listener
 from .heartbeat import Heartbeat
 from .jobenv import job_environment
 from .jobprocess import ProcessGone
@@ -215,12 +216,18 @@ class JobProcesses:
             max_memory_growth_bytes=config.max_memory_growth_mib * 2**20,
             cancel_grace_s=config.cancel_grace_s,
         )
+        # Under systemd a GPU worker gets a listening socket for the group host, which starts
+        # its GPU groups' job processes (tasks.worker.group_host); read before the jobs'
+        # environment is made from this one, which must not carry LISTEN_FDS to them.
+        listener = inherited_listener()
         env = job_environment(device, setup.torch_threads, secrets)
         mps = None
         if config.mps:
             mps = MpsServer(device, settings.state_dir)
             env.update(mps.start(int(config.memory_gib * GiB) if config.memory_gib else None))
         supervisor = Supervisor(spec, env, Path.cwd(), policy, label=device.name, slots=config.slots)
+        if listener is not None:
+            supervisor.group_host = GroupHostLink(listener, device.name)
         try:
             hello = supervisor.start()
         except ProcessGone as exc:

@@ -25,7 +25,13 @@ from typing import IO
 from pydantic import ValidationError
 
 from ..core.children import spawn_child
-from ..core.defaults import EXIT_STATUS_WAIT_S, OUTPUT_RELAY_JOIN_S, OUTPUT_TAIL_WAIT_S, TERM_GRACE_S
+from ..core.defaults import (
+    EXIT_STATUS_WAIT_S,
+    OUTPUT_RELAY_JOIN_S,
+    OUTPUT_TAIL_WAIT_S,
+    PROCESS_START_TIMEOUT_S,
+    TERM_GRACE_S,
+)
 from ..core.shadow import CHILD_FLAGS
 from ..core.wire import (
     Finished,
@@ -41,6 +47,7 @@ from ..core.wire import (
     StoreOpened,
     decode_from_job_process,
 )
+from .group_host import GroupHostGone, GroupHostLink, RemoteChild
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +67,38 @@ class ProcessGone(Exception):
 class JobProcess:
     """A started job process; its methods are called by one thread at a time."""
 
-    def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, label: str) -> None:
+    def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, label: str,
+                 host: GroupHostLink | None = None, start_timeout_s: float = PROCESS_START_TIMEOUT_S) -> None:
+        """Start the process: this worker's child, or with ``host`` the group host's
+        (:mod:`tasks.worker.group_host`: a GPU group's under systemd), asked for it within
+        ``start_timeout_s``.
+
+        Raises:
+            ProcessGone: the group host did not start it.
+        """
         self.label = label
-        ours, theirs = socket.socketpair()
-        try:
-            # Its own session and process group (kill() reaches everything the job starts, and a
-            # Ctrl-C on the worker's terminal reaches the worker, which decides), and SIGKILL
-            # when the worker dies, however it dies.
-            self.popen = spawn_child(
-                # -P: no working directory first on sys.path, so a user's own tasks.py there
-                # cannot shadow devicefleet's package (PYTHONPATH names it first; the working
-                # directory comes after it, for job modules).
-                [sys.executable, *CHILD_FLAGS, "-m", "tasks.jobproc", str(theirs.fileno())],
-                env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            )
-        finally:
-            theirs.close()
+        self.popen: subprocess.Popen[bytes] | RemoteChild
+        if host is not None:
+            try:
+                self.popen, ours = host.spawn(env, cwd, start_timeout_s)
+            except GroupHostGone as exc:
+                raise ProcessGone(str(exc)) from None
+        else:
+            ours, theirs = socket.socketpair()
+            try:
+                # Its own session and process group (kill() reaches everything the job starts, and a
+                # Ctrl-C on the worker's terminal reaches the worker, which decides), and SIGKILL
+                # when the worker dies, however it dies.
+                self.popen = spawn_child(
+                    # -P: no working directory first on sys.path, so a user's own tasks.py there
+                    # cannot shadow devicefleet's package (PYTHONPATH names it first; the working
+                    # directory comes after it, for job modules).
+                    [sys.executable, *CHILD_FLAGS, "-m", "tasks.jobproc", str(theirs.fileno())],
+                    env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                )
+            finally:
+                theirs.close()
         self.pid = self.popen.pid
         self._conn = Connection(ours.detach())
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)

@@ -67,6 +67,7 @@ from ..core.wire import (
     StoreOpened,
 )
 from . import memory
+from .group_host import GroupHostLink
 from .jobprocess import JobProcess, ProcessGone
 from .memory import MemoryMeter
 from .slots import Slot
@@ -205,6 +206,9 @@ class Supervisor:
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
         #: Called (outside the lock) when a process was started or ended: the registry shows them.
         self.on_change: Callable[[], None] | None = None
+        #: Where a device group's own job process starts (:meth:`run_apart`): the group host
+        #: under systemd, whose unit may open every GPU of the host; None: this worker's child.
+        self.group_host: GroupHostLink | None = None
 
     # -- life --------------------------------------------------------------------------------
 
@@ -292,7 +296,8 @@ class Supervisor:
         """Run ``job`` in a process of its own, started with ``env`` over the device's
         environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
         lists all its GPUs), within ``budget_bytes`` of memory where this device measures it,
-        and end that process after it.
+        and end that process after it. Under systemd it is the group host's child
+        (:attr:`group_host`), whose unit may open the group's GPUs; else this worker's.
 
         Raises:
             NoJobProcess: it did not become ready within the start timeout.
@@ -300,7 +305,11 @@ class Supervisor:
         cores = sorted(job.cores or self.spec.cores)
         threads = job.torch_threads or len(cores)
         spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
-        process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label)
+        try:
+            process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
+                                 self.group_host, self.policy.start_timeout_s)
+        except ProcessGone as exc:
+            raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
         with self._cond:
             self._busy.add(process)
         try:
