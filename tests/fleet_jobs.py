@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.core.errors import DeviceFleetError
 from tasks.core.job import JobContext, job
 
 
@@ -443,9 +444,10 @@ def resumable(ctx: JobContext, params: ResumableParams) -> dict[str, Any]:
 # -- the GPU checks of issues 39-41 (tests/test_gpu_issues.py) ------------------------------------
 
 
-def _append_pid(path: str) -> None:
+def _event(path: str, what: str) -> None:
+    """Append ``<what> <pid>`` to ``path``: the order of a test's jobs' starts and stops."""
     with open(path, "a", encoding="utf-8") as out:
-        out.write(f"{os.getpid()}\n")
+        out.write(f"{what} {os.getpid()}\n")
 
 
 def _ballast(ctx: JobContext, mib: int) -> Any:
@@ -462,8 +464,9 @@ class BallastParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: MiB held on the job's device by its first run (``ctx.attempt == 1``); a run again holds none.
     mib: int = Field(ge=0)
-    #: Each run appends its pid here once it holds its memory: the test's sign that it does.
-    pid_file: str
+    #: Each run appends ``start <pid>`` here once it holds its memory, ``stopped <pid>`` if it
+    #: is stopped (its ctx.progress() raised).
+    events: str
     release_file: str
     timeout_s: float = 120.0
 
@@ -476,13 +479,17 @@ def ballast_tick(ctx: JobContext, params: BallastParams) -> dict[str, Any]:
     from pathlib import Path
 
     held = _ballast(ctx, params.mib if ctx.attempt == 1 else 0)
-    _append_pid(params.pid_file)
+    _event(params.events, "start")
     deadline = time.monotonic() + params.timeout_s
-    while not Path(params.release_file).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
-        ctx.progress(ticking=True)
-        time.sleep(0.05)
+    try:
+        while not Path(params.release_file).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+            ctx.progress(ticking=True)
+            time.sleep(0.05)
+    except DeviceFleetError:
+        _event(params.events, "stopped")
+        raise
     return {"held_mib": held.numel() * 4 // 2**20, "attempt": ctx.attempt, "pid": os.getpid()}
 
 
@@ -490,7 +497,8 @@ class BallastTrainParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     #: MiB held on the device beside the model for the whole run (every run).
     mib: int = Field(ge=0)
-    pid_file: str
+    #: As :class:`BallastParams`' ``events``.
+    events: str
     #: Each epoch lasts at least this long (a sleep before its report): a fast GPU cannot end
     #: the run before the test's urgent job can preempt it.
     epoch_s: float = Field(default=0.0, ge=0)
@@ -507,7 +515,7 @@ def ballast_train(ctx: JobContext, params: BallastTrainParams) -> dict[str, Any]
     from tasks.jobs.train import TrainParams, train
 
     held = _ballast(ctx, params.mib)
-    _append_pid(params.pid_file)
+    _event(params.events, "start")
     report = ctx.progress
 
     def paced(**fields: Any) -> None:
@@ -515,20 +523,25 @@ def ballast_train(ctx: JobContext, params: BallastTrainParams) -> dict[str, Any]
         report(**fields)
 
     ctx.progress = paced  # type: ignore[method-assign]
-    out = train(ctx, TrainParams(**params.train))
+    try:
+        out = train(ctx, TrainParams(**params.train))
+    except DeviceFleetError:
+        _event(params.events, "stopped")
+        raise
     return {**out, "held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}
 
 
 class MemoryProbeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    #: Pids (one a line) of job processes that should have ended before this job started.
-    pid_file: str | None = None
+    #: A ballast job's events file: this job appends ``probe <pid>`` to it as it starts, and
+    #: says which pids that started there are still alive (ended, or running a job).
+    events: str | None = None
 
 
 @job("memory_probe", params=MemoryProbeParams)
 def memory_probe(ctx: JobContext, params: MemoryProbeParams) -> dict[str, Any]:
     """As it starts: the device's free and total memory (MiB; None on a CPU) and which of the
-    pids in ``pid_file`` other than its own are still alive."""
+    pids that started in ``events``, other than its own, are still alive."""
     from pathlib import Path
 
     import psutil
@@ -538,7 +551,11 @@ def memory_probe(ctx: JobContext, params: MemoryProbeParams) -> dict[str, Any]:
     if ctx.torch_device.startswith("cuda"):
         free_b, total_b = torch.cuda.mem_get_info(torch.device(ctx.torch_device))
         free, total = free_b // 2**20, total_b // 2**20
-    pids = [int(p) for p in Path(params.pid_file).read_text().split()] if params.pid_file else []
+    pids: list[int] = []
+    if params.events:
+        _event(params.events, "probe")
+        pids = [int(line.split()[1]) for line in Path(params.events).read_text().splitlines()
+                if line.startswith("start ")]
 
     def running(pid: int) -> bool:
         try:
