@@ -89,11 +89,11 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(90)
-def test_issue39_a_self_fenced_gpu_job_process_and_its_memory_are_gone_within_the_margin(fleet, app, tmp_path):
+def test_issue39_a_self_fenced_gpu_job_stops_and_its_memory_is_free_within_the_margin(fleet, app, tmp_path):
     """Redis paused (SIGSTOP, as tests/test_fencing.py): the job that holds GPU memory and ticks
-    is stopped by its own worker and its process ended before the lease's TTL, the memory is
-    free again while Redis is still paused; once Redis is back it runs again and ends ok, and
-    the device's next job runs."""
+    is stopped by its own worker within the fence's margin and grace, and its memory is free
+    again while Redis is still paused (its process may be kept for the next job: printed, not
+    asserted); once Redis is back it runs again and ends ok, and the device's next job runs."""
     ttl_s = fleet.settings.lease_ttl_s
     margin_s, grace_s = ttl_s * FENCE_AFTER_TTL, ttl_s * FENCE_GRACE_TTL
     release, log = tmp_path / "release", tmp_path / "events"
@@ -166,8 +166,9 @@ def test_issue40_gpu0_beside_a_cpu_group_and_train_on_its_one_visible_gpu(fleet,
 @pytest.mark.timeout(90)
 def test_issue41_a_preempted_batch_train_frees_its_gpu_memory_before_the_urgent_job_and_resumes(fleet, app, tmp_path):
     """A ``batch`` train holding BALLAST_MIB on the device, preempted by an ``urgent`` job: the
-    urgent job, as it starts, sees the batch job's process ended and its memory free; the batch
-    job runs again from its checkpoint (one preemption)."""
+    urgent job starts after the train stopped and before it runs again, and sees the device's
+    memory free (device-wide, whichever process it runs in); the train runs again from its
+    checkpoint (one preemption)."""
     log = tmp_path / "events"
     train = {"epochs": 40, "checkpoint_every_s": 0, "num_workers": 0}
     batch = fan_out("ballast_train", [DEVICE], kwargs={"mib": BALLAST_MIB, "events": str(log),
