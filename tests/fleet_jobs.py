@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.core.errors import DeviceFleetError
 from tasks.core.job import JobContext, job
 
 
@@ -449,3 +450,129 @@ def resumable(ctx: JobContext, params: ResumableParams) -> dict[str, Any]:
         raise
     event("done")
     return {"step": step, "attempt": ctx.attempt}
+
+
+# -- the GPU checks of issues 39-41 (tests/test_gpu_issues.py) ------------------------------------
+
+
+def _event(path: str, what: str) -> None:
+    """Append ``<what> <pid>`` to ``path``: the order of a test's jobs' starts and stops."""
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(f"{what} {os.getpid()}\n")
+
+
+def _ballast(ctx: JobContext, mib: int) -> Any:
+    """``mib`` MiB allocated (and written) on the job's device, resident once this returns."""
+    import torch
+
+    held = torch.ones(mib * 2**18, dtype=torch.float32, device=ctx.torch_device)
+    if held.is_cuda:
+        torch.cuda.synchronize()
+    return held
+
+
+class BallastParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: MiB held on the job's device by its first run (``ctx.attempt == 1``); a run again holds none.
+    mib: int = Field(ge=0)
+    #: Each run appends ``start <pid>`` here once it holds its memory, ``stopped <pid>`` if it
+    #: is stopped (its ctx.progress() raised).
+    events: str
+    release_file: str
+    timeout_s: float = 120.0
+
+
+@job("ballast_tick", params=BallastParams)
+def ballast_tick(ctx: JobContext, params: BallastParams) -> dict[str, Any]:
+    """Hold ``mib`` MiB on the device and report progress every 50 ms until ``release_file``
+    exists: a running job that holds device memory, for a fence or a stop to end."""
+    import time
+    from pathlib import Path
+
+    held = _ballast(ctx, params.mib if ctx.attempt == 1 else 0)
+    _event(params.events, "start")
+    deadline = time.monotonic() + params.timeout_s
+    try:
+        while not Path(params.release_file).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{params.release_file} did not appear in {params.timeout_s:g} s")
+            ctx.progress(ticking=True)
+            time.sleep(0.05)
+    except DeviceFleetError:
+        _event(params.events, "stopped")
+        raise
+    return {"held_mib": held.numel() * 4 // 2**20, "attempt": ctx.attempt, "pid": os.getpid()}
+
+
+class BallastTrainParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: MiB held on the device beside the model for the whole run (every run).
+    mib: int = Field(ge=0)
+    #: As :class:`BallastParams`' ``events``.
+    events: str
+    #: Each epoch lasts at least this long (a sleep before its report): a fast GPU cannot end
+    #: the run before the test's urgent job can preempt it.
+    epoch_s: float = Field(default=0.0, ge=0)
+    #: ``train``'s own parameters.
+    train: dict[str, Any] = {}
+
+
+@job("ballast_train", params=BallastTrainParams)
+def ballast_train(ctx: JobContext, params: BallastTrainParams) -> dict[str, Any]:
+    """The ``train`` job with ``mib`` MiB held on its device and paced epochs; its output is
+    train's, plus the ballast and the pid."""
+    import time
+
+    from tasks.jobs.train import TrainParams, train
+
+    held = _ballast(ctx, params.mib)
+    _event(params.events, "start")
+    report = ctx.progress
+
+    def paced(**fields: Any) -> None:
+        time.sleep(params.epoch_s)
+        report(**fields)
+
+    ctx.progress = paced  # type: ignore[method-assign]
+    try:
+        out = train(ctx, TrainParams(**params.train))
+    except DeviceFleetError:
+        _event(params.events, "stopped")
+        raise
+    return {**out, "held_mib": held.numel() * 4 // 2**20, "pid": os.getpid()}
+
+
+class MemoryProbeParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A ballast job's events file: this job appends ``probe <pid>`` to it as it starts, and
+    #: says which pids that started there are still alive (ended, or running a job).
+    events: str | None = None
+
+
+@job("memory_probe", params=MemoryProbeParams)
+def memory_probe(ctx: JobContext, params: MemoryProbeParams) -> dict[str, Any]:
+    """As it starts: the device's free and total memory (MiB; None on a CPU) and which of the
+    pids that started in ``events``, other than its own, are still alive."""
+    from pathlib import Path
+
+    import psutil
+    import torch
+
+    free = total = None
+    if ctx.torch_device.startswith("cuda"):
+        free_b, total_b = torch.cuda.mem_get_info(torch.device(ctx.torch_device))
+        free, total = free_b // 2**20, total_b // 2**20
+    pids: list[int] = []
+    if params.events:
+        _event(params.events, "probe")
+        pids = [int(line.split()[1]) for line in Path(params.events).read_text().splitlines()
+                if line.startswith("start ")]
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    alive = [p for p in pids if p != os.getpid() and running(p)]
+    return {"free_mib": free, "total_mib": total, "pids": pids, "alive": alive, "pid": os.getpid()}

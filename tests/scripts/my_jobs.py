@@ -1,7 +1,9 @@
 import time
 
 from pydantic import BaseModel
+
 from tasks import JobContext, JobMetric, job
+
 
 class Params(BaseModel):
     epochs: int = 10
