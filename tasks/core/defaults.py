@@ -207,6 +207,9 @@ GROUP_POLL_S = 0.05
 #: quarter of its TTL, the lease's: a dead leader's devices take work again as its job is given
 #: back by the reaper), and says in the group's record what it still waits for.
 GROUP_REFRESH_S = 1.0
+#: Seconds between the group host's tries to reach a GPU leader that is not listening (yet):
+#: its unit starts it, so a try a second costs nothing and a group waits at most this long.
+GROUP_HOST_RECONNECT_S = 1.0
 
 # -- Producers ---------------------------------------------------------------------------------
 

@@ -50,19 +50,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.children import spawn_child
+from ..core.defaults import GROUP_HOST_RECONNECT_S
+from ..core.errors import DeviceFleetError
 from ..core.shadow import CHILD_FLAGS
 
 logger = logging.getLogger(__name__)
 
 #: The largest message (a job process's environment is a few KiB).
 MAX_MESSAGE = 1 << 20
-#: Seconds between the group host's tries to reach a leader that is not listening (yet).
-RECONNECT_S = 1.0
 #: systemd's first passed descriptor (sd_listen_fds(3)).
 SD_LISTEN_FDS_START = 3
 
 
-class GroupHostGone(Exception):
+class GroupHostGone(DeviceFleetError):
     """No group host is connected to this leader, or it went away before it answered."""
 
 
@@ -255,7 +255,7 @@ class _Leader:
                 conn.connect(self.path)
             except OSError:
                 conn.close()
-                time.sleep(RECONNECT_S)  # the leader is not listening (yet): its unit starts it
+                time.sleep(GROUP_HOST_RECONNECT_S)  # the leader is not listening (yet): its unit starts it
                 continue
             logger.info("connected to the leader at %s", self.path)
             self._serve(conn)
