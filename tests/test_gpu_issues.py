@@ -118,6 +118,8 @@ def test_issue39_a_self_fenced_gpu_job_stops_and_its_memory_is_free_within_the_m
         release.touch()  # its run again ends at once
     finally:
         os.kill(redis_process.pid, signal.SIGCONT)
+    # The pause outlived the workers' heartbeats: the tests after this one need them live again.
+    fleet.wait_ready(timeout=60)
     worker_log = Path(fleet.settings.state_dir) / "logs" / f"{DEVICE}.log"
     fenced = wait_for(lambda: f"job {job_id} stopped: its worker fenced itself" in worker_log.read_text(), 30,
                       "the worker to log the fence")

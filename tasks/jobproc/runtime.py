@@ -254,9 +254,11 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
 
 def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
     exc = ending.error
-    if ending.outcome in (Outcome.CANCELLED, Outcome.PREEMPTED):
+    if exc is not None:
         # Out of the except block, so the job's tensors are unreachable: the device's memory is
-        # back at its baseline before the next job (a pruned trial's GPU memory included).
+        # back at its baseline before the worker hears the job ended, whatever stopped it (a
+        # cancel, a pruned trial, a preemption, a time limit, its worker fencing itself, its own
+        # error), so the next job, or the one that preempted it, finds the memory free.
         release_memory(runtime.spec.torch_device)
     return Finished(
         outcome=ending.outcome, output=ending.output,
