@@ -52,10 +52,13 @@ return seq
 """
 
 #: KEYS: the sent attempt's hash and alive key, a fresh attempt's hash and alive key, then each
-#: device's reservations and nudge. ARGV: the sent attempt id, the fresh one, ttl ms, seq, job id,
-#: since, group id, leader, devices, nudge ttl ms.
-#: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one; the
-#: attempt's hash says ``waiting``. Returns 1 when it claimed the sent attempt, else 0.
+#: device's reservations, nudge and hold (the leader's first). ARGV: the sent attempt id, the
+#: fresh one, ttl ms, seq, job id, since, group id, leader, devices, nudge ttl ms, '1' if the
+#: leader's device runs nothing but this group's job.
+#: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one (its
+#: hash says ``waiting``); hold the leader's device if it runs nothing else, no older group
+#: reserved it and no group holds it; start (``running``) if every device holds the attempt.
+#: Returns 1 if it claimed the sent attempt, plus 2 if it started.
 _RESERVE = """
 local claimed = 0
 local run, alive, attempt = KEYS[3], KEYS[4], ARGV[2]
@@ -66,12 +69,20 @@ redis.call('hset', run, 'group', ARGV[7], 'job_id', ARGV[5], 'leader', ARGV[8], 
            'seq', ARGV[4], 'state', 'waiting', 'waiting_for', '{}', 'since', ARGV[6])
 redis.call('pexpire', run, ARGV[3])
 redis.call('set', alive, 1, 'px', ARGV[3])
-for i = 5, #KEYS, 2 do
+for i = 5, #KEYS, 3 do
   redis.call('zadd', KEYS[i], ARGV[4], attempt)
   redis.call('rpush', KEYS[i + 1], 1)
   redis.call('pexpire', KEYS[i + 1], ARGV[10])
 end
-return claimed
+if ARGV[11] == '1' and redis.call('exists', KEYS[7]) == 0
+    and #redis.call('zrangebyscore', KEYS[5], '-inf', '(' .. ARGV[4]) == 0 then
+  redis.call('set', KEYS[7], attempt)
+end
+for i = 7, #KEYS, 3 do
+  if redis.call('get', KEYS[i]) ~= attempt then return claimed end
+end
+redis.call('hset', run, 'state', 'running')
+return claimed + 2
 """
 
 #: KEYS: the attempt's hash and alive key, then each reserved device's reservations and nudge.
@@ -111,15 +122,21 @@ def reserve_at_send(pipe: redis.client.Pipeline, group_id: str, devices: Sequenc
 
 
 def reserve(client: redis.Redis, *, group_id: str, devices: Sequence[str], seq: int, sent: str | None,
-            fresh: str, job_id: str, ttl_ms: int) -> bool:
+            fresh: str, job_id: str, ttl_ms: int, leader_idle: bool) -> tuple[bool, bool]:
     """The leader's step: claim the attempt ``sent`` reserved at send time if it is unclaimed and
     alive, else reserve every device under ``fresh``; either way for ``ttl_ms``, in state
-    ``waiting``. True when it claimed ``sent`` (the attempt is then ``sent``, else ``fresh``)."""
+    ``waiting``. Where ``leader_idle`` (its worker runs nothing but this group's job, and its gate
+    is closed) and no older group reserved it, the leader's device is held for the attempt; and
+    if every device holds it, it starts. Returns (claimed ``sent``, started): the attempt is
+    ``sent`` if claimed, else ``fresh``."""
     sent = sent or fresh
-    return bool(client.eval(_RESERVE, 4 + 2 * len(devices), keys.group_run(sent), keys.group_alive(sent),
-                            keys.group_run(fresh), keys.group_alive(fresh), *_device_keys(devices),
-                            sent, fresh, ttl_ms, seq, job_id, time.time(), group_id, devices[0],
-                            ",".join(devices), GROUP_NUDGE_TTL_MS))
+    device_keys = [key for device in devices for key in (keys.group_reservations(device), keys.group_nudge(device),
+                                                         keys.group_hold(device))]
+    done = int(client.eval(_RESERVE, 4 + len(device_keys), keys.group_run(sent), keys.group_alive(sent),
+                           keys.group_run(fresh), keys.group_alive(fresh), *device_keys,
+                           sent, fresh, ttl_ms, seq, job_id, time.time(), group_id, devices[0],
+                           ",".join(devices), GROUP_NUDGE_TTL_MS, "1" if leader_idle else "0"))
+    return bool(done & 1), bool(done & 2)
 
 
 def release_unclaimed(client: redis.Redis, devices: Sequence[str], attempt: str) -> bool:

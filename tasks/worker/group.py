@@ -103,6 +103,19 @@ return 1
 """
 
 
+def _run_script(pipe: redis.client.Pipeline, script: str, keys_: list[str], args: list[Any]) -> None:
+    """Queue ``script`` on ``pipe`` as an EVAL: a pipeline with registered scripts asks Redis
+    whether they are loaded first, one round trip more each time (these scripts are short)."""
+    pipe.eval(script, len(keys_), *keys_, *args)
+
+
+def _move_hold(pipe: redis.client.Pipeline, device: str, held: str, to: str) -> None:
+    """Queue on ``pipe`` the move of ``device``'s hold from ``held`` to ``to`` (:data:`_MOVE_HOLD`;
+    ``''``: none)."""
+    _run_script(pipe, _MOVE_HOLD, [keys.group_hold(device), keys.group_run(held or "-"), keys.group_alive(held or "-"),
+                                   keys.group_wake(to or "-")], [held, to, GROUP_NUDGE_TTL_MS])
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -143,8 +156,18 @@ class GroupGate:
         finally:
             self.leave(job_id)
 
+    def lead(self, job_id: str) -> bool:
+        """A group's job (its leader's) starts here, before it reserves: it never waits at the
+        gate, and closes it (the group is about to reserve the device; the gate stays closed
+        while a group's job is here). Whether nothing else runs on the device."""
+        with self._cond:
+            self._reserved = True
+            idle = not self._running
+            self._running[job_id] = ""
+            return idle
+
     def enter_group(self, job_id: str, attempt: str) -> None:
-        """A group's job (its leader's) runs here: it never waits at the gate."""
+        """The group's job ``job_id`` runs as ``attempt`` (once it has reserved)."""
         with self._cond:
             self._running[job_id] = attempt
 
@@ -164,8 +187,9 @@ class GroupGate:
             return all(running == attempt for running in self._running.values())
 
     def open(self) -> None:
+        """Take single jobs again, unless a group's job runs here (its reservation is on the way)."""
         with self._cond:
-            if self._reserved:
+            if self._reserved and all(running is None for running in self._running.values()):
                 self._reserved = False
                 self._cond.notify_all()
 
@@ -189,7 +213,6 @@ class GroupKeeper:
         self.gate = gate
         self.poll_s = poll_s
         self._nudge = keys.group_nudge(device)
-        self._move = client.register_script(_MOVE_HOLD)
         #: The group whose record says this device is closed to new single jobs, and how many
         #: it said wait at the gate.
         self._told: tuple[str, int] = ("", 0)
@@ -268,8 +291,7 @@ class GroupKeeper:
             pipe.execute()
 
     def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> None:
-        self._move(keys=[keys.group_hold(self.device), keys.group_run(held or "-"), keys.group_alive(held or "-"),
-                         keys.group_wake(to or "-")], args=[held, to, GROUP_NUDGE_TTL_MS], client=pipe)
+        _move_hold(pipe, self.device, held, to)
         if pipe.execute()[-1] and to:
             logger.info("%s: held for group %s", self.device, to)
 
@@ -312,23 +334,24 @@ class Reservation:
         self.attempt = f"{spec.id}.{uuid.uuid4().hex[:8]}"
         self.claimed = False
         self._holds = [keys.group_hold(d) for d in spec.devices]
-        self._start = client.register_script(_START)
-        self._let_go = client.register_script(_LET_GO)
-        self._move = client.register_script(_MOVE_HOLD)
 
     @property
     def key(self) -> str:
         return keys.group_run(self.attempt)
 
-    def reserve(self) -> None:
+    def reserve(self) -> bool:
         """Claim the reservation its producer made as it sent the group, if it is still alive,
-        else reserve every device anew (:func:`tasks.core.group_reservation.reserve`)."""
-        self.claimed = group_reservation.reserve(
+        else reserve every device anew (:func:`tasks.core.group_reservation.reserve`), holding
+        the leader's own device if it runs nothing else. True if the group started at once."""
+        idle = self.gate.lead(self.job_id)
+        self.claimed, started = group_reservation.reserve(
             self.client, group_id=self.spec.id, devices=self.spec.devices, seq=self.spec.seq,
-            sent=self.spec.reservation, fresh=self.attempt, job_id=self.job_id, ttl_ms=self.ttl_ms)
+            sent=self.spec.reservation, fresh=self.attempt, job_id=self.job_id, ttl_ms=self.ttl_ms, leader_idle=idle)
         if self.claimed:
             assert self.spec.reservation is not None
             self.attempt = self.spec.reservation
+        self.gate.enter_group(self.job_id, self.attempt)
+        return started
 
     def poll(self) -> bool:
         """Refresh the reservation; True once every device holds it (it is then running).
@@ -348,7 +371,7 @@ class Reservation:
         for device in self.spec.devices:
             pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.spec.seq}")
         pipe.get(self._holds[0])
-        self._start(keys=holds, args=[self.attempt], client=pipe)
+        _run_script(pipe, _START, holds, [self.attempt])
         *found, own, started = pipe.execute()[2:]
         if started:
             return True
@@ -364,10 +387,8 @@ class Reservation:
         if own == self.attempt or found[0] or not self.gate.close(self.attempt):
             return False
         pipe = self.client.pipeline(transaction=False)
-        leader = self.spec.leader
-        self._move(keys=[keys.group_hold(leader), keys.group_run(own or "-"), keys.group_alive(own or "-"),
-                         keys.group_wake(self.attempt)], args=[own, self.attempt, GROUP_NUDGE_TTL_MS], client=pipe)
-        self._start(keys=holds, args=[self.attempt], client=pipe)
+        _move_hold(pipe, self.spec.leader, own, self.attempt)
+        _run_script(pipe, _START, holds, [self.attempt])
         return bool(pipe.execute()[-1])
 
     def wait(self, timeout_s: float) -> None:
@@ -394,7 +415,7 @@ class Reservation:
         for device in self.spec.devices:
             pipe.zrem(keys.group_reservations(device), self.attempt)
         pipe.delete(keys.group_alive(self.attempt), self.key, keys.group_wake(self.attempt))
-        self._let_go(keys=self._holds, args=[self.attempt], client=pipe)
+        _run_script(pipe, _LET_GO, self._holds, [self.attempt])
         for device in self.spec.devices:
             group_reservation.nudge(pipe, device)
         pipe.execute()
@@ -418,13 +439,12 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
     ttl_ms = int(lease_ttl_s * 1000)
     reservation = Reservation(client, spec, job.job_id, ttl_ms, gate)
     try:
-        reservation.reserve()
-        gate.enter_group(job.job_id, reservation.attempt)
+        started_at_once = reservation.reserve()
         logger.info("%s: group %s (%s) %s %s; waiting for its devices", device, spec.name, reservation.attempt,
                     "claimed its reservation of" if reservation.claimed else "reserved", ", ".join(spec.devices))
         started = time.monotonic()
         noted = 0.0
-        while not reservation.poll():
+        while not started_at_once and not reservation.poll():
             stop = watch.stop()
             if stop is not None:
                 error, outcome = STOPS[stop.reason]
