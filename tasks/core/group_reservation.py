@@ -19,7 +19,9 @@ Every step that changes a device's reservations **nudges** that device's keeper
 (:func:`tasks.core.keys.group_nudge`, a list its keeper waits on with ``BLPOP``), and a keeper
 that holds its device for a group **wakes** the group's leader
 (:func:`tasks.core.keys.group_wake`): nobody waits out a poll on the way to a start. The polls
-stay as the fallback (a lost nudge, a leader whose ``alive`` key expired).
+stay as the fallback (a lost nudge, a leader whose ``alive`` key expired). A leader waits on its
+wake list for :data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout,
+which Redis takes from 6.0 on.
 """
 
 from __future__ import annotations

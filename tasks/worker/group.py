@@ -4,9 +4,19 @@
 carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worker, the
 **leader** (:func:`run_group`), runs the whole group in the slot the message took:
 
-1. it **reserves** every device of the group: one attempt id, added to each device's
-   reservations (:func:`tasks.core.keys.group_reservations`) with the group's age, and an
-   ``alive`` key it refreshes (:func:`tasks.core.keys.group_alive`);
+0. as it sends the group, its **producer reserves** the group's devices other than the leader
+   (:func:`tasks.core.group_reservation.reserve_at_send`): an attempt id, ``sent`` (unclaimed),
+   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. Their keepers close
+   their gates (step 2) at once, while the message waits behind the leader's running job. The
+   leader's own device is left to its queue, first in, first out: what was sent to it before the
+   group runs first, what is sent after waits behind it;
+1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
+   else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
+   one script): the attempt is added to every device's reservations
+   (:func:`tasks.core.keys.group_reservations`) with the group's age, its ``alive`` key
+   (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
+   and runs. Where its own device runs nothing else and no older group reserved it, the same
+   script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
    sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job
    starts there (one already taken waits, its message unacknowledged, in the slot it took); a
@@ -20,17 +30,31 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
-**Not starved.** A reservation closes the gates of its devices at once: a stream of single jobs
-cannot keep a group's device busy for ever; the group waits for the jobs running when it
-reserved (the longest of them) plus a poll or two.
+**Woken, not polled.** Whatever changes a device's reservations nudges its keeper
+(:func:`tasks.core.keys.group_nudge`, a list the keeper waits on with ``BLPOP``), as does a job
+leaving a closed gate; a keeper that holds its device for a group wakes its leader
+(:func:`tasks.core.keys.group_wake`). The polls remain as the fallback:
+:data:`~tasks.core.defaults.GROUP_KEEPER_POLL_S` for an idle keeper (two round trips), which is
+how a dead leader's reservation is dropped, and :data:`~tasks.core.defaults.GROUP_POLL_S` for a
+waiting leader (which also looks at its job's cancel and time limit then).
+
+**Not starved.** A reservation closes the gates of its devices at once, from the send on: a
+stream of single jobs cannot keep a group's device busy for ever; the group waits for the jobs
+running when it was sent (the longest of them), plus what its leader's queue held before it.
 
 **No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
 waiting leader follows *wait-die*, as gangs do (:mod:`tasks.worker.gang`): a group's ``seq`` is
-its age; a leader that finds an older, live reservation on any of its devices drops its own,
-gives its slot up and its message goes back to the queue (:class:`~tasks.core.errors.GiveWay`,
-:data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper holds its device for the oldest group
-only. A group only waits for older groups and for running jobs, which end, so no cycle forms; a
-group that has started never gives way.
+its age; a leader that finds an older, live reservation (claimed or not) on any of its devices
+drops its own, gives its slot up and its message goes back to the queue
+(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later; it then
+reserves anew). A keeper holds its device for the oldest group only. A group only waits for
+older groups and for running jobs, which end, and an unclaimed reservation expires, so no cycle
+forms; a group that has started never gives way.
+
+**An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
+once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
+message never comes (its producer died before sending it) expires
+:data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S` after it was sent, and the keepers drop it.
 
 **A dead leader.** Its job process dies with it (SIGKILL from the kernel); its ``alive`` key
 expires a lease's TTL (``DEVICEFLEET_LEASE_TTL_S``) later and each keeper drops the
