@@ -300,7 +300,9 @@ def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(ap
 def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
     """A producer that died between reserving a group and sending it: nobody claims the
     reservation; it expires after its TTL, and cpu1's keeper drops it and takes single jobs."""
-    reserve_at_send(rclient, "abandoned", ["cpu0", "cpu1"], "abandoned.0", ttl_s=1.0)
+    pipe = rclient.pipeline(transaction=False)
+    reserve_at_send(pipe, "abandoned", ["cpu0", "cpu1"], "abandoned.0", ttl_s=1.0)
+    pipe.execute()
     assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == ["abandoned.0"]
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 30, "the abandoned reservation to be dropped")
     single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
