@@ -32,10 +32,12 @@ from tasks.cli import cli
 from tasks.core import keys
 from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
+from tasks.core.group_reservation import reserve_at_send
 from tasks.core.groups import Link, best_connected, group_budget, group_environment, plan_groups
 from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
+from tasks.producer.fanout import FanOut
 from tasks.worker.group_host import GroupHostLink
 from tasks.worker.jobenv import job_environment
 from tasks.worker.memory import ResidentMeter
@@ -223,6 +225,88 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
         # Sent while a group reserved cpu1: it started after that group had run.
         assert datetime.fromisoformat(entry["started_at"]).timestamp() >= spans[0][1], (entry, spans, sent_at)
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the groups' reservations and holds to go")
+
+
+def _busy(app: Any, device: str, release: Path) -> FanOut:
+    """A single job that holds ``device`` until ``release`` exists, once it runs there."""
+    handle = fan_out("hold", device, kwargs={"steps": 1, "release_file": str(release)}, app=app)
+    wait_for(lambda: tasks.live_devices(app)[device].busy is not None, 60, f"{device} to run the single job")
+    return handle
+
+
+def _started(entry: dict[str, Any]) -> float:
+    return datetime.fromisoformat(entry["started_at"]).timestamp()
+
+
+@pytest.mark.timeout(120)
+def test_a_group_reserves_its_devices_as_it_is_sent_no_single_sent_after_it_starts_first(app, rclient, tmp_path,
+                                                                                          monkeypatch):
+    """cpu0 (the leader) and cpu1 each run a single job; a group over both is sent, then a
+    single job to each. cpu1's job ends first, while the leader still runs its own: the single
+    sent to cpu1 after the group waits at cpu1's gate, closed as the group was sent, and starts
+    after the group has run. (Were the devices reserved only when the leader takes the group's
+    message, cpu1 would start that single at once and the group would wait for it too.)"""
+    monkeypatch.setattr("tasks.producer.fanout.GROUP_CLAIM_TTL_S", 120.0)  # no expiry under any load
+    release0, release1 = tmp_path / "release0", tmp_path / "release1"
+    busy0, busy1 = _busy(app, "cpu0", release0), _busy(app, "cpu1", release1)
+    group = fan_out("group_probe", "cpu", group=2, app=app)
+    spec = group.plan["cpu0+cpu1"].options.group
+    assert spec is not None and spec.reservation is not None
+    run = keys.group_run(spec.reservation)
+    # Reserved by the producer, on cpu1 only: the leader's queue is first in, first out.
+    assert rclient.hget(run, "state") == "sent"
+    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == [spec.reservation]
+    assert rclient.zcard(keys.group_reservations("cpu0")) == 0
+    after = {device: fan_out("echo", device, kwargs={"value": 1}, app=app) for device in ("cpu1", "cpu0")}
+    release1.touch()
+    assert busy1.get(timeout=60)["cpu1"]["status"] == "ok"
+    wait_for(lambda: int(rclient.hget(run, "closed:cpu1") or 0) >= 1, 30,
+             "the single sent after the group to wait at cpu1's closed gate")
+    assert rclient.hget(run, "state") == "sent"  # the leader still runs its own job
+    release0.touch()
+    assert busy0.get(timeout=60)["cpu0"]["status"] == "ok"
+    entry = group.get(timeout=90)["cpu0+cpu1"]
+    assert entry["status"] == "ok", entry
+    for device, handle in after.items():
+        single = handle.get(timeout=90)[device]
+        assert single["status"] == "ok", single
+        assert _started(single) >= entry["output"]["ended"], (device, single, entry)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(120)
+def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(app, rclient, tmp_path):
+    """The group waits in its leader's queue behind a single job; cancelling it lets cpu1,
+    reserved as it was sent, take single jobs again at once, while the leader is still busy."""
+    release = tmp_path / "release"
+    busy = _busy(app, "cpu0", release)
+    group = fan_out("group_probe", "cpu", group=2, app=app)
+    spec = group.plan["cpu0+cpu1"].options.group
+    assert spec is not None and spec.reservation is not None
+    run = keys.group_run(spec.reservation)
+    wait_for(lambda: rclient.hexists(run, "closed:cpu1"), 30, "cpu1's gate to close for the group")
+    group.cancel()
+    assert not rclient.exists(run) and rclient.zcard(keys.group_reservations("cpu1")) == 0
+    single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
+    assert single["status"] == "ok", single
+    assert busy.states() == {"cpu0": "PROGRESS"}  # cpu1 ran it while the leader was still busy
+    release.touch()
+    assert busy.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert group.get(timeout=60)["cpu0+cpu1"]["status"] == "cancelled"
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(60)
+def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
+    """A producer that died between reserving a group and sending it: nobody claims the
+    reservation; it expires after its TTL, and cpu1's keeper drops it and takes single jobs."""
+    pipe = rclient.pipeline(transaction=False)
+    reserve_at_send(pipe, "abandoned", ["cpu0", "cpu1"], "abandoned.0", ttl_s=1.0)
+    pipe.execute()
+    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == ["abandoned.0"]
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 30, "the abandoned reservation to be dropped")
+    single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
+    assert single["status"] == "ok", single
 
 
 @pytest.mark.timeout(120)

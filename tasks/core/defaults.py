@@ -199,10 +199,22 @@ GANG_SEND_WAIT_S = 30.0
 
 # -- Device groups (tasks.worker.group) ---------------------------------------------------------
 
-#: How often a device worker looks at the reservations of its device (one pipelined round trip)
-#: and a group's leader at its devices' holds: a group starts about this long after its last
-#: device fell idle.
+#: How often a waiting group's leader looks at its devices' holds when nothing woke it (a keeper
+#: that holds a device for it wakes it at once: :func:`tasks.core.keys.group_wake`), and a single
+#: job waiting at a closed gate looks at whether its worker stops.
 GROUP_POLL_S = 0.05
+#: How often a device worker looks at its device's reservations when nothing nudged it
+#: (:func:`tasks.core.keys.group_nudge`: every change of them does): the fallback that drops a
+#: dead leader's reservation. Idle, a keeper makes two round trips to Redis this often.
+GROUP_KEEPER_POLL_S = 1.0
+#: How long the devices a producer reserved as it sent a group stay reserved for it before its
+#: leader takes the message (the leader then renews them to a lease's TTL): past it, they take
+#: single jobs again and the leader reserves them anew when it takes the message. It bounds how
+#: long a group whose producer died before sending it keeps them, and how long they wait idle
+#: for a leader busy with a long job.
+GROUP_CLAIM_TTL_S = 30.0
+#: TTL of the nudge and wake lists (a keeper or leader that is gone never pops them).
+GROUP_NUDGE_TTL_MS = 60_000
 #: How often a running group's leader refreshes its reservation's ``alive`` key (at most; a
 #: quarter of its TTL, the lease's: a dead leader's devices take work again as its job is given
 #: back by the reaper), and says in the group's record what it still waits for.

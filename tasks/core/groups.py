@@ -269,9 +269,11 @@ def group_environment(devices: Sequence[str]) -> dict[str, str]:
 def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, Any]]:
     """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
     first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
-    "since", "why"}``, where ``waiting_for`` is ``{device: what it still runs}`` of a waiting
-    group, ``closed`` ``{device: single jobs waiting there}`` of the devices that take no new
-    single job for it, and ``why`` why the group got its devices (None: not known)."""
+    "since", "why"}``, where ``state`` is ``sent`` (its producer reserved its other devices; its
+    leader has not taken it yet), ``waiting`` or ``running``, ``waiting_for`` is
+    ``{device: what it still runs}`` of a group not running yet, ``closed``
+    ``{device: single jobs waiting there}`` of the devices that take no new single job for it,
+    and ``why`` why the group got its devices (None: not known)."""
     pipe = client.pipeline(transaction=False)
     devices = list(devices)
     for device in devices:
@@ -295,7 +297,7 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
         out.append({
             "attempt": attempt, "group": fields.get("group"), "name": fields.get("devices", "").replace(",", GROUP_SEPARATOR),
             "job_id": fields.get("job_id"), "leader": fields.get("leader"), "state": fields.get("state"),
-            "waiting_for": waiting if fields.get("state") == "waiting" else {},
+            "waiting_for": waiting if fields.get("state") in ("sent", "waiting") else {},
             "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
             "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
             "why": _text(why) if why is not None else None,

@@ -131,7 +131,8 @@ def gangs_needing(device: str) -> str:
 def group_run(run_id: str) -> str:
     """Hash of one attempt of a device group's job (its leader writes it): ``group`` (the
     group's id), ``job_id``, ``leader``, ``devices`` (comma list), ``seq`` (its age), ``state``
-    (``waiting`` | ``running``), ``waiting_for`` (JSON ``{device: what it runs}`` while it
+    (``sent``: reserved by its producer, its leader has not taken the message; ``waiting`` |
+    ``running``), ``waiting_for`` (JSON ``{device: what it runs}`` while it
     waits), ``since``, and ``closed:<device>`` once that device's worker takes no new single
     job for it: the number of single jobs waiting there. Deleted when the attempt ends; expires with its ``alive`` key's TTL."""
     return f"{PREFIX}group:{run_id}"
@@ -160,6 +161,19 @@ def group_choice(group_id: str) -> str:
     chose them (:func:`tasks.core.groups.choose_groups`) and shown by ``devicefleet status``;
     expires with the job's result."""
     return f"{PREFIX}group:{group_id}:choice"
+
+
+def group_nudge(device: str) -> str:
+    """List that wakes ``device``'s group keeper (it waits on it with ``BLPOP``): pushed to, with
+    a short TTL, by whatever changed the device's reservations or, on the device's own worker, a
+    job that left its closed gate (:mod:`tasks.core.group_reservation`)."""
+    return f"{PREFIX}group-nudge:{device}"
+
+
+def group_wake(run_id: str) -> str:
+    """List that wakes a waiting group attempt's leader (``BLPOP``): a keeper pushes to it, with a
+    short TTL, when it holds its device for the attempt. Deleted when the attempt ends."""
+    return f"{PREFIX}group:{run_id}:wake"
 
 
 #: Counter that gives each device group its ``seq`` (its age), as ``GANG_SEQ`` does for gangs.

@@ -229,6 +229,10 @@ class GroupSpec(_Record):
     #: The group's age (a fleet-wide counter at send time): of two groups that want one device,
     #: the younger gives way (wait-die), as gangs do.
     seq: int = Field(ge=0)
+    #: The attempt under which its producer reserved the group's other devices as it sent it
+    #: (:func:`tasks.core.group_reservation.reserve_at_send`); its leader claims it while it is
+    #: alive, else reserves anew. None: the leader reserves them all when it takes the message.
+    reservation: str | None = Field(default=None, min_length=1, max_length=80, pattern=r"^[A-Za-z0-9_.\-]+$")
 
     @property
     def name(self) -> str:

@@ -208,7 +208,7 @@ def group_table(groups: list[dict[str, Any]], now: float) -> Table:
     for group in groups:
         waited = f" {now - group['since']:.0f}s" if group["since"] else ""
         state = f"{group['state']}{waited}"
-        if group["state"] == "waiting":
+        if group["state"] in ("sent", "waiting"):
             open_to_singles = [d for d in group["name"].split("+") if d not in group["closed"]]
             if open_to_singles:
                 state += f" (reserving {', '.join(open_to_singles)})"

@@ -41,9 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
 from ..core.commands import COMMAND_JOB, check_command, command_params
-from ..core.defaults import GANG_SEND_WAIT_S, RESULT_EXPIRES_S
+from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
+from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
@@ -287,11 +288,14 @@ class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
     def cancel(self) -> None:
         """Cancel the fan-out: a job not started yet never starts, a running one stops at its
         next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
-        Their entries say ``cancelled``; :meth:`get` still returns every device."""
+        Their entries say ``cancelled``; :meth:`get` still returns every device. A device group
+        whose leader has not taken it yet lets the devices it reserved go at once."""
         pending = [self._task_ids[d] for d, state in self.states().items() if state not in READY_STATES]
         if pending:
             self.app.control.revoke(pending)
             logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
+            groups = [spec.options.group for key, spec in self.plan.items() if self._task_ids[key] in pending]
+            _release_unclaimed(self.connections.redis, [g for g in groups if g is not None])
 
     def get(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         """Wait for the chord and return ``{device: entry}``, in the order of the plan.
@@ -500,10 +504,17 @@ def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerR
 
 
 def _send_groups(app: Celery, plan: dict[str, JobSpec], whys: Mapping[str, str], connections: Connections) -> FanOut:
-    """Send a fan-out with device groups (:func:`group_job` each)."""
-    sent = {key: group_job(spec, GroupChoice(key_devices(key), whys.get(key, key)), connections, app)
-             if GROUP_SEPARATOR in key else spec for key, spec in plan.items()}
-    result = _send(app, sent)
+    """Send a fan-out with device groups (:func:`group_job` each); if sending fails, the devices
+    reserved for its groups are let go."""
+    sent: dict[str, JobSpec] = {}
+    try:
+        for key, spec in plan.items():
+            sent[key] = group_job(spec, GroupChoice(key_devices(key), whys.get(key, key)), connections, app) \
+                if GROUP_SEPARATOR in key else spec
+        result = _send(app, sent)
+    except BaseException:
+        _release_unclaimed(connections.redis, [spec.options.group for spec in sent.values() if spec.options.group])
+        raise
     logger.info("fan-out %s: groups %s", result.id, ", ".join(k for k in sent if GROUP_SEPARATOR in k))
     return FanOut(app, sent, result, connections)
 
@@ -511,17 +522,38 @@ def _send_groups(app: Celery, plan: dict[str, JobSpec], whys: Mapping[str, str],
 def group_job(spec: JobSpec, choice: GroupChoice, connections: Connections, app: Celery) -> JobSpec:
     """``spec`` as the job of the device group ``choice``, to send to its leader's queue: its
     options carry a fresh :class:`~tasks.core.records.GroupSpec` (its age from
-    ``keys.GROUP_SEQ``); why the group got its devices is stored for ``devicefleet status``.
+    ``keys.GROUP_SEQ``); why the group got its devices is stored for ``devicefleet status``; and
+    the group's devices other than its leader are reserved for it
+    (:func:`~tasks.core.group_reservation.reserve_at_send`, for
+    :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S` until its leader claims them): a single job
+    sent to them after it waits for it.
 
     Raises:
         ConfigError: the job is a gang's rank or falls back to the cpu.
     """
     if spec.options.gang is not None or spec.options.fallback is not None:
         raise ConfigError(f"group {choice.key}: a device group's job cannot be a gang's rank or fall back to the cpu")
-    client = connections.redis
-    group = GroupSpec(id=uuid.uuid4().hex, devices=list(choice.devices), seq=int(client.incr(keys.GROUP_SEQ)))
-    client.set(keys.group_choice(group.id), choice.why, ex=max(60, int(app.backend.expires or RESULT_EXPIRES_S)))
+    group_id = uuid.uuid4().hex
+    attempt = f"{group_id}.{uuid.uuid4().hex[:8]}"
+    pipe = connections.redis.pipeline(transaction=False)
+    pipe.set(keys.group_choice(group_id), choice.why, ex=max(60, int(app.backend.expires or RESULT_EXPIRES_S)))
+    reserve_at_send(pipe, group_id, choice.devices, attempt, GROUP_CLAIM_TTL_S)
+    seq = int(pipe.execute()[-1])
+    group = GroupSpec(id=group_id, devices=list(choice.devices), seq=seq, reservation=attempt)
     return spec.model_copy(update={"options": spec.options.model_copy(update={"group": group})})
+
+
+def _release_unclaimed(client: redis.Redis, groups: Sequence[GroupSpec]) -> None:
+    """Let go the devices reserved at send time for ``groups`` whose leaders have not taken them
+    (a claimed group is its leader's to release)."""
+    for group in groups:
+        if group.reservation is None:
+            continue
+        try:
+            if release_unclaimed(client, group.devices, group.reservation):
+                logger.info("group %s: let its devices go before its leader took it", group.name)
+        except redis.RedisError as exc:  # its reservation expires by itself
+            logger.warning("group %s: could not let its reservation go: %s", group.name, exc)
 
 
 def _looks_like_spec(mapping: Mapping[str, Any]) -> bool:

@@ -4,9 +4,19 @@
 carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worker, the
 **leader** (:func:`run_group`), runs the whole group in the slot the message took:
 
-1. it **reserves** every device of the group: one attempt id, added to each device's
-   reservations (:func:`tasks.core.keys.group_reservations`) with the group's age, and an
-   ``alive`` key it refreshes (:func:`tasks.core.keys.group_alive`);
+0. as it sends the group, its **producer reserves** the group's devices other than the leader
+   (:func:`tasks.core.group_reservation.reserve_at_send`): an attempt id, ``sent`` (unclaimed),
+   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. Their keepers close
+   their gates (step 2) at once, while the message waits behind the leader's running job. The
+   leader's own device is left to its queue, first in, first out: what was sent to it before the
+   group runs first, what is sent after waits behind it;
+1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
+   else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
+   one script): the attempt is added to every device's reservations
+   (:func:`tasks.core.keys.group_reservations`) with the group's age, its ``alive`` key
+   (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
+   and runs. Where its own device runs nothing else and no older group reserved it, the same
+   script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
    sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job
    starts there (one already taken waits, its message unacknowledged, in the slot it took); a
@@ -20,17 +30,31 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
-**Not starved.** A reservation closes the gates of its devices at once: a stream of single jobs
-cannot keep a group's device busy for ever; the group waits for the jobs running when it
-reserved (the longest of them) plus a poll or two.
+**Woken, not polled.** Whatever changes a device's reservations nudges its keeper
+(:func:`tasks.core.keys.group_nudge`, a list the keeper waits on with ``BLPOP``), as does a job
+leaving a closed gate; a keeper that holds its device for a group wakes its leader
+(:func:`tasks.core.keys.group_wake`). The polls remain as the fallback:
+:data:`~tasks.core.defaults.GROUP_KEEPER_POLL_S` for an idle keeper (two round trips), which is
+how a dead leader's reservation is dropped, and :data:`~tasks.core.defaults.GROUP_POLL_S` for a
+waiting leader (which also looks at its job's cancel and time limit then).
+
+**Not starved.** A reservation closes the gates of its devices at once, from the send on: a
+stream of single jobs cannot keep a group's device busy for ever; the group waits for the jobs
+running when it was sent (the longest of them), plus what its leader's queue held before it.
 
 **No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
 waiting leader follows *wait-die*, as gangs do (:mod:`tasks.worker.gang`): a group's ``seq`` is
-its age; a leader that finds an older, live reservation on any of its devices drops its own,
-gives its slot up and its message goes back to the queue (:class:`~tasks.core.errors.GiveWay`,
-:data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper holds its device for the oldest group
-only. A group only waits for older groups and for running jobs, which end, so no cycle forms; a
-group that has started never gives way.
+its age; a leader that finds an older, live reservation (claimed or not) on any of its devices
+drops its own, gives its slot up and its message goes back to the queue
+(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later; it then
+reserves anew). A keeper holds its device for the oldest group only. A group only waits for
+older groups and for running jobs, which end, and an unclaimed reservation expires, so no cycle
+forms; a group that has started never gives way.
+
+**An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
+once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
+message never comes (its producer died before sending it) expires
+:data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S` after it was sent, and the keepers drop it.
 
 **A dead leader.** Its job process dies with it (SIGKILL from the kernel); its ``alive`` key
 expires a lease's TTL (``DEVICEFLEET_LEASE_TTL_S``) later and each keeper drops the
@@ -51,8 +75,8 @@ from typing import Any
 
 import redis
 
-from ..core import keys
-from ..core.defaults import GROUP_POLL_S, GROUP_REFRESH_S
+from ..core import group_reservation, keys
+from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_NUDGE_TTL_MS, GROUP_POLL_S, GROUP_REFRESH_S
 from ..core.errors import GiveWay, NoJobProcess
 from ..core.groups import group_budget, group_cores, group_environment
 from ..core.records import GroupSpec
@@ -73,16 +97,24 @@ redis.call('hset', KEYS[1], 'state', 'running', 'waiting_for', '{}')
 return 1
 """
 
-#: KEYS: the device's hold, the held attempt's hash, its alive key. ARGV: held attempt id
-#: ('' for none), the attempt to hold ('' to let go).
-#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive.
+#: KEYS: the device's hold, the held attempt's hash, its alive key, the wake list of the attempt
+#: to hold. ARGV: held attempt id ('' for none), the attempt to hold ('' to let go), the wake
+#: list's TTL in ms.
+#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive; wake the
+#: leader of the attempt now held.
 _MOVE_HOLD = """
 local held = redis.call('get', KEYS[1]) or ''
 if held ~= ARGV[1] then return 0 end
 if held ~= '' and redis.call('hget', KEYS[2], 'state') == 'running' and redis.call('exists', KEYS[3]) == 1 then
   return 0
 end
-if ARGV[2] == '' then redis.call('del', KEYS[1]) else redis.call('set', KEYS[1], ARGV[2]) end
+if ARGV[2] == '' then
+  redis.call('del', KEYS[1])
+else
+  redis.call('set', KEYS[1], ARGV[2])
+  redis.call('rpush', KEYS[4], 1)
+  redis.call('pexpire', KEYS[4], ARGV[3])
+end
 return 1
 """
 
@@ -93,6 +125,19 @@ for i = 1, #KEYS do
 end
 return 1
 """
+
+
+def _run_script(pipe: redis.client.Pipeline, script: str, keys_: list[str], args: list[Any]) -> None:
+    """Queue ``script`` on ``pipe`` as an EVAL: a pipeline with registered scripts asks Redis
+    whether they are loaded first, one round trip more each time (these scripts are short)."""
+    pipe.eval(script, len(keys_), *keys_, *args)
+
+
+def _move_hold(pipe: redis.client.Pipeline, device: str, held: str, to: str) -> None:
+    """Queue on ``pipe`` the move of ``device``'s hold from ``held`` to ``to`` (:data:`_MOVE_HOLD`;
+    ``''``: none)."""
+    _run_script(pipe, _MOVE_HOLD, [keys.group_hold(device), keys.group_run(held or "-"), keys.group_alive(held or "-"),
+                                   keys.group_wake(to or "-")], [held, to, GROUP_NUDGE_TTL_MS])
 
 
 def _text(value: Any) -> str:
@@ -110,6 +155,9 @@ class GroupGate:
         self._running: dict[str, str | None] = {}
         #: Single jobs waiting at the closed gate now.
         self.held_back = 0
+        #: Called (outside the lock) when a job leaves while the gate is closed: the device may
+        #: have fallen idle for the group that closed it (its keeper nudges itself).
+        self.on_leave: Callable[[], None] = lambda: None
 
     @contextmanager
     def single(self, job_id: str, give_up: Callable[[], bool]) -> Iterator[bool]:
@@ -132,15 +180,29 @@ class GroupGate:
         finally:
             self.leave(job_id)
 
+    def lead(self, job_id: str) -> bool:
+        """A group's job (its leader's) starts here, before it reserves: it never waits at the
+        gate, and closes it (the group is about to reserve the device; the gate stays closed
+        while a group's job is here). Whether nothing else runs on the device."""
+        with self._cond:
+            self._reserved = True
+            idle = not self._running
+            self._running[job_id] = ""
+            return idle
+
     def enter_group(self, job_id: str, attempt: str) -> None:
-        """A group's job (its leader's) runs here: it never waits at the gate."""
+        """The group's job ``job_id`` runs as ``attempt`` (once it has reserved)."""
         with self._cond:
             self._running[job_id] = attempt
 
     def leave(self, job_id: str) -> None:
         with self._cond:
+            left = job_id in self._running
             self._running.pop(job_id, None)
             self._cond.notify_all()
+            reserved = self._reserved
+        if left and reserved:
+            self.on_leave()
 
     def close(self, attempt: str) -> bool:
         """Take no new single job; whether the device runs nothing but ``attempt``'s job."""
@@ -149,8 +211,9 @@ class GroupGate:
             return all(running == attempt for running in self._running.values())
 
     def open(self) -> None:
+        """Take single jobs again, unless a group's job runs here (its reservation is on the way)."""
         with self._cond:
-            if self._reserved:
+            if self._reserved and all(running is None for running in self._running.values()):
                 self._reserved = False
                 self._cond.notify_all()
 
@@ -161,14 +224,19 @@ class GroupGate:
 
 class GroupKeeper:
     """The thread that keeps one device's side of the groups that reserve it: drop dead
-    reservations, close or open the gate, hold the device for the oldest group once idle."""
+    reservations, close or open the gate, hold the device for the oldest group once idle.
 
-    def __init__(self, client: redis.Redis, device: str, gate: GroupGate, poll_s: float = GROUP_POLL_S) -> None:
+    It looks when nudged (:func:`tasks.core.keys.group_nudge`: a reservation added or dropped,
+    a job leaving the closed gate), waiting on the nudge list with ``BLPOP``, and every
+    ``poll_s`` otherwise (a dead leader's reservation, a lost nudge): idle, two round trips to
+    Redis a ``poll_s``."""
+
+    def __init__(self, client: redis.Redis, device: str, gate: GroupGate, poll_s: float = GROUP_KEEPER_POLL_S) -> None:
         self.client = client
         self.device = device
         self.gate = gate
         self.poll_s = poll_s
-        self._move = client.register_script(_MOVE_HOLD)
+        self._nudge = keys.group_nudge(device)
         #: The group whose record says this device is closed to new single jobs, and how many
         #: it said wait at the gate.
         self._told: tuple[str, int] = ("", 0)
@@ -176,29 +244,46 @@ class GroupKeeper:
         self._thread = threading.Thread(target=self._loop, name="devicefleet-groups", daemon=True)
 
     def start(self) -> None:
+        self.gate.on_leave = self.nudge
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.gate.on_leave = lambda: None
         if self._thread.is_alive():
-            self._thread.join(5 * self.poll_s + 1)
+            self.nudge()  # out of its BLPOP now, rather than a poll later
+            self._thread.join(self.poll_s + 1)
+
+    def nudge(self) -> None:
+        """Have the keeper look at its device now (from any thread of the worker)."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            group_reservation.nudge(pipe, self.device)
+            pipe.execute()
+        except redis.RedisError as exc:  # it looks again within a poll
+            logger.debug("%s: could not nudge its group keeper: %s", self.device, exc)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._stop.is_set():
             try:
                 self.tick()
+                if not self._stop.is_set():
+                    self.client.blpop([self._nudge], timeout=self.poll_s)
             except redis.RedisError as exc:  # the gate stays as it was; looked at again next poll
                 logger.debug("%s: could not look at its reservations: %s", self.device, exc)
+                self._stop.wait(self.poll_s)
             except Exception:  # a malformed record in Redis: this thread must go on for every group
                 logger.exception("%s: could not look at its reservations", self.device)
+                self._stop.wait(self.poll_s)
 
     def tick(self) -> None:
-        """One look at the device's reservations and hold."""
+        """One look at the device's reservations and hold (the nudges so far are taken in)."""
         reservations, hold = keys.group_reservations(self.device), keys.group_hold(self.device)
         pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self._nudge)  # what changed before the reads below is seen by them
         pipe.zrange(reservations, 0, -1, withscores=True)
         pipe.get(hold)
-        entries, held = pipe.execute()
+        _, entries, held = pipe.execute()
         held = _text(held) if held is not None else ""
         attempts = [(_text(a), score) for a, score in entries]
         if attempts:
@@ -215,23 +300,23 @@ class GroupKeeper:
             self._told = ("", 0)
             self.gate.open()
             if held:
-                self._move_hold(held, "")
+                self._move_hold(self.client.pipeline(transaction=False), held, "")
             return
         _, oldest = attempts[0]
         idle = self.gate.close(oldest)
         told = (oldest, self.gate.held_back)
+        pipe = self.client.pipeline(transaction=False)
         if self._told != told:  # the group's record says the device takes no new single job
-            self.client.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
+            pipe.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
             self._told = told
-        if held == oldest:
-            return
-        if idle or (held and held not in {a for _, a in attempts}):
-            self._move_hold(held, oldest if idle else "")
+        if held != oldest and (idle or (held and held not in {a for _, a in attempts})):
+            self._move_hold(pipe, held, oldest if idle else "")
+        elif len(pipe):
+            pipe.execute()
 
-    def _move_hold(self, held: str, to: str) -> None:
-        moved = self._move(keys=[keys.group_hold(self.device), keys.group_run(held or "-"),
-                                 keys.group_alive(held or "-")], args=[held, to])
-        if moved and to:
+    def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> None:
+        _move_hold(pipe, self.device, held, to)
+        if pipe.execute()[-1] and to:
             logger.info("%s: held for group %s", self.device, to)
 
 
@@ -263,43 +348,58 @@ class GroupWatch(WatchOver):
 class Reservation:
     """One attempt of a group's job, its leader's side in Redis."""
 
-    def __init__(self, client: redis.Redis, spec: GroupSpec, job_id: str, ttl_ms: int) -> None:
+    def __init__(self, client: redis.Redis, spec: GroupSpec, job_id: str, ttl_ms: int, gate: GroupGate) -> None:
         self.client = client
         self.ttl_ms = ttl_ms
         self.spec = spec
         self.job_id = job_id
+        self.gate = gate
+        #: A fresh attempt's id, until :meth:`reserve` claims the one reserved at send time.
         self.attempt = f"{spec.id}.{uuid.uuid4().hex[:8]}"
-        self.key = keys.group_run(self.attempt)
+        self.claimed = False
         self._holds = [keys.group_hold(d) for d in spec.devices]
-        self._start = client.register_script(_START)
-        self._let_go = client.register_script(_LET_GO)
 
-    def reserve(self) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.key, mapping={
-            "group": self.spec.id, "job_id": self.job_id, "leader": self.spec.leader,
-            "devices": ",".join(self.spec.devices), "seq": self.spec.seq, "state": "waiting",
-            "waiting_for": "{}", "since": time.time(),
-        })
-        pipe.pexpire(self.key, self.ttl_ms)
-        pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
-        for device in self.spec.devices:
-            pipe.zadd(keys.group_reservations(device), {self.attempt: self.spec.seq})
-        pipe.execute()
+    @property
+    def key(self) -> str:
+        return keys.group_run(self.attempt)
+
+    def reserve(self) -> bool:
+        """Claim the reservation its producer made as it sent the group, if it is still alive,
+        else reserve every device anew (:func:`tasks.core.group_reservation.reserve`), holding
+        the leader's own device if it runs nothing else. True if the group started at once."""
+        idle = self.gate.lead(self.job_id)
+        self.claimed, started = group_reservation.reserve(
+            self.client, group_id=self.spec.id, devices=self.spec.devices, seq=self.spec.seq,
+            sent=self.spec.reservation, fresh=self.attempt, job_id=self.job_id, ttl_ms=self.ttl_ms, leader_idle=idle)
+        if self.claimed:
+            assert self.spec.reservation is not None
+            self.attempt = self.spec.reservation
+        self.gate.enter_group(self.job_id, self.attempt)
+        return started
 
     def poll(self) -> bool:
         """Refresh the reservation; True once every device holds it (it is then running).
 
+        The leader's own device is held here, by the leader's worker, as its keeper would (no
+        older reservation there, nothing but this group's job runs on it): one keeper fewer on
+        the way to the start.
+
         Raises:
-            GiveWay: an older group that is alive reserved one of its devices.
+            GiveWay: an older group that is alive reserved one of its devices, and this one has
+                not started (a group that started never gives way).
         """
+        holds = [self.key, *self._holds]
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
         pipe.pexpire(self.key, self.ttl_ms)
         for device in self.spec.devices:
             pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.spec.seq}")
-        older = {_text(a): device for device, found in zip(self.spec.devices, pipe.execute()[2:], strict=True)
-                 for a in found}
+        pipe.get(self._holds[0])
+        _run_script(pipe, _START, holds, [self.attempt])
+        *found, own, started = pipe.execute()[2:]
+        if started:
+            return True
+        older = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
         if older:
             pipe = self.client.pipeline(transaction=False)
             for attempt in older:
@@ -307,7 +407,17 @@ class Reservation:
             for (attempt, device), up in zip(older.items(), pipe.execute(), strict=True):
                 if up:
                     raise GiveWay(device, f"group {attempt}")
-        return bool(self._start(keys=[self.key, *self._holds], args=[self.attempt]))
+        own = _text(own) if own is not None else ""
+        if own == self.attempt or found[0] or not self.gate.close(self.attempt):
+            return False
+        pipe = self.client.pipeline(transaction=False)
+        _move_hold(pipe, self.spec.leader, own, self.attempt)
+        _run_script(pipe, _START, holds, [self.attempt])
+        return bool(pipe.execute()[-1])
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until a keeper holds a device for this attempt, at most ``timeout_s``."""
+        self.client.blpop([keys.group_wake(self.attempt)], timeout=timeout_s)
 
     def note_waiting(self) -> None:
         """Say in the group's hash which devices it still waits for, and what they run."""
@@ -324,12 +434,15 @@ class Reservation:
         self.client.hset(self.key, "waiting_for", json.dumps(waiting))
 
     def release(self) -> None:
+        """Let every device go, and nudge their keepers: their gates open now."""
         pipe = self.client.pipeline(transaction=False)
         for device in self.spec.devices:
             pipe.zrem(keys.group_reservations(device), self.attempt)
-        pipe.delete(keys.group_alive(self.attempt), self.key)
+        pipe.delete(keys.group_alive(self.attempt), self.key, keys.group_wake(self.attempt))
+        _run_script(pipe, _LET_GO, self._holds, [self.attempt])
+        for device in self.spec.devices:
+            group_reservation.nudge(pipe, device)
         pipe.execute()
-        self._let_go(keys=self._holds, args=[self.attempt])
 
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
@@ -348,15 +461,14 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         return Ended.by_worker(NoJobProcess, f"{device} took the message of group {spec.name}, which its "
                                f"leader {spec.leader} runs: send groups with fan_out(..., group=k)", pid=0, retired=None)
     ttl_ms = int(lease_ttl_s * 1000)
-    reservation = Reservation(client, spec, job.job_id, ttl_ms)
-    gate.enter_group(job.job_id, reservation.attempt)
+    reservation = Reservation(client, spec, job.job_id, ttl_ms, gate)
     try:
-        reservation.reserve()
-        logger.info("%s: group %s (%s) reserved %s; waiting for its devices", device, spec.name,
-                    reservation.attempt, ", ".join(spec.devices))
+        started_at_once = reservation.reserve()
+        logger.info("%s: group %s (%s) %s %s; waiting for its devices", device, spec.name, reservation.attempt,
+                    "claimed its reservation of" if reservation.claimed else "reserved", ", ".join(spec.devices))
         started = time.monotonic()
         noted = 0.0
-        while not reservation.poll():
+        while not started_at_once and not reservation.poll():
             stop = watch.stop()
             if stop is not None:
                 error, outcome = STOPS[stop.reason]
@@ -365,7 +477,7 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
             if time.monotonic() - noted > GROUP_REFRESH_S:
                 noted = time.monotonic()
                 reservation.note_waiting()
-            time.sleep(GROUP_POLL_S)
+            reservation.wait(GROUP_POLL_S)
         logger.info("%s: group %s starts after %.2f s", device, spec.name, time.monotonic() - started)
         on_start()
         records = [read_worker(client, d) for d in spec.devices]
