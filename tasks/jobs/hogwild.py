@@ -302,7 +302,8 @@ def hogwild(ctx: JobContext, params: HogwildParams) -> dict[str, Any]:
         "threads": threads,
         "wall_s": time.perf_counter() - started,
         "train_s": train_s,
-        # From the spawn until every process had imported torch and was ready (0 in one process).
+        # From the spawn until every process had imported torch, built its optimizer and was
+        # ready (0 in one process).
         "start_s": start_s,
         "samples_per_s": samples / train_s if train_s > 0 else None,
         # Each process's CPU time in the training phase: what the host's other load moves least.
