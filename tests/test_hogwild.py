@@ -71,6 +71,8 @@ def test_hogwild_job_on_the_fleet_matches_one_process(fleet, app, tmp_path) -> N
     assert shared["accuracy"] >= 0.9 and alone["accuracy"] >= 0.9
     assert abs(shared["accuracy"] - alone["accuracy"]) <= 0.02, (shared["accuracy"], alone["accuracy"])
     assert shared["wall_s"] >= shared["start_s"] + shared["train_s"] > 0
+    assert len(shared["train_cpu_s"]) == shared["processes"] and len(alone["train_cpu_s"]) == 1
+    assert all(cpu > 0 for cpu in [*shared["train_cpu_s"], *alone["train_cpu_s"]])
 
 
 def test_a_cancel_ends_the_training_processes_before_the_job_returns(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -188,6 +188,8 @@ def table(figures: dict[str, Any]) -> Table:
         extra["groups.hogwild_speedup"] = (
             f"training phase, {flat['groups.processes']} processes x {flat['groups.threads']} thread(s): "
             f"{flat['groups.hogwild_train_s']:.2f} s against {flat['groups.one_process_train_s']:.2f} s; "
+            f"in CPU time {flat['groups.hogwild_cpu_speedup']:.2f}x "
+            f"({flat['groups.hogwild_train_cpu_s']:.2f} s against {flat['groups.one_process_train_cpu_s']:.2f} s); "
             f"whole job {flat['groups.hogwild_wall_speedup']:.2f}x (the processes' start: "
             f"{flat['groups.hogwild_start_s']:.2f} s)")
         extra["groups.hogwild_accuracy_gap"] = (f"accuracy {flat['groups.hogwild_accuracy']:.4f} against "

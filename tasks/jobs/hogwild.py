@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -65,12 +66,23 @@ def plan(cores: int, processes: int | Literal["auto"]) -> tuple[int, int]:
     return count, max(1, cores // count)
 
 
-def train_share(net: nn.Module, x: torch.Tensor, y: torch.Tensor, params: HogwildParams, rank: int,
-                processes: int, report: EpochReport) -> None:
-    """Train ``net`` on process ``rank``'s share of each epoch: every ``processes``-th sample of
-    the epoch's shuffle, which every process draws alike (seeded by ``seed`` and the epoch), so
-    the shares of an epoch are disjoint and cover the training set. Calls ``report`` per epoch."""
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)  # this process's own state
+def optimizer_for(net: nn.Module, params: HogwildParams) -> torch.optim.Optimizer:
+    """This process's own optimizer over ``net``'s parameters (its state is this process's).
+
+    Built before the training is timed: the first optimizer a process builds imports
+    ``torch._dynamo`` (``Optimizer.add_param_group`` is wrapped in ``torch._disable_dynamo``),
+    about 1.2 s of CPU on a 2-core VM against 1.3 s for a process's half of the bench's 60
+    epochs. Counted in the training, it made each fresh training process pay it and the
+    one-process run (already warm) not, so the speed-up measured the import, not Hogwild."""
+    return torch.optim.Adam(net.parameters(), lr=params.lr)
+
+
+def train_share(net: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                params: HogwildParams, rank: int, processes: int, report: EpochReport) -> None:
+    """Train ``net`` with ``optimizer`` (:func:`optimizer_for`) on process ``rank``'s share of each
+    epoch: every ``processes``-th sample of the epoch's shuffle, which every process draws alike
+    (seeded by ``seed`` and the epoch), so the shares of an epoch are disjoint and cover the
+    training set. Calls ``report`` per epoch."""
     loss_fn = nn.CrossEntropyLoss()
     net.train()
     for epoch in range(1, params.epochs + 1):
@@ -95,21 +107,31 @@ def train_share(net: nn.Module, x: torch.Tensor, y: torch.Tensor, params: Hogwil
 
 def _child(rank: int, processes: int, parent: int, net: nn.Module, x: torch.Tensor, y: torch.Tensor,
            params: HogwildParams, threads: int, conn: Connection) -> None:
-    """One training process: say ready, wait for ``go``, train, say done (or the error)."""
+    """One training process: build its optimizer, say ready, wait for ``go``, train, say done with
+    the training's CPU time (or the error), and end without the interpreter's teardown."""
     die_with_parent(parent)
     torch.set_num_threads(threads)
     try:
+        optimizer = optimizer_for(net, params)
         conn.send(("ready", rank))
         if conn.recv() != "go":
             return
-        train_share(net, x, y, params, rank, processes,
+        cpu = time.process_time()
+        train_share(net, optimizer, x, y, params, rank, processes,
                     lambda epoch, loss, correct, n: conn.send(("epoch", rank, epoch, loss, correct, n)))
-        conn.send(("done", rank))
+        conn.send(("done", rank, time.process_time() - cpu))
+        conn.close()
     except Exception as exc:
         try:
             conn.send(("error", rank, f"{type(exc).__name__}: {exc}"))
         finally:
             raise SystemExit(1) from None
+    # Done: nothing is left to flush or release (the parameters are the parent's, the pipe is
+    # closed), and a normal exit's teardown of torch's modules costs ~1.1 s of CPU per process on
+    # a 2-core VM, which the job process would wait for in its join.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Epochs:
@@ -181,9 +203,10 @@ def _stop_tracker() -> None:
 
 
 def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split: data.Split,
-                  processes: int, threads: int, epochs: _Epochs) -> tuple[float, float]:
-    """Train ``net`` in ``processes`` spawned processes; returns ``(start_s, train_s)``: from the
-    spawn until every process is ready (its imports), and from ``go`` until the last is done."""
+                  processes: int, threads: int, epochs: _Epochs) -> tuple[float, float, list[float]]:
+    """Train ``net`` in ``processes`` spawned processes; returns ``(start_s, train_s,
+    train_cpu_s)``: from the spawn until every process is ready (its imports and its optimizer),
+    from ``go`` until the last is done, and each process's CPU time in its training."""
     mp = torch.multiprocessing.get_context("spawn")
     net.share_memory()
     x, y = split.x_train.share_memory_(), split.y_train.share_memory_()
@@ -194,7 +217,7 @@ def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split:
              for rank in range(processes)]
     conns = {pipes[rank][0]: rank for rank in range(processes)}
     ready: set[int] = set()
-    done: set[int] = set()
+    done: dict[int, float] = {}  # rank: its training's CPU time
     go = math.nan
     tracker_before = _tracker_running()
     try:
@@ -225,7 +248,7 @@ def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split:
                 elif kind == "epoch":
                     epochs.add(*message[2:])
                 elif kind == "done":
-                    done.add(rank)
+                    done[rank] = message[2]
                 else:
                     raise JobError(f"hogwild process {rank} of {processes} raised {message[2]}")
         finished = time.perf_counter()
@@ -237,7 +260,7 @@ def _run_children(ctx: JobContext, params: HogwildParams, net: nn.Module, split:
             parent_end.close()
         if not tracker_before:
             _stop_tracker()
-    return go - started, finished - go
+    return go - started, finished - go, [done[rank] for rank in range(processes)]
 
 
 @job("hogwild", params=HogwildParams, metrics={"samples_per_s": JobMetric.SAMPLES_PER_S})
@@ -255,13 +278,14 @@ def hogwild(ctx: JobContext, params: HogwildParams) -> dict[str, Any]:
         threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            go = time.perf_counter()
-            train_share(net, split.x_train, split.y_train, params, 0, 1, epochs.add)
-            start_s, train_s = 0.0, time.perf_counter() - go
+            optimizer = optimizer_for(net, params)
+            go, cpu = time.perf_counter(), time.process_time()
+            train_share(net, optimizer, split.x_train, split.y_train, params, 0, 1, epochs.add)
+            start_s, train_s, train_cpu_s = 0.0, time.perf_counter() - go, [time.process_time() - cpu]
         finally:
             torch.set_num_threads(threads_before)
     else:
-        start_s, train_s = _run_children(ctx, params, net, split, processes, threads, epochs)
+        start_s, train_s, train_cpu_s = _run_children(ctx, params, net, split, processes, threads, epochs)
 
     net.eval()
     with torch.inference_mode():
@@ -278,9 +302,12 @@ def hogwild(ctx: JobContext, params: HogwildParams) -> dict[str, Any]:
         "threads": threads,
         "wall_s": time.perf_counter() - started,
         "train_s": train_s,
-        # From the spawn until every process had imported torch and was ready (0 in one process).
+        # From the spawn until every process had imported torch, built its optimizer and was
+        # ready (0 in one process).
         "start_s": start_s,
         "samples_per_s": samples / train_s if train_s > 0 else None,
+        # Each process's CPU time in the training phase: what the host's other load moves least.
+        "train_cpu_s": train_cpu_s,
         "cores": cores,
         "devices": list(ctx.devices),  # a group's devices, its leader first
         "model": params.model.value,
