@@ -88,9 +88,10 @@ def test_waits_fall_in_the_first_bucket_that_holds_them():
 # -- on the session fleet ------------------------------------------------------------------------------
 
 #: Trials each user sends, and how long each runs (the issue's 0.3 s; fewer trials than its 100,
-#: so that the test stays near 20 s: the first user's 2 s alone, 2 devices, are then a larger
-#: part of its work, which the second catches up on; the share stays above 40%).
-TRIALS = 60
+#: so that the test stays near 20 s). The second user is served first until her usage catches
+#: up with the first's 2 s alone on 2 devices: with fewer trials that is a larger part of the
+#: first's work, so her share while both wait drops (about 45% here, 43-45% measured at 60).
+TRIALS = 70
 TRIAL_S = 0.3
 SECOND_AFTER_S = 2.0
 
