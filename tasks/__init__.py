@@ -68,6 +68,7 @@ from .producer import (
     WaitingJob,
     command,
     dead_letters,
+    fair_share,
     fan_out,
     follow_logs,
     forget_dead_letter,
@@ -144,6 +145,7 @@ __all__ = [
     "optimize_async",
     "start_study",
     "sweep",
+    "fair_share",
     "waiting",
 ]
 

@@ -95,6 +95,7 @@ def test_a_counts_figures_as_the_script_gets_them():
         "set": {"worker": "gpu0@h", "last_finished_at": "1000.5", "gpu_memory_bytes": str(2**30),
                 "last_samples_per_s": "12.5", "last_data_wait_fraction": "0.1"},
         "finished": "1000.5", "keep_after": repr(1000.5 - FINISHED_KEEP_S),
+        "share": {}, "wait": {},  # no user, no send time: nothing for the fair share
     }
     # A figure not measured is not written (the device keeps its last one).
     bare = json.loads(JobCount(device="cpu0", ok=True, worker="w", busy_seconds=0.0, last_finished_at=1.0).script_arg())

@@ -143,6 +143,19 @@ REQUEUE_TIMEOUT_S = 5.0
 #: Seconds the MPS control program has to start the daemon or to answer ``quit``.
 MPS_CONTROL_TIMEOUT_S = 15.0
 
+#: Fair share within a level (:mod:`tasks.core.fairshare`): a user's usage (device-seconds) is
+#: halved every this many seconds. One hour: long enough that a sweep of many short trials is
+#: remembered over its whole run (a user who just had the fleet for ten minutes yields to one who
+#: had nothing), short enough that yesterday's work does not count today (after a night, eight
+#: half-lives, 1/256 of it is left). Slurm's ``PriorityDecayHalfLife`` defaults to 7 days for a
+#: centre's month-long allocations; a team's fleet turns over in hours.
+FAIRSHARE_HALF_LIFE_S = 3600.0
+#: How long a worker keeps the users' order (who has used least) before reading it again, at the
+#: start of its next blocking read: one pipelined round trip at most this often, never per job.
+FAIRSHARE_REFRESH_S = 0.5
+#: Bucket bounds (seconds) of the wait-time histogram per level (from send to start).
+WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0, 7200.0)
+
 # -- A job process ----------------------------------------------------------------------------
 
 #: Progress reports closer together than this are folded into the next one (a few updates a

@@ -36,7 +36,7 @@ JOBS_OK = "jobs_ok"
 JOBS_ERROR = "jobs_error"
 
 #: The fields of :meth:`JobCount.script_arg`, which the store script reads (``count.<field>``).
-SCRIPT_FIELDS = ("device", "outcome", "add", "set", "finished", "keep_after")
+SCRIPT_FIELDS = ("device", "outcome", "add", "set", "finished", "keep_after", "share", "wait")
 
 
 class Tally(str, Enum):
@@ -79,6 +79,11 @@ class JobCount:
     #: GPU memory its job process held at the end (None: not measured).
     gpu_memory_bytes: int | None = field(default=None, metadata=_tally(Tally.LATEST))
     metrics: Mapping[JobMetric, float] = field(default_factory=dict)
+    #: What the job adds to its user's usage and its level's counters
+    #: (:func:`tasks.core.fairshare.share_arg`; empty: it names no user).
+    share: Mapping[str, str] = field(default_factory=dict)
+    #: Its wait from send to start, for its level's histogram (:func:`tasks.core.fairshare.wait_arg`).
+    wait: Mapping[str, str] = field(default_factory=dict)
 
     def script_arg(self) -> str:
         """The count as the store script reads it: JSON of :data:`SCRIPT_FIELDS`. Numbers travel
@@ -98,6 +103,7 @@ class JobCount:
             "device": self.device, "outcome": JOBS_OK if self.ok else JOBS_ERROR,
             Tally.ADD.value: tallied[Tally.ADD], Tally.LATEST.value: tallied[Tally.LATEST],
             "finished": repr(self.last_finished_at), "keep_after": repr(self.last_finished_at - FINISHED_KEEP_S),
+            "share": dict(self.share), "wait": dict(self.wait),
         }
         return json.dumps(arg)
 

@@ -63,6 +63,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from . import keys
+from .fairshare import USAGE_LUA
 from .jobcount import JobCount
 from .records import LeaseRecord
 from .transport import acked_in_redis
@@ -170,7 +171,9 @@ return 1
 #: Store a task's state unless a final one is stored; with a job's end (:class:`JobEnd`), release
 #: its lease, count it and acknowledge its message. KEYS: the task's meta key, its lease key,
 #: ``keys.LEASES``, the device's stats hash, ``keys.STATS_DEVICES``, the device's finished set,
-#: kombu's unacked hash and its index, ``keys.fence(task_id)``. ARGV: the encoded meta, expiry in seconds (0: none), the
+#: kombu's unacked hash and its index, ``keys.fence(task_id)``, ``keys.USAGE``,
+#: ``keys.USER_SECONDS`` (the job's usage: :data:`tasks.core.fairshare.USAGE_LUA`; its wait goes
+#: to the histogram key its count names). ARGV: the encoded meta, expiry in seconds (0: none), the
 #: lease value ('' if none), the task id, the count ('' if none: :meth:`JobCount.script_arg`,
 #: whose fields are :data:`tasks.core.jobcount.SCRIPT_FIELDS`), the message's delivery tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
 #: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task), the attempt's
@@ -178,7 +181,7 @@ return 1
 #: (nothing stored or counted; the lease is released and the message acknowledged all the same),
 #: -1 if the token is older than the job's (a newer attempt holds the job: nothing is written
 #: but the device's ``writes_refused`` count).
-STORE = LUA_STATE_FUNCTIONS + """
+STORE = LUA_STATE_FUNCTIONS + USAGE_LUA + """
 local release = function()
   if ARGV[6] ~= '' then
     redis.call('zrem', KEYS[8], ARGV[6])
@@ -209,6 +212,7 @@ if ARGV[5] ~= '' then
   for field, value in pairs(count.set) do redis.call('hset', KEYS[4], field, value) end
   redis.call('zadd', KEYS[6], count.finished, ARGV[4])
   redis.call('zremrangebyscore', KEYS[6], '-inf', count.keep_after)
+  add_usage(KEYS[10], KEYS[11], count.share, count.wait)
 end
 return 1
 """
@@ -509,7 +513,7 @@ class JobState:
         stored = self._store(
             keys=[meta.key, keys.lease(task_id), keys.LEASES, keys.stats(device), keys.STATS_DEVICES,
                   keys.finished(device), ack.unacked_key if ack else "", ack.unacked_index_key if ack else "",
-                  keys.fence(task_id)],
+                  keys.fence(task_id), keys.USAGE, keys.USER_SECONDS],
             args=[meta.value, meta.expires_s, end.attempt.lease if end.attempt else "", task_id,
                   count.script_arg() if count is not None else "", ack.delivery_tag if ack else "",
                   "1" if final else "", end.attempt.token if end.attempt else ""],

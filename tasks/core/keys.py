@@ -206,6 +206,25 @@ def preempt_claims(queue_list: str) -> str:
     return f"{PREFIX}preempt-claims:{queue_list}"
 
 
+# -- fair share between users (tasks.core.fairshare) -----------------------------------------------
+
+#: Hash ``{user: first seen}`` (Redis time, epoch seconds) of every user who sent a job: a
+#: worker names each one's lists in its blocking read. Written by the publish script.
+USERS = f"{PREFIX}users"
+#: Hash ``{user: "<device-seconds> <epoch seconds>"}``: each user's usage, decayed to that time
+#: (read decayed to now). Written by the store script at each job's end.
+USAGE = f"{PREFIX}usage"
+#: Hash ``{"<level>:<user>": device-seconds}``: every job's device-seconds, by level and user,
+#: never decayed (Prometheus' ``devicefleet_user_device_seconds``).
+USER_SECONDS = f"{PREFIX}user-seconds"
+
+
+def wait_times(level: str) -> str:
+    """Hash of the wait-time histogram of ``level`` (from a job's send to its start): ``le:<bound>``
+    (jobs whose wait fell in that bucket, ``le:+Inf`` past the last), ``count``, ``sum``."""
+    return f"{PREFIX}wait:{level}"
+
+
 # -- message headers ------------------------------------------------------------------------------
 
 #: Header every producer stamps with the send time, for the oldest waiting message's age.

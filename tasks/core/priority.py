@@ -23,6 +23,10 @@ slot (``worker_prefetch_multiplier = 1`` with ``task_acks_late``, :mod:`tasks.co
 kombu starts the next ``BRPOP`` only while it holds fewer than that (its QoS's
 ``can_consume``). A busy device has no message in hand; the one it takes when a slot frees is
 chosen at that moment, among everything then queued.
+
+Within a level, users share fairly (:mod:`tasks.core.fairshare`): each list of a level has one
+list per user beside it, :data:`USER_SEPARATOR` and the user after its name (``cpu:batch~alice``),
+and a worker names the users' lists in the order of their usage, least first.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import functools
 import getpass
 import re
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -39,6 +44,9 @@ from .errors import ConfigError
 #: kind, sweep or host name (``cpu0@host`` is a device under host naming), so a name never reads
 #: as a level.
 LEVEL_SEPARATOR = ":"
+#: Between a queue list's name and the user whose jobs it holds: ``cpu:batch~alice``
+#: (:mod:`tasks.core.fairshare`). Not a character of a user name, nor of a queue's.
+USER_SEPARATOR = "~"
 #: What a user name may be: what ``devicefleet status`` shows and Prometheus labels carry.
 USER_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.@\-]{0,63}$"
 #: The user of a job sent by a process whose OS user cannot be read (no passwd entry in a
@@ -111,8 +119,31 @@ def level_queue(queue: str, level: Level) -> str:
     return f"{queue}{LEVEL_SEPARATOR}{level.value}"
 
 
+def user_list(name: str, user: str) -> str:
+    """The list beside queue list ``name`` that holds ``user``'s jobs: ``cpu:batch~alice``."""
+    return f"{name}{USER_SEPARATOR}{user}"
+
+
+def split_user(name: str) -> tuple[str, str | None]:
+    """``(queue list, user)`` of a list's name: ``cpu:batch~alice`` -> ``("cpu:batch", "alice")``;
+    a list that is no user's -> ``(name, None)``."""
+    base, sep, user = name.rpartition(USER_SEPARATOR)
+    if sep and re.fullmatch(USER_PATTERN, user):
+        return base, user
+    return name, None
+
+
+def level_lists(queue: str, level: Level, users: Iterable[str]) -> list[str]:
+    """Every Redis list that holds ``queue``'s jobs at ``level``: its list of the level (jobs
+    that name no user, and a new user's first ones), then each of ``users``'s list beside it."""
+    name = level_queue(queue, level)
+    return [name, *(user_list(name, user) for user in users)]
+
+
 def split_level(name: str) -> tuple[str, Level]:
-    """``(queue, level)`` of a queue list's name: ``cpu:urgent`` -> ``("cpu", URGENT)``."""
+    """``(queue, level)`` of a queue list's name (a user's too): ``cpu:urgent`` -> ``("cpu", URGENT)``,
+    ``cpu:batch~alice`` -> ``("cpu", BATCH)``."""
+    name = split_user(name)[0]
     base, sep, suffix = name.rpartition(LEVEL_SEPARATOR)
     if sep and suffix in _LEVEL_OF_SUFFIX:
         return base, _LEVEL_OF_SUFFIX[suffix]

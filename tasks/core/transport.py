@@ -17,6 +17,11 @@ response-callback table of a few hundred entries) for each publish and each ackn
 on the same connection pool. This channel builds that client once per pool and reuses it:
 redis-py clients are thread-safe and take a connection from the pool per command, as before.
 
+A job that names a user is published to its user's list beside its queue's, by one script call
+that also registers the user, and a worker's BRPOP names each level's lists, then the users'
+lists of that level, users by usage (:mod:`tasks.core.fairshare`: the fair share within a level);
+the key a message is popped from is delivered as its queue's.
+
 A ``sentinel://`` fleet uses :class:`SentinelTransport`: kombu's Sentinel channel (which asks
 the sentinels where the primary is, each in turn) with the same hardening, connections that
 take ``READONLY`` from a demoted primary as a lost connection
@@ -39,8 +44,11 @@ same comes back an hour later, and finds the job's lease or result (it is droppe
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import deque
+from queue import Empty
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from celery.app.amqp import AMQP
@@ -48,12 +56,16 @@ from kombu import Connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import resolve_transport
 from kombu.transport import virtual as kombu_virtual
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+from kombu.utils.objects import cached_property
 from kombu.utils.scheduling import round_robin_cycle
 
+from . import keys
 from .errors import NoFleetError
+from .fairshare import PUBLISH, UserOrder, brpop_keys, known_users
 from .keys import FRONT_HEADER
-from .priority import queue_rank
+from .priority import USER_PATTERN, queue_rank, user_list
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -107,6 +119,15 @@ def stored_ack_keys(conf: Any) -> tuple[str, str] | None:
         return None
     return (str(options.get("unacked_key", channel.unacked_key)),
             str(options.get("unacked_index_key", channel.unacked_index_key)))
+
+
+def _user_of(message: Any) -> str | None:
+    """The user a kombu message's job options name (None: none, or not a valid name)."""
+    try:
+        user = message["headers"][keys.OPTIONS_HEADER]["user"]
+    except (KeyError, TypeError):
+        return None
+    return user if isinstance(user, str) and re.fullmatch(USER_PATTERN, user) else None
 
 
 class QoS(kombu_redis.QoS):
@@ -202,24 +223,99 @@ class HardenedChannel(_ChannelBase):
             client = self._pool_client = super()._create_client()
         return client
 
+    @cached_property
+    def _user_order(self) -> UserOrder:
+        return UserOrder()
+
+    #: The list each key of the BRPOP in flight stands for (a user's list -> its queue list).
+    _queue_of_key: dict[str, str] = {}
+
     # kombu internals: the publish of one message to a queue (LPUSH: the back, as BRPOP pops
-    # from the right), the list it goes to (_q_for_pri, _get_message_priority), kombu 5.7.0.
+    # from the right), the list it goes to (_q_for_pri, _get_message_priority), queue expiry
+    # (_expires), kombu 5.7.0.
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
-        """kombu's publish; a message with :data:`~tasks.core.keys.FRONT_HEADER` goes to the
-        front of its list instead (RPUSH: the next one popped), without that header."""
+        """kombu's publish, but: a message with :data:`~tasks.core.keys.FRONT_HEADER` goes to the
+        front of its queue's own list (RPUSH: the next one popped, ahead of its level's users'
+        lists too), without that header; a job that names a user goes to the user's list beside
+        its queue's (:mod:`tasks.core.fairshare`). A kombu publish batch, an expiring queue, a
+        message with a Celery priority or a key prefix keep kombu's own publish."""
         headers = message.get("headers") if isinstance(message, dict) else None
-        if not (isinstance(headers, dict) and headers.pop(FRONT_HEADER, None)):
+        if isinstance(headers, dict) and headers.pop(FRONT_HEADER, None):
+            key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
+            with self.conn_or_acquire() as client:
+                client.rpush(key, dumps(message))
+            return
+        user = _user_of(message)
+        if (user is None or kwargs.get("_publish_batch") is not None or self.global_keyprefix
+                or (self._expires and queue in self._expires)
+                or self._q_for_pri(queue, self._get_message_priority(message, reverse=False)) != queue):
             super()._put(queue, message, **kwargs)
             return
-        key = self._q_for_pri(queue, self._get_message_priority(message, reverse=False))
         with self.conn_or_acquire() as client:
-            client.rpush(key, dumps(message))
+            script = self._publish_script
+            if script is None:
+                script = self._publish_script = client.register_script(PUBLISH)
+            script(keys=[user_list(queue, user), keys.USERS], args=[user, dumps(message)], client=client)
 
-    # kombu internal: the event loop's start of a BRPOP (kombu 5.7.0); _do_restore_message is
-    # kombu's own restore of a message to its queue (the visibility timeout's), rightmost: next.
+    _publish_script: Any = None
+
+    # kombu internal: a queue's purge (queue_purge, kombu 5.7.0): the users' lists beside the
+    # queue go with it. (Its size, which kombu reads at every declare, is left to kombu: a
+    # round trip more per publish for a count nothing of the fleet reads.)
+    def _purge(self, queue: str) -> int:
+        with self.conn_or_acquire() as client:
+            users = known_users(client)
+            with client.pipeline() as pipe:
+                for user in users:
+                    pipe.llen(user_list(queue, user)).delete(user_list(queue, user))
+                theirs = sum(int(n) for n in pipe.execute()[::2]) if users else 0
+        return int(super()._purge(queue)) + theirs
+
+    # kombu internals: the event loop's start of a BRPOP and the read of its reply, where a
+    # popped message is decoded and delivered (kombu 5.7.0: brpop_timeout, _queue_cycle,
+    # active_queues, priority_steps, _q_for_pri, _in_poll, _brpop_sent_at, global_keyprefix,
+    # _flush_brpop_reauth, connection._deliver). Built as kombu's, with the users' lists of each
+    # level after its queue lists (tasks.core.fairshare.brpop_keys), users in order of usage.
     def _brpop_start(self, timeout: Any = None) -> None:
         self._give_back_popped()
-        super()._brpop_start(timeout)
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        with self.conn_or_acquire() as client:
+            users = self._user_order.users(client)
+        pairs = brpop_keys(queues, users)
+        pairs += [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps
+                  if self.priority(pri) for queue in queues]
+        self._queue_of_key = dict(pairs)
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu declares it None
+        command_args = ["BRPOP", *(key for key, _ in pairs), timeout or 0]
+        if self.global_keyprefix:
+            command_args = self.client._prefix_args(command_args)
+        self.client.connection.send_command(*command_args)
+
+    def _brpop_reply(self, **options: Any) -> bool:
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next iteration reconnects
+                raise
+            if not dest__item:
+                raise Empty()
+            dest, item = dest__item
+            key = bytes_to_str(dest)  # a global key prefix is stripped by kombu's client already
+            queue = self._queue_of_key.get(key) or key.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+            self.connection._deliver(loads(bytes_to_str(item)), queue)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]  # kombu declares it a bool
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
 
     def _give_back_popped(self) -> None:
         """Push the messages of :data:`POPPED` back to the front of their queues; those Redis
@@ -247,7 +343,7 @@ class HardenedChannel(_ChannelBase):
     # and delivered; connection_errors is the channel's own tuple (kombu 5.7.0).
     def _brpop_read(self, **options: Any) -> bool:
         try:
-            return bool(super()._brpop_read(**options))
+            return self._brpop_reply(**options)
         except self.connection_errors:
             raise
         except MALFORMED as exc:

@@ -13,6 +13,8 @@ in Redis, so the fleet exports it itself, from one exporter thread the launcher 
 - queue depth is ``LLEN`` of kombu's Redis lists (one per priority step), and the oldest waiting
   message's age comes from the send-time header every producer stamps
   (:mod:`tasks.producer.sent_at`);
+- each user's device-seconds by level and fair-share usage, and each level's wait times (send
+  to start), which the store script counts with each result (:mod:`tasks.core.fairshare`);
 - the dead letters (jobs that took their worker down ``max_attempts`` times, not run again) are
   ``HLEN`` of ``keys.DEAD_LETTERS``;
 - :class:`FleetCollector` reads all of that on each scrape; :class:`MetricsExporter` serves it
@@ -25,20 +27,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 from kombu.transport.redis import Channel as RedisChannel
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core import keys
-from ..core.defaults import RATE_WINDOW_S
+from ..core.defaults import RATE_WINDOW_S, WAIT_BUCKETS_S
+from ..core.fairshare import known_users, read_usage, read_user_seconds, read_wait_times
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
-from ..core.priority import leveled
+from ..core.priority import leveled, user_list
 from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
@@ -54,13 +57,15 @@ PRIORITY_SEP: str = RedisChannel.sep
 # -- reading -----------------------------------------------------------------------------------------
 
 
-def queue_depth(client: redis.Redis, queue: str, now: float | None = None) -> tuple[int, float | None]:
-    """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue."""
+def queue_depth(client: redis.Redis, queue: str, now: float | None = None,
+                users: Iterable[str] = ()) -> tuple[int, float | None]:
+    """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue, with the
+    lists of each of ``users`` beside it (:mod:`tasks.core.fairshare`)."""
     now = time.time() if now is None else now
     depth = 0
     oldest: float | None = None
-    for step in PRIORITY_STEPS:
-        key = queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}"
+    names = [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+    for key in [*names, *(user_list(queue, user) for user in users)]:
         length = int(client.llen(key))  # type: ignore[arg-type]
         if not length:
             continue
@@ -108,7 +113,10 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         ``memory_bytes``, ``budget_bytes``), ``memory_kind``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
         minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``, ``jobs_preempted``. Also
-        ``"dead_letters"``: how many jobs are kept as dead letters.
+        ``"dead_letters"``: how many jobs are kept as dead letters; ``"users"``: ``{user:
+        {"usage_s", "device_seconds": {level: s}}}`` (usage decayed to now, the fair share's;
+        device-seconds ever, by level); ``"wait_times"``: ``{level: {"le:<bound>", "count", "sum"}}``,
+        each level's histogram of waits from send to start.
     """
     now = time.time() if now is None else now
     live = live_workers(client)
@@ -149,10 +157,17 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "jobs_preempted": stats.jobs_preempted,
         }
     queues = {}
+    users = known_users(client)
     for name in fleet_queues(live, devices):
-        depth, age = queue_depth(client, name, now)
+        depth, age = queue_depth(client, name, now, users)
         queues[name] = {"depth": depth, "oldest_age_s": age}
-    return {"at": now, "devices": out, "queues": queues, "dead_letters": dead_letters}
+    usage = read_usage(client, now)
+    user_seconds = read_user_seconds(client)
+    return {"at": now, "devices": out, "queues": queues, "dead_letters": dead_letters,
+            "users": {user: {"usage_s": usage.get(user, 0.0),
+                             "device_seconds": {level: s for (u, level), s in user_seconds.items() if u == user}}
+                      for user in sorted(set(users) | set(usage) | {u for u, _ in user_seconds})},
+            "wait_times": {level.value: fields for level, fields in read_wait_times(client).items()}}
 
 
 def _first_progress(rec: WorkerRecord | None) -> dict[str, Any] | None:
@@ -253,6 +268,27 @@ class FleetCollector(Collector):
         for name, q in snap["queues"].items():
             depth.add_metric([name], q["depth"])
             age.add_metric([name], q["oldest_age_s"] or 0.0)
+        user_s = CounterMetricFamily("devicefleet_user_device_seconds",
+                                     "Device-seconds of the jobs each user ran, by level", labels=["user", "level"])
+        usage = GaugeMetricFamily("devicefleet_user_usage_seconds",
+                                  "Each user's fair-share usage: device-seconds decayed over the half-life",
+                                  labels=["user"])
+        for user, u in snap["users"].items():
+            usage.add_metric([user], u["usage_s"])
+            for level, seconds in u["device_seconds"].items():
+                user_s.add_metric([user, level], seconds)
+        waits = HistogramMetricFamily("devicefleet_wait_seconds",
+                                      "Seconds each job waited from its send to its start, by level", labels=["level"])
+        for level, fields in snap["wait_times"].items():
+            if not fields.get("count"):
+                continue
+            buckets, running = [], 0.0
+            for bound in WAIT_BUCKETS_S:
+                running += fields.get(f"le:{bound:g}", 0.0)
+                buckets.append((f"{bound:g}", running))
+            buckets.append(("+Inf", fields["count"]))
+            waits.add_metric([level], buckets, fields.get("sum", 0.0))
+        yield from (user_s, usage, waits)
         dead = GaugeMetricFamily("devicefleet_dead_letters",
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")

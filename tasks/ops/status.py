@@ -22,7 +22,7 @@ from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url
 from ..producer.dead_letters import read_dead_letters
-from ..producer.waiting import by_level_and_user, read_waiting
+from ..producer.waiting import by_level_and_user, read_fair_share, read_waiting
 from .exporter import fleet_snapshot
 from .progress_view import describe, fraction
 
@@ -31,13 +31,14 @@ logger = logging.getLogger(__name__)
 
 def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     """``{"redis_url", "flower_url", "metrics_url", "workers", "devices", "queues", "waiting",
-    "waiting_by_level", "dead_letters", "groups", "at"}``.
+    "waiting_by_level", "fair_share", "dead_letters", "groups", "at"}``.
 
     ``workers`` are the registry records (as JSON); ``devices`` the throughput figures of
     :func:`tasks.ops.exporter.fleet_snapshot`; ``queues`` each queue list's depth and oldest age;
     ``waiting`` each queued job (:class:`tasks.producer.waiting.WaitingJob` as JSON: its level,
     user, position and why it waits), in order, and ``waiting_by_level`` their counts
-    ``{level: {user: n}}``; ``dead_letters`` the jobs given up after taking their worker down
+    ``{level: {user: n}}``; ``fair_share`` each user's usage and share, least first: the order a
+    free device serves them in within a level (:func:`tasks.producer.waiting.read_fair_share`); ``dead_letters`` the jobs given up after taking their worker down
     (as JSON, oldest first); ``groups`` the device groups that reserved devices, waiting or
     running, and what a waiting one waits for (:func:`tasks.core.groups.read_groups`).
 
@@ -50,6 +51,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         groups = read_groups(client, live)
         letters = read_dead_letters(client) if snap["dead_letters"] else []
         waiting = read_waiting(client)
+        fair_share = read_fair_share(client)
     return {
         "redis_url": redact_url(url),
         "flower_url": fleet_info.flower_url if fleet_info else None,
@@ -61,6 +63,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "queues": snap["queues"],
         "waiting": [job.model_dump(mode="json") for job in waiting],
         "waiting_by_level": by_level_and_user(waiting),
+        "fair_share": fair_share,
         "dead_letters": [letter.to_dict() for letter in letters],
         "groups": groups,
     }
@@ -125,7 +128,11 @@ def waiting_part(rep: dict[str, Any]) -> list[Any]:
     for job in jobs[:STATUS_WAITING_ROWS]:
         rows.add_row(str(job["position"]), job["level"], job["user"] or "?", job["job"], job["queue"], job["reason"])
     more = len(jobs) - STATUS_WAITING_ROWS
-    return ["", rows] + ([f"... and {more} more (devicefleet status --json lists them all)"] if more > 0 else [])
+    share = rep.get("fair_share") or {}
+    served = ("within a level, users are served least usage first: "
+              + ", ".join(f"{user} {u['share']:.0%} ({u['usage_s']:.0f} device-s)" for user, u in share.items()))
+    return (["", rows] + ([f"... and {more} more (devicefleet status --json lists them all)"] if more > 0 else [])
+            + ([served] if share else []))
 
 
 def _num(value: float | None, fmt: str = "{:.3g}") -> str:

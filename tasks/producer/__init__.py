@@ -7,7 +7,7 @@ from .dead_letters import dead_letters, forget_dead_letter
 from .fanout import FanOut, JobSpec, fan_out, live_devices
 from .handle import JobHandle, Report, Summary
 from .sweep import Sweep, SweepSummary, grid, sweep
-from .waiting import WaitingJob, waiting
+from .waiting import WaitingJob, fair_share, waiting
 
 __all__ = [
     "FanOut",
@@ -28,5 +28,6 @@ __all__ = [
     "grid",
     "live_devices",
     "sweep",
+    "fair_share",
     "waiting",
 ]

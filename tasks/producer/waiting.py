@@ -19,6 +19,9 @@ bound. Its ``reason`` says what it waits for: the jobs ahead (by level),
 and what the devices that could take it run now. A fan-out's collect steps are bookkeeping:
 counted ahead, never listed.
 
+Within a level a free device serves users by their usage (:mod:`tasks.core.fairshare`):
+:func:`read_fair_share` gives each user's usage and share, in that order.
+
 Reads only: one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
 messages per non-empty list (the next ones to start), one ``SCAN`` for sweep lists.
 """
@@ -36,14 +39,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..core import keys
 from ..core.defaults import WAITING_READ_LIMIT
+from ..core.fairshare import brpop_keys, known_users, order_users, read_usage
 from ..core.job import COLLECT_TASK, TASK_PREFIX
-from ..core.priority import Level, leveled, queue_rank, split_level
+from ..core.priority import Level, leveled, queue_rank, split_level, split_user
 from ..core.queues import SWEEP_QUEUE_PREFIX
 from ..core.records import JobOptions, SweepRecord, WorkerRecord
 from ..core.registry import live_workers
 from .connections import Connections, default_app
 
-__all__ = ["WaitingJob", "by_level_and_user", "read_waiting", "waiting"]
+__all__ = ["WaitingJob", "by_level_and_user", "fair_share", "read_fair_share", "read_waiting", "waiting"]
 
 
 class WaitingJob(BaseModel):
@@ -55,7 +59,8 @@ class WaitingJob(BaseModel):
     job: str
     level: Level
     user: str | None
-    #: The list it waits in (``device.cpu0:urgent``, ``cpu``, ``sweep.s1:batch``).
+    #: The queue list it waits in (``device.cpu0:urgent``, ``cpu``, ``sweep.s1:batch``): its user's
+    #: list beside it in Redis (``device.cpu0:urgent~alice``, :mod:`tasks.core.fairshare`).
     queue: str
     #: The devices that consume that list.
     devices: list[str]
@@ -73,6 +78,12 @@ def waiting(app: Celery | None = None, *, client: Connections | None = None) -> 
     return read_waiting(connections.redis)
 
 
+def fair_share(app: Celery | None = None, *, client: Connections | None = None) -> dict[str, dict[str, float]]:
+    """Each user's usage and share now, least first (:func:`read_fair_share`)."""
+    connections = client or Connections.of(app or default_app())
+    return read_fair_share(connections.redis)
+
+
 def by_level_and_user(jobs: list[WaitingJob]) -> dict[str, dict[str, int]]:
     """``{level: {user: jobs waiting}}``, levels highest first."""
     out: dict[str, dict[str, int]] = {}
@@ -83,11 +94,22 @@ def by_level_and_user(jobs: list[WaitingJob]) -> dict[str, dict[str, int]]:
     return out
 
 
+def read_fair_share(client: redis.Redis, now: float | None = None) -> dict[str, dict[str, float]]:
+    """``{user: {"usage_s", "share"}}``: each user's usage now (device-seconds decayed over the
+    half-life, :mod:`tasks.core.fairshare`) and its share of all users' (0 to 1); least first,
+    the order a free device serves them in within a level. One ``HGETALL``."""
+    usage = read_usage(client, now)
+    total = sum(usage.values())
+    return {user: {"usage_s": usage[user], "share": usage[user] / total if total else 0.0}
+            for user in order_users(usage, usage)}
+
+
 def read_waiting(client: redis.Redis) -> list[WaitingJob]:
     """:func:`waiting` on a Redis client (``decode_responses`` either way)."""
     live = live_workers(client)
     orders = {device: leveled(record.queues) for device, record in live.items()}
     for name, devices in _sweep_lists(client).items():
+        name = split_user(name)[0]
         for device in devices:
             if device in orders and name not in orders[device]:
                 # An attached sweep's list comes last among its level's (kombu adds it last).
@@ -95,6 +117,9 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
                 rank = queue_rank(name)
                 at = next((i for i, q in enumerate(order) if queue_rank(q) > rank), len(order))
                 order.insert(at, name)
+    # Each level's users' lists after its queue lists, users by usage (what a worker's read names).
+    users = order_users(known_users(client), read_usage(client))
+    orders = {device: [key for key, _queue in brpop_keys(order, users)] for device, order in orders.items()}
     names = sorted({name for order in orders.values() for name in order})
     with client.pipeline(transaction=False) as pipe:
         for name in names:
@@ -112,10 +137,10 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
             ahead = min((_ahead(orders[d], name, depths, ahead_here) for d in consumers), key=lambda pair: pair[0])
             jobs.append(WaitingJob(
                 job_id=message["id"], job=message["job"], level=message["options"].priority,
-                user=message["options"].user, queue=name, devices=consumers, position=ahead[0] + 1,
+                user=message["options"].user, queue=split_user(name)[0], devices=consumers, position=ahead[0] + 1,
                 reason=_reason(ahead, split_level(name)[1], consumers, busy_text), sent_at=message["sent_at"],
             ))
-    jobs.sort(key=lambda job: (job.level.rank, job.position, job.queue))
+    jobs.sort(key=lambda job: (job.level.rank, job.position, job.queue, job.user or ""))
     return jobs
 
 

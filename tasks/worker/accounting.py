@@ -15,14 +15,19 @@ its message's acknowledgement. What a job's output adds to the count is what the
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
 
+from ..core.errors import ConfigError
+from ..core.fairshare import share_arg, wait_arg
 from ..core.job import JobMetric
 from ..core.jobcount import JobCount
 from ..core.jobstate import JobEnd, MessageAck
+from ..core.keys import OPTIONS_HEADER, SENT_AT_HEADER
+from ..core.priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 from ..core.transport import stored_ack_keys
 from .device import DeviceWorker
 
@@ -50,10 +55,29 @@ def job_end(
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
     """
+    user, level, sent_at = _sender(request)
+    busy = max(0.0, finished - started)
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
-                     busy_seconds=max(0.0, finished - started), last_finished_at=finished,
-                     gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}))
+                     busy_seconds=busy, last_finished_at=finished,
+                     gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}),
+                     share=share_arg(user, level, busy, finished),
+                     wait=wait_arg(level, started - sent_at if sent_at is not None else None))
     return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
+
+
+def _sender(request: Any) -> tuple[str | None, Level, float | None]:
+    """The user, level and send time of a request's job, from its headers (a header that does
+    not parse counts as none: the job's end is counted all the same)."""
+    headers = getattr(request, "headers", None) or {}
+    options = headers.get(OPTIONS_HEADER) or {}
+    user = options.get("user") if isinstance(options, dict) else None
+    try:
+        level = parse_level(options.get("priority", DEFAULT_LEVEL)) if isinstance(options, dict) else DEFAULT_LEVEL
+    except ConfigError:
+        level = DEFAULT_LEVEL
+    sent = headers.get(SENT_AT_HEADER)
+    return (user if isinstance(user, str) and re.fullmatch(USER_PATTERN, user) else None, level,
+            float(sent) if isinstance(sent, (int, float)) else None)
 
 
 def message_ack(app: Celery, request: Any) -> MessageAck | None:

@@ -49,8 +49,9 @@ import redis
 
 from ..core import keys
 from ..core.defaults import PREEMPT_CHECK_S, PREEMPT_CLAIM_HOLD_S, PREEMPT_GRACE_S
+from ..core.fairshare import known_users
 from ..core.periodic import PeriodicThread
-from ..core.priority import Level, leveled, split_level
+from ..core.priority import Level, leveled, split_level, user_list
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,9 @@ class Preemption(PeriodicThread):
             # preemptible): a free slot takes the waiting work itself.
             self._waiting = None
             return
-        above = sorted(((level, name) for name in self._lists() if (level := split_level(name)[1]).rank < lowest),
+        users = known_users(self._client)  # each user's list beside each queue list (tasks.core.fairshare)
+        above = sorted(((level, listed) for name in self._lists() if (level := split_level(name)[1]).rank < lowest
+                        for listed in (name, *(user_list(name, user) for user in users))),
                        key=lambda pair: pair[0].rank)
         with self._client.pipeline(transaction=False) as pipe:
             for _, name in above:
