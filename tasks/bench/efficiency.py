@@ -87,6 +87,21 @@ def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: P
     return time.perf_counter() - t0
 
 
+#: Epochs of the ``train`` jobs in ``--quick`` (CI's smoke mode): a short job, set rather than
+#: calibrated, since calibrating runs the job three times in this process (1, 2 and 6 epochs).
+QUICK_EPOCHS = 4
+
+
+def job_epochs(quick: bool, artifacts: Path) -> int:
+    """Epochs for the section's ``train`` jobs: :data:`QUICK_EPOCHS` in ``--quick``, else about
+    3 s of training (:func:`calibrate_epochs`). Either way this process has run the job once
+    (imports, dataset cache), as the fleet's warm workers have."""
+    if not quick:
+        return calibrate_epochs(3.0, artifacts)
+    run_train_inline("warm", train_kwargs(1), artifacts)
+    return QUICK_EPOCHS
+
+
 def calibrate_epochs(target_s: float, artifacts: Path) -> int:
     """Epochs for a ``train`` job of about ``target_s`` seconds on one thread.
 
@@ -107,7 +122,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
     """``{"efficiency", "vs_multiprocessing", ...}`` for K = ``len(devices)`` equal jobs."""
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-") as tmp:
         artifacts = Path(tmp)
-        epochs = calibrate_epochs(0.5 if quick else 3.0, artifacts)
+        epochs = job_epochs(quick, artifacts)
         repeats = 1 if quick else 3
         kwargs = train_kwargs(epochs)
         # Warm the workers (imports, dataset) as the in-process runs are warm.
