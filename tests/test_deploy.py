@@ -417,12 +417,13 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         workers.append(worker)
         return worker, _joined(client, "cpu0", worker)
 
-    def wait_busy(worker: UnitProcess) -> None:
+    def wait_busy(worker: UnitProcess, handle: FanOut) -> None:
+        # That job: a worker that ran the last round's job may still show it for a moment.
         def busy() -> bool:
             rec = _record(client, "cpu0", worker.process.pid)
-            return rec is not None and rec.busy is not None
+            return rec is not None and rec.busy is not None and rec.busy.job_id == handle.task_ids["cpu0"]
 
-        _wait(busy, 60, "cpu0 to be busy", proc=worker.process)
+        _wait(busy, 60, "cpu0 to be busy with the job", proc=worker.process)
 
     try:
         worker, rec = start()
@@ -433,7 +434,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
 
         # 1. SIGTERM during a job: the job finishes, its result is stored, the worker exits 0.
         warm = fan_out("probe", ["cpu0"], kwargs={"busy_s": 3, "mode": "sleep"}, app=app)
-        wait_busy(worker)
+        wait_busy(worker, warm)
         worker.process.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker.output()[-3000:]
         assert warm.states() == {"cpu0": "SUCCESS"}  # stored before the worker exited
@@ -447,7 +448,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         worker, _ = start()
         for signals in ([signal.SIGTERM, signal.SIGTERM], [signal.SIGQUIT]):
             handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
-            wait_busy(worker)
+            wait_busy(worker, handle)
             for signum in signals[:-1]:
                 worker.process.send_signal(signum)
 
