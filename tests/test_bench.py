@@ -109,6 +109,11 @@ def test_bench_slot_configs_set_the_slots_of_every_worker(tmp_path) -> None:  # 
     configs = slots.write_slot_configs(source, tmp_path / "bench", 4)
     for name in ("cpu0", "gpu0", "gpu1"):
         assert load_worker_config(configs, Device.parse(name)).slots == 4
+    # --quick's one fleet: a worker per slot count, each its own file copied from its config.
+    configs = slots.write_slot_configs(source, tmp_path / "quick", 1, {"cpu1": 2, "gpu1": 8})
+    assert [load_worker_config(configs, Device.parse(name)).slots for name in ("cpu0", "cpu1", "gpu0", "gpu1")] == \
+        [1, 2, 1, 8]
+    assert load_worker_config(configs, Device.parse("cpu1")).kind.value == "cpu"
 
 
 def test_misbehaving_jobs_are_only_in_the_bench_allowlist() -> None:

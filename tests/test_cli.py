@@ -18,7 +18,7 @@ import tasks
 from tasks.core.app import create_app
 from tasks.core.devices import count_gpus
 from tasks.core.registry import connect, live_workers
-from tasks.core.settings import Settings
+from tasks.core.settings import Settings, read_fleet_file
 from tasks.ops.proc import free_port
 from tasks.ops.redis_server import find_redis_server
 
@@ -33,6 +33,19 @@ def _ready_workers(env: dict[str, str]) -> dict[str, dict]:  # type: ignore[type
     if out.returncode != 0:
         return {}
     return {d: w for d, w in json.loads(out.stdout)["workers"].items() if w.get("ready")}
+
+
+def _wait_ready_workers(state_dir: Path, env: dict[str, str], up: subprocess.Popen[str],
+                        count: int = 2) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Wait until `up`'s fleet (its fleet file in ``state_dir``) has ``count`` ready workers,
+    watching its registry from this process, then return the ready workers `devicefleet status
+    --json` shows. Polling `status` itself would start an interpreter every 50 ms on the cores
+    the fleet's workers start on."""
+    info = wait_for(lambda: read_fleet_file(state_dir / "fleet.json"), 60, "`up` to write its fleet file", proc=up)
+    with connect(info.redis_url) as client:
+        wait_for(lambda: sum(r.ready for r in live_workers(client).values()) == count, 120,
+                 f"{count} ready workers in the registry", proc=up)
+    return _ready_workers(env)
 
 
 def busy_devices(url: str) -> set[str]:
@@ -56,9 +69,8 @@ def test_up_run_status_and_clean_stop(tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     waiting: subprocess.Popen[str] | None = None
     try:
-        workers = wait_for(lambda: ready if len(ready := _ready_workers(env)) == 2 else None, 120,
-                           "`devicefleet status` to show two ready workers", proc=up)
-        assert set(workers) == {"cpu0", "cpu1"}
+        workers = _wait_ready_workers(tmp_path, env, up)
+        assert set(workers) == {"cpu0", "cpu1"}  # `devicefleet status` shows both ready
         assert all(w["cuda_visible_devices"] == "-1" for w in workers.values())
         fleet_file = tmp_path / "fleet.json"
         assert fleet_file.stat().st_mode & 0o777 == 0o600  # it holds the Redis password
@@ -130,7 +142,7 @@ def test_up_restarts_its_killed_redis_and_a_fan_out_in_flight_completes(tmp_path
     up = subprocess.Popen([*CLI, "up", "--cpu-workers", "2", "--gpus", "0", "--no-flower", "--stop-timeout", "30"],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: len(_ready_workers(env)) == 2, 120, "two ready workers", proc=up)
+        assert len(_wait_ready_workers(tmp_path, env, up)) == 2
         redis_url = json.loads((tmp_path / "fleet.json").read_text())["redis_url"]
         app = create_app(Settings.load(redis_url=redis_url, state_dir=tmp_path / "producer"))
         pids = [r.pid for r in tasks.live_devices(app).values()]

@@ -417,12 +417,13 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         workers.append(worker)
         return worker, _joined(client, "cpu0", worker)
 
-    def wait_busy(worker: UnitProcess) -> None:
+    def wait_busy(worker: UnitProcess, handle: FanOut) -> None:
+        # That job: a worker that ran the last round's job may still show it for a moment.
         def busy() -> bool:
             rec = _record(client, "cpu0", worker.process.pid)
-            return rec is not None and rec.busy is not None
+            return rec is not None and rec.busy is not None and rec.busy.job_id == handle.task_ids["cpu0"]
 
-        _wait(busy, 60, "cpu0 to be busy", proc=worker.process)
+        _wait(busy, 60, "cpu0 to be busy with the job", proc=worker.process)
 
     try:
         worker, rec = start()
@@ -433,7 +434,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
 
         # 1. SIGTERM during a job: the job finishes, its result is stored, the worker exits 0.
         warm = fan_out("probe", ["cpu0"], kwargs={"busy_s": 3, "mode": "sleep"}, app=app)
-        wait_busy(worker)
+        wait_busy(worker, warm)
         worker.process.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker.output()[-3000:]
         assert warm.states() == {"cpu0": "SUCCESS"}  # stored before the worker exited
@@ -442,11 +443,12 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         uncollected: FanOut | None = warm
 
         # 2. A second SIGTERM, then 3. a SIGQUIT: the worker stops at once, the job is not lost:
-        # the restarted worker (systemd's Restart=on-failure, exit status 1) runs it again.
+        # the restarted worker (systemd's Restart=on-failure, exit status 1) runs it again, and
+        # is the next round's worker.
+        worker, _ = start()
         for signals in ([signal.SIGTERM, signal.SIGTERM], [signal.SIGQUIT]):
-            worker, _ = start()
             handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
-            wait_busy(worker)
+            wait_busy(worker, handle)
             for signum in signals[:-1]:
                 worker.process.send_signal(signum)
 
@@ -460,7 +462,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
             # It exited while the job still ran: no result stored, the job put back.
             assert not handle.ready(), "the forced stop waited for the job"
             assert "requeued 1 running job" in worker.output()
-            again, _ = start()
+            worker, _ = start()
             if uncollected is not None:  # the fan-out's collect step ran on this worker
                 entry = uncollected.get(timeout=60)["cpu0"]
                 assert entry["status"] == "ok" and entry["output"]["busy_s"] == 3
@@ -468,9 +470,10 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
                 uncollected = None
             entry = handle.get(timeout=90)["cpu0"]
             assert entry["status"] == "ok", entry
-            assert entry["output"]["worker_pid"] == again.process.pid  # it ran again, on the new worker
-            again.process.send_signal(signal.SIGTERM)
-            assert again.wait(60) == 0
+            assert entry["output"]["worker_pid"] == worker.process.pid  # it ran again, on the new worker
+        # The last restarted worker, idle now, stops warm.
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0
     finally:
         for worker in workers:
             worker.stop()
@@ -625,9 +628,11 @@ def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path
             redis.Redis(host="127.0.0.1", port=host_a.redis_tls_port, password=host_a.redis_password,
                         socket_timeout=5).ping()
 
-        for plan, name, log in ((host_a, "cpu0@hosta", "a.log"), (host_b, "cpu0@hostb", "b.log")):
-            worker = UnitProcess(plan, "devicefleet-worker@cpu0.service", tmp_path / log)
-            workers.append(worker)
+        # Both hosts' workers start at once, as two hosts' would: each waited for in turn.
+        hosts = ((host_a, "cpu0@hosta", "a.log"), (host_b, "cpu0@hostb", "b.log"))
+        for plan, _, log in hosts:
+            workers.append(UnitProcess(plan, "devicefleet-worker@cpu0.service", tmp_path / log))
+        for (_, name, _), worker in zip(hosts, workers, strict=True):
             rec = _joined(client, name, worker)
             assert rec.cuda_visible_devices == "-1"
             assert f"device.{name}" in rec.queues

@@ -200,7 +200,9 @@ def test_a_reporting_job_is_stopped_while_redis_is_paused_and_runs_again(fleet, 
                            DEVICEFLEET_HEARTBEAT_TTL_S="3"):
         marker = tmp_path / "runs"
         marker.mkdir()
-        handle = tasks.fan_out({"cpu6": ("counted", {"marker": str(marker), "seconds": 8, "steps": 80})}, app=app)
+        # A report every 0.1 s for 6 s: its first run is stopped within the TTL of the pause, which
+        # follows its first report; its second runs in full.
+        handle = tasks.fan_out({"cpu6": ("counted", {"marker": str(marker), "seconds": 6, "steps": 60})}, app=app)
         job_id = handle.task_ids["cpu6"]
         runs = marker / job_id
         wait_for(lambda: runs.exists() and runs.read_text().split(), 60, "the job to start")

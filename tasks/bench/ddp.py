@@ -31,7 +31,7 @@ from celery import Celery
 from ..core.job import DistributedInfo, JobContext
 from ..core.records import Entry
 from ..producer.fanout import fan_out
-from .efficiency import calibrate_epochs, train_kwargs
+from .efficiency import job_epochs, train_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
     pair = devices[:2]
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-ddp-") as tmp:
         artifacts = Path(tmp)
-        epochs = calibrate_epochs(0.5 if quick else 3.0, artifacts)
+        epochs = job_epochs(quick, artifacts)
         kwargs = {**train_kwargs(epochs), "checkpoint_every_s": 3600.0}
         repeats = 1 if quick else 3
         # Warm the workers and the gang path (imports, dataset, gloo) as the native runs are
