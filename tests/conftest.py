@@ -199,6 +199,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def queue_length(client: Any, queue: str) -> int:
+    """Every message waiting in ``queue`` at the normal level: its own list and each user's list
+    beside it (fair share: a job that names its user waits in ``device.cpu0~alice``)."""
+    from tasks.core.fairshare import known_users
+    from tasks.core.priority import Level, level_lists
+
+    return sum(int(client.llen(name)) for name in level_lists(queue, Level.NORMAL, known_users(client)))
+
+
 T = TypeVar("T")
 
 

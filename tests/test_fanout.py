@@ -21,7 +21,7 @@ from tasks import ENTRY_KEYS, DeviceUnavailable, fan_out
 from tasks.core.errors import UnknownJob
 from tasks.core.job import task_name
 
-from .conftest import test_env, wait_for
+from .conftest import queue_length, test_env, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,14 +139,14 @@ def test_job_outside_the_allowlist_is_refused(fleet, app, tmp_path):
     nothing; a task sent past that check (plain Celery) is refused by the worker itself."""
     before = tasks.live_devices(app)
     client = redis.Redis.from_url(fleet.redis_url)
-    queued = client.llen("device.cpu0")
+    queued = queue_length(client, "device.cpu0")
     for name in ("forbidden", "os.system", "tests.forbidden_jobs.forbidden", "celery.backend_cleanup"):
         with pytest.raises(UnknownJob) as info:
             fan_out(name, ["cpu0"], app=app)
         message = str(info.value)
         assert repr(name) in message and "cpu0" in message, message
         assert "probe" in message and "train" in message and "nothing was sent" in message
-        assert client.llen("device.cpu0") == queued, name
+        assert queue_length(client, "device.cpu0") == queued, name
         refused = app.send_task(task_name(name), queue="device.cpu0")
         error = refused.get(timeout=60, propagate=False)
         assert refused.state == "FAILURE" and type(error).__name__ == "UnknownJob", name

@@ -48,7 +48,7 @@ from tasks.core.records import JobOptions, LeaseRecord, WorkerRecord
 from tasks.ops.deploy import plan_host, render
 from tasks.producer.fanout import JobSpec
 
-from .conftest import ROOT, TEST_JOB_MODULES, make_settings, read_markers, supervised_fleet, wait_for
+from .conftest import ROOT, TEST_JOB_MODULES, make_settings, queue_length, read_markers, supervised_fleet, wait_for
 from .conftest import test_env as child_env
 
 LEASE_TTL_S = 4.0
@@ -402,7 +402,7 @@ def test_redis_restart_loses_no_queued_or_running_job(rfleet, rapp, client, tmp_
     queued = fan_out("echo", "cpu0,cpu1", kwargs={"value": "queued"}, app=rapp)
     wait_for(lambda: len(list(tmp_path.iterdir())) == 2, 60, "both jobs to start")
     # The running jobs' messages (unacknowledged) and the queued ones are in Redis...
-    wait_for(lambda: all(client.llen(f"device.{d}") == 1 for d in ("cpu0", "cpu1")), 30,
+    wait_for(lambda: all(queue_length(client, f"device.{d}") == 1 for d in ("cpu0", "cpu1")), 30,
              "the queued jobs to wait in their queues")
     # ...and in the append-only file, written out, before Redis goes away.
     assert rfleet.redis is not None
@@ -611,7 +611,7 @@ def test_foreign_or_tampered_messages_in_redis_never_stop_a_worker(rfleet, rapp,
     _raw_publish(rapp, b"[[], {}, {}]", "application/json", {"foo": "bar"})
     # 6. garbage pushed straight into the list, not even a kombu envelope.
     client.lpush("device.cpu0", "garbage", base64.b64encode(b"\x00\x01").decode())
-    wait_for(lambda: client.llen("device.cpu0") == 0, 60, "the worker to consume the bad messages")
+    wait_for(lambda: queue_length(client, "device.cpu0") == 0, 60, "the worker to consume the bad messages")
     _assert_fleet_healthy(rapp, pids)
     assert not trap.exists(), "a worker unpickled a message"
     # Every message acknowledged or rejected: nothing bad is held back for a redelivery.
