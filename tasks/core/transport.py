@@ -63,9 +63,10 @@ from kombu.utils.scheduling import round_robin_cycle
 
 from . import keys
 from .errors import NoFleetError
-from .fairshare import PUBLISH, UserOrder, brpop_keys, known_users
+from .fairshare import PUBLISH, UserOrder, known_users
 from .keys import FRONT_HEADER
-from .priority import USER_PATTERN, queue_rank, user_list
+from .priority import USER_PATTERN
+from .queue_lists import brpop_keys, insert_in_level, queue_rank, user_list, user_lists
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -185,9 +186,7 @@ class LevelCycle(round_robin_cycle):  # type: ignore[misc]
             items.pop(items.index(last_used))
         except ValueError:
             return last_used
-        rank = queue_rank(last_used)
-        at = next((i for i, name in enumerate(items) if queue_rank(name) > rank), len(items))
-        items.insert(at, last_used)
+        insert_in_level(items, last_used)
         return last_used
 
 
@@ -264,11 +263,11 @@ class HardenedChannel(_ChannelBase):
     # round trip more per publish for a count nothing of the fleet reads.)
     def _purge(self, queue: str) -> int:
         with self.conn_or_acquire() as client:
-            users = known_users(client)
+            theirs_lists = user_lists(queue, known_users(client))
             with client.pipeline() as pipe:
-                for user in users:
-                    pipe.llen(user_list(queue, user)).delete(user_list(queue, user))
-                theirs = sum(int(n) for n in pipe.execute()[::2]) if users else 0
+                for name in theirs_lists:
+                    pipe.llen(name).delete(name)
+                theirs = sum(int(n) for n in pipe.execute()[::2]) if theirs_lists else 0
         return int(super()._purge(queue)) + theirs
 
     # kombu internals: the event loop's start of a BRPOP and the read of its reply, where a
@@ -285,9 +284,7 @@ class HardenedChannel(_ChannelBase):
             return
         with self.conn_or_acquire() as client:
             users = self._user_order.users(client)
-        pairs = brpop_keys(queues, users)
-        pairs += [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps
-                  if self.priority(pri) for queue in queues]
+        pairs = brpop_keys(queues, users, self.priority_steps)
         self._queue_of_key = dict(pairs)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu declares it None
