@@ -77,15 +77,16 @@ def lists_beside(name: str, users: Iterable[str]) -> list[str]:
     return [name, *user_lists(name, users)]
 
 
-def step_list(name: str, step: int) -> str:
+def step_list(name: str, step: int, sep: str = KOMBU_STEP_SEPARATOR) -> str:
     """kombu's list of priority ``step`` beside list ``name`` (step 0: ``name`` itself), as
-    kombu's ``Channel._q_for_pri`` names it for a step of its ``priority_steps``."""
-    return f"{name}{KOMBU_STEP_SEPARATOR}{step}" if step else name
+    kombu's ``Channel._q_for_pri`` names it for a step of its ``priority_steps`` (``sep``: the
+    channel's ``sep``, a transport option)."""
+    return f"{name}{sep}{step}" if step else name
 
 
-def step_lists(name: str, steps: Iterable[int] = KOMBU_PRIORITY_STEPS) -> list[str]:
+def step_lists(name: str, steps: Iterable[int] = KOMBU_PRIORITY_STEPS, sep: str = KOMBU_STEP_SEPARATOR) -> list[str]:
     """kombu's lists of the non-zero priority ``steps`` beside list ``name``."""
-    return [step_list(name, step) for step in steps if step]
+    return [step_list(name, step, sep) for step in steps if step]
 
 
 def split_user(name: str) -> tuple[str, str | None]:
@@ -121,7 +122,8 @@ def insert_in_level(order: list[str], name: str) -> None:
     order.insert(at, name)
 
 
-def brpop_keys(names: Sequence[str], users: Sequence[str], steps: Iterable[int] = ()) -> list[tuple[str, str]]:
+def brpop_keys(names: Sequence[str], users: Sequence[str], steps: Iterable[int] = (),
+               sep: str = KOMBU_STEP_SEPARATOR) -> list[tuple[str, str]]:
     """``(list, level list)`` for a worker's blocking read over level lists ``names`` (sorted by
     level, as :class:`tasks.core.transport.LevelCycle` keeps them), in the order it names them:
     for each level, its level lists, then each user's (``users`` in serving order) beside each of
@@ -137,7 +139,7 @@ def brpop_keys(names: Sequence[str], users: Sequence[str], steps: Iterable[int] 
             i += 1
         out.extend((name, name) for name in group)
         out.extend((user_list(name, user), name) for user in users for name in group)
-    out.extend((step_list(name, step), name) for step in steps if step for name in names)
+    out.extend((step_list(name, step, sep), name) for step in steps if step for name in names)
     return out
 
 

@@ -345,7 +345,7 @@ class HardenedChannel(_ChannelBase):
             return
         with self.conn_or_acquire() as client:
             users = self._user_order.users(client)
-        pairs = brpop_keys(queues, users, self.priority_steps)
+        pairs = brpop_keys(queues, users, self.priority_steps, self.sep)
         self._queue_of_key = dict(pairs)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu declares it None
