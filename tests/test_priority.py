@@ -111,7 +111,8 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
 
 def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_turns():
     from tasks.core.devices import Device, DeviceKind
-    from tasks.core.priority import Level, leveled, split_level
+    from tasks.core.priority import Level
+    from tasks.core.queue_lists import leveled, split_level
     from tasks.core.queues import worker_queues
     from tasks.core.transport import LevelCycle
 
@@ -200,7 +201,8 @@ def test_a_preempted_command_gets_sigterm_and_runs_again_with_its_attempt_and_ar
 def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_minimum_run(fleet):
     import time
 
-    from tasks.core.priority import Level, leveled
+    from tasks.core.priority import Level
+    from tasks.core.queue_lists import leveled
     from tasks.worker.preemption import Preemption
 
     client = connect(fleet.redis_url)

@@ -325,7 +325,7 @@ class WorkerRecord(_Record):
     host: str
     pid: int
     #: The queues it consumes, in order within a level; it takes each one's list of every level
-    #: (:func:`tasks.core.priority.leveled`).
+    #: (:func:`tasks.core.queue_lists.leveled`).
     queues: list[str]
     cores: list[int]
     pool: str

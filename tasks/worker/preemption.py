@@ -51,7 +51,8 @@ from ..core import keys
 from ..core.defaults import PREEMPT_CHECK_S, PREEMPT_CLAIM_HOLD_S, PREEMPT_GRACE_S
 from ..core.fairshare import known_users
 from ..core.periodic import PeriodicThread
-from ..core.priority import Level, leveled, split_level, user_list
+from ..core.priority import Level
+from ..core.queue_lists import count_waiting, leveled, lists_beside, split_level
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +217,9 @@ class Preemption(PeriodicThread):
             return
         users = known_users(self._client)  # each user's list beside each queue list (tasks.core.fairshare)
         above = sorted(((level, listed) for name in self._lists() if (level := split_level(name)[1]).rank < lowest
-                        for listed in (name, *(user_list(name, user) for user in users))),
+                        for listed in lists_beside(name, users)),
                        key=lambda pair: pair[0].rank)
-        with self._client.pipeline(transaction=False) as pipe:
-            for _, name in above:
-                pipe.llen(name)
-            lengths = pipe.execute()
+        lengths = count_waiting(self._client, [name for _, name in above])
         waiting = [(level, name) for (level, name), length in zip(above, lengths, strict=True) if length]
         count = sum(int(length) for length in lengths)
         with self._lock:
