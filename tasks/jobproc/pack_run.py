@@ -97,7 +97,7 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
             fit, need = fits(definition.pack, members[0], budget) if definition.pack is not None else (None, 0)
             if fit is not None and fit < len(members):
                 too_large = (f"a pack of {len(pack.members)} trials of {first.job!r}: at most {fit} trials of this "
-                             f"shape fit the slot's budget of {budget / GiB:.2f} GiB (about {need / MiB:.1f} MiB "
+                             f"shape fit the slot's budget of {(budget or 0) / GiB:.2f} GiB (about {need / MiB:.1f} MiB "
                              "each); this trial goes back to its queue and runs in a later pack")
                 for seat in seated[fit:]:
                     finish(seat, None, PackTooLarge(too_large), Outcome.GIVE_WAY)
