@@ -97,12 +97,11 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
               for lr, seed, decay in [(3e-3, 0, 0.0), (1e-2, 1, 1e-3), (1e-3, 2, 0.0), (5e-3, 3, 1e-2)]]
     params = [TrainParams(**k) for k in kwargs]
     alone = [train(_ctx(tmp_path, f"alone{i}"), p) for i, p in enumerate(params)]
-    ends: dict[int, tuple[Any, Any]] = {}
+    early: list[tuple[int, Any]] = []
     members = [Member(_ctx(tmp_path, f"packed{i}"), p, TRAIN_PACKING.data(p)) for i, p in enumerate(params)]
-    train_pack(TRAIN_PACKING, members, "cpu", lambda i, out, err: ends.__setitem__(i, (out, err)))
-    assert sorted(ends) == [0, 1, 2, 3]
-    for i, (out, err) in ends.items():
-        assert err is None
+    ends = train_pack(TRAIN_PACKING, members, "cpu", lambda i, out, err: early.append((i, err)))
+    assert early == [] and sorted(ends) == [0, 1, 2, 3]
+    for i, out in ends.items():
         assert abs(out["accuracy"] - alone[i]["accuracy"]) <= 0.01, (i, out["accuracy"], alone[i]["accuracy"])
         assert out["loss"] == pytest.approx(alone[i]["loss"], rel=1e-3)
         assert out["packed"] == {"members": 4, "index": i}
@@ -111,7 +110,7 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
         assert Path(out["checkpoint"]).parent == tmp_path / f"packed{i}"
         net = build(params[i].model, 64, 10, params[i].hidden)
         net.load_state_dict(load_file(out["checkpoint"]))
-    assert len({out["weights_digest"] for out, _ in ends.values()}) == 4
+    assert len({out["weights_digest"] for out in ends.values()}) == 4
 
 
 # --- the job process's RunPack -------------------------------------------------------------
@@ -201,10 +200,9 @@ def test_run_pack_diverged_member_is_masked_out(runtime):
     finished, _ = _run(runtime, pack)
     assert finished["nan"].outcome is Outcome.ERROR
     assert finished["nan"].error is not None and finished["nan"].error.type == "TrainingDiverged"
-    ends: dict[int, Any] = {}
     alone = [Member(JobContext(device="cpu0", torch_device="cpu", job_id=n, artifacts_dir=Path(runtime[0].spec.artifacts_dir) / f"x{n}"),
                     ToyParams(seed=s), _toy_data(ToyParams(seed=s))) for n, s in (("a", 1), ("b", 3))]
-    train_pack(DEFINED["packtoy"].pack, alone, "cpu", lambda i, out, err: ends.__setitem__(i, out))  # type: ignore[arg-type]
+    ends = train_pack(DEFINED["packtoy"].pack, alone, "cpu", lambda i, out, err: None)  # type: ignore[arg-type]
     for i, name in enumerate(("a", "b")):
         output = finished[name].output
         assert finished[name].outcome is Outcome.OK and output is not None
@@ -243,10 +241,9 @@ def test_packed_train_on_gpu_equals_each_trial_alone(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     params = [TrainParams(epochs=3, lr=lr, seed=seed, num_workers=0) for lr, seed in [(3e-3, 0), (1e-2, 1)]]
-    ends: dict[int, Any] = {}
     members = [Member(JobContext(device="gpu0", torch_device="cuda:0", job_id=f"g{i}", artifacts_dir=tmp_path / f"g{i}"),
                       p, TRAIN_PACKING.data(p)) for i, p in enumerate(params)]
-    train_pack(TRAIN_PACKING, members, "cuda:0", lambda i, out, err: ends.__setitem__(i, out))
+    ends = train_pack(TRAIN_PACKING, members, "cuda:0", lambda i, out, err: None)
     for i, p in enumerate(params):
         alone = train(JobContext(device="gpu0", torch_device="cuda:0", job_id=f"a{i}", artifacts_dir=tmp_path / f"a{i}"), p)
         assert abs(ends[i]["accuracy"] - alone["accuracy"]) <= 0.01

@@ -60,19 +60,15 @@ def measure(*, quick: bool) -> dict[str, Any]:
             alone = [train(_context(device, torch_device, folder, f"alone{i}"), p)
                      for i, p in enumerate(params[:plain_count])]
             plain_s = time.perf_counter() - started
-            ends: dict[int, dict[str, Any]] = {}
-
             def on_end(index: int, output: dict[str, Any] | None, error: BaseException | None) -> None:
-                if error is not None or output is None:
-                    raise RuntimeError(f"pack bench: trial {index} failed: {error!r}")
-                ends[index] = output
+                raise RuntimeError(f"pack bench: trial {index} failed: {error!r}")
 
             if gpu:
                 torch.cuda.synchronize()
             started = time.perf_counter()
             members = [Member(_context(device, torch_device, folder, f"packed{i}"), p, TRAIN_PACKING.data(p))
                        for i, p in enumerate(params)]
-            train_pack(TRAIN_PACKING, members, torch_device, on_end)
+            ends = train_pack(TRAIN_PACKING, members, torch_device, on_end)
             packed_s = time.perf_counter() - started
     finally:
         torch.set_num_threads(threads)

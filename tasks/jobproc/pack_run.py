@@ -173,9 +173,13 @@ def _train(torch_device: str, definition: JobDefinition, members: list[Member], 
         finish(seated[index], output, error)
 
     try:
-        train_pack(definition.pack, members, torch_device, on_end)
+        outputs = train_pack(definition.pack, members, torch_device, on_end)
     except oom as exc:
         figures = memory_figures(torch_device)
         raise OutOfMemory(f"a pack of {len(members)} trials of {definition.name!r} ran out of memory on "
                           f"{torch_device} ({exc}); run smaller packs (pack=K with a lower K, or pack='auto')",
                           memory=figures) from None
+    # The pack's tensors are gone: free the cache before the memory each Finished reports.
+    release_memory(torch_device)
+    for index, output in outputs.items():
+        finish(seated[index], output, None)

@@ -40,7 +40,7 @@ EPS = 1e-8
 #: Test samples scored per vmapped step.
 EVAL_CHUNK = 4096
 
-#: ``on_end(index, output, error)``: member ``index`` ended, with its output or its error.
+#: ``on_end(index, output, error)``: member ``index`` ended early, with its error.
 OnEnd = Callable[[int, dict[str, Any] | None, BaseException | None], None]
 
 
@@ -105,10 +105,12 @@ def bytes_per_member(packing: Packing, params: Any, data: PackData) -> int:
     return 4 * weights + resident + 3 * activations * int(params.batch_size)
 
 
-def train_pack(packing: Packing, members: list[Member], torch_device: str, on_end: OnEnd) -> None:
-    """Train ``members`` as one packed model on ``torch_device``; call ``on_end`` once per
-    member as it ends (finished, diverged, stopped). Raises only what fails the whole pack
-    (running out of memory, a model that does not build)."""
+def train_pack(packing: Packing, members: list[Member], torch_device: str, on_end: OnEnd) -> dict[int, dict[str, Any]]:
+    """Train ``members`` as one packed model on ``torch_device``; call ``on_end`` for each
+    member that ends early (diverged, stopped) as it ends; return the outputs of those that
+    trained to the end, by index, once the pack's tensors are unreachable (so what the process
+    then holds is what it will hold). Raises only what fails the whole pack (running out of
+    memory, a model that does not build)."""
     from torch.func import functional_call, stack_module_state
 
     device = torch.device(torch_device)
@@ -184,14 +186,16 @@ def train_pack(packing: Packing, members: list[Member], torch_device: str, on_en
             except Exception as exc:  # cancelled, pruned, preempted, out of time: this member only
                 stop(i, exc)
         if not any(alive):
-            return
+            return {}
     train_s = time.perf_counter() - started
     accuracies = _evaluate(step_all, names, weights, buffers, members, alive, device)
+    finished: dict[int, dict[str, Any]] = {}
     for i, member in enumerate(members):
         if alive[i]:
             state = {name: w[i].detach() for name, w in zip(names, weights, strict=True)}
             state.update({name: b[i] for name, b in buffers.items()})
-            stop(i, None, _output(packing, member, state, accuracies[i], train_s, k, i))
+            finished[i] = _output(packing, member, state, accuracies[i], train_s, k, i)
+    return finished
 
 
 def _adam(weights: list[torch.Tensor], grads: tuple[torch.Tensor, ...], moments: list[torch.Tensor],
