@@ -113,6 +113,22 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
     assert len({out["weights_digest"] for out in ends.values()}) == 4
 
 
+def test_a_packed_members_checkpoint_is_the_one_it_would_save_alone(tmp_path):
+    """What a packed member saves (weights and Adam's moments) is what train saves alone, so a
+    member that runs again unpacked resumes where the pack left it."""
+    params = [TrainParams(epochs=2, lr=lr, seed=seed, num_workers=0, checkpoint_every_s=0)
+              for lr, seed in [(3e-3, 0), (1e-2, 1)]]
+    members = [Member(_ctx(tmp_path, f"packed{i}"), p, TRAIN_PACKING.data(p)) for i, p in enumerate(params)]
+    train_pack(TRAIN_PACKING, members, "cpu", lambda i, out, err: None)
+    for i, p in enumerate(params):
+        train(_ctx(tmp_path, f"alone{i}"), p)
+        packed = load_file(str(tmp_path / f"packed{i}" / "resume.safetensors"))
+        alone = load_file(str(tmp_path / f"alone{i}" / "resume.safetensors"))
+        assert sorted(packed) == sorted(alone)
+        for key, value in alone.items():
+            torch.testing.assert_close(packed[key], value, rtol=1e-4, atol=1e-5)
+
+
 # --- the job process's RunPack -------------------------------------------------------------
 
 
@@ -182,6 +198,11 @@ def test_run_pack_ends_each_member_alone(runtime):
     assert finished["cancelled"].outcome is Outcome.CANCELLED
     assert finished["cancelled"].error is not None and "pruned" in finished["cancelled"].error.message
     assert finished["preempted"].outcome is Outcome.PREEMPTED
+    # It saved what train resumes from before it made way: run again unpacked, it resumes.
+    artifacts = Path(runtime[0].spec.artifacts_dir)
+    again = train(JobContext(device="cpu0", torch_device="cpu", job_id="preempted", artifacts_dir=artifacts / "preempted",
+                             attempt=2), TrainParams(**small, seed=2))
+    assert again["resumed_from_epoch"] == 1 and again["epochs"] == 2
     assert finished["bad"].outcome is Outcome.ERROR and finished["bad"].error is not None
     assert finished["bad"].error.type == "InvalidJobArguments" and "lr" in finished["bad"].error.message
     shape = finished["other-shape"].error

@@ -234,6 +234,11 @@ class Packing:
     #: ``output(params, data) -> dict``: fields of the member's result beside what the trainer
     #: gives (``accuracy``, ``loss``, ``history``, ``checkpoint``...); None: none.
     output: Callable[[Any, PackData], dict[str, Any]] | None = None
+    #: ``checkpoint(ctx, params, model, optimizer, epoch)``: save what the job's own function
+    #: resumes from (a member's model and a ``torch.optim.Adam`` holding its moments), called
+    #: after an epoch when the params' ``checkpoint_every_s`` has passed or the member is asked
+    #: to make way; a member that runs again unpacked then resumes. None: packed members save none.
+    checkpoint: Callable[[JobContext, Any, Any, Any, int], None] | None = None
 
     def key_of(self, params: BaseModel) -> tuple[Any, ...]:
         """The values that must be equal for two trials to share a pack."""

@@ -14,8 +14,10 @@ A member whose loss is not finite, or whose ``ctx.progress()`` raises (cancelled
 preempted, out of time), is masked out: its updates are zeroed from then on and it ends at once
 (``on_end``) while the others go on.
 
-Not here yet: resuming a packed member from a checkpoint (a re-run member starts again;
-unpacked ``train`` resumes).
+A member saves what its job's own function resumes from (:attr:`Packing.checkpoint
+<tasks.core.job.Packing>`: ``train``'s ``resume.safetensors``) when its ``checkpoint_every_s``
+has passed or it is asked to make way, so a member that runs again unpacked resumes. Not here
+yet: resuming inside a pack (a packed member starts from its first epoch).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class Member:
     params: Any
     data: PackData
     history: list[dict[str, float]] = field(default_factory=list)
+    #: When its last checkpoint was saved (``time.monotonic()``).
+    saved_at: float = field(default_factory=time.monotonic)
 
 
 class BatchOrder:
@@ -181,6 +185,13 @@ def train_pack(packing: Packing, members: list[Member], torch_device: str, on_en
             member.ctx.log(epoch, **{"loss/train": loss, "accuracy/train": accuracy,
                                      "samples_per_s": samples / epoch_s if epoch_s > 0 else 0.0,
                                      "data_wait_fraction": 0.0})
+            # Saved before the report, as train saves: a preempted member's progress() raises.
+            every = getattr(member.params, "checkpoint_every_s", None)
+            due = every is not None and time.monotonic() - member.saved_at >= every
+            if packing.checkpoint is not None and epoch < epochs and (due or member.ctx.preempted()):
+                net, optimizer = _unstacked(packing, member, names, weights, moments, squares, buffers, i, step)
+                packing.checkpoint(member.ctx, member.params, net, optimizer, epoch)
+                member.saved_at = time.monotonic()
             try:
                 member.ctx.progress(epoch=epoch, epochs=epochs, loss=round(loss, 6))
             except Exception as exc:  # cancelled, pruned, preempted, out of time: this member only
@@ -214,6 +225,25 @@ def _adam(weights: list[torch.Tensor], grads: tuple[torch.Tensor, ...], moments:
             v.copy_(torch.where(on, v * beta2 + (1 - beta2) * g * g, v))
             denom = v.sqrt() / math.sqrt(correction2) + EPS
             w.sub_(torch.where(on, (lr.view(shape) / correction1) * m / denom, 0.0))
+
+
+def _unstacked(packing: Packing, member: Member, names: list[str], weights: list[torch.Tensor],
+               moments: list[torch.Tensor], squares: list[torch.Tensor], buffers: dict[str, torch.Tensor],
+               index: int, step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Member ``index`` as the model and ``torch.optim.Adam`` it would have trained alone: its
+    weights, and its moments after ``step`` steps."""
+    net = packing.model(member.params, member.data).to(weights[0].device)
+    with torch.no_grad():
+        state = {name: w[index] for name, w in zip(names, weights, strict=True)}
+        state.update({name: b[index] for name, b in buffers.items()})
+        net.load_state_dict(state)
+    optimizer = torch.optim.Adam(net.parameters(), lr=float(member.params.lr),
+                                 weight_decay=float(getattr(member.params, "weight_decay", 0.0)))
+    named = dict(net.named_parameters())
+    for name, m, v in zip(names, moments, squares, strict=True):
+        optimizer.state[named[name]] = {"step": torch.tensor(float(step)), "exp_avg": m[index].clone(),
+                                        "exp_avg_sq": v[index].clone()}
+    return net, optimizer
 
 
 def _evaluate(step_all: Any, names: list[str], weights: list[torch.Tensor], buffers: dict[str, torch.Tensor],

@@ -134,11 +134,16 @@ def _pack_output(params: TrainParams, pack_data: PackData) -> dict[str, Any]:
             "parallel": asdict(Parallel("packed", [], "trained with the other trials of its pack as one vmapped model"))}
 
 
+def _pack_checkpoint(ctx: JobContext, params: TrainParams, net: nn.Module, optimizer: torch.optim.Optimizer,
+                     epoch: int) -> None:
+    resume.save(ctx.artifacts_dir, net, optimizer, epoch)
+
+
 #: ``train``'s trials pack when everything that decides the models' shapes, the data's size and
 #: the steps is equal; each keeps its own seed, lr and weight decay.
 TRAIN_PACKING = Packing(
     key=("model", "hidden", "dataset", "epochs", "batch_size", "test_fraction"),
-    model=_pack_model, data=_pack_data, output=_pack_output,
+    model=_pack_model, data=_pack_data, output=_pack_output, checkpoint=_pack_checkpoint,
 )
 
 
