@@ -5,6 +5,7 @@ A device worker (:mod:`tasks.worker.supervisor`) runs every job in a child *job 
 
 - worker -> job process: :class:`ProcessSpec` (first, once: what the process is for),
   :class:`RunJob` (one job; for a rank of a distributed job with its :class:`Rank`),
+  :class:`RunPack` (K trials of one job trained as one packed model, one :class:`Finished` each),
   :class:`StopJob` (ask the running job to stop at its next ``ctx.progress()``),
   :class:`Proceed` (the answer to a :class:`RankFailed`);
 - job process -> worker: :class:`Hello` (ready: the jobs it loaded, what torch sees) or
@@ -89,6 +90,9 @@ class JobInfo(BaseModel):
     name: str
     module: str
     doc: str | None = None
+    #: The names of the job's params that must be equal for trials to share a pack (their
+    #: models' shapes: :class:`tasks.core.job.Packing`); None: the job does not pack.
+    pack: list[str] | None = None
 
 
 class DeviceView(BaseModel):
@@ -186,6 +190,19 @@ class RunJob(_Message):
     attempt: int = Field(default=1, ge=1)
 
 
+class RunPack(_Message):
+    """Run K trials of one job as one packed (vmapped) model: each member is a full
+    :class:`RunJob` (its own job id, kwargs, options, fan-out, attempt); the FIRST member's
+    slot, cores, torch threads and allocator limit apply to the whole pack. The job process
+    sends one :class:`Finished` per member (``job_id`` set), each as soon as that member ends;
+    the pack is over when every member has its Finished. A member that does not fit the slot's
+    budget comes back as ``Finished(outcome=GIVE_WAY, error=PackTooLarge ...)``: the worker
+    sends its message back to its queue."""
+
+    kind: Literal["pack"] = "pack"
+    members: list[RunJob] = Field(min_length=1)
+
+
 class StopJob(_Message):
     """Stop the running job ``job_id`` at its next ``ctx.progress()``, which raises the error
     of ``reason`` (JobCancelled, JobTimeout, WorkerStopped) with ``message``."""
@@ -211,6 +228,8 @@ class Report(_Message):
 
     kind: Literal["progress"] = "progress"
     fields: dict[str, JsonValue]
+    #: Set when the report is a pack member's (:class:`RunPack`).
+    job_id: str | None = None
 
 
 class LogLines(_Message):
@@ -282,9 +301,11 @@ class Finished(_Message):
     #: Why this process must not run another job (device memory still held after an
     #: out-of-memory, a CUDA error that may have poisoned its context); None: it may.
     retire: str | None = None
+    #: Set for a pack member (:class:`RunPack`); its ``retire`` retires the process after the pack.
+    job_id: str | None = None
 
 
-FromWorker = Annotated[ProcessSpec | RunJob | StopJob | Proceed, Field(discriminator="kind")]
+FromWorker = Annotated[ProcessSpec | RunJob | RunPack | StopJob | Proceed, Field(discriminator="kind")]
 FromJobProcess = Annotated[Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished,
                            Field(discriminator="kind")]
 
@@ -292,9 +313,9 @@ _FROM_WORKER: TypeAdapter[Any] = TypeAdapter(FromWorker)
 _FROM_JOB_PROCESS: TypeAdapter[Any] = TypeAdapter(FromJobProcess)
 
 
-def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | StopJob | Proceed:
+def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | RunPack | StopJob | Proceed:
     """A message the worker sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: ProcessSpec | RunJob | StopJob | Proceed = _FROM_WORKER.validate_json(data)
+    message: ProcessSpec | RunJob | RunPack | StopJob | Proceed = _FROM_WORKER.validate_json(data)
     return message
 
 

@@ -7,6 +7,7 @@ share them with the training process instead of copying them.
 
 from __future__ import annotations
 
+import functools
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class Split:
         return int(self.x_train[0].numel())
 
 
+@functools.cache  # a pack loads it once per member: read the file once (callers never write to it)
 def _digits() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
 

@@ -36,7 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..core.defaults import CHECKPOINT_EVERY_S
 from ..core.errors import TrainingDiverged
-from ..core.job import JobContext, JobMetric, job
+from ..core.job import JobContext, JobMetric, PackData, Packing, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 class TrainParams(TrainingParams):
+    #: Adam's weight decay (L2, added to the gradient as torch.optim.Adam does).
+    weight_decay: float = Field(default=0.0, ge=0, le=10)
     #: DataLoader worker processes; ``auto``: 4 on a GPU, else one per core beyond the first.
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
@@ -116,7 +118,36 @@ def _sum_over_ranks(values: list[torch.Tensor | float], device: torch.device, ra
     return [float(v) for v in stacked.tolist()]
 
 
-@job("train", params=TrainParams, metrics={
+def _pack_data(params: TrainParams) -> PackData:
+    split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
+    return PackData(split.x_train, split.y_train, split.x_test, split.y_test,
+                    info={"classes": split.classes, "name": split.name})
+
+
+def _pack_model(params: TrainParams, pack_data: PackData) -> nn.Module:
+    return build(params.model, int(pack_data.x_train[0].numel()), int(pack_data.info["classes"]), params.hidden)
+
+
+def _pack_output(params: TrainParams, pack_data: PackData) -> dict[str, Any]:
+    return {"model": params.model.value, "dataset": pack_data.info["name"],
+            "train_samples": len(pack_data.y_train), "test_samples": len(pack_data.y_test), "num_workers": 0,
+            "parallel": asdict(Parallel("packed", [], "trained with the other trials of its pack as one vmapped model"))}
+
+
+def _pack_checkpoint(ctx: JobContext, params: TrainParams, net: nn.Module, optimizer: torch.optim.Optimizer,
+                     epoch: int) -> None:
+    resume.save(ctx.artifacts_dir, net, optimizer, epoch)
+
+
+#: ``train``'s trials pack when everything that decides the models' shapes, the data's size and
+#: the steps is equal; each keeps its own seed, lr and weight decay.
+TRAIN_PACKING = Packing(
+    key=("model", "hidden", "dataset", "epochs", "batch_size", "test_fraction"),
+    model=_pack_model, data=_pack_data, output=_pack_output, checkpoint=_pack_checkpoint,
+)
+
+
+@job("train", params=TrainParams, pack=TRAIN_PACKING, metrics={
     "samples_seen": JobMetric.SAMPLES,
     "samples_per_s": JobMetric.SAMPLES_PER_S,
     "data_wait_fraction": JobMetric.DATA_WAIT_FRACTION,
@@ -142,7 +173,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         sampler=sampler,
     )
     net = build(params.model, split.features, split.classes, params.hidden).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr, weight_decay=params.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
     rank_samples = len(sampler) if sampler is not None else n_train
