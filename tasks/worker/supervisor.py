@@ -64,6 +64,7 @@ from ..core.wire import (
     Report,
     RunJob,
     StopJob,
+    StopReason,
     StoreOpened,
 )
 from . import memory
@@ -94,10 +95,6 @@ class ProcessPolicy:
 class Watch(Protocol):
     """What the supervisor asks of the job it runs (implemented by the runner)."""
 
-    @property
-    def preempted(self) -> Level | None:
-        """The level of the work the job was stopped to make way for (None: not preempted)."""
-
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
@@ -111,14 +108,21 @@ class Watch(Protocol):
         """A rank's own error: fail its gang with ``reason`` now (a plain job has none)."""
 
     def stop(self) -> StopJob | None:
-        """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
+        """Whether to stop the job now, and why (asked every :data:`POLL_S`). A question only:
+        what acting on the stop takes is :meth:`act_on`'s."""
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        """The supervisor acts on ``stop`` (one :meth:`stop` gave) now: take what acting on it
+        takes (a preemption claims the waiting message the job makes way for; a fenced job's
+        reports are no longer relayed) and return the stop to send, or ``None`` where it no
+        longer stands (the message went to another job: the job runs on)."""
 
     def memory(self, used: int) -> None:
         """The job's memory at its latest sample (bytes)."""
 
     def made_way(self, level: Level) -> None:
-        """The job stops to make way for ``level`` work though its own worker did not ask it (its
-        gang was preempted as a whole): it goes back to its queue."""
+        """The job's gang makes way for ``level`` work as a whole, though its own worker did not
+        ask it (the stop that follows says so too)."""
 
 
 class WatchOver:
@@ -127,10 +131,6 @@ class WatchOver:
 
     def __init__(self, inner: Watch) -> None:
         self.inner = inner
-
-    @property
-    def preempted(self) -> Level | None:
-        return self.inner.preempted
 
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
@@ -147,6 +147,9 @@ class WatchOver:
     def stop(self) -> StopJob | None:
         return self.inner.stop()
 
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        return self.inner.act_on(stop)
+
     def memory(self, used: int) -> None:
         self.inner.memory(used)
 
@@ -156,7 +159,8 @@ class WatchOver:
 
 @dataclass(frozen=True)
 class Ended:
-    """How a job ended, as the supervisor saw it."""
+    """How a run ended, as the supervisor saw it: the value the runner matches on
+    (:func:`tasks.worker.runner.settle`)."""
 
     outcome: Outcome
     #: The job process's own account; None when the process died or was ended.
@@ -167,19 +171,44 @@ class Ended:
     pid: int
     #: Why its process was retired after this job; None: it runs the next one.
     retired: str | None
+    #: The stop the worker sent the job (or ended it with before it ran); None: none was.
+    stop: StopJob | None = None
 
     @property
     def crashed(self) -> bool:
         return self.error is not None and self.error.type == "JobCrashed"
 
+    def under(self, stop: StopJob | None) -> Ended:
+        """This ending with ``stop``, the stop the worker sent, and the outcome that stop makes
+        of it: a job its worker fenced off ends ``fenced`` however its process ended (no result
+        of the attempt may be stored), one asked to make way ends ``preempted`` unless it
+        finished ok first; ``preempted`` is never a job's own saying (a job that raised
+        ``Preempted`` unasked failed)."""
+        outcome = self.outcome
+        if stop is not None and stop.reason is StopReason.FENCED:
+            outcome = Outcome.FENCED
+        elif stop is not None and stop.reason is StopReason.PREEMPT:
+            outcome = outcome if outcome is Outcome.OK else Outcome.PREEMPTED
+        elif outcome in (Outcome.PREEMPTED, Outcome.FENCED):
+            outcome = Outcome.ERROR
+        return dataclasses.replace(self, outcome=outcome, stop=stop)
+
     @classmethod
     def by_worker(cls, error: type[BaseException], message: str, pid: int, retired: str | None,
-                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None) -> Ended:
+                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None,
+                  stop: StopJob | None = None) -> Ended:
         """A job the worker ended (or found ended), with one of devicefleet's job errors (and
-        its memory ``figures`` when it ended past its budget)."""
+        its memory ``figures`` when it ended past its budget; the ``stop`` it ended it for)."""
         return cls(outcome=outcome, finished=None,
                    error=ErrorInfo(type=error.__name__, message=message, memory=figures),
-                   error_module=error.__module__, pid=pid, retired=retired)
+                   error_module=error.__module__, pid=pid, retired=retired, stop=stop)
+
+    @classmethod
+    def stopped(cls, stop: StopJob, message: str | None = None) -> Ended:
+        """A job ended for ``stop`` before (or between) its runs: the error and outcome of
+        :data:`~tasks.core.wire.STOPS` for its reason, the stop's message or ``message``."""
+        error, outcome = STOPS[stop.reason]
+        return cls.by_worker(error, message or stop.message, pid=0, retired=None, outcome=outcome, stop=stop)
 
 
 class Supervisor:
@@ -479,6 +508,10 @@ class _Run:
         self._stop_sent_at = 0.0
 
     def wait(self) -> Ended:
+        """The run's end, with the stop the worker sent it (:meth:`Ended.under`)."""
+        return self._wait().under(self.stop)
+
+    def _wait(self) -> Ended:
         self.process.send(self.job)
         if self.budget is not None:  # the first sample once the job had MEMORY_SAMPLE_S to start
             self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
@@ -512,7 +545,7 @@ class _Run:
         now = time.monotonic()
         if self.stop is None:
             stop = self.watch.stop()
-            if stop is not None:
+            if stop is not None and (stop := self.watch.act_on(stop)) is not None:
                 self.stop, self._stop_sent_at = stop, now
                 self.process.send(stop)
             return False
