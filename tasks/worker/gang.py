@@ -486,7 +486,10 @@ class GangWatch(WatchOver):
             logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
 
     def stop(self) -> StopJob | None:
-        return self.inner.stop() or self._verdict
+        stop = self.inner.stop()
+        if stop is not None and stop.reason is StopReason.PREEMPT and self._verdict is not None:
+            return self._verdict  # the gang's own stop ends this run anyway: nothing to claim for it
+        return stop or self._verdict
 
     def act_on(self, stop: StopJob) -> StopJob | None:
         if stop is self._verdict:  # the gang's own stop: its worker has nothing to take for it
@@ -619,6 +622,9 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
         if ended.outcome is Outcome.OK:
             rdv.done()
             return ended
+        if ended.outcome is not Outcome.FENCED and (stop := watch.stop()) is not None and \
+                stop.reason is StopReason.FENCED and (stop := watch.act_on(stop)) is not None:
+            ended = ended.under(stop)  # its worker fenced itself off it as the run ended
         if ended.outcome is Outcome.FENCED:
             # Cut off from Redis, its worker stopped it: the lease expires, the job is given back
             # and its next run joins the gang where its peers (who saw the lease go) moved it.
