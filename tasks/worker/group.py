@@ -83,7 +83,7 @@ from ..core.periodic import PeriodicThread
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
 from ..core.wire import Outcome, RunJob
-from .supervisor import Ended, Supervisor, Watch
+from .supervisor import Apart, Ended, Supervisor, Watch
 
 logger = logging.getLogger(__name__)
 
@@ -447,10 +447,12 @@ class Reservation:
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
               supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
-              run: Callable[[RunJob, Watch, int | None], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
+              run: Callable[[RunJob, Watch, int | None, Apart | None], Ended],
+              on_start: Callable[[], None] = lambda: None) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
-    hold, run it in one job process over them all (``run(job, watch, budget_bytes)``: within
-    the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`), release.
+    hold, run it in one job process over them all (``run(job, watch, budget_bytes, apart)``:
+    within the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`; in
+    a process of its own where its visibility is not the device's), release.
     Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
     says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
     is called once every device holds it, as its job starts (its entry's ``started_at``)."""
@@ -486,9 +488,7 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         alive = GroupAlive(client, reservation.attempt, ttl_ms)
         alive.start()
         try:
-            if supervisor.needs_own_process(env):
-                return supervisor.run_apart(job, watch, env, budget)
-            return run(job, watch, budget)
+            return run(job, watch, budget, Apart(env, budget) if supervisor.needs_own_process(env) else None)
         finally:
             alive.stop(timeout=0)  # a refresh in flight finishes on its own
     except GiveWay as exc:

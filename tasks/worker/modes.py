@@ -33,7 +33,7 @@ from ..core.wire import RunJob
 from . import gang, group
 from .group import GroupGate
 from .slots import Slot
-from .supervisor import Ended, Supervisor, Watch
+from .supervisor import Apart, Ended, Supervisor, Watch
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,12 @@ class Plain:
     def run(self, launch: Launch) -> Ended:
         return self.in_process(launch.message, launch.watch, launch.slot)
 
-    def in_process(self, job: RunJob, watch: Watch, slot: Slot | None) -> Ended:
-        """Run ``job`` in one of the worker's job processes (in ``slot``): the plain run that
-        a gang's rank makes once per generation, and a CPU group's job in its leader's slot."""
+    def in_process(self, job: RunJob, watch: Watch, slot: Slot | None, apart: Apart | None = None) -> Ended:
+        """Run ``job`` in one of the worker's job processes (in ``slot``), or ``apart`` in one
+        of its own: the plain run that a gang's rank makes once per generation, and a group's
+        job in its leader's slot (a GPU group's apart)."""
         try:
-            return self.supervisor.run(job, watch, slot)
+            return self.supervisor.run(job, watch, slot, apart)
         except NoJobProcess as exc:
             logger.error("%s: %s", self.device, exc)
             return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
@@ -125,8 +126,8 @@ class Group:
         slot = launch.slot
         return group.run_group(
             self.client, spec, self.device, self.gate, self.plain.supervisor, self.lease_ttl_s, launch.message,
-            launch.watch, lambda job, watch, budget: self.plain.in_process(
-                job, watch, dataclasses.replace(slot, budget_bytes=budget)),
+            launch.watch, lambda job, watch, budget, apart: self.plain.in_process(
+                job, watch, dataclasses.replace(slot, budget_bytes=budget), apart),
             on_start=launch.on_start)
 
 

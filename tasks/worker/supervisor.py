@@ -158,6 +158,17 @@ class WatchOver:
 
 
 @dataclass(frozen=True)
+class Apart:
+    """A job that runs in a process of its own (:meth:`Supervisor.run`): a device group's whose
+    visibility this device's processes lack (CUDA reads it once, at a process's start)."""
+
+    #: Over the device's environment (the group's ``CUDA_VISIBLE_DEVICES``).
+    env: dict[str, str]
+    #: The group's memory budget (its devices' together), where this device measures memory.
+    budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Ended:
     """How a run ended, as the supervisor saw it: the value the runner matches on
     (:func:`tasks.worker.runner.settle`)."""
@@ -235,7 +246,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
         #: Called (outside the lock) when a process was started or ended: the registry shows them.
         self.on_change: Callable[[], None] | None = None
-        #: Where a device group's own job process starts (:meth:`run_apart`): the group host
+        #: Where a device group's own job process starts (:meth:`run` ``apart``): the group host
         #: under systemd, whose unit may open every GPU of the host; None: this worker's child.
         self.group_host: GroupHostLink | None = None
 
@@ -292,13 +303,16 @@ class Supervisor:
 
     # -- running a job -----------------------------------------------------------------------
 
-    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
-        """Run ``job`` in a ready job process and watch it to its end; in ``slot``: on its cores,
-        within its memory budget.
+    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None, apart: Apart | None = None) -> Ended:
+        """Run ``job`` and watch it to its end: in a ready job process of this device (in
+        ``slot``: on its cores, within its memory budget), or, with ``apart``, in a process of
+        its own (:class:`Apart`: a GPU group's job, which must see all its GPUs).
 
         Raises:
             NoJobProcess: none became ready within the start timeout.
         """
+        if apart is not None:
+            return self._run_apart(job, watch, apart)
         process = self._take()
         budget = None
         if slot is not None:
@@ -321,11 +335,11 @@ class Supervisor:
         in one of this device's processes: CUDA reads its visibility once, at its start."""
         return any(self._env.get(name) != value for name, value in env.items())
 
-    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str], budget_bytes: int | None = None) -> Ended:
-        """Run ``job`` in a process of its own, started with ``env`` over the device's
+    def _run_apart(self, job: RunJob, watch: Watch, apart: Apart) -> Ended:
+        """Run ``job`` in a process of its own, started with ``apart.env`` over the device's
         environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
-        lists all its GPUs), within ``budget_bytes`` of memory where this device measures it,
-        and end that process after it. Under systemd it is the group host's child
+        lists all its GPUs), within ``apart.budget_bytes`` of memory where this device measures
+        it, and end that process after it. Under systemd it is the group host's child
         (:attr:`group_host`), whose unit may open the group's GPUs; else this worker's.
 
         Raises:
@@ -335,7 +349,7 @@ class Supervisor:
         threads = job.torch_threads or len(cores)
         spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
         try:
-            process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
+            process = JobProcess(spec, {**self._env, **apart.env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
                                  self.group_host, self.policy.start_timeout_s)
         except ProcessGone as exc:
             raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
@@ -347,8 +361,8 @@ class Supervisor:
             except ProcessGone as exc:
                 raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
             budget = None
-            if budget_bytes is not None and self.meter is not None:
-                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=budget_bytes),
+            if apart.budget_bytes is not None and self.meter is not None:
+                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=apart.budget_bytes),
                                  self.meter)
             return _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         finally:
