@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
 from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
+from .priority import Level
 from .records import ErrorInfo, Visibility
 
 
@@ -214,6 +215,8 @@ class StopJob(_Message):
     #: Seconds the job has to stop before its process is ended (``None``: the policy's
     #: ``cancel_grace_s``); a self-fenced job's is bounded by its lease's TTL.
     grace_s: float | None = None
+    #: A ``PREEMPT`` stop's: the level of the work the job makes way for.
+    level: Level | None = None
 
 
 class Proceed(_Message):
@@ -269,6 +272,12 @@ class Outcome(str, Enum):
     #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`): the
     #: worker sends its message back to its queue.
     PREEMPTED = "preempted"
+    #: Its worker stopped it, cut off from Redis or superseded by a newer attempt (self-fencing,
+    #: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`): no result of this attempt is stored; its
+    #: lease expires and the job is given back. The worker's own: a job process ends such a job
+    #: as ``error`` (its ``WorkerStopped``), and the stop sent makes it ``fenced``
+    #: (:meth:`tasks.worker.supervisor.Ended.under`).
+    FENCED = "fenced"
 
 
 #: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
@@ -278,7 +287,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
     StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
-    StopReason.FENCED: (WorkerStopped, Outcome.ERROR),
+    StopReason.FENCED: (WorkerStopped, Outcome.FENCED),
     StopReason.PREEMPT: (Preempted, Outcome.PREEMPTED),
 }
 
