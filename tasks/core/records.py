@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from .commands import CommandRules
-from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS
+from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS, PACK_MAX
 from .priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 
 
@@ -272,6 +272,11 @@ class JobOptions(_Record):
     #: Whether higher-level work waiting for the device may preempt the job (False: it runs to
     #: its end, as Slurm's ``PreemptMode=OFF`` for one job).
     preemptible: bool = True
+    #: Set on a packed sweep's trials (``tasks.sweep(..., pack=K)``): the worker that takes one
+    #: trains up to K waiting trials of its queue at once in one job process, as one vmapped
+    #: model (:mod:`tasks.worker.pack`); ``"auto"``: as many as fit
+    #: (:data:`~tasks.core.defaults.PACK_AUTO_MAX` at most). None: the trial runs alone.
+    pack: Annotated[int, Field(ge=1, le=PACK_MAX)] | Literal["auto"] | None = None
 
     @field_validator("priority", mode="before")
     @classmethod

@@ -1,0 +1,31 @@
+"""Packed trials on real workers: a leader takes its siblings from its sweep's queue and trains
+them in one job process, each trial still its own message, lease and entry (tasks/worker/pack.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import tasks
+from tasks.core.records import Entry, JobOptions
+from tasks.producer.fanout import JobSpec
+
+SMALL = {"model": "mlp", "epochs": 2, "num_workers": 0, "checkpoint_every_s": 3600.0}
+
+
+def _trials(count: int) -> list[dict[str, object]]:
+    return [{"lr": 3e-3 * (1 + i % 4), "seed": i} for i in range(count)]
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_sweep_trains_its_trials_in_packs_with_an_entry_each(app):
+    trials = _trials(8)
+    spec = JobSpec.of(("train", SMALL), options=JobOptions(pack=4))
+    entries = tasks.sweep(spec, trials, "cpu0", app=app).get(timeout=240)
+    assert [Entry.parse(e).ok for e in entries] == [True] * 8, [e["error"] for e in entries]
+    assert [e["trial"] for e in entries] == list(range(8))
+    packed = [e["output"]["packed"] for e in entries]
+    # Every trial ran in a pack of more than one (the first leader takes up to 3 more).
+    assert all(p is not None and p["members"] > 1 for p in packed), packed
+    alone = tasks.sweep(("train", SMALL), trials[:2], "cpu0", app=app).get(timeout=240)
+    for packed_entry, lone in zip(entries[:2], alone, strict=True):
+        assert abs(packed_entry["output"]["accuracy"] - lone["output"]["accuracy"]) <= 0.01
