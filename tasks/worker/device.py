@@ -286,7 +286,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
     return WorkerRecord(
         device=setup.device.name, kind=setup.device.kind.value, worker=setup.nodename,
         host=host_name(), pid=os.getpid(), queues=setup.queues, cores=setup.cores,
-        pool=setup.config.pool.value, jobs=processes.jobs.names,
+        pool=setup.config.pool.value, jobs=processes.jobs.names, packable=processes.jobs.packable,
         slots=[SlotRecord(index=slot.index, cores=slot.cores, budget_bytes=slot.budget_bytes)
                for slot in slots.all],
         memory_kind="device" if setup.device.kind is DeviceKind.GPU else "resident",
