@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 import tasks
-from tasks.core.records import Entry, JobOptions
-from tasks.producer.fanout import JobSpec
+from tasks.core.records import Entry
 
 SMALL = {"model": "mlp", "epochs": 2, "num_workers": 0, "checkpoint_every_s": 3600.0}
 
@@ -19,8 +18,8 @@ def _trials(count: int) -> list[dict[str, object]]:
 @pytest.mark.timeout(300)
 def test_a_packed_sweep_trains_its_trials_in_packs_with_an_entry_each(app):
     trials = _trials(8)
-    spec = JobSpec.of(("train", SMALL), options=JobOptions(pack=4))
-    entries = tasks.sweep(spec, trials, "cpu0", app=app).get(timeout=240)
+    handle = tasks.sweep(("train", SMALL), trials, "cpu0", pack=4, app=app)
+    entries = handle.get(timeout=240)
     assert [Entry.parse(e).ok for e in entries] == [True] * 8, [e["error"] for e in entries]
     assert [e["trial"] for e in entries] == list(range(8))
     packed = [e["output"]["packed"] for e in entries]
@@ -43,8 +42,8 @@ def _wait(predicate, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(300)
 def test_a_cancelled_member_leaves_its_pack_alone(app):
-    trials = [{"seed": i, "epochs": 3000} for i in range(4)]
-    handle = tasks.sweep(JobSpec.of("packed", options=JobOptions(pack=4)), trials, "cpu1", app=app)
+    trials = [{"seed": i, "epochs": 600} for i in range(4)]
+    handle = tasks.sweep("packed", trials, "cpu1", pack=4, app=app)
     # Trial 1 reports progress once the pack trains; then it alone is cancelled.
     _wait(lambda: handle.progress().get(1))
     app.control.revoke(handle.task_ids[1])
@@ -57,8 +56,7 @@ def test_a_cancelled_member_leaves_its_pack_alone(app):
 @pytest.mark.timeout(300)
 def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
     trials = [{"seed": i, "crash": i == 2} for i in range(4)]
-    entries = tasks.sweep(JobSpec.of("packed", options=JobOptions(pack=4)), trials, "cpu1",
-                          app=app).get(timeout=240)
+    entries = tasks.sweep("packed", trials, "cpu1", pack=4, app=app).get(timeout=240)
     assert [e["status"] for e in entries] == ["ok", "ok", "error", "ok"], [e["error"] for e in entries]
     # The crashing trial took down only itself, alone; the others ran again unpacked and ended ok.
     assert entries[2]["error"]["type"] == "JobCrashed"
