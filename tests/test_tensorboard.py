@@ -21,7 +21,8 @@ from tasks.jobproc.scalars import ScalarLog
 from tasks.ops import tensorboard as tb_server
 from tasks.ops.proc import free_port, stop_process
 
-from .browser import chromium, screenshot
+from . import system_tools
+from .browser import CHROMIUM, chromium, screenshot
 from .conftest import test_env, wait_for
 
 DEVICES = ["cpu0", "cpu1"]
@@ -66,6 +67,8 @@ def test_train_writes_each_devices_loss_curve_and_history(fleet: Fleet, trained:
 
 @pytest.fixture(scope="module")
 def served(fleet: Fleet, trained: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Its one reader is a browser: where there is none, skip (fail on CI) before starting TensorBoard.
+    system_tools.tool(str(CHROMIUM), "chromium")
     port = free_port()
     log = tmp_path_factory.mktemp("tensorboard") / "tensorboard.log"
     with log.open("wb") as out:
