@@ -16,8 +16,8 @@ GPU, 2 on a CPU, 1 in ``--quick``), N of them: 256 on a GPU, 32 on a CPU, 8 in `
   the epochs' batches by index, the test accuracy), without ``train``'s checkpoint, curve and
   report: the rate the fleet's per-trial overhead is judged against.
 
-With a fleet (:func:`measure_fleet`, on the device the bench trains on: ``gpu0``, else ``cpu0``
-pinned to one core with one slot), the same trials through a sweep:
+On the bench's fleet (:func:`measure_fleet`, on ``gpu0``, else ``cpu0``: on a 2-core host one
+core and one slot), the same trials through a sweep:
 ``fleet_trials_per_s`` one at a time (unpacked), ``fleet_packed_trials_per_s`` with
 ``pack=<all of them>``; ``fleet_vs_plain_loop`` is the better of the two over
 ``plain_loop_trials_per_s`` (the issue's CPU goal: >= 0.5), ``fleet_packed_vs_one_slot`` the
@@ -38,12 +38,10 @@ from celery import Celery
 
 from ..core.job import JobContext
 from ..core.records import Entry
-from ..core.settings import Settings
 from ..jobproc.packed import Member, train_pack
 from ..jobs import data
 from ..jobs.models import build
 from ..jobs.train import TRAIN_PACKING, TrainParams, train
-from ..ops.fleet import Fleet
 from ..producer.sweep import sweep
 from .slots import _trials
 
@@ -147,10 +145,10 @@ def plain_loop_rate(trials: list[dict[str, Any]], torch_device: str) -> float:
     return len(trials) / (time.perf_counter() - started)
 
 
-def measure_fleet(base: Settings, figures: dict[str, Any], *, quick: bool) -> dict[str, Any]:
-    """The fleet's rates of the same trials (see the module's docstring), beside ``figures``
-    (:func:`measure`'s); returns them merged."""
-    gpu = torch.cuda.is_available()
+def measure_fleet(app: Celery, devices: list[str], figures: dict[str, Any], *, quick: bool) -> dict[str, Any]:
+    """The fleet's rates of the same trials on ``gpu0``, else ``cpu0`` (see the module's
+    docstring), beside ``figures`` (:func:`measure`'s); returns them merged."""
+    gpu = torch.cuda.is_available() and "gpu0" in devices
     device = "gpu0" if gpu else "cpu0"
     count = 256 if gpu else (8 if quick else 32)
     trials = _trials(count, gpu, quick)
@@ -162,16 +160,10 @@ def measure_fleet(base: Settings, figures: dict[str, Any], *, quick: bool) -> di
         out["plain_loop_trials_per_s"] = plain_loop_rate(alone, "cuda:0" if gpu else "cpu")
     finally:
         torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory(prefix="devicefleet-bench-pack-fleet-") as tmp:
-        settings = base.model_copy(update={"redis_url": None, "state_dir": Path(tmp) / "state"})
-        # On a CPU host, one device on one core with one slot: the issue's one-core figure.
-        one_core = {} if gpu else {"DEVICEFLEET_CORES": "0"}
-        with Fleet(settings, cpu_workers=1, gpus=1 if gpu else 0, stop_timeout=30, metrics=False,
-                   extra_env=one_core).start() as fleet:
-            app = fleet.app()
-            fleet_rate(app, device, trials[:2])  # the job process warm: torch, scikit-learn, the data
-            out["fleet_trials_per_s"] = fleet_rate(app, device, alone)
-            out["fleet_packed_trials_per_s"] = fleet_rate(app, device, trials, pack=count)
+    fleet_rate(app, device, trials[:1])  # the job process warm: torch, scikit-learn, the data
+    out["fleet_device"] = device
+    out["fleet_trials_per_s"] = fleet_rate(app, device, alone)
+    out["fleet_packed_trials_per_s"] = fleet_rate(app, device, trials, pack=count)
     best = max(out["fleet_trials_per_s"], out["fleet_packed_trials_per_s"])
     out["fleet_vs_plain_loop"] = best / out["plain_loop_trials_per_s"]
     out["fleet_packed_vs_one_slot"] = out["fleet_packed_trials_per_s"] / out["fleet_trials_per_s"]

@@ -98,15 +98,12 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline", "slots", "pack"}:  # groups: its start and wait figures (the Hogwild ones need none)
+        if chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
             with _timed(figures, "fleet"), Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
         if "slots" in chosen:  # fleets of its own, one per slot count
             with _timed(figures, "slots"):
                 figures["slots"] = slots.measure(settings, quick=quick)
-        if "pack" in chosen:  # one plain process, then a fleet of its own: the same trials packed
-            with _timed(figures, "pack"):
-                figures["pack"] = pack.measure_fleet(settings, pack.measure(quick=quick), quick=quick)
     if "pipeline" in chosen:
         with _timed(figures, "pipeline"):
             figures["pipeline"] = pipeline.measure(quick=quick)
@@ -152,6 +149,9 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
         with _timed(figures, "gpu"):
             if (gpu_figures := gpu.measure(app, devices, quick=quick)) is not None:
                 figures["gpu"] = gpu_figures
+    if "pack" in chosen:  # one plain process, then the same trials on the fleet's first device
+        with _timed(figures, "pack"):
+            figures["pack"] = pack.measure_fleet(app, devices, pack.measure(quick=quick), quick=quick)
     if "commands" in chosen:
         with _timed(figures, "commands"):
             figures["commands"] = commands.measure(app, cpus[0], workdir, quick=quick)
