@@ -211,6 +211,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
             cancelled=lambda: channel.stop_requested(job.job_id),
             interruption=lambda: channel.interruption(job.job_id),
             preemption=lambda: channel.preempted(job.job_id), attempt=job.attempt,
+            memory_budget_bytes=job.allocator_limit_bytes,
         )
         func = definition.func if job.rank is None else runtime.rank_of(definition, job.rank, channel)
         output, still_held = run_guarded(func, ctx, params, options.fallback)
