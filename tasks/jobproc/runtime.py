@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
 from ..core.devices import Device, check_visibility
 from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost, Preempted
 from ..core.job import JobContext, JobDefinition, JobFunc
@@ -27,7 +28,7 @@ from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessS
 from .channel import Channel
 from .command import CommandJob
 from .command_process import become_subreaper
-from .oom import release_memory, run_guarded
+from .oom import MiB, run_guarded, settle_device
 from .progress import ProgressThrottle
 from .rank import run_command_rank, run_rank
 from .registry import JobRegistry, validate_kwargs
@@ -48,15 +49,6 @@ def rss_bytes() -> int:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def gpu_memory_in_use() -> int | None:
-    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
-    torch = sys.modules.get("torch")
-    # is_initialized first: a flag, where is_available asks the driver (after every job).
-    if torch is None or not torch.cuda.is_initialized() or not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.memory_reserved())
 
 
 def cap_allocator(limit_bytes: int) -> None:
@@ -254,18 +246,25 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
 
 
 def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
+    # Out of the except block, so the job's tensors are unreachable: the device's memory is
+    # back at its baseline before the worker hears the job ended, whatever stopped it (a
+    # cancel, a pruned trial, a preemption, a time limit, its worker fencing itself, its own
+    # error), so the next job, or the one that preempted it, finds the memory free. What is
+    # still allocated then (a module global's tensors) retires the process.
+    device = settle_device(runtime.spec.torch_device, failed=ending.error is not None,
+                           limit_bytes=MAX_GPU_MEMORY_LEFT_MIB * MiB)
+    if device.error is not None and ending.error is None:
+        # The job's own CUDA error, raised only now (kernels run asynchronously): its entry.
+        logger.warning("%s: %s", runtime.spec.device, device.retire)
+        ending.output, ending.metrics = None, {}
+        ending.failed(device.error)
+    ending.retire = ending.retire or device.retire
     exc = ending.error
-    if exc is not None:
-        # Out of the except block, so the job's tensors are unreachable: the device's memory is
-        # back at its baseline before the worker hears the job ended, whatever stopped it (a
-        # cancel, a pruned trial, a preemption, a time limit, its worker fencing itself, its own
-        # error), so the next job, or the one that preempted it, finds the memory free.
-        release_memory(runtime.spec.torch_device)
     return Finished(
         outcome=ending.outcome, output=ending.output,
         error=ErrorInfo.of(exc) if exc is not None else None,
         error_module=type(exc).__module__ if exc is not None else None,
-        metrics=ending.metrics, gpu_memory_bytes=gpu_memory_in_use(), rss_bytes=rss_bytes(),
+        metrics=ending.metrics, gpu_memory_bytes=device.reserved_bytes, rss_bytes=rss_bytes(),
         retire=ending.retire,
     )
 

@@ -40,6 +40,7 @@ from ..core.job import JobContext, JobMetric, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
+from .resident import DataMode, DeviceData, place_data
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class TrainParams(TrainingParams):
     #: Split each batch over the visible GPUs with ``nn.DataParallel`` when there are several;
     #: False: train on the first only.
     data_parallel: bool = True
+    #: Where the training data lives: ``auto``: on the job's device when it fits its memory budget
+    #: (batches indexed there: no DataLoader workers, no per-batch copy), else a DataLoader;
+    #: ``device`` or ``loader``: that path. The result's ``data_path`` says which and why.
+    data: DataMode = "auto"
 
 
 @dataclass(frozen=True)
@@ -128,24 +133,35 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     cuda = device.type == "cuda"
     rank, ranks = ctx.rank, ctx.world_size
     split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
-    workers = _loader_workers(params, ctx, cuda)
-    train_set = TensorDataset(split.x_train, split.y_train)
-    sampler: DistributedSampler[Any] | None = (DistributedSampler(train_set, num_replicas=ranks, rank=rank, shuffle=True, seed=params.seed)
-               if ranks > 1 else None)
-    loader = build_loader(
-        train_set,
-        batch_size=params.batch_size,
-        num_workers=workers,
-        cuda=cuda,
-        shuffle=True,
-        seed=params.seed,
-        sampler=sampler,
-    )
+    placement = place_data(ctx, split.x_train, split.y_train, mode=params.data)
+    sampler: DistributedSampler[Any] | None = None
+    if placement.on_device:
+        # Copied to the device once; each epoch's order is drawn there (seed + epoch: the same
+        # after a resume), each rank taking its shard of it as DistributedSampler would.
+        resident: DeviceData | None = DeviceData.from_tensors(split.x_train, split.y_train, device=device)
+        loader = None
+        workers = 0
+    else:
+        resident = None
+        workers = _loader_workers(params, ctx, cuda)
+        train_set = TensorDataset(split.x_train, split.y_train)
+        if ranks > 1:
+            sampler = DistributedSampler(train_set, num_replicas=ranks, rank=rank, shuffle=True, seed=params.seed)
+        loader = build_loader(
+            train_set,
+            batch_size=params.batch_size,
+            num_workers=workers,
+            cuda=cuda,
+            shuffle=True,
+            seed=params.seed,
+            sampler=sampler,
+        )
     net = build(params.model, split.features, split.classes, params.hidden).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
-    rank_samples = len(sampler) if sampler is not None else n_train
+    rank_samples = (resident.shard_size(ranks) if resident is not None else len(sampler) if sampler is not None
+                    else n_train)
 
     if ranks > 1:
         resume.share(ctx.artifacts_dir, rank, device)  # every rank resumes from rank 0's checkpoint
@@ -173,7 +189,9 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         epoch_wait = wait_s
         loss_sum = torch.zeros((), device=device)
         correct_sum = torch.zeros((), dtype=torch.long, device=device)
-        batches = iter(loader)
+        batches = (resident.batches(params.batch_size, resident.generator(params.seed + epoch), rank=rank,
+                                    world_size=ranks)
+                   if resident is not None else iter(loader or ()))
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -257,6 +275,8 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "resumed_from_epoch": resumed_from,
         "train_s": train_s,
         "num_workers": workers,
+        # Where the training data lived: "device" (indexed there) or "loader", and why.
+        "data_path": asdict(placement),
         "torch_device": str(device),
         "parallel": asdict(parallel),
         # Rank 0's file (the other ranks of a distributed job write none: theirs is None).
