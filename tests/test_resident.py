@@ -82,3 +82,40 @@ def test_batches_are_drawn_and_indexed_on_the_gpu() -> None:
     batches = list(data.batches(64, data.generator(0)))
     assert all(t.is_cuda for b in batches for t in b)
     assert sorted(torch.cat([b[1] for b in batches]).tolist()) == list(range(1000))
+
+
+def _train(tmp_path, torch_device: str = "cpu", budget: int | None = None, **params):
+    from tasks.jobs.train import TrainParams, train
+
+    ctx = JobContext(device="cpu0", torch_device=torch_device, job_id="t", artifacts_dir=tmp_path / "t",
+                     cores=[0], threads=1, memory_budget_bytes=budget)
+    params = {"epochs": 3, "num_workers": 0, "checkpoint_every_s": 3600, **params}
+    return train(ctx, TrainParams(**params))
+
+
+def test_train_keeps_data_that_fits_on_the_device_and_says_so(tmp_path) -> None:
+    out = _train(tmp_path)
+    assert out["data_path"]["path"] == "device" and "fits" in out["data_path"]["note"], out["data_path"]
+    assert out["num_workers"] == 0 and out["accuracy"] >= 0.8
+    assert out["samples_seen"] == 3 * out["train_samples"]
+    assert out["weights_digest"] == _train(tmp_path)["weights_digest"]  # reproducible from its seed
+
+
+def test_train_feeds_data_over_its_budget_or_asked_for_through_the_loader(tmp_path) -> None:
+    over = _train(tmp_path, budget=100_000)  # digits' train split is ~0.36 MiB
+    assert over["data_path"]["path"] == "loader" and "is over 50%" in over["data_path"]["note"]
+    asked = _train(tmp_path, data="loader")
+    assert asked["data_path"]["path"] == "loader" and asked["accuracy"] >= 0.8
+    workers = _train(tmp_path, num_workers=1)
+    assert workers["data_path"]["path"] == "loader" and workers["num_workers"] == 1
+
+
+@pytest.mark.gpu
+def test_train_on_a_gpu_with_resident_data_hardly_waits_for_it(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = _train(tmp_path, torch_device="cuda:0", epochs=15)
+    print(f"\nGPUCHECK 48 train on cuda:0: {out['data_path']}, {out['samples_per_s']:,.0f} samples/s, "
+          f"data_wait_fraction {out['data_wait_fraction']:.3f}")
+    assert out["data_path"]["path"] == "device"
+    assert out["data_wait_fraction"] <= 0.05

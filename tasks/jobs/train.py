@@ -1,8 +1,10 @@
 """``train``: train a real model on a real dataset and save a safetensors checkpoint.
 
 The loop follows the habits that keep a device fed (PyTorch's Performance Tuning Guide,
-https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html): DataLoader workers prefetch
-batches in the background; on CUDA, batches are pinned and copied with ``non_blocking=True``;
+https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html): a training split that fits the
+job's memory budget lives on the device, copied there once, each batch indexed there
+(:mod:`.resident`: no loader, no per-batch copy); one that does not is fed by DataLoader workers
+that prefetch batches in the background, pinned on CUDA and copied with ``non_blocking=True``;
 accumulators live on the device and are read once per epoch (no per-step ``.item()``);
 evaluation runs under ``torch.inference_mode()``. Results travel by reference: the checkpoint
 stays on disk and only its path goes through Redis.
@@ -40,13 +42,14 @@ from ..core.job import JobContext, JobMetric, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
-from .resident import DataMode, DeviceData, place_data
+from .resident import DataMode, DeviceData, Placement, place_data, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
 
 class TrainParams(TrainingParams):
-    #: DataLoader worker processes; ``auto``: 4 on a GPU, else one per core beyond the first.
+    #: DataLoader worker processes (the loader path only: see ``data``); ``auto``: 4 on a GPU,
+    #: else one per core beyond the first.
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
     #: A job that runs again after its worker died resumes from it.
@@ -56,7 +59,8 @@ class TrainParams(TrainingParams):
     data_parallel: bool = True
     #: Where the training data lives: ``auto``: on the job's device when it fits its memory budget
     #: (batches indexed there: no DataLoader workers, no per-batch copy), else a DataLoader;
-    #: ``device`` or ``loader``: that path. The result's ``data_path`` says which and why.
+    #: ``device`` or ``loader``: that path. Under ``auto`` a ``num_workers`` above 0 means the
+    #: loader. The result's ``data_path`` says which and why.
     data: DataMode = "auto"
 
 
@@ -102,6 +106,15 @@ def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
     return min(4, cores) if cuda else min(4, cores - 1)
 
 
+def _placement(params: TrainParams, ctx: JobContext, split: data.Split) -> Placement:
+    """Where the training split lives: ``params.data``; under ``auto`` an explicit
+    ``num_workers`` above 0 asks for DataLoader workers, so the loader feeds it."""
+    if params.data == "auto" and params.num_workers not in ("auto", 0):
+        return Placement("loader", tensor_bytes(split.x_train, split.y_train), None,
+                         f"num_workers={params.num_workers} asks for DataLoader workers: a DataLoader feeds it")
+    return place_data(ctx, split.x_train, split.y_train, mode=params.data)
+
+
 def weights_digest(model: nn.Module) -> str:
     """SHA-256 of a model's parameters and buffers, by name: equal models, equal digests."""
     digest = hashlib.sha256()
@@ -133,7 +146,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     cuda = device.type == "cuda"
     rank, ranks = ctx.rank, ctx.world_size
     split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
-    placement = place_data(ctx, split.x_train, split.y_train, mode=params.data)
+    placement = _placement(params, ctx, split)
     sampler: DistributedSampler[Any] | None = None
     if placement.on_device:
         # Copied to the device once; each epoch's order is drawn there (seed + epoch: the same
