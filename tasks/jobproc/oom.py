@@ -6,7 +6,9 @@ ask for it (``fallback="cpu"``, :class:`~tasks.core.records.JobOptions`, sent be
 runs the job again on the CPU in the same process. Otherwise it raises
 :class:`~tasks.core.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory
 is still held after the release, the job process says so and the worker retires it (a fresh one
-takes the next job); the worker itself never held that memory.
+takes the next job); the worker itself never held that memory. :func:`settle_device` does the
+same after every job on CUDA: what the job left allocated (tensors in a module global) past
+``MAX_GPU_MEMORY_LEFT_MIB``, or a CUDA error while releasing it, retires the process.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def release_memory(torch_device: str, baseline: int = 0) -> bool:
         return False
     import torch
 
+    if torch.cuda.is_initialized():
+        # Kernels run asynchronously: a device-side assert of the job's surfaces here, not in
+        # the next job (raised to the caller: settle_device turns it into the job's error).
+        torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return bool(torch.cuda.memory_allocated() > baseline)
 

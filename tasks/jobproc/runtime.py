@@ -5,8 +5,9 @@ modules and checks what torch sees, then remembers the environment, working dire
 ``sys.path``, core affinity and torch threads. :meth:`JobRuntime.run` puts all of those back
 before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVICES"] = ...``,
 ``os.chdir("/")``), then runs it (:func:`run_job`) and says how it ended, and whether this
-process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300) or
-an out-of-memory.
+process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300, also
+when it surfaces only as the job's memory is released), an out-of-memory, or with more than
+``MAX_GPU_MEMORY_LEFT_MIB`` of device memory still allocated after the job (:func:`.oom.settle_device`).
 """
 
 from __future__ import annotations
