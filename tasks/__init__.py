@@ -44,12 +44,13 @@ from .core.errors import (
     NoFleetError,
     NoJobProcess,
     OutOfMemory,
+    PackTooLarge,
     SweepConflict,
     UnknownJob,
     WorkerLost,
     WorkerStopped,
 )
-from .core.job import JobContext, JobMetric, job
+from .core.job import JobContext, JobMetric, PackData, Packing, job
 from .core.priority import Level
 from .core.queues import QueueName
 from .core.records import ENTRY_KEYS, DeadLetter, Entry, EntryStatus, JobOptions, WorkerRecord
@@ -112,6 +113,8 @@ __all__ = [
     "JobError",
     "JobHandle",
     "JobMetric",
+    "PackData",
+    "Packing",
     "JobOptions",
     "JobSpec",
     "JobTimeout",
@@ -120,6 +123,7 @@ __all__ = [
     "NoFleetError",
     "NoJobProcess",
     "OutOfMemory",
+    "PackTooLarge",
     "QueueName",
     "Report",
     "Settings",

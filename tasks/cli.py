@@ -32,6 +32,7 @@ from rich.markup import escape
 from .core.defaults import (
     CANCEL_WAIT_S,
     FLEET_STOP_TIMEOUT_S,
+    PIPED_OUTPUT_WIDTH,
     RUN_FLEET_STOP_TIMEOUT_S,
     RUN_TIMEOUT_S,
     STATUS_WATCH_INTERVAL_S,
@@ -53,8 +54,21 @@ from .core.settings import DEFAULT_METRICS_PORT, Settings
 from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
 
 logger = logging.getLogger(__name__)
-console = Console()
-err_console = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console for stdout (or stderr): rich's layout at the terminal's width on a terminal; on
+    a pipe or a file, every line whole (soft wrap, and tables at their natural width up to
+    :data:`~tasks.core.defaults.PIPED_OUTPUT_WIDTH`), so a path or an error line in a log can be
+    copied and grepped (rich would otherwise wrap at 80 columns)."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream is not None and stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, soft_wrap=True, width=PIPED_OUTPUT_WIDTH)
+
+
+console = _console()
+err_console = _console(stderr=True)
 
 
 #: Before each error line: click's own, so that every error of the command reads the same.
@@ -763,7 +777,7 @@ def tensorboard(logdir: Path | None, port: int) -> None:
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
 @click.option("--section", "sections", multiple=True, metavar="NAME",
               help="Measure only this section (repeatable): dispatch, producer, sweep, fanout, ddp, gpu, commands, isolation, "
-                   "slots, pipeline, groups.")
+                   "slots, pack, pipeline, groups.")
 def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...]) -> None:
     """Measure a throwaway fleet against what users would do instead; print a table."""
     from .bench import report

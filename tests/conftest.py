@@ -203,10 +203,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def queue_length(client: Any, queue: str) -> int:
     """Every message waiting in ``queue`` at the normal level: its own list and each user's list
     beside it (fair share: a job that names its user waits in ``device.cpu0~alice``)."""
-    from tasks.core.fairshare import known_users
-    from tasks.core.priority import Level, level_lists
+    from tasks.core.priority import Level
+    from tasks.core.queue_lists import QueueLists
 
-    return sum(int(client.llen(name)) for name in level_lists(queue, Level.NORMAL, known_users(client)))
+    return QueueLists.read(client, queue).count(client, Level.NORMAL, steps=False)
 
 
 T = TypeVar("T")

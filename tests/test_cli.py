@@ -375,3 +375,15 @@ def test_status_and_run_tables_fit_80_columns_and_never_truncate(fleet):
     # The session fleet allows commands (tests/conftest.py): status names the programs (wrapped).
     assert "commands: " in status.stdout and "bash" in status.stdout.split("commands: ", 1)[1]
     assert "CUDA" in run.stdout and "visible" in run.stdout and run.stdout.count(" ok ") == 2
+
+
+def test_an_error_written_to_a_pipe_is_one_whole_line(tmp_path):
+    """Output to a pipe or a file is not wrapped at 80 columns (issue 51): the error's path
+    can be copied and `grep Error:` finds the whole message."""
+    state_dir = tmp_path / "a-state-folder-whose-path-is-long-enough-to-cross-the-eightieth-column"
+    proc = subprocess.run([*CLI, "status"], env=cli_env(DEVICEFLEET_STATE_DIR=str(state_dir)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and len(errors[0]) > 80, proc.stderr
+    assert str(state_dir) in errors[0] and "devicefleet up" in errors[0], proc.stderr

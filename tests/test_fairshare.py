@@ -9,7 +9,8 @@ from datetime import datetime
 import pytest
 
 from tasks import fair_share, fan_out, sweep
-from tasks.core.fairshare import UserOrder, brpop_keys, decayed, order_users, parse_usage, wait_bucket
+from tasks.core.fairshare import UserOrder, decayed, order_users, parse_usage, wait_bucket
+from tasks.core.queue_lists import brpop_keys
 from tasks.ops.exporter import FleetCollector
 
 # -- the decay and the order: pure logic -----------------------------------------------------------

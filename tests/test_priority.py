@@ -111,7 +111,8 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
 
 def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_turns():
     from tasks.core.devices import Device, DeviceKind
-    from tasks.core.priority import Level, leveled, split_level
+    from tasks.core.priority import Level
+    from tasks.core.queue_lists import leveled, split_level
     from tasks.core.queues import worker_queues
     from tasks.core.transport import LevelCycle
 
@@ -200,7 +201,8 @@ def test_a_preempted_command_gets_sigterm_and_runs_again_with_its_attempt_and_ar
 def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_minimum_run(fleet):
     import time
 
-    from tasks.core.priority import Level, leveled
+    from tasks.core.priority import Level
+    from tasks.core.queue_lists import leveled
     from tasks.worker.preemption import Preemption
 
     client = connect(fleet.redis_url)
@@ -212,19 +214,19 @@ def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_m
         watch.running("a", Level.BATCH)
         watch.running("b", Level.BATCH)
         watch.tick()
-        assert watch.outranked("a", Level.BATCH, now) is None  # run less than min_run_s
+        assert watch.claim("a", Level.BATCH, now) is None  # run less than min_run_s
         client.lpush(f"{queue}:urgent", "m1")
         watch.tick()
         long_ago = now - 60.0
-        assert watch.outranked("a", Level.BATCH, long_ago) is Level.URGENT
-        assert watch.outranked("b", Level.BATCH, long_ago) is None  # one message: one job makes way
-        assert watch.outranked("c", Level.URGENT, long_ago) is None  # nothing waits above urgent
+        assert watch.claim("a", Level.BATCH, long_ago) is Level.URGENT
+        assert watch.claim("b", Level.BATCH, long_ago) is None  # one message: one job makes way
+        assert watch.claim("c", Level.URGENT, long_ago) is None  # nothing waits above urgent
         # A job that starts makes the last look stale: nothing is preempted until the next one.
         watch.done("a")
         watch.running("d", Level.BATCH)
-        assert watch.outranked("d", Level.BATCH, long_ago) is None
+        assert watch.claim("d", Level.BATCH, long_ago) is None
         watch.tick()
-        assert watch.outranked("d", Level.BATCH, long_ago) is Level.URGENT
+        assert watch.claim("d", Level.BATCH, long_ago) is Level.URGENT
     finally:
         client.delete(f"{queue}:urgent", keys.preempt_claims(f"{queue}:urgent"))
         client.close()

@@ -101,6 +101,21 @@ def test_train_keeps_data_that_fits_on_the_device_and_says_so(tmp_path) -> None:
     assert out["weights_digest"] == _train(tmp_path)["weights_digest"]  # reproducible from its seed
 
 
+def test_train_gives_the_same_model_on_either_path(tmp_path) -> None:
+    """The device path takes its batches in the loader's order: one seed, one model."""
+    device, loader = _train(tmp_path, data="device"), _train(tmp_path, data="loader")
+    assert device["data_path"]["path"] == "device" and loader["data_path"]["path"] == "loader"
+    assert device["weights_digest"] == loader["weights_digest"]
+    assert device["history"] == loader["history"]
+
+
+def test_a_given_order_is_followed_and_sharded() -> None:
+    data = DeviceData.from_tensors(torch.arange(6), device="cpu")
+    order = torch.tensor([5, 4, 3, 2, 1, 0])
+    assert torch.cat([b[0] for b in data.batches(4, order=order)]).tolist() == [5, 4, 3, 2, 1, 0]
+    assert torch.cat([b[0] for b in data.batches(4, order=order, rank=1, world_size=2)]).tolist() == [4, 2, 0]
+
+
 def test_train_feeds_data_over_its_budget_or_asked_for_through_the_loader(tmp_path) -> None:
     over = _train(tmp_path, budget=100_000)  # digits' train split is ~0.36 MiB
     assert over["data_path"]["path"] == "loader" and "is over 50%" in over["data_path"]["note"]

@@ -38,6 +38,9 @@ KEYS = (
     "isolation.cancel_grace_s",
     "slots.trials_per_s_vs_one",
     "slots.busy_fraction",
+    "pack.plain_trials_per_s",
+    "pack.packed_trials_per_s",
+    "pack.accuracy_gap",
     "groups.hogwild_speedup",
     "groups.hogwild_accuracy_gap",
 )
@@ -85,6 +88,8 @@ GOALS = {
     # data and epochs: its training 1.6x as fast, its accuracy within 0.02.
     "groups.hogwild_speedup": (">=", 1.6),
     "groups.hogwild_accuracy_gap": ("<=", 0.02),
+    # Each of the same trials trained packed (one vmapped model) and alone: accuracy within 0.01.
+    "pack.accuracy_gap": ("<=", 0.01),
 }
 
 

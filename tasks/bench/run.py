@@ -17,12 +17,26 @@ from ..core.errors import ConfigError
 from ..core.settings import ARTIFACTS_SUBDIR, Settings
 from ..core.worker_config import load_worker_config
 from ..ops.fleet import Fleet
-from . import commands, ddp, dispatch, efficiency, gpu, group_start, groups, isolation, pipeline, producer, slots, sweep
+from . import (
+    commands,
+    ddp,
+    dispatch,
+    efficiency,
+    gpu,
+    group_start,
+    groups,
+    isolation,
+    pack,
+    pipeline,
+    producer,
+    slots,
+    sweep,
+)
 
 #: The sections of a bench run, in the order they run (``pipeline`` needs no fleet; ``groups``
 #: measures its start and wait figures on the fleet, its Hogwild ones without it).
-SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pipeline",
-            "groups")
+SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pack",
+            "pipeline", "groups")
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +71,8 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
     """Start an embedded fleet (``cpu_workers`` CPU devices, each GPU), measure, stop it.
 
     ``sections`` picks some of :data:`SECTIONS` (default: all). Returns ``{"host", "quick",
-    "dispatch", "producer", "sweep", "fanout", "ddp", "commands", "isolation", "pipeline", "groups",
-    "gpu"?}`` (those picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU
+    "dispatch", "producer", "sweep", "fanout", "ddp", "commands", "isolation", "slots", "pack", "pipeline",
+    "groups", "gpu"?}`` (those picked); ``gpu`` only where torch sees a CUDA device (``ddp`` needs two CPU
     devices: the default; ``groups`` two usable cores).
 
     The fleet also runs the misbehaving jobs of :mod:`.misbehave` and a short ``cancel_grace_s``
@@ -84,12 +98,15 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
+        if chosen - {"pipeline", "slots", "pack"}:  # groups: its start and wait figures (the Hogwild ones need none)
             with _timed(figures, "fleet"), Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
                 _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
         if "slots" in chosen:  # fleets of its own, one per slot count
             with _timed(figures, "slots"):
                 figures["slots"] = slots.measure(settings, quick=quick)
+    if "pack" in chosen:  # one plain process: the reference figures of packed trials
+        with _timed(figures, "pack"):
+            figures["pack"] = pack.measure(quick=quick)
     if "pipeline" in chosen:
         with _timed(figures, "pipeline"):
             figures["pipeline"] = pipeline.measure(quick=quick)

@@ -273,6 +273,9 @@ FLEET_CHECK_S = 0.5
 RUN_TIMEOUT_S = 3600.0
 SWEEP_TIMEOUT_S = 86_400.0
 STATUS_WATCH_INTERVAL_S = 1.0
+#: The widest a table may grow when the command's output is a pipe or a file (no terminal to
+#: fit): lines are never wrapped there, so a path or an error stays on one line.
+PIPED_OUTPUT_WIDTH = 1000
 
 # -- The launcher (``devicefleet up``, the test fleet) and operations ---------------------------
 

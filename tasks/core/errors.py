@@ -21,6 +21,7 @@ The tree, by area::
         ├── InvalidJobArguments   kwargs that the job's schema refuses
         ├── DatasetError          a dataset file is missing or unreadable
         ├── TrainingDiverged      the loss became NaN or infinite
+        ├── PackTooLarge          more packed trials than fit the slot's memory budget
         ├── OutOfMemory           the device ran out of memory
         ├── GangFailed            a distributed job's ranks could not form or gave up
         ├── JobCrashed            the job's process died (a signal, an exit status)
@@ -175,6 +176,11 @@ class DatasetError(JobError):
 
 class TrainingDiverged(JobError, ArithmeticError):
     """Training produced a NaN or infinite loss."""
+
+
+class PackTooLarge(JobError, MemoryError):
+    """More packed trials than fit the slot's memory budget; the message says how many fit.
+    A member the job process did not run for it goes back to its queue (a later pack runs it)."""
 
 
 class OutOfMemory(JobError, MemoryError):

@@ -9,12 +9,13 @@ decays it to now (:func:`decayed`). So nothing is written per job that was not w
 and the order costs no round trip per job.
 
 How a device picks a user: every list of a level (``cpu:batch``) has one list per user beside
-it (``cpu:batch~alice``, :func:`tasks.core.priority.user_list`). The fleet's transport publishes
+it (``cpu:batch~alice``, :func:`tasks.core.queue_lists.user_list`). The fleet's transport publishes
 a job to its user's list (:data:`PUBLISH`: one script call instead of kombu's ``LPUSH``, which
 also registers the user in ``keys.USERS``, the same round trip). A worker's blocking read (one ``BRPOP`` over all its
 lists, which pops from the first non-empty key in the order given) names, for each level
 highest first, the level's shared lists (bookkeeping such as a fan-out's collect step, which
-names no user), then every user's lists, users by usage, least first (:func:`brpop_keys`). The
+names no user), then every user's lists, users by usage, least first
+(:func:`tasks.core.queue_lists.brpop_keys`). The
 worker reads the users and their usage again at most every
 :data:`~tasks.core.defaults.FAIRSHARE_REFRESH_S` (:class:`UserOrder`: one pipelined round trip),
 at the start of a read. A sweep's own queue belongs to one user: its lists are ordered by its
@@ -44,7 +45,7 @@ import redis
 
 from . import keys
 from .defaults import FAIRSHARE_HALF_LIFE_S, FAIRSHARE_REFRESH_S, WAIT_BUCKETS_S
-from .priority import Level, queue_rank, user_list
+from .priority import Level
 
 logger = logging.getLogger(__name__)
 
@@ -126,24 +127,6 @@ def read_usage(client: redis.Redis, now: float | None = None) -> dict[str, float
 def known_users(client: redis.Redis) -> list[str]:
     """Every user who has sent a job (``keys.USERS``), by name, one ``HKEYS``."""
     return sorted(u.decode() if isinstance(u, bytes) else str(u) for u in client.hkeys(keys.USERS))
-
-
-def brpop_keys(queues: list[str], users: list[str]) -> list[tuple[str, str]]:
-    """``(list, queue)`` for a worker's blocking read over ``queues`` (queue lists sorted by
-    level, as :class:`tasks.core.transport.LevelCycle` keeps them): for each level, its queue
-    lists, then each user's (``users`` in serving order) beside each of them; ``queue`` is the
-    queue list a popped message is delivered as."""
-    out: list[tuple[str, str]] = []
-    i = 0
-    while i < len(queues):
-        rank = queue_rank(queues[i])
-        group = []
-        while i < len(queues) and queue_rank(queues[i]) == rank:
-            group.append(queues[i])
-            i += 1
-        out.extend((name, name) for name in group)
-        out.extend((user_list(name, user), name) for user in users for name in group)
-    return out
 
 
 class UserOrder:

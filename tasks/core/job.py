@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from .errors import DeviceFleetError, JobCancelled, UnknownJob
+from .errors import ConfigError, DeviceFleetError, JobCancelled, UnknownJob
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +201,60 @@ class JobContext:
 
 
 @dataclass(frozen=True)
+class PackData:
+    """One trial's data for a packed run: CPU tensors, ``x_*`` samples x features, ``y_*``
+    integer class labels. Every member of a pack must have the same number of training samples
+    (the pack key's params make sure of it); each may have its own split (its own seed)."""
+
+    x_train: Any
+    y_train: Any
+    x_test: Any
+    y_test: Any
+    #: What else the job's model builder needs to know of the data (``{"classes": 10}``).
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A job's opt-in to packed trials (``tasks.sweep(..., pack=K)``): K trials of the job whose
+    ``key`` params are equal train in one job process as one vmapped model
+    (:mod:`tasks.jobproc.packed`). The job's own function still runs every trial that is not packed.
+
+    Per member the trainer reads ``seed`` (model init and batch order), ``lr``,
+    ``weight_decay`` (Adam's; 0 if the params have none), ``epochs`` and ``batch_size`` from its
+    params, so they must be fields of the job's params (``epochs`` and ``batch_size`` in ``key``).
+    """
+
+    #: The names of the params that must be equal for trials to share a pack: everything that
+    #: decides the model's shapes, the data's size and the number of steps.
+    key: tuple[str, ...]
+    #: ``model(params, data) -> torch.nn.Module``: a fresh model; called after
+    #: ``torch.manual_seed(params.seed)``, so its initial weights follow the member's seed.
+    model: Callable[[Any, PackData], Any]
+    #: ``data(params) -> PackData``: the member's data, on the CPU (the trainer moves it to the device).
+    data: Callable[[Any], PackData]
+    #: ``loss(outputs, labels) -> scalar tensor``: the mean loss on one batch; None: cross-entropy.
+    loss: Callable[[Any, Any], Any] | None = None
+    #: ``output(params, data) -> dict``: fields of the member's result beside what the trainer
+    #: gives (``accuracy``, ``loss``, ``history``, ``checkpoint``...); None: none.
+    output: Callable[[Any, PackData], dict[str, Any]] | None = None
+    #: ``checkpoint(ctx, params, model, optimizer, epoch)``: save what the job's own function
+    #: resumes from (a member's model and a ``torch.optim.Adam`` holding its moments), called
+    #: after an epoch when the params' ``checkpoint_every_s`` has passed or the member is asked
+    #: to make way; a member that runs again unpacked then resumes. None: packed members save none.
+    checkpoint: Callable[[JobContext, Any, Any, Any, int], None] | None = None
+
+    def key_of(self, params: BaseModel) -> tuple[Any, ...]:
+        """The values that must be equal for two trials to share a pack."""
+        return tuple(json_key(getattr(params, name)) for name in self.key)
+
+
+def json_key(value: Any) -> Any:
+    """``value`` as it compares in a pack key (an enum by its value)."""
+    return value.value if isinstance(value, Enum) else value
+
+
+@dataclass(frozen=True)
 class JobDefinition:
     """A job as :func:`job` declared it."""
 
@@ -210,6 +264,8 @@ class JobDefinition:
     module: str
     #: ``{output field: metric}``: the output fields the fleet counts (see :class:`JobMetric`).
     metrics: Mapping[str, JobMetric] = field(default_factory=dict)
+    #: How its trials pack (:class:`Packing`); None: the job does not pack.
+    pack: Packing | None = None
 
     @property
     def task_name(self) -> str:
@@ -230,16 +286,25 @@ DEFINED: dict[str, JobDefinition] = {}
 
 
 def job(name: str, *, params: type[P], metrics: Mapping[str, JobMetric] | None = None,
-        ) -> Callable[[Callable[[JobContext, P], dict[str, Any]]], Callable[[JobContext, P], dict[str, Any]]]:
+        pack: Packing | None = None) -> Callable[[Callable[[JobContext, P], dict[str, Any]]], Callable[[JobContext, P], dict[str, Any]]]:
     """Declare a job called ``name`` whose kwargs validate against ``params``.
 
     The function takes ``(ctx: JobContext, params: P)`` and returns a JSON-able dict.
-    ``metrics`` maps output fields to the fleet metrics they feed.
+    ``metrics`` maps output fields to the fleet metrics they feed. ``pack`` opts the job in
+    to packed trials (:class:`Packing`; ``docs/guides/packing.md``).
+
+    Raises:
+        ConfigError: ``pack`` names a param the job's params do not have.
     """
+    if pack is not None:
+        missing = [name for name in pack.key if name not in params.model_fields]
+        if missing:
+            raise ConfigError(f"job {name!r}: pack key names {', '.join(missing)}, which "
+                              f"{params.__name__} does not have; name fields of the job's params")
 
     def register(func: Callable[[JobContext, P], dict[str, Any]]) -> Callable[[JobContext, P], dict[str, Any]]:
         DEFINED[name] = JobDefinition(name=name, func=func, params=params, module=func.__module__,
-                                      metrics=dict(metrics or {}))
+                                      metrics=dict(metrics or {}), pack=pack)
         return func
 
     return register

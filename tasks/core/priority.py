@@ -3,8 +3,9 @@
 A job carries a :class:`Level` (``urgent``, ``normal``, the default, or ``batch``) and the user who
 sent it, in its :class:`~tasks.core.records.JobOptions`. The level picks the queue: every queue
 of the fleet (a device's, a kind's, ``fleet``, a sweep's) has one list per level, the level after
-:data:`LEVEL_SEPARATOR` (``device.cpu0:urgent``, ``cpu:batch``, ``sweep.s1:urgent``); a ``normal``
-job goes to the bare name, the queue it went to before levels existed.
+:data:`~tasks.core.queue_lists.LEVEL_SEPARATOR` (``device.cpu0:urgent``, ``cpu:batch``,
+``sweep.s1:urgent``); a ``normal`` job goes to the bare name, the queue it went to before levels
+existed. :mod:`tasks.core.queue_lists` names every list of a queue.
 
 How the order is kept: a worker waits for its next job with one Redis ``BRPOP`` over all the
 lists it consumes, and ``BRPOP`` pops from the first non-empty list in the order the keys are
@@ -25,8 +26,8 @@ kombu starts the next ``BRPOP`` only while it holds fewer than that (its QoS's
 chosen at that moment, among everything then queued.
 
 Within a level, users share fairly (:mod:`tasks.core.fairshare`): each list of a level has one
-list per user beside it, :data:`USER_SEPARATOR` and the user after its name (``cpu:batch~alice``),
-and a worker names the users' lists in the order of their usage, least first.
+list per user beside it, :data:`~tasks.core.queue_lists.USER_SEPARATOR` and the user after its
+name (``cpu:batch~alice``), and a worker names the users' lists in the order of their usage, least first.
 """
 
 from __future__ import annotations
@@ -34,19 +35,11 @@ from __future__ import annotations
 import functools
 import getpass
 import re
-from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
 from .errors import ConfigError
 
-#: Between a queue's name and its level: ``device.cpu0:urgent``. Not a character of a device,
-#: kind, sweep or host name (``cpu0@host`` is a device under host naming), so a name never reads
-#: as a level.
-LEVEL_SEPARATOR = ":"
-#: Between a queue list's name and the user whose jobs it holds: ``cpu:batch~alice``
-#: (:mod:`tasks.core.fairshare`). Not a character of a user name, nor of a queue's.
-USER_SEPARATOR = "~"
 #: What a user name may be: what ``devicefleet status`` shows and Prometheus labels carry.
 USER_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.@\-]{0,63}$"
 #: The user of a job sent by a process whose OS user cannot be read (no passwd entry in a
@@ -70,7 +63,6 @@ class Level(str, Enum):
 _RANKS = {level: rank for rank, level in enumerate(Level)}
 #: The level of a job that names none.
 DEFAULT_LEVEL = Level.NORMAL
-_LEVEL_OF_SUFFIX = {level.value: level for level in Level if level is not DEFAULT_LEVEL}
 
 
 def parse_level(value: Any) -> Level:
@@ -110,52 +102,3 @@ def os_user() -> str:
     except (KeyError, OSError):  # no passwd entry and no LOGNAME/USER (a bare container)
         return UNKNOWN_USER
     return name if re.fullmatch(USER_PATTERN, name) else UNKNOWN_USER
-
-
-def level_queue(queue: str, level: Level) -> str:
-    """The list of ``queue`` that holds ``level``'s jobs: the bare name for ``normal``."""
-    if level is DEFAULT_LEVEL:
-        return queue
-    return f"{queue}{LEVEL_SEPARATOR}{level.value}"
-
-
-def user_list(name: str, user: str) -> str:
-    """The list beside queue list ``name`` that holds ``user``'s jobs: ``cpu:batch~alice``."""
-    return f"{name}{USER_SEPARATOR}{user}"
-
-
-def split_user(name: str) -> tuple[str, str | None]:
-    """``(queue list, user)`` of a list's name: ``cpu:batch~alice`` -> ``("cpu:batch", "alice")``;
-    a list that is no user's -> ``(name, None)``."""
-    base, sep, user = name.rpartition(USER_SEPARATOR)
-    if sep and re.fullmatch(USER_PATTERN, user):
-        return base, user
-    return name, None
-
-
-def level_lists(queue: str, level: Level, users: Iterable[str]) -> list[str]:
-    """Every Redis list that holds ``queue``'s jobs at ``level``: its list of the level (jobs
-    that name no user, and a new user's first ones), then each of ``users``'s list beside it."""
-    name = level_queue(queue, level)
-    return [name, *(user_list(name, user) for user in users)]
-
-
-def split_level(name: str) -> tuple[str, Level]:
-    """``(queue, level)`` of a queue list's name (a user's too): ``cpu:urgent`` -> ``("cpu", URGENT)``,
-    ``cpu:batch~alice`` -> ``("cpu", BATCH)``."""
-    name = split_user(name)[0]
-    base, sep, suffix = name.rpartition(LEVEL_SEPARATOR)
-    if sep and suffix in _LEVEL_OF_SUFFIX:
-        return base, _LEVEL_OF_SUFFIX[suffix]
-    return name, DEFAULT_LEVEL
-
-
-def queue_rank(name: str) -> int:
-    """The rank of a queue list's level (0: consumed first)."""
-    return split_level(name)[1].rank
-
-
-def leveled(queues: list[str]) -> list[str]:
-    """Each of ``queues`` at every level, in the order a worker takes them: every level's lists,
-    highest level first, each level in the order of ``queues``."""
-    return [level_queue(queue, level) for level in Level for queue in queues]

@@ -58,7 +58,7 @@ def sweep_queue(sweep_id: str) -> str:
 def worker_queues(device: Device, extra: list[str] | None = None) -> list[str]:
     """Every queue the worker owning ``device`` consumes, in order within a level (its registry
     record's ``queues``); it consumes each one's list of every level, in the order
-    :func:`tasks.core.priority.leveled` gives."""
+    :func:`tasks.core.queue_lists.leveled` gives."""
     queues = [device_queue(device.name), device.kind.value, QueueName.FLEET.value]
     for name in extra or []:
         if name not in queues:

@@ -197,7 +197,7 @@ class GangSpec(_Record):
     id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     devices: list[str] = Field(min_length=1)
     #: The gang's age (a fleet-wide counter at send time): an older gang keeps a device that
-    #: two assembling gangs both want (tasks.jobproc.distributed).
+    #: two assembling gangs both want (wait-die: tasks.worker.gang).
     seq: int = Field(ge=0)
     backend: Literal["gloo", "nccl"]
     max_restarts: int = Field(ge=0, le=100)
@@ -325,7 +325,7 @@ class WorkerRecord(_Record):
     host: str
     pid: int
     #: The queues it consumes, in order within a level; it takes each one's list of every level
-    #: (:func:`tasks.core.priority.leveled`).
+    #: (:func:`tasks.core.queue_lists.leveled`).
     queues: list[str]
     cores: list[int]
     pool: str

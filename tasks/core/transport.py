@@ -20,7 +20,19 @@ redis-py clients are thread-safe and take a connection from the pool per command
 A job that names a user is published to its user's list beside its queue's, by one script call
 that also registers the user, and a worker's BRPOP names each level's lists, then the users'
 lists of that level, users by usage (:mod:`tasks.core.fairshare`: the fair share within a level);
-the key a message is popped from is delivered as its queue's.
+the key a message is popped from is delivered as its queue's. Every list's name comes from
+:mod:`tasks.core.queue_lists`.
+
+Why the BRPOP is a copy of kombu's (``_brpop_start``, ``_brpop_read``) rather than kombu's own
+over a ``queue_order_strategy`` with each user's list a queue the consumer consumes: kombu's cycle
+orders only the queues a consumer was given, and is told of them only when a consumer is added or
+cancelled. Each new user would then need every worker to add a consumer for the user's list of
+each of its queues at each level (a broadcast control command, and Celery's consumer re-declaring
+its queues, per user), and the order by decayed usage, re-read every
+:data:`~tasks.core.defaults.FAIRSHARE_REFRESH_S`, would need the cycle, which has no Redis client,
+to read Redis. The copy is kept under guard instead: kombu is bounded to its minor release
+(pyproject.toml), and :data:`KOMBU_SOURCES` holds the hash of each kombu method copied or
+overridden, which ``tests/test_kombu_guard.py`` compares with the installed kombu.
 
 A ``sentinel://`` fleet uses :class:`SentinelTransport`: kombu's Sentinel channel (which asks
 the sentinels where the primary is, each in turn) with the same hardening, connections that
@@ -63,9 +75,10 @@ from kombu.utils.scheduling import round_robin_cycle
 
 from . import keys
 from .errors import NoFleetError
-from .fairshare import PUBLISH, UserOrder, brpop_keys, known_users
+from .fairshare import PUBLISH, UserOrder, known_users
 from .keys import FRONT_HEADER
-from .priority import USER_PATTERN, queue_rank, user_list
+from .priority import USER_PATTERN
+from .queue_lists import brpop_keys, insert_in_level, queue_rank, user_list, user_lists
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -75,6 +88,52 @@ MALFORMED = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 #: The transport option (and Celery setting) that carries the fleet's
 #: :class:`~tasks.core.sentinel.Replication` policy, as a dict.
 REPLICATION_OPTION = "devicefleet_replication"
+
+#: The kombu release the copied and overridden kombu methods below were read in (pyproject.toml
+#: bounds kombu to its minor release).
+KOMBU_CHECKED = "5.7.0"
+#: Each kombu method this module copies or overrides, or whose behaviour it builds on: the first 16
+#: hex digits of the sha256 of its source (``inspect.getsource``) in :data:`KOMBU_CHECKED`, and
+#: what to re-check when it changes. ``tests/test_kombu_guard.py`` compares them with the
+#: installed kombu, so an upgrade that changes one fails until it is re-read and its hash renewed.
+KOMBU_SOURCES: dict[str, tuple[str, str]] = {
+    "kombu.transport.redis:Channel._brpop_start": (
+        "06723d707ddf2240", "copied in HardenedChannel._brpop_start: carry over what changed (the keys "
+        "and their order, the timeout, _in_poll and _brpop_sent_at, the key prefix)"),
+    "kombu.transport.redis:Channel._brpop_read": (
+        "c42518699709f2df", "copied in HardenedChannel._brpop_reply: carry over what changed (the reply's "
+        "parse, the disconnect on a connection error, the queue a key is delivered as, rotate, "
+        "_deliver, what runs in its finally)"),
+    "kombu.transport.redis:Channel._put": (
+        "1c0cf9749576614c", "HardenedChannel._put publishes to a user's list and to the front itself and "
+        "leaves the rest to kombu: re-check which publishes it must still leave (a batch, an expiring "
+        "queue, a priority, a key prefix)"),
+    "kombu.transport.redis:Channel._purge": (
+        "221e37da7c172561", "HardenedChannel._purge adds the users' lists to kombu's purge"),
+    "kombu.transport.redis:Channel._create_client": (
+        "dae92bc4075dafb9", "HardenedChannel._create_client keeps one client per pool: re-check that a "
+        "client is still only a view of its pool"),
+    "kombu.transport.redis:Channel._q_for_pri": (
+        "f3997660680dd00f", "tasks.core.queue_lists.step_list names kombu's priority-step lists as this does"),
+    "kombu.transport.redis:Channel.priority": (
+        "3268c345339a75d1", "tasks.core.queue_lists.brpop_keys takes each of priority_steps as its own step"),
+    "kombu.transport.redis:QoS.ack": (
+        "1bc15a4ddf541af6", "QoS.ack skips this round trip for a message acknowledged in Redis already"),
+    "kombu.transport.redis:QoS.reject": (
+        "747a02434344d1a6", "QoS.reject clears the acknowledged-in-Redis mark, then calls this"),
+    "kombu.transport.redis:QoS.append": (
+        "35c655f6ecc62fe6", "QoS.append keeps a popped message whose record fails (POPPED)"),
+    "kombu.transport.redis:MultiChannelPoller._register_BRPOP": (
+        "85724582464a615f", "the event loop's caller of _brpop_start: re-check when it calls it"),
+    "kombu.utils.scheduling:round_robin_cycle.update": (
+        "32ae50f63e598825", "LevelCycle.update replaces it (the queues sorted by level)"),
+    "kombu.utils.scheduling:round_robin_cycle.rotate": (
+        "753748bf5e3a33eb", "LevelCycle.rotate replaces it (to the end of its level's queues)"),
+    "kombu.utils.scheduling:round_robin_cycle.consume": (
+        "eebda26662b3ae48", "LevelCycle keeps kombu's consume: re-check that it returns items in order"),
+    "kombu.connection:Connection.switch": (
+        "2b1f8abee4fecb28", "FleetConnection.switch keeps the fleet's transport across a failover"),
+}
 
 #: Messages this process popped from a queue whose record in the unacked hash failed (Redis
 #: went away between the two): ``(payload, exchange, routing key)``, given back to their queue
@@ -185,9 +244,7 @@ class LevelCycle(round_robin_cycle):  # type: ignore[misc]
             items.pop(items.index(last_used))
         except ValueError:
             return last_used
-        rank = queue_rank(last_used)
-        at = next((i for i, name in enumerate(items) if queue_rank(name) > rank), len(items))
-        items.insert(at, last_used)
+        insert_in_level(items, last_used)
         return last_used
 
 
@@ -264,18 +321,21 @@ class HardenedChannel(_ChannelBase):
     # round trip more per publish for a count nothing of the fleet reads.)
     def _purge(self, queue: str) -> int:
         with self.conn_or_acquire() as client:
-            users = known_users(client)
+            theirs_lists = user_lists(queue, known_users(client))
             with client.pipeline() as pipe:
-                for user in users:
-                    pipe.llen(user_list(queue, user)).delete(user_list(queue, user))
-                theirs = sum(int(n) for n in pipe.execute()[::2]) if users else 0
+                for name in theirs_lists:
+                    pipe.llen(name).delete(name)
+                theirs = sum(int(n) for n in pipe.execute()[::2]) if theirs_lists else 0
         return int(super()._purge(queue)) + theirs
 
     # kombu internals: the event loop's start of a BRPOP and the read of its reply, where a
     # popped message is decoded and delivered (kombu 5.7.0: brpop_timeout, _queue_cycle,
-    # active_queues, priority_steps, _q_for_pri, _in_poll, _brpop_sent_at, global_keyprefix,
-    # _flush_brpop_reauth, connection._deliver). Built as kombu's, with the users' lists of each
-    # level after its queue lists (tasks.core.fairshare.brpop_keys), users in order of usage.
+    # active_queues, priority_steps, _in_poll, _brpop_sent_at, global_keyprefix,
+    # client._prefix_args, _flush_brpop_reauth, connection._deliver). A copy of kombu's
+    # (KOMBU_SOURCES holds the hash of the source copied), with the users' lists of each level
+    # after its queue lists, users in order of usage, and kombu's priority-step lists last
+    # (tasks.core.queue_lists.brpop_keys). Why a copy and not kombu's queue_order_strategy over
+    # real per-user queues: see the module's docstring.
     def _brpop_start(self, timeout: Any = None) -> None:
         self._give_back_popped()
         if timeout is None:
@@ -285,9 +345,7 @@ class HardenedChannel(_ChannelBase):
             return
         with self.conn_or_acquire() as client:
             users = self._user_order.users(client)
-        pairs = brpop_keys(queues, users)
-        pairs += [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps
-                  if self.priority(pri) for queue in queues]
+        pairs = brpop_keys(queues, users, self.priority_steps, self.sep)
         self._queue_of_key = dict(pairs)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu declares it None

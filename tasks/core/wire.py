@@ -5,6 +5,7 @@ A device worker (:mod:`tasks.worker.supervisor`) runs every job in a child *job 
 
 - worker -> job process: :class:`ProcessSpec` (first, once: what the process is for),
   :class:`RunJob` (one job; for a rank of a distributed job with its :class:`Rank`),
+  :class:`RunPack` (K trials of one job trained as one packed model, one :class:`Finished` each),
   :class:`StopJob` (ask the running job to stop at its next ``ctx.progress()``),
   :class:`Proceed` (the answer to a :class:`RankFailed`);
 - job process -> worker: :class:`Hello` (ready: the jobs it loaded, what torch sees) or
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
 from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
+from .priority import Level
 from .records import ErrorInfo, Visibility
 
 
@@ -89,6 +91,9 @@ class JobInfo(BaseModel):
     name: str
     module: str
     doc: str | None = None
+    #: The names of the job's params that must be equal for trials to share a pack (their
+    #: models' shapes: :class:`tasks.core.job.Packing`); None: the job does not pack.
+    pack: list[str] | None = None
 
 
 class DeviceView(BaseModel):
@@ -186,6 +191,19 @@ class RunJob(_Message):
     attempt: int = Field(default=1, ge=1)
 
 
+class RunPack(_Message):
+    """Run K trials of one job as one packed (vmapped) model: each member is a full
+    :class:`RunJob` (its own job id, kwargs, options, fan-out, attempt); the FIRST member's
+    slot, cores, torch threads and allocator limit apply to the whole pack. The job process
+    sends one :class:`Finished` per member (``job_id`` set), each as soon as that member ends;
+    the pack is over when every member has its Finished. A member that does not fit the slot's
+    budget comes back as ``Finished(outcome=GIVE_WAY, error=PackTooLarge ...)``: the worker
+    sends its message back to its queue."""
+
+    kind: Literal["pack"] = "pack"
+    members: list[RunJob] = Field(min_length=1)
+
+
 class StopJob(_Message):
     """Stop the running job ``job_id`` at its next ``ctx.progress()``, which raises the error
     of ``reason`` (JobCancelled, JobTimeout, WorkerStopped) with ``message``."""
@@ -197,6 +215,8 @@ class StopJob(_Message):
     #: Seconds the job has to stop before its process is ended (``None``: the policy's
     #: ``cancel_grace_s``); a self-fenced job's is bounded by its lease's TTL.
     grace_s: float | None = None
+    #: A ``PREEMPT`` stop's: the level of the work the job makes way for.
+    level: Level | None = None
 
 
 class Proceed(_Message):
@@ -211,6 +231,8 @@ class Report(_Message):
 
     kind: Literal["progress"] = "progress"
     fields: dict[str, JsonValue]
+    #: Set when the report is a pack member's (:class:`RunPack`).
+    job_id: str | None = None
 
 
 class LogLines(_Message):
@@ -250,6 +272,12 @@ class Outcome(str, Enum):
     #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`): the
     #: worker sends its message back to its queue.
     PREEMPTED = "preempted"
+    #: Its worker stopped it, cut off from Redis or superseded by a newer attempt (self-fencing,
+    #: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`): no result of this attempt is stored; its
+    #: lease expires and the job is given back. The worker's own: a job process ends such a job
+    #: as ``error`` (its ``WorkerStopped``), and the stop sent makes it ``fenced``
+    #: (:meth:`tasks.worker.supervisor.Ended.under`).
+    FENCED = "fenced"
 
 
 #: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
@@ -259,7 +287,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
     StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
-    StopReason.FENCED: (WorkerStopped, Outcome.ERROR),
+    StopReason.FENCED: (WorkerStopped, Outcome.FENCED),
     StopReason.PREEMPT: (Preempted, Outcome.PREEMPTED),
 }
 
@@ -282,9 +310,11 @@ class Finished(_Message):
     #: Why this process must not run another job (device memory still held after an
     #: out-of-memory, a CUDA error that may have poisoned its context); None: it may.
     retire: str | None = None
+    #: Set for a pack member (:class:`RunPack`); its ``retire`` retires the process after the pack.
+    job_id: str | None = None
 
 
-FromWorker = Annotated[ProcessSpec | RunJob | StopJob | Proceed, Field(discriminator="kind")]
+FromWorker = Annotated[ProcessSpec | RunJob | RunPack | StopJob | Proceed, Field(discriminator="kind")]
 FromJobProcess = Annotated[Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished,
                            Field(discriminator="kind")]
 
@@ -292,9 +322,9 @@ _FROM_WORKER: TypeAdapter[Any] = TypeAdapter(FromWorker)
 _FROM_JOB_PROCESS: TypeAdapter[Any] = TypeAdapter(FromJobProcess)
 
 
-def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | StopJob | Proceed:
+def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | RunPack | StopJob | Proceed:
     """A message the worker sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: ProcessSpec | RunJob | StopJob | Proceed = _FROM_WORKER.validate_json(data)
+    message: ProcessSpec | RunJob | RunPack | StopJob | Proceed = _FROM_WORKER.validate_json(data)
     return message
 
 

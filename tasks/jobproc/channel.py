@@ -1,7 +1,7 @@
 """The job process's end of its pipe to the worker: jobs in, reports, log lines and outcomes out.
 
 A reader thread takes what the worker sends: jobs go to a queue the main thread runs them from,
-a stop request is kept for the running job's next ``ctx.progress()``, a :class:`Proceed`
+a stop request is kept for the running job's (or pack member's) next ``ctx.progress()``, a :class:`Proceed`
 answers the :meth:`Channel.ask` that waits for it. When the pipe closes (the
 worker is gone, however it went), the thread ends this process and everything it started:
 nothing a job began may outlive the worker that supervised it.
@@ -26,10 +26,12 @@ from ..core.wire import (
     Hello,
     LogLines,
     Proceed,
+    ProcessSpec,
     RankFailed,
     Refused,
     Report,
     RunJob,
+    RunPack,
     StopJob,
     StopReason,
     StoreOpened,
@@ -47,8 +49,9 @@ class Channel:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._send_lock = threading.Lock()
-        self._jobs: queue.Queue[RunJob | None] = queue.Queue()
-        self._stop: StopJob | None = None
+        self._jobs: queue.Queue[RunJob | RunPack | None] = queue.Queue()
+        #: The stops asked of the running job, or of the running pack's members, by job id.
+        self._stops: dict[str, StopJob] = {}
         self._proceed = threading.Event()
 
     def receive_first(self) -> bytes:
@@ -69,25 +72,24 @@ class Channel:
     def start(self) -> None:
         threading.Thread(target=self._read, name="devicefleet-jobproc-reader", daemon=True).start()
 
-    def next_job(self) -> RunJob | None:
-        """The next job to run (blocks); None once the worker has closed the pipe."""
+    def next_job(self) -> RunJob | RunPack | None:
+        """The next job or pack to run (blocks); None once the worker has closed the pipe."""
         return self._jobs.get()
 
     def stop_requested(self, job_id: str) -> bool:
         """Whether the worker asked job ``job_id`` to stop (cheap: one attribute read)."""
-        stop = self._stop
-        return stop is not None and stop.job_id == job_id
+        return job_id in self._stops
 
     def preempted(self, job_id: str) -> bool:
         """Whether the worker asked job ``job_id`` to make way for higher-level work."""
-        stop = self._stop
-        return stop is not None and stop.job_id == job_id and stop.reason is StopReason.PREEMPT
+        stop = self._stops.get(job_id)
+        return stop is not None and stop.reason is StopReason.PREEMPT
 
     def interruption(self, job_id: str) -> DeviceFleetError:
         """The error ``ctx.progress()`` raises for the stop the worker asked of ``job_id``
         (:data:`tasks.core.wire.STOPS`)."""
-        stop = self._stop
-        if stop is None or stop.job_id != job_id:
+        stop = self._stops.get(job_id)
+        if stop is None:
             return JobCancelled(f"job {job_id} was cancelled; it stopped at ctx.progress()")
         error, _ = STOPS[stop.reason]
         return error(stop.message)
@@ -104,15 +106,20 @@ class Channel:
             except ValidationError as exc:
                 logger.error("ignoring a message the worker did not send: %s", exc)
                 continue
-            if isinstance(message, RunJob):
-                # A stop was for the run before (a rank runs again under the same job id in
-                # its gang's next generation).
-                self._stop = None
-                self._jobs.put(message)
-            elif isinstance(message, StopJob):
-                self._stop = message
-            elif isinstance(message, Proceed):
-                self._proceed.set()
+            self.deliver(message)
+
+    def deliver(self, message: ProcessSpec | RunJob | RunPack | StopJob | Proceed) -> None:
+        """Take one message from the worker (the reader thread's, or a test's)."""
+        if isinstance(message, RunJob | RunPack):
+            # A stop was for the run before (a rank runs again under the same job id in
+            # its gang's next generation).
+            self._stops = {}
+            self._jobs.put(message)
+        elif isinstance(message, StopJob):
+            # A new dict, not an update: the job's thread reads it without a lock.
+            self._stops = {**self._stops, message.job_id: message}
+        elif isinstance(message, Proceed):
+            self._proceed.set()
 
     def _orphaned(self) -> None:
         """The worker closed the pipe or died: end this process group (the job process leads

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 
 from ..core.errors import EXIT_FAILED, ConfigError, DeviceFleetError, start_exit_status
 from ..core.records import ErrorInfo
-from ..core.wire import ProcessSpec, Refused, decode_from_worker
+from ..core.wire import ProcessSpec, Refused, RunPack, decode_from_worker
 from .channel import Channel
+from .pack_run import run_pack
 from .runtime import JobRuntime
 
 logger = logging.getLogger(__name__)
@@ -42,5 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     channel.send(runtime.hello())
     channel.start()
     while (job := channel.next_job()) is not None:
-        channel.send(runtime.run(job, channel))
+        if isinstance(job, RunPack):
+            run_pack(runtime, job, channel)  # each member's Finished goes out as it ends
+        else:
+            channel.send(runtime.run(job, channel))
     return 0

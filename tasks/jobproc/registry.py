@@ -69,7 +69,8 @@ class JobRegistry:
 
     def infos(self) -> list[JobInfo]:
         """The jobs as a job process names them in its hello."""
-        return [JobInfo(name=d.name, module=d.module, doc=d.func.__doc__) for d in self.definitions()]
+        return [JobInfo(name=d.name, module=d.module, doc=d.func.__doc__,
+                        pack=list(d.pack.key) if d.pack is not None else None) for d in self.definitions()]
 
     def get(self, name: str) -> JobDefinition:
         """The job ``name``.

@@ -4,7 +4,7 @@
 modules and checks what torch sees, then remembers the environment, working directory,
 ``sys.path``, core affinity and torch threads. :meth:`JobRuntime.run` puts all of those back
 before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVICES"] = ...``,
-``os.chdir("/")``), then runs it (:func:`run_job`) and says how it ended, and whether this
+``os.chdir("/")``), then runs it (:func:`run_job`; a pack of trials: :mod:`.pack_run`) and says how it ended, and whether this
 process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300, also
 when it surfaces only as the job's memory is released), an out-of-memory, or with more than
 ``MAX_GPU_MEMORY_LEFT_MIB`` of device memory still allocated after the job (:func:`.oom.settle_device`).
@@ -50,6 +50,15 @@ def rss_bytes() -> int:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def gpu_memory_in_use() -> int | None:
+    """Bytes the CUDA caching allocator holds on this process's GPU, or None without CUDA."""
+    torch = sys.modules.get("torch")
+    # is_initialized first: a flag, where is_available asks the driver (after every job).
+    if torch is None or not torch.cuda.is_initialized() or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.memory_reserved())
 
 
 def cap_allocator(limit_bytes: int) -> None:
@@ -186,6 +195,23 @@ class _Ending:
         self.outcome, self.error = outcome, exc
 
 
+def context_of(runtime: JobRuntime, job: RunJob, slot_of: RunJob, channel: Channel, throttle: ProgressThrottle,
+               scalars: ScalarLog) -> JobContext:
+    """``job``'s context, in the slot of ``slot_of`` (itself; a pack's first member): its own id,
+    artifacts folder, progress, curves and stops."""
+    spec = runtime.spec
+    return JobContext(
+        device=spec.device, torch_device=spec.torch_device, job_id=job.job_id,
+        artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=runtime.cores_of(slot_of),
+        threads=runtime.threads_of(slot_of), slot=slot_of.slot or 0, devices=list(slot_of.devices or [spec.device]),
+        reporter=throttle.report, scalar_sink=scalars.log,
+        cancelled=lambda: channel.stop_requested(job.job_id),
+        interruption=lambda: channel.interruption(job.job_id),
+        preemption=lambda: channel.preempted(job.job_id), attempt=job.attempt,
+        memory_budget_bytes=slot_of.allocator_limit_bytes,
+    )
+
+
 def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
     """Run one job: its context, its progress and curves, its out-of-memory guard; the outcome."""
     spec = runtime.spec
@@ -196,16 +222,7 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
         definition = runtime.registry.get(job.job)
         options = JobOptions.model_validate(job.options)
         params = validate_kwargs(definition, job.kwargs)
-        ctx = JobContext(
-            device=spec.device, torch_device=spec.torch_device, job_id=job.job_id,
-            artifacts_dir=Path(spec.artifacts_dir) / job.job_id, cores=runtime.cores_of(job),
-            threads=runtime.threads_of(job), slot=job.slot or 0, devices=list(job.devices or [spec.device]),
-            reporter=throttle.report, scalar_sink=scalars.log,
-            cancelled=lambda: channel.stop_requested(job.job_id),
-            interruption=lambda: channel.interruption(job.job_id),
-            preemption=lambda: channel.preempted(job.job_id), attempt=job.attempt,
-            memory_budget_bytes=job.allocator_limit_bytes,
-        )
+        ctx = context_of(runtime, job, job, channel, throttle, scalars)
         func = definition.func if job.rank is None else runtime.rank_of(definition, job.rank, channel)
         output, still_held = run_guarded(func, ctx, params, options.fallback)
         if not isinstance(output, dict):
@@ -214,36 +231,39 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
         ending.output, ending.metrics = output, {m.value: v for m, v in definition.metric_values(output).items()}
         if still_held:
             ending.retire = "device memory still held after an out-of-memory the job fell back from"
-    except OutOfMemory as exc:
-        logger.warning("%s: job %s ran out of memory: %s", spec.device, job.job, exc)
-        ending.failed(exc)
-        # The allocator's state after an out-of-memory is not worth trusting with the next job.
-        ending.retire = "out of memory" + (", device memory still held" if exc.recycle else "")
-    except JobCancelled as exc:
-        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
-        ending.failed(exc, Outcome.CANCELLED)
-    except Preempted as exc:
-        logger.info("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
-        ending.failed(exc, Outcome.PREEMPTED)
-    except PeerLost as exc:
-        logger.warning("%s: job %s %s: %s", spec.device, job.job, job.job_id, exc)
-        ending.failed(exc, Outcome.PEER_LOST)
-    except DeviceFleetError as exc:
-        logger.warning("%s: job %s failed: %s", spec.device, job.job, exc)
-        ending.failed(exc)
-    except Exception as exc:  # a job's own failure: reported, never fatal to the process
-        logger.exception("%s: job %s raised", spec.device, job.job)
-        ending.failed(exc)
-        if spec.torch_device.startswith("cuda") and poisons_cuda(exc):
-            ending.retire = f"CUDA error, the context may be poisoned: {type(exc).__name__}"
-    except BaseException as exc:  # sys.exit() or KeyboardInterrupt inside the job
-        logger.warning("%s: job %s raised %s", spec.device, job.job, type(exc).__name__)
-        ending.failed(exc)
-        ending.retire = f"the job raised {type(exc).__name__}"
+    except BaseException as exc:  # a job's own failure: reported, never fatal to the process
+        outcome, retire = classify(spec, job.job, job.job_id, exc)
+        ending.failed(exc, outcome)
+        ending.retire = retire
     finally:
         throttle.flush()  # the last report always goes out: the finished bar shows 10/10
         scalars.close()
     return _finished(runtime, ending)
+
+
+def classify(spec: ProcessSpec, name: str, job_id: str, exc: BaseException) -> tuple[Outcome, str | None]:
+    """How a job (or a pack's member) that raised ``exc`` ended, and why its process must not
+    run another (None: it may)."""
+    if isinstance(exc, OutOfMemory):
+        logger.warning("%s: job %s ran out of memory: %s", spec.device, name, exc)
+        # The allocator's state after an out-of-memory is not worth trusting with the next job.
+        return Outcome.ERROR, "out of memory" + (", device memory still held" if exc.recycle else "")
+    for kind, outcome in ((JobCancelled, Outcome.CANCELLED), (Preempted, Outcome.PREEMPTED),
+                          (PeerLost, Outcome.PEER_LOST)):
+        if isinstance(exc, kind):
+            logger.info("%s: job %s %s: %s", spec.device, name, job_id, exc)
+            return outcome, None
+    if isinstance(exc, DeviceFleetError):
+        logger.warning("%s: job %s failed: %s", spec.device, name, exc)
+        return Outcome.ERROR, None
+    if isinstance(exc, Exception):
+        logger.error("%s: job %s raised", spec.device, name, exc_info=exc)
+        if spec.torch_device.startswith("cuda") and poisons_cuda(exc):
+            return Outcome.ERROR, f"CUDA error, the context may be poisoned: {type(exc).__name__}"
+        return Outcome.ERROR, None
+    # sys.exit() or KeyboardInterrupt inside the job
+    logger.warning("%s: job %s raised %s", spec.device, name, type(exc).__name__)
+    return Outcome.ERROR, f"the job raised {type(exc).__name__}"
 
 
 def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:

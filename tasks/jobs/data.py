@@ -33,7 +33,7 @@ class Split:
         return int(self.x_train[0].numel())
 
 
-@functools.cache
+@functools.cache  # a pack loads it once per member too
 def _digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits, read once per process: public, read-only data (the arrays are
     made read-only, and :func:`load` hands every job copies), where parsing its CSV again took

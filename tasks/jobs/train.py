@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
@@ -38,16 +39,18 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..core.defaults import CHECKPOINT_EVERY_S
 from ..core.errors import TrainingDiverged
-from ..core.job import JobContext, JobMetric, job
+from ..core.job import JobContext, JobMetric, PackData, Packing, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
-from .resident import DataMode, DeviceData, Placement, place_data, tensor_bytes
+from .resident import DataMode, DeviceData, LoaderOrder, Placement, place_data, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
 
 class TrainParams(TrainingParams):
+    #: Adam's weight decay (L2, added to the gradient as torch.optim.Adam does).
+    weight_decay: float = Field(default=0.0, ge=0, le=10)
     #: DataLoader worker processes (the loader path only: see ``data``); ``auto``: 4 on a GPU,
     #: else one per core beyond the first.
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
@@ -134,7 +137,38 @@ def _sum_over_ranks(values: list[torch.Tensor | float], device: torch.device, ra
     return [float(v) for v in stacked.tolist()]
 
 
-@job("train", params=TrainParams, metrics={
+def _pack_data(params: TrainParams) -> PackData:
+    split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
+    return PackData(split.x_train, split.y_train, split.x_test, split.y_test,
+                    info={"classes": split.classes, "name": split.name})
+
+
+def _pack_model(params: TrainParams, pack_data: PackData) -> nn.Module:
+    return build(params.model, int(pack_data.x_train[0].numel()), int(pack_data.info["classes"]), params.hidden)
+
+
+def _pack_output(params: TrainParams, pack_data: PackData) -> dict[str, Any]:
+    return {"model": params.model.value, "dataset": pack_data.info["name"],
+            "train_samples": len(pack_data.y_train), "test_samples": len(pack_data.y_test), "num_workers": 0,
+            "data_path": asdict(Placement("device", tensor_bytes(pack_data.x_train, pack_data.y_train), None,
+                                          "packed: the pack's data lives on its device, batches indexed there")),
+            "parallel": asdict(Parallel("packed", [], "trained with the other trials of its pack as one vmapped model"))}
+
+
+def _pack_checkpoint(ctx: JobContext, params: TrainParams, net: nn.Module, optimizer: torch.optim.Optimizer,
+                     epoch: int) -> None:
+    resume.save(ctx.artifacts_dir, net, optimizer, epoch)
+
+
+#: ``train``'s trials pack when everything that decides the models' shapes, the data's size and
+#: the steps is equal; each keeps its own seed, lr and weight decay.
+TRAIN_PACKING = Packing(
+    key=("model", "hidden", "dataset", "epochs", "batch_size", "test_fraction"),
+    model=_pack_model, data=_pack_data, output=_pack_output, checkpoint=_pack_checkpoint,
+)
+
+
+@job("train", params=TrainParams, pack=TRAIN_PACKING, metrics={
     "samples_seen": JobMetric.SAMPLES,
     "samples_per_s": JobMetric.SAMPLES_PER_S,
     "data_wait_fraction": JobMetric.DATA_WAIT_FRACTION,
@@ -149,9 +183,10 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     placement = _placement(params, ctx, split)
     sampler: DistributedSampler[Any] | None = None
     if placement.on_device:
-        # Copied to the device once; each epoch's order is drawn there (seed + epoch: the same
-        # after a resume), each rank taking its shard of it as DistributedSampler would.
+        # Copied to the device once, batches indexed there in the order the loader would give
+        # (one small host-to-device copy of the order per epoch, none per batch).
         resident: DeviceData | None = DeviceData.from_tensors(split.x_train, split.y_train, device=device)
+        order = LoaderOrder(params.seed, len(split.y_train))
         loader = None
         workers = 0
     else:
@@ -170,7 +205,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
             sampler=sampler,
         )
     net = build(params.model, split.features, split.classes, params.hidden).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr, weight_decay=params.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
     rank_samples = (resident.shard_size(ranks) if resident is not None else len(sampler) if sampler is not None
@@ -202,9 +237,13 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         epoch_wait = wait_s
         loss_sum = torch.zeros((), device=device)
         correct_sum = torch.zeros((), dtype=torch.long, device=device)
-        batches = (resident.batches(params.batch_size, resident.generator(params.seed + epoch), rank=rank,
-                                    world_size=ranks)
-                   if resident is not None else iter(loader or ()))
+        if resident is None:
+            batches: Iterator[Any] = iter(loader or ())
+        elif ranks > 1:  # DistributedSampler's own order: a CPU generator seeded seed + epoch
+            batches = resident.batches(params.batch_size, torch.Generator().manual_seed(params.seed + epoch),
+                                       rank=rank, world_size=ranks)
+        else:  # the loader's order: the same batches, and so the same model, on either path
+            batches = resident.batches(params.batch_size, order=order.next_epoch())
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)

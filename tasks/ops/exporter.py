@@ -31,7 +31,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
-from kombu.transport.redis import Channel as RedisChannel
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -41,31 +40,25 @@ from ..core.defaults import RATE_WINDOW_S, WAIT_BUCKETS_S
 from ..core.fairshare import known_users, read_usage, read_user_seconds, read_wait_times
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
-from ..core.priority import leveled, user_list
+from ..core.queue_lists import leveled, lists_beside, step_lists
 from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
 
 logger = logging.getLogger(__name__)
 
-#: kombu's Redis transport keeps one list per priority step (its channel's ``priority_steps``,
-#: named by ``_q_for_pri``); priority 0 is the bare queue name.
-PRIORITY_STEPS: tuple[int, ...] = tuple(RedisChannel.priority_steps)
-PRIORITY_SEP: str = RedisChannel.sep
-
-
 # -- reading -----------------------------------------------------------------------------------------
 
 
 def queue_depth(client: redis.Redis, queue: str, now: float | None = None,
                 users: Iterable[str] = ()) -> tuple[int, float | None]:
-    """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue, with the
-    lists of each of ``users`` beside it (:mod:`tasks.core.fairshare`)."""
+    """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue (a level
+    list), with kombu's priority-step lists and the lists of each of ``users`` beside it
+    (:mod:`tasks.core.queue_lists`)."""
     now = time.time() if now is None else now
     depth = 0
     oldest: float | None = None
-    names = [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
-    for key in [*names, *(user_list(queue, user) for user in users)]:
+    for key in [*lists_beside(queue, users), *step_lists(queue)]:
         length = int(client.llen(key))  # type: ignore[arg-type]
         if not length:
             continue

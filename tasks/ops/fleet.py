@@ -403,7 +403,7 @@ def run_left_collects(app: Celery, scan: int = LEFT_COLLECTS_SCAN) -> list[str]:
         The task ids of the collect steps run.
     """
     from ..core.job import COLLECT_TASK
-    from ..core.priority import leveled
+    from ..core.queue_lists import leveled
     from ..core.queues import QueueName
     from ..worker.runner import collect
 

@@ -17,7 +17,8 @@ from rich.table import Table
 
 from ..core.defaults import STATUS_WAITING_ROWS
 from ..core.groups import read_groups
-from ..core.priority import DEFAULT_LEVEL, split_level
+from ..core.priority import DEFAULT_LEVEL
+from ..core.queue_lists import split_level
 from ..core.records import FleetFile, iso
 from ..core.registry import live_workers, reading
 from ..core.settings import redact_url

@@ -18,8 +18,8 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 
 With ``distributed=True`` the devices' jobs are the ranks of one ``torch.distributed`` job
 (rank ``i`` on the ``i``-th device): every message carries the gang's
-:class:`~tasks.core.records.GangSpec`, and the workers assemble the process group
-(:mod:`tasks.jobproc.distributed`). A gang's ranks are sent under one Redis lock, so on every
+:class:`~tasks.core.records.GangSpec`, and the workers assemble the gang
+(:mod:`tasks.worker.gang`; each rank's process group in :mod:`tasks.jobproc.rank`). A gang's ranks are sent under one Redis lock, so on every
 device's queue one gang's ranks come before the next gang's.
 """
 
@@ -48,7 +48,8 @@ from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
-from ..core.priority import Level, check_user, level_queue, os_user, parse_level
+from ..core.priority import Level, check_user, os_user, parse_level
+from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import live_workers

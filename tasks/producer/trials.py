@@ -45,7 +45,8 @@ from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError
 from ..core.groups import GroupChoice, check_group_size, choose_groups
-from ..core.priority import DEFAULT_LEVEL, Level, level_queue
+from ..core.priority import DEFAULT_LEVEL, Level
+from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, sweep_queue
 from ..core.records import WorkerRecord
 from .connections import Connections

@@ -39,9 +39,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..core import keys
 from ..core.defaults import WAITING_READ_LIMIT
-from ..core.fairshare import brpop_keys, known_users, order_users, read_usage
+from ..core.fairshare import known_users, order_users, read_usage
 from ..core.job import COLLECT_TASK, TASK_PREFIX
-from ..core.priority import Level, leveled, queue_rank, split_level, split_user
+from ..core.priority import Level
+from ..core.queue_lists import brpop_keys, count_waiting, insert_in_level, leveled, queue_rank, split_level, split_user
 from ..core.queues import SWEEP_QUEUE_PREFIX
 from ..core.records import JobOptions, SweepRecord, WorkerRecord
 from ..core.registry import live_workers
@@ -112,19 +113,12 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
         name = split_user(name)[0]
         for device in devices:
             if device in orders and name not in orders[device]:
-                # An attached sweep's list comes last among its level's (kombu adds it last).
-                order = orders[device]
-                rank = queue_rank(name)
-                at = next((i for i, q in enumerate(order) if queue_rank(q) > rank), len(order))
-                order.insert(at, name)
+                insert_in_level(orders[device], name)  # an attached sweep's list: kombu adds it last
     # Each level's users' lists after its queue lists, users by usage (what a worker's read names).
     users = order_users(known_users(client), read_usage(client))
     orders = {device: [key for key, _queue in brpop_keys(order, users)] for device, order in orders.items()}
     names = sorted({name for order in orders.values() for name in order})
-    with client.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.llen(name)
-        depths = dict(zip(names, (int(n) for n in pipe.execute()), strict=True))
+    depths = dict(zip(names, count_waiting(client, names), strict=True))
     busy_text = {device: _busy_text(record) for device, record in live.items()}
     jobs: list[WaitingJob] = []
     for name in (n for n in names if depths[n]):

@@ -56,6 +56,7 @@ from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
 from .memory import open_meter
+from .modes import RunModes
 from .mps import MpsServer
 from .preemption import Preemption
 from .slots import GiB, Slots, plan_slots
@@ -342,6 +343,14 @@ class DeviceWorker:
     jobs_done: int = 0
     #: Guards ``jobs_done``: the slots' threads end jobs at once.
     counts_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: How its jobs run (plain, a gang's rank, a device group), with its services bound.
+    modes: RunModes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.modes = RunModes.build(
+            self.supervisor, self.client, self.device.name, self.gate, self.address,
+            expires_s=self.settings.result_expires_s, lease_ttl_s=self.settings.lease_ttl_s,
+            preempt_grace_s=self.config.preempt_grace_s)
 
     @property
     def device(self) -> Device:

@@ -54,7 +54,7 @@ from celery import bootsteps, signals
 
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
-from ..core.priority import leveled
+from ..core.queue_lists import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record

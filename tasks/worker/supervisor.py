@@ -64,6 +64,7 @@ from ..core.wire import (
     Report,
     RunJob,
     StopJob,
+    StopReason,
     StoreOpened,
 )
 from . import memory
@@ -94,10 +95,6 @@ class ProcessPolicy:
 class Watch(Protocol):
     """What the supervisor asks of the job it runs (implemented by the runner)."""
 
-    @property
-    def preempted(self) -> Level | None:
-        """The level of the work the job was stopped to make way for (None: not preempted)."""
-
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
@@ -111,14 +108,21 @@ class Watch(Protocol):
         """A rank's own error: fail its gang with ``reason`` now (a plain job has none)."""
 
     def stop(self) -> StopJob | None:
-        """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
+        """Whether to stop the job now, and why (asked every :data:`POLL_S`). A question only:
+        what acting on the stop takes is :meth:`act_on`'s."""
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        """The supervisor acts on ``stop`` (one :meth:`stop` gave) now: take what acting on it
+        takes (a preemption claims the waiting message the job makes way for; a fenced job's
+        reports are no longer relayed) and return the stop to send, or ``None`` where it no
+        longer stands (the message went to another job: the job runs on)."""
 
     def memory(self, used: int) -> None:
         """The job's memory at its latest sample (bytes)."""
 
     def made_way(self, level: Level) -> None:
-        """The job stops to make way for ``level`` work though its own worker did not ask it (its
-        gang was preempted as a whole): it goes back to its queue."""
+        """The job's gang makes way for ``level`` work as a whole, though its own worker did not
+        ask it (the stop that follows says so too)."""
 
 
 class WatchOver:
@@ -127,10 +131,6 @@ class WatchOver:
 
     def __init__(self, inner: Watch) -> None:
         self.inner = inner
-
-    @property
-    def preempted(self) -> Level | None:
-        return self.inner.preempted
 
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
@@ -147,6 +147,9 @@ class WatchOver:
     def stop(self) -> StopJob | None:
         return self.inner.stop()
 
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        return self.inner.act_on(stop)
+
     def memory(self, used: int) -> None:
         self.inner.memory(used)
 
@@ -155,8 +158,20 @@ class WatchOver:
 
 
 @dataclass(frozen=True)
+class Apart:
+    """A job that runs in a process of its own (:meth:`Supervisor.run`): a device group's whose
+    visibility this device's processes lack (CUDA reads it once, at a process's start)."""
+
+    #: Over the device's environment (the group's ``CUDA_VISIBLE_DEVICES``).
+    env: dict[str, str]
+    #: The group's memory budget (its devices' together), where this device measures memory.
+    budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Ended:
-    """How a job ended, as the supervisor saw it."""
+    """How a run ended, as the supervisor saw it: the value the runner matches on
+    (:func:`tasks.worker.runner.settle`)."""
 
     outcome: Outcome
     #: The job process's own account; None when the process died or was ended.
@@ -167,19 +182,44 @@ class Ended:
     pid: int
     #: Why its process was retired after this job; None: it runs the next one.
     retired: str | None
+    #: The stop the worker sent the job (or ended it with before it ran); None: none was.
+    stop: StopJob | None = None
 
     @property
     def crashed(self) -> bool:
         return self.error is not None and self.error.type == "JobCrashed"
 
+    def under(self, stop: StopJob | None) -> Ended:
+        """This ending with ``stop``, the stop the worker sent, and the outcome that stop makes
+        of it: a job its worker fenced off ends ``fenced`` however its process ended (no result
+        of the attempt may be stored), one asked to make way ends ``preempted`` unless it
+        finished ok first; ``preempted`` is never a job's own saying (a job that raised
+        ``Preempted`` unasked failed)."""
+        outcome = self.outcome
+        if stop is not None and stop.reason is StopReason.FENCED:
+            outcome = Outcome.FENCED
+        elif stop is not None and stop.reason is StopReason.PREEMPT:
+            outcome = outcome if outcome is Outcome.OK else Outcome.PREEMPTED
+        elif outcome in (Outcome.PREEMPTED, Outcome.FENCED):
+            outcome = Outcome.ERROR
+        return dataclasses.replace(self, outcome=outcome, stop=stop)
+
     @classmethod
     def by_worker(cls, error: type[BaseException], message: str, pid: int, retired: str | None,
-                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None) -> Ended:
+                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None,
+                  stop: StopJob | None = None) -> Ended:
         """A job the worker ended (or found ended), with one of devicefleet's job errors (and
-        its memory ``figures`` when it ended past its budget)."""
+        its memory ``figures`` when it ended past its budget; the ``stop`` it ended it for)."""
         return cls(outcome=outcome, finished=None,
                    error=ErrorInfo(type=error.__name__, message=message, memory=figures),
-                   error_module=error.__module__, pid=pid, retired=retired)
+                   error_module=error.__module__, pid=pid, retired=retired, stop=stop)
+
+    @classmethod
+    def stopped(cls, stop: StopJob, message: str | None = None) -> Ended:
+        """A job ended for ``stop`` before (or between) its runs: the error and outcome of
+        :data:`~tasks.core.wire.STOPS` for its reason, the stop's message or ``message``."""
+        error, outcome = STOPS[stop.reason]
+        return cls.by_worker(error, message or stop.message, pid=0, retired=None, outcome=outcome, stop=stop)
 
 
 class Supervisor:
@@ -206,7 +246,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
         #: Called (outside the lock) when a process was started or ended: the registry shows them.
         self.on_change: Callable[[], None] | None = None
-        #: Where a device group's own job process starts (:meth:`run_apart`): the group host
+        #: Where a device group's own job process starts (:meth:`run` ``apart``): the group host
         #: under systemd, whose unit may open every GPU of the host; None: this worker's child.
         self.group_host: GroupHostLink | None = None
 
@@ -263,13 +303,16 @@ class Supervisor:
 
     # -- running a job -----------------------------------------------------------------------
 
-    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
-        """Run ``job`` in a ready job process and watch it to its end; in ``slot``: on its cores,
-        within its memory budget.
+    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None, apart: Apart | None = None) -> Ended:
+        """Run ``job`` and watch it to its end: in a ready job process of this device (in
+        ``slot``: on its cores, within its memory budget), or, with ``apart``, in a process of
+        its own (:class:`Apart`: a GPU group's job, which must see all its GPUs).
 
         Raises:
             NoJobProcess: none became ready within the start timeout.
         """
+        if apart is not None:
+            return self._run_apart(job, watch, apart)
         process = self._take()
         budget = None
         if slot is not None:
@@ -292,11 +335,11 @@ class Supervisor:
         in one of this device's processes: CUDA reads its visibility once, at its start."""
         return any(self._env.get(name) != value for name, value in env.items())
 
-    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str], budget_bytes: int | None = None) -> Ended:
-        """Run ``job`` in a process of its own, started with ``env`` over the device's
+    def _run_apart(self, job: RunJob, watch: Watch, apart: Apart) -> Ended:
+        """Run ``job`` in a process of its own, started with ``apart.env`` over the device's
         environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
-        lists all its GPUs), within ``budget_bytes`` of memory where this device measures it,
-        and end that process after it. Under systemd it is the group host's child
+        lists all its GPUs), within ``apart.budget_bytes`` of memory where this device measures
+        it, and end that process after it. Under systemd it is the group host's child
         (:attr:`group_host`), whose unit may open the group's GPUs; else this worker's.
 
         Raises:
@@ -306,7 +349,7 @@ class Supervisor:
         threads = job.torch_threads or len(cores)
         spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
         try:
-            process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
+            process = JobProcess(spec, {**self._env, **apart.env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
                                  self.group_host, self.policy.start_timeout_s)
         except ProcessGone as exc:
             raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
@@ -318,8 +361,8 @@ class Supervisor:
             except ProcessGone as exc:
                 raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
             budget = None
-            if budget_bytes is not None and self.meter is not None:
-                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=budget_bytes),
+            if apart.budget_bytes is not None and self.meter is not None:
+                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=apart.budget_bytes),
                                  self.meter)
             return _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         finally:
@@ -479,6 +522,10 @@ class _Run:
         self._stop_sent_at = 0.0
 
     def wait(self) -> Ended:
+        """The run's end, with the stop the worker sent it (:meth:`Ended.under`)."""
+        return self._wait().under(self.stop)
+
+    def _wait(self) -> Ended:
         self.process.send(self.job)
         if self.budget is not None:  # the first sample once the job had MEMORY_SAMPLE_S to start
             self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
@@ -512,7 +559,7 @@ class _Run:
         now = time.monotonic()
         if self.stop is None:
             stop = self.watch.stop()
-            if stop is not None:
+            if stop is not None and (stop := self.watch.act_on(stop)) is not None:
                 self.stop, self._stop_sent_at = stop, now
                 self.process.send(stop)
             return False

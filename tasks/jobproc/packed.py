@@ -1,0 +1,290 @@
+"""The packed trainer: K trials of one job, same shapes, trained as one vmapped model.
+
+Each member's model is built from its own seed (``torch.manual_seed(seed)`` then the job's
+:attr:`Packing.model <tasks.core.job.Packing>`), the K models are stacked
+(``torch.func.stack_module_state``) and one step runs every member's batch at once
+(``torch.vmap`` over ``torch.func.functional_call``). The optimizer is Adam on the stacked
+tensors, with each member's lr and weight decay: torch.optim.Adam's math (L2 weight decay added
+to the gradient, bias-corrected moments, ``eps`` outside the square root), so a packed trial
+ends where the same trial trained alone does, within float rounding. Each member draws its
+batches in the order ``train``'s DataLoader would (:class:`BatchOrder`). The data stays on the
+device; the losses and hit counts of every member are read back once per epoch.
+
+A member whose loss is not finite, or whose ``ctx.progress()`` raises (cancelled, pruned,
+preempted, out of time), is masked out: its updates are zeroed from then on and it ends at once
+(``on_end``) while the others go on.
+
+A member saves what its job's own function resumes from (:attr:`Packing.checkpoint
+<tasks.core.job.Packing>`: ``train``'s ``resume.safetensors``) when its ``checkpoint_every_s``
+has passed or it is asked to make way, so a member that runs again unpacked resumes. Not here
+yet: resuming inside a pack (a packed member starts from its first epoch).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ..core.errors import TrainingDiverged
+from ..core.job import JobContext, PackData, Packing
+
+#: Adam's constants, as torch.optim.Adam's defaults.
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+#: Test samples scored per vmapped step.
+EVAL_CHUNK = 4096
+
+#: ``on_end(index, output, error)``: member ``index`` ended early, with its error.
+OnEnd = Callable[[int, dict[str, Any] | None, BaseException | None], None]
+
+
+@dataclass
+class Member:
+    """One trial of a pack: its context, its validated params and its data (CPU tensors)."""
+
+    ctx: JobContext
+    params: Any
+    data: PackData
+    history: list[dict[str, float]] = field(default_factory=list)
+    #: When its last checkpoint was saved (``time.monotonic()``).
+    saved_at: float = field(default_factory=time.monotonic)
+
+
+class BatchOrder:
+    """The sample order of each epoch, drawn as ``train``'s DataLoader draws it from a
+    generator seeded with ``seed`` (in-process loading: each epoch's iterator first takes a
+    base seed, then its RandomSampler a permutation, and one more when it is exhausted)."""
+
+    def __init__(self, seed: int, samples: int) -> None:
+        self.samples = samples
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def next_epoch(self) -> torch.Tensor:
+        torch.empty((), dtype=torch.int64).random_(generator=self._generator)
+        order = torch.randperm(self.samples, generator=self._generator)
+        torch.randperm(self.samples, generator=self._generator)
+        return order
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors, by name (as ``train``'s ``weights_digest`` of a model)."""
+    hashed = hashlib.sha256()
+    for name, value in sorted(tensors.items()):
+        hashed.update(name.encode())
+        hashed.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return hashed.hexdigest()
+
+
+def bytes_per_member(packing: Packing, params: Any, data: PackData) -> int:
+    """An estimate of the device memory one member of a pack needs: its weights, gradients and
+    two Adam moments, its data, and a batch's activations (counted on one sample of a throwaway
+    model, under autograd, with margin for the backward pass)."""
+    torch.manual_seed(0)
+    model = packing.model(params, data)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    tensors = [data.x_train, data.y_train, data.x_test, data.y_test]
+    resident = sum(int(t.numel() * t.element_size()) for t in tensors)
+    activations = 0
+
+    def count(_module: Any, _inputs: Any, output: Any) -> None:
+        nonlocal activations
+        if isinstance(output, torch.Tensor):
+            activations += output.numel() * output.element_size()
+
+    hooks = [m.register_forward_hook(count) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(data.x_train[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return 4 * weights + resident + 3 * activations * int(params.batch_size)
+
+
+def train_pack(packing: Packing, members: list[Member], torch_device: str, on_end: OnEnd) -> dict[int, dict[str, Any]]:
+    """Train ``members`` as one packed model on ``torch_device``; call ``on_end`` for each
+    member that ends early (diverged, stopped) as it ends; return the outputs of those that
+    trained to the end, by index, once the pack's tensors are unreachable (so what the process
+    then holds is what it will hold). Raises only what fails the whole pack (running out of
+    memory, a model that does not build)."""
+    from torch.func import functional_call, stack_module_state
+
+    device = torch.device(torch_device)
+    first = members[0].params
+    epochs, batch_size = int(first.epochs), int(first.batch_size)
+    models = []
+    for member in members:
+        torch.manual_seed(member.params.seed)
+        models.append(packing.model(member.params, member.data).to(device))
+    stacked, buffers = stack_module_state(models)  # type: ignore[arg-type]
+    base = copy.deepcopy(models[0]).to("meta")
+    del models
+    names = list(stacked)
+    weights = [stacked[name].detach().requires_grad_(True) for name in names]
+    moments = [torch.zeros_like(w) for w in weights]
+    squares = [torch.zeros_like(w) for w in weights]
+    k = len(members)
+    lr = torch.tensor([float(m.params.lr) for m in members], device=device)
+    decay = torch.tensor([float(getattr(m.params, "weight_decay", 0.0)) for m in members], device=device)
+    active = torch.ones(k, dtype=torch.bool, device=device)
+    alive = [True] * k
+    x = torch.stack([m.data.x_train for m in members]).to(device)
+    y = torch.stack([m.data.y_train for m in members]).to(device)
+    samples = int(y.shape[1])
+    rows = torch.arange(k, device=device)[:, None]
+    orders = [BatchOrder(int(m.params.seed), samples) for m in members]
+    loss_of = packing.loss or torch.nn.functional.cross_entropy
+
+    def one(w: dict[str, torch.Tensor], b: dict[str, torch.Tensor], xb: torch.Tensor,
+            yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = functional_call(base, (w, b), (xb,))
+        return loss_of(out, yb), out
+
+    step_all = torch.vmap(one)
+
+    def stop(index: int, error: BaseException | None, output: dict[str, Any] | None = None) -> None:
+        alive[index] = False
+        active[index] = False
+        on_end(index, output, error)
+
+    step = 0
+    started = time.perf_counter()
+    for epoch in range(1, epochs + 1):
+        epoch_started = time.perf_counter()
+        order = torch.stack([o.next_epoch() for o in orders]).to(device)
+        loss_sum = torch.zeros(k, device=device)
+        correct = torch.zeros(k, dtype=torch.long, device=device)
+        for start in range(0, samples, batch_size):
+            index = order[:, start : start + batch_size]
+            xb, yb = x[rows, index], y[rows, index]
+            losses, logits = step_all(dict(zip(names, weights, strict=True)), buffers, xb, yb)
+            grads = torch.autograd.grad(torch.where(active, losses, 0.0).sum(), weights)
+            step += 1
+            _adam(weights, grads, moments, squares, lr, decay, active, step)
+            loss_sum += losses.detach() * yb.shape[1]
+            correct += (logits.detach().argmax(dim=-1) == yb).sum(dim=1)
+        epoch_s = time.perf_counter() - epoch_started
+        sums = torch.stack([loss_sum.double(), correct.double()]).cpu().tolist()  # one read per epoch
+        for i, member in enumerate(members):
+            if not alive[i]:
+                continue
+            loss, accuracy = sums[0][i] / samples, sums[1][i] / samples
+            if not math.isfinite(loss):
+                stop(i, TrainingDiverged(f"loss became {loss} at epoch {epoch} (lr={member.params.lr}); "
+                                         "lower the learning rate or check the dataset"))
+                continue
+            member.history.append({"epoch": epoch, "loss": loss, "accuracy": accuracy})
+            member.ctx.log(epoch, **{"loss/train": loss, "accuracy/train": accuracy,
+                                     "samples_per_s": samples / epoch_s if epoch_s > 0 else 0.0,
+                                     "data_wait_fraction": 0.0})
+            # Saved before the report, as train saves: a preempted member's progress() raises.
+            every = getattr(member.params, "checkpoint_every_s", None)
+            due = every is not None and time.monotonic() - member.saved_at >= every
+            if packing.checkpoint is not None and epoch < epochs and (due or member.ctx.preempted()):
+                net, optimizer = _unstacked(packing, member, names, weights, moments, squares, buffers, i, step)
+                packing.checkpoint(member.ctx, member.params, net, optimizer, epoch)
+                member.saved_at = time.monotonic()
+            try:
+                member.ctx.progress(epoch=epoch, epochs=epochs, loss=round(loss, 6))
+            except Exception as exc:  # cancelled, pruned, preempted, out of time: this member only
+                stop(i, exc)
+        if not any(alive):
+            return {}
+    train_s = time.perf_counter() - started
+    accuracies = _evaluate(step_all, names, weights, buffers, members, alive, device)
+    finished: dict[int, dict[str, Any]] = {}
+    for i, member in enumerate(members):
+        if alive[i]:
+            state = {name: w[i].detach() for name, w in zip(names, weights, strict=True)}
+            state.update({name: b[i] for name, b in buffers.items()})
+            finished[i] = _output(packing, member, state, accuracies[i], train_s, k, i)
+    return finished
+
+
+def _adam(weights: list[torch.Tensor], grads: tuple[torch.Tensor, ...], moments: list[torch.Tensor],
+          squares: list[torch.Tensor], lr: torch.Tensor, decay: torch.Tensor, active: torch.Tensor,
+          step: int) -> None:
+    """One step of torch.optim.Adam (amsgrad off) on stacked tensors, per member's lr and weight
+    decay; a masked-out member keeps its weights and moments."""
+    beta1, beta2 = BETAS
+    correction1, correction2 = 1 - beta1**step, 1 - beta2**step
+    with torch.no_grad():
+        for w, g, m, v in zip(weights, grads, moments, squares, strict=True):
+            shape = (-1,) + (1,) * (w.dim() - 1)
+            on = active.view(shape)
+            g = g + decay.view(shape) * w
+            m.copy_(torch.where(on, m.lerp(g, 1 - beta1), m))
+            v.copy_(torch.where(on, v * beta2 + (1 - beta2) * g * g, v))
+            denom = v.sqrt() / math.sqrt(correction2) + EPS
+            w.sub_(torch.where(on, (lr.view(shape) / correction1) * m / denom, 0.0))
+
+
+def _unstacked(packing: Packing, member: Member, names: list[str], weights: list[torch.Tensor],
+               moments: list[torch.Tensor], squares: list[torch.Tensor], buffers: dict[str, torch.Tensor],
+               index: int, step: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Member ``index`` as the model and ``torch.optim.Adam`` it would have trained alone: its
+    weights, and its moments after ``step`` steps."""
+    net = packing.model(member.params, member.data).to(weights[0].device)
+    with torch.no_grad():
+        state = {name: w[index] for name, w in zip(names, weights, strict=True)}
+        state.update({name: b[index] for name, b in buffers.items()})
+        net.load_state_dict(state)
+    optimizer = torch.optim.Adam(net.parameters(), lr=float(member.params.lr),
+                                 weight_decay=float(getattr(member.params, "weight_decay", 0.0)))
+    named = dict(net.named_parameters())
+    for name, m, v in zip(names, moments, squares, strict=True):
+        optimizer.state[named[name]] = {"step": torch.tensor(float(step)), "exp_avg": m[index].clone(),
+                                        "exp_avg_sq": v[index].clone()}
+    return net, optimizer
+
+
+def _evaluate(step_all: Any, names: list[str], weights: list[torch.Tensor], buffers: dict[str, torch.Tensor],
+              members: list[Member], alive: list[bool], device: torch.device) -> list[float]:
+    """Each member's accuracy on its own test split (one read for all)."""
+    x = torch.stack([m.data.x_test for m in members]).to(device)
+    y = torch.stack([m.data.y_test for m in members]).to(device)
+    hits = torch.zeros(len(members), dtype=torch.long, device=device)
+    with torch.no_grad():
+        w = {name: t.detach() for name, t in zip(names, weights, strict=True)}
+        for start in range(0, int(y.shape[1]), EVAL_CHUNK):
+            yb = y[:, start : start + EVAL_CHUNK]
+            _, logits = step_all(w, buffers, x[:, start : start + EVAL_CHUNK], yb)
+            hits += (logits.argmax(dim=-1) == yb).sum(dim=1)
+    tested = int(y.shape[1])
+    return [hit / tested for hit in hits.cpu().tolist()]
+
+
+def _output(packing: Packing, member: Member, state: dict[str, torch.Tensor], accuracy: float,
+            train_s: float, k: int, index: int) -> dict[str, Any]:
+    """A member's result: the fields ``train`` gives, its checkpoint, and where it sat in the pack."""
+    ctx, params = member.ctx, member.params
+    ctx.artifacts_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = ctx.artifacts_dir / f"{ctx.device}-packed.safetensors"
+    cpu_state = {name: t.cpu().contiguous() for name, t in state.items()}
+    save_file(cpu_state, str(checkpoint), metadata={"epochs": str(params.epochs), "packed": str(k)})
+    ctx.log(int(params.epochs), **{"accuracy/test": accuracy})
+    samples_seen = int(member.data.y_train.shape[0]) * int(params.epochs)
+    return {
+        "accuracy": accuracy,
+        "loss": member.history[-1]["loss"],
+        "samples_per_s": samples_seen / train_s if train_s > 0 else None,
+        # The data is resident on the device: no step waits for it.
+        "data_wait_fraction": 0.0,
+        **(packing.output(params, member.data) if packing.output is not None else {}),
+        "epochs": params.epochs,
+        "samples_seen": samples_seen,
+        "resumed_from_epoch": 0,
+        "train_s": train_s,
+        "checkpoint": str(checkpoint),
+        "weights_digest": digest(cpu_state),
+        "history": member.history,
+        "packed": {"members": k, "index": index},
+    }
