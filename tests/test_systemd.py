@@ -30,7 +30,8 @@ from .conftest import ROOT, http_status, read_markers, wait_for
 from .systemd_container import BootFailed, Container, nspawn_binary
 from .systemd_units import exposure_level
 
-pytestmark = pytest.mark.timeout(120)
+# A real system rig (systemd-nspawn, root): its own step in .ci/run, `python3 -m pytest -m system`.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(120)]
 
 WORKERS = ["devicefleet-worker@cpu0.service", "devicefleet-worker@cpu1.service"]
 SERVICES = ["redis-server.service", *WORKERS, "devicefleet-flower.service", "devicefleet-metrics.service"]

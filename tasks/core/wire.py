@@ -266,6 +266,11 @@ class Outcome(str, Enum):
     #: A rank gives its device to an older gang (:class:`~tasks.core.errors.GiveWay`, decided by
     #: the worker's gang): the worker sends its message back to the queue.
     GIVE_WAY = "give_way"
+    #: A member of a pack that its pack could not run to its end (the pack's process died, or
+    #: its leader ended before the pack started): the worker sends its message back to its
+    #: queue to run alone, so a trial that kills its process kills only itself the next time
+    #: (:mod:`tasks.worker.pack`). Never a job process's own saying.
+    UNPACK = "unpack"
     #: A rank's gang lost a peer (:class:`~tasks.core.errors.PeerLost`): the worker's gang runs
     #: it again in the next generation.
     PEER_LOST = "peer_lost"

@@ -11,7 +11,10 @@ bound (:class:`RunModes`, the device worker's ``modes``):
 - :class:`Gang`: a rank of a distributed job (:mod:`tasks.worker.gang` joins, assembles, runs
   it again with its gang);
 - :class:`Group`: a device group's job, led by this worker (:mod:`tasks.worker.group` reserves
-  and holds its devices, then runs it in one job process over them all).
+  and holds its devices, then runs it in one job process over them all);
+- :class:`Pack`: a packed sweep's trial: it leads a pack (it takes more trials of its queue and
+  trains them with it in its job process) or joins the pack of the trial that took it
+  (:mod:`tasks.worker.pack`).
 
 A new mode is one more class here with a ``run(launch) -> Ended`` and one more line in
 :meth:`RunModes.of`.
@@ -27,11 +30,13 @@ from typing import Protocol
 
 import redis
 
+from ..core.defaults import PACK_AUTO_MAX, PACK_JOIN_TIMEOUT_S
 from ..core.errors import NoJobProcess
 from ..core.records import JobOptions
-from ..core.wire import RunJob
+from ..core.wire import RunJob, RunPack
 from . import gang, group
 from .group import GroupGate
+from .pack import Room, Rooms
 from .slots import Slot
 from .supervisor import Apart, Ended, Supervisor, Watch
 
@@ -55,6 +60,10 @@ class Launch:
     token: int = 0
     #: Called when the job starts later than it was launched (a group, once its devices are held).
     on_start: Callable[[], None] = field(default=_now)
+    #: Takes up to ``n`` more waiting messages of the queue and level this job's came from and
+    #: starts each as a member of ``room`` (:func:`tasks.worker.runner.take_siblings`); returns
+    #: how many it took. None: the job came from no queue (run in process).
+    siblings: Callable[[Room, int], int] | None = None
 
 
 class RunMode(Protocol):
@@ -132,12 +141,60 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Pack:
+    """A packed sweep's trial (:mod:`tasks.worker.pack`): a member taken by a leader joins its
+    room; any other leads a pack of itself and the trials it takes from its queue."""
+
+    plain: Plain
+    rooms: Rooms
+
+    def run(self, launch: Launch) -> Ended:
+        job_id = launch.message.job_id
+        room = self.rooms.room_of(job_id)
+        if room is not None:
+            return room.join(launch)
+        size = launch.options.pack
+        wanted = (PACK_AUTO_MAX if size == "auto" else int(size or 1)) - 1
+        room = Room(launch)
+        try:
+            taken = launch.siblings(room, wanted) if launch.siblings is not None and wanted > 0 else 0
+            members = room.wait_joined(PACK_JOIN_TIMEOUT_S) if taken else []
+            if not members:
+                return self.plain.run(launch)
+            return self._lead(launch, room, members)
+        finally:
+            room.close("its pack ended before it ran")
+
+    def _lead(self, launch: Launch, room: Room, members: list[Launch]) -> Ended:
+        job_id = launch.message.job_id
+        pack = RunPack(members=[launch.message, *(member.message for member in members)])
+        watches = {job_id: launch.watch, **{member.message.job_id: member.watch for member in members}}
+        mine: list[Ended] = []
+
+        def on_end(member: str, ended: Ended) -> None:
+            if member == job_id:
+                mine.append(ended)
+            else:
+                room.deliver(member, ended)
+
+        logger.info("%s: job %s leads a pack of %d trials", self.plain.device, job_id, len(pack.members))
+        try:
+            self.plain.supervisor.run_pack(pack, watches, launch.slot, on_end)
+        except NoJobProcess as exc:
+            logger.error("%s: %s", self.plain.device, exc)
+            return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
+        assert mine, "run_pack ends every member"
+        return mine[0]
+
+
+@dataclass(frozen=True)
 class RunModes:
     """The worker's run modes, built once with its services bound."""
 
     plain: Plain
     gang: Gang
     group: Group
+    pack: Pack
 
     @classmethod
     def build(cls, supervisor: Supervisor, client: redis.Redis, device: str, gate: GroupGate, address: str,
@@ -145,7 +202,8 @@ class RunModes:
         plain = Plain(supervisor, device)
         return cls(plain=plain,
                    gang=Gang(plain, client, device, address, expires_s, preempt_grace_s),
-                   group=Group(plain, client, device, gate, lease_ttl_s))
+                   group=Group(plain, client, device, gate, lease_ttl_s),
+                   pack=Pack(plain, Rooms()))
 
     def of(self, options: JobOptions) -> RunMode:
         """The mode a job with ``options`` runs in."""
@@ -153,4 +211,6 @@ class RunModes:
             return self.group
         if options.gang is not None:
             return self.gang
+        if options.pack is not None:
+            return self.pack
         return self.plain

@@ -24,6 +24,7 @@ raises (:class:`tasks.worker.lease.LeaseKeeper` settles the lease after it); or 
 from __future__ import annotations
 
 import builtins
+import functools
 import logging
 import queue
 import threading
@@ -151,6 +152,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
     job_id = str(task.request.id)
+    if worker.modes.pack.rooms.room_of(job_id) is not None:  # a pack's member: its leader passed the gate
+        return _leased(worker, task, job, kwargs, options)
     with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked) as admitted:
         if admitted:
             return _leased(worker, task, job, kwargs, options)
@@ -173,23 +176,37 @@ def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options
 
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions,
              attempt: Attempt | None = None) -> dict[str, Any]:
+    room = worker.modes.pack.rooms.room_of(str(task.request.id)) if task.request.id is not None else None
+    if room is not None:  # a pack's member runs in its leader's slot, which makes way for it as a whole
+        run = JobRun(worker, task, job, None, options)
+        watch = JobWatch(worker, task, run.job_id, options, room.slot.index, attempt, preemptible=False)
+        return _run(worker, task, run, watch, Launch(
+            message=run.job_message(kwargs, options, attempt), options=options, watch=watch, slot=room.slot,
+            token=attempt.token if attempt is not None else 0))
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot, options)
-        message = run.job_message(kwargs, options, attempt)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
-        launch = Launch(message=message, options=options, watch=watch, slot=slot,
-                        token=attempt.token if attempt is not None else 0, on_start=run.start_clock)
-        preemption = worker.preemption if watch.preemptible else None
+        siblings = (functools.partial(worker.siblings.take, task, level=options.priority)
+                    if options.pack is not None and task.request.id is not None else None)
+        return _run(worker, task, run, watch, Launch(
+            message=run.job_message(kwargs, options, attempt), options=options, watch=watch, slot=slot,
+            token=attempt.token if attempt is not None else 0, on_start=run.start_clock, siblings=siblings))
+
+
+def _run(worker: DeviceWorker, task: Task, run: JobRun, watch: JobWatch, launch: Launch) -> dict[str, Any]:
+    """Run ``launch`` in the mode its options choose, then settle its ending."""
+    options = launch.options
+    preemption = worker.preemption if watch.preemptible else None
+    if preemption is not None:
+        preemption.running(run.job_id, options.priority)
+    try:
+        ended = worker.modes.of(options).run(launch)
+    finally:
         if preemption is not None:
-            preemption.running(run.job_id, options.priority)
-        try:
-            ended = worker.modes.of(options).run(launch)
-        finally:
-            if preemption is not None:
-                preemption.done(run.job_id)
-            # Every report relayed before the job's end is stored (a fenced job's are left).
-            watch.drain()
-        return settle(worker, task, run, ended)
+            preemption.done(run.job_id)
+        # Every report relayed before the job's end is stored (a fenced job's are left).
+        watch.drain()
+    return settle(worker, task, run, ended)
 
 
 def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[str, Any]:
@@ -214,6 +231,14 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
             # It made way (or was ended for it after its grace): back to its queue, not a failure.
             run.idle(done=False)
             requeue_preempted(worker, task, run.job_id, ended.stop.level if ended.stop is not None else None)
+        case Outcome.UNPACK:
+            # Its pack could not finish it (the pack's process died): back to its queue at once,
+            # to run alone, so a trial that kills its process kills only itself the next time.
+            run.idle(done=False)
+            worker.leases.release(run.job_id)
+            headers = dict(task.request.headers or {})
+            alone = job_options(task.request).model_copy(update={"pack": None}).to_dict()
+            raise task.retry(countdown=0, max_retries=None, headers={**headers, OPTIONS_HEADER: alone})
         case Outcome.GIVE_WAY:
             # The same message (id, chord, options) back on the queue: it runs again later.
             run.idle(done=False)
@@ -268,7 +293,7 @@ class JobWatch:
     """
 
     def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0,
-                 attempt: Attempt | None = None) -> None:
+                 attempt: Attempt | None = None, preemptible: bool = True) -> None:
         self.worker = worker
         #: The attempt that holds the job's lease (``None``: run under none): its reports carry its token.
         self.attempt = attempt
@@ -287,7 +312,7 @@ class JobWatch:
         # Not a group's job (its devices would have to stop as a whole), nor a job run in process
         # without a message to send back. A gang's rank is: its gang stops as a whole
         # (tasks.worker.gang.GangWatch tells every rank).
-        self.preemptible = options.preemptible and options.group is None and attempt is not None
+        self.preemptible = preemptible and options.preemptible and options.group is None and attempt is not None
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None

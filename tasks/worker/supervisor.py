@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +63,7 @@ from ..core.wire import (
     RankFailed,
     Report,
     RunJob,
+    RunPack,
     StopJob,
     StopReason,
     StoreOpened,
@@ -329,6 +330,31 @@ class Supervisor:
             retire = "a device group's job left processes behind: they end with it"
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
+
+    def run_pack(self, pack: RunPack, watches: Mapping[str, Watch], slot: Slot,
+                 on_end: Callable[[str, Ended], None]) -> None:
+        """Run ``pack`` (several trials of one job, trained at once: :mod:`tasks.worker.pack`)
+        in one ready job process, in ``slot``, and watch each member with its own watch of
+        ``watches``: its reports relayed, its own stop sent to it alone (the first member's
+        preemption or worker stop to all: the pack holds one slot and makes way as a whole),
+        and its ending handed to ``on_end(job_id, ended)`` as soon as the process ends it. Every
+        member gets exactly one ending; those the pack could not finish (its process died, went
+        past the slot's budget, or a member did not stop within its grace) end as
+        :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone.
+
+        Raises:
+            NoJobProcess: none became ready within the start timeout (no member was ended).
+        """
+        process = self._take()
+        first = self._in_slot(pack.members[0], slot, process)
+        placed = {"slot": first.slot, "cores": first.cores, "torch_threads": first.torch_threads,
+                  "allocator_limit_bytes": first.allocator_limit_bytes}
+        pack = RunPack(members=[member.model_copy(update=placed) for member in pack.members])
+        budget = _Budget(slot, self.meter) if slot.budget_bytes is not None and self.meter is not None else None
+        run = _PackRun(process, pack, watches, self.policy.cancel_grace_s, budget, on_end)
+        last, retire = run.wait()
+        retire = retire or self._retire_reason(process, last)
+        self._give_back(process, retire)
 
     def needs_own_process(self, env: dict[str, str]) -> bool:
         """Whether a job whose process must see ``env`` (a device group's visibility) cannot run
@@ -606,3 +632,111 @@ class _Run:
         message = (f"the job process {process.pid} running {self.job.job} ({self.job.job_id}) died: "
                    f"{how}; its last lines: {tail}")
         return Ended.by_worker(JobCrashed, message, process.pid, f"crashed: {how}")
+
+
+class _PackRun:
+    """One pack of trials in one process, from :class:`RunPack` to its last member's end."""
+
+    def __init__(self, process: JobProcess, pack: RunPack, watches: Mapping[str, Watch], grace_s: float,
+                 budget: _Budget | None, on_end: Callable[[str, Ended], None]) -> None:
+        self.process = process
+        self.pack = pack
+        self.watches = watches
+        self.grace_s = grace_s
+        self.budget = budget
+        self.on_end = on_end
+        self.leader = pack.members[0].job_id
+        #: The members not ended yet, each with the stop sent to it and when (None: none yet).
+        self.open: dict[str, tuple[StopJob, float] | None] = {m.job_id: None for m in pack.members}
+
+    def wait(self) -> tuple[Finished | None, str | None]:
+        """Run the pack to its end; returns the last member's account (None: the process did not
+        finish the pack) and why the process must retire (None: it may run the next job)."""
+        self.process.send(self.pack)
+        if self.budget is not None:
+            self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
+        last: Finished | None = None
+        retire: str | None = None
+        while self.open:
+            try:
+                message = self.process.receive(POLL_S)
+            except ProcessGone as gone:
+                because = self.process.killed_because
+                self._end_open(because or f"its process died: {gone}; its last lines: {self.process.tail_text()}",
+                               retired=because or f"crashed: {gone}")
+                return None, because or f"crashed: {gone}"
+            if isinstance(message, Finished):
+                job_id = message.job_id or self.leader
+                if job_id in self.open:
+                    sent = self.open.pop(job_id)
+                    ended = Ended(outcome=message.outcome, finished=message, error=message.error,
+                                  error_module=message.error_module, pid=self.process.pid, retired=None)
+                    self.on_end(job_id, ended.under(sent[0] if sent is not None else None))
+                    last, retire = message, retire or message.retire
+            elif isinstance(message, Report):
+                watch = self.watches.get(message.job_id or self.leader)
+                if watch is not None:
+                    watch.report(message.fields)
+            elif isinstance(message, LogLines):
+                self.watches[self.leader].log(message.lines)
+            if (late := self._ask_stops()) is not None:
+                self._kill_for(late)
+                return None, f"ended after {late.reason.value}"
+            if self.budget is not None and (over := self.budget.over(self.process, self.watches[self.leader])):
+                used, budget = over
+                reason = f"past its slot's memory budget ({used / memory.MiB:.0f} of {budget / memory.MiB:.0f} MiB)"
+                self.process.kill(reason)
+                self._end_open(f"the pack went {reason}", retired=reason)
+                return None, reason
+        return last, retire
+
+    def _ask_stops(self) -> StopJob | None:
+        """Ask each open member's watch for its stop and send it to that member alone (the
+        leader's preemption or worker stop to every member); returns a stop whose grace ran out."""
+        now = time.monotonic()
+        for job_id in list(self.open):
+            sent = self.open.get(job_id)
+            if sent is not None:
+                if now - sent[1] > (sent[0].grace_s if sent[0].grace_s is not None else self.grace_s):
+                    return sent[0]
+                continue
+            watch = self.watches[job_id]
+            asked = watch.stop()
+            stop = watch.act_on(asked) if asked is not None else None
+            if stop is None:
+                continue
+            whole = job_id == self.leader and stop.reason in (StopReason.PREEMPT, StopReason.SHUTDOWN)
+            for member in (list(self.open) if whole else [job_id]):
+                if self.open.get(member) is None:
+                    member_stop = stop.model_copy(update={"job_id": member})
+                    self.open[member] = (member_stop, now)
+                    self.process.send(member_stop)
+        return None
+
+    def _kill_for(self, late: StopJob) -> None:
+        """A member did not stop at ``ctx.progress()`` within its grace: the process goes, the
+        members asked to stop end with their stop's error, the others run again alone."""
+        because = f"{late.reason.value}: no stop at ctx.progress() within its grace"
+        self.process.kill(because)
+        for job_id, sent in list(self.open.items()):
+            if sent is None:
+                continue
+            stop = sent[0]
+            error, outcome = STOPS[stop.reason]
+            self.open.pop(job_id)
+            self.on_end(job_id, Ended.by_worker(
+                error, f"{stop.message}; its pack did not stop at ctx.progress() within its grace, so its process "
+                       f"{self.process.pid} was ended ({self.process.exit_text()})",
+                self.process.pid, because, outcome, stop=stop))
+        self._end_open(f"a member of its pack did not stop in time ({late.message})", retired=because)
+
+    def _end_open(self, why: str, retired: str) -> None:
+        for job_id in list(self.open):
+            sent = self.open.pop(job_id)
+            if sent is not None and sent[0].reason in (StopReason.CANCEL, StopReason.FENCED, StopReason.PREEMPT):
+                # Asked to stop, and the process went first: the stop's ending, as a lone job's.
+                self.on_end(job_id, Ended.stopped(sent[0], f"{sent[0].message}; its pack's process went ({why})"))
+                continue
+            self.on_end(job_id, Ended.by_worker(
+                JobCrashed, f"pack member {job_id} ({self.pack.members[0].job}): {why}; it goes back to its queue "
+                            "to run alone", self.process.pid, retired, Outcome.UNPACK))
