@@ -80,6 +80,7 @@ from .producer import (
 )
 
 if TYPE_CHECKING:
+    from .jobs.resident import DeviceData, place_data
     from .ops.fleet import Fleet
     from .producer.optimize import StudyHandle, optimize, optimize_async, start_study
 
@@ -89,6 +90,7 @@ __all__ = [
     "CommandRefused",
     "ConfigError",
     "DeadLetter",
+    "DeviceData",
     "Device",
     "DeviceFleetError",
     "DeviceKind",
@@ -146,6 +148,7 @@ __all__ = [
     "job",
     "live_devices",
     "optimize",
+    "place_data",
     "optimize_async",
     "start_study",
     "sweep",
@@ -167,4 +170,8 @@ def __getattr__(name: str) -> Any:
         from .producer import optimize
 
         return getattr(optimize, name)
+    if name in ("DeviceData", "place_data"):  # for jobs, in the job process: they import torch
+        from .jobs import resident
+
+        return getattr(resident, name)
     raise AttributeError(f"module 'tasks' has no attribute {name!r}")

@@ -127,9 +127,10 @@ FLEET_COMMANDS = {"programs": [sys.executable, "bash", TORCHRUN], "workdirs": [s
 
 
 #: The session fleet's job modules: the test jobs, and the job module the docs' "Your own job"
-#: page shows (tests/scripts/my_jobs.py, which tests/test_docs.py checks is the page's file), so
+#: page shows (tests/scripts/my_jobs.py and my_data_jobs.py, which tests/test_docs.py checks are the
+#: page's files), so
 #: that page's examples run on this fleet too.
-FLEET_JOB_MODULES = [*TEST_JOB_MODULES, "tests.scripts.my_jobs"]
+FLEET_JOB_MODULES = [*TEST_JOB_MODULES, "tests.scripts.my_jobs", "tests.scripts.my_data_jobs"]
 
 #: The session fleet's worker configs: a short grace for jobs asked to stop, and a memory
 #: threshold a test's leaking job crosses in two runs (tests/test_isolation.py).

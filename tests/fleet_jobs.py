@@ -578,6 +578,37 @@ def memory_probe(ctx: JobContext, params: MemoryProbeParams) -> dict[str, Any]:
     return {"free_mib": free, "total_mib": total, "pids": pids, "alive": alive, "pid": os.getpid()}
 
 
+class KeepParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mib: int = Field(default=512, ge=0)
+
+
+#: Tensors ``gpu_keep`` leaves behind in its process (on its device): the leak of issue 48.
+_KEPT: list[Any] = []
+
+
+@job("gpu_keep", params=KeepParams)
+def gpu_keep(ctx: JobContext, params: KeepParams) -> dict[str, Any]:
+    """Keep ``mib`` MiB on the job's device in a module global, and end fine."""
+    import torch
+
+    _KEPT.append(torch.ones(params.mib * 2**18, dtype=torch.float32, device=ctx.torch_device))
+    return {"pid": os.getpid(), "kept_mib": params.mib}
+
+
+@job("gpu_assert", params=NoParams)
+def gpu_assert(ctx: JobContext, params: NoParams) -> dict[str, Any]:
+    """Index out of range in a CUDA kernel: a device-side assert, which poisons the context.
+    Returns without synchronising, so the error surfaces only when the job process releases
+    the job's memory (as an asynchronous kernel error does)."""
+    import torch
+
+    table = torch.zeros(4, device=ctx.torch_device)
+    index = torch.tensor([1_000_000], device=ctx.torch_device)
+    table[index] += 1  # the kernel's bounds check fires on the device, not here
+    return {"pid": os.getpid()}
+
+
 class PackedParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epochs: int = 2

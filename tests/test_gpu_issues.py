@@ -196,3 +196,29 @@ def test_issue41_a_preempted_batch_train_frees_its_gpu_memory_before_the_urgent_
     assert_released(held, seen["free_mib"], "the preempted job's memory at the urgent job's start")
     assert entry["preemptions"] == 1
     assert 0 < out["resumed_from_epoch"] < train["epochs"]
+
+
+@pytest.mark.timeout(120)
+def test_issue48_a_job_that_keeps_device_memory_or_poisons_cuda_retires_its_process(fleet, app):
+    """Issue 48 item 4, on gpu0: a job that keeps 512 MiB in a module global ends ok, and the
+    next job on the device finds its allocator empty (the process was retired); a device-side
+    assert that surfaces only as its memory is released is the job's entry (the CUDA error,
+    not a crash of the job process), and the next job on the device runs fine."""
+    if DRY_RUN:
+        pytest.skip("CUDA only: a CPU job leaves no device memory and raises no CUDA error")
+    kept = fan_out("gpu_keep", [DEVICE], kwargs={"mib": 512}, app=app).get(timeout=60)[DEVICE]
+    assert kept["status"] == "ok", kept
+    after = fan_out("gpu_memory", [DEVICE], app=app).get(timeout=60)[DEVICE]
+    assert after["status"] == "ok", after
+    print(f"\nGPUCHECK 48 {DEVICE}: kept 512 MiB in pid {kept['output']['pid']}; the next job (pid "
+          f"{after['output']['pid']}) found {after['output']['allocated'] / 2**20:.0f} MiB allocated")
+    assert after["output"]["pid"] != kept["output"]["pid"]
+    assert after["output"]["allocated"] < 512 * 2**20
+    poisoned = fan_out("gpu_assert", [DEVICE], app=app).get(timeout=60)[DEVICE]
+    print(f"GPUCHECK 48 {DEVICE}: device-side assert -> {poisoned['status']} {poisoned.get('error')}")
+    assert poisoned["status"] == "error", poisoned
+    assert poisoned["error"]["type"] != "JobCrashed", poisoned
+    assert "device-side assert" in poisoned["error"]["message"].lower() or \
+        "cuda error" in poisoned["error"]["message"].lower(), poisoned
+    again = fan_out("gpu_memory", [DEVICE], app=app).get(timeout=60)[DEVICE]
+    assert again["status"] == "ok", again

@@ -345,6 +345,15 @@ CHECKPOINT_EVERY_S = 10.0
 
 #: Batches each DataLoader worker keeps ready ahead of the training loop (``prefetch_factor``).
 LOADER_PREFETCH = 4
+#: The most of a job's memory budget its dataset may take to live on the device (``train``'s
+#: ``data="auto"``, :func:`tasks.jobs.resident.decide`): the rest is the model's, its gradients',
+#: optimizer state's and activations'.
+RESIDENT_DATA_FRACTION = 0.5
+#: Device memory a job may leave allocated (``torch.cuda.memory_allocated()`` after it ends and
+#: its memory is released, above what was allocated before it) before its process is retired:
+#: tensors a job keeps in a module global hold the device from every later job. Room for what
+#: torch itself keeps (cuBLAS workspaces: a few MiB per stream).
+MAX_GPU_MEMORY_LEFT_MIB = 256
 #: How long the training loop waits for the shared memory of a batch its worker sent (it is sent
 #: ahead of the batch, so it is there at once; past this, a bug is reported instead of a hang).
 LOADER_HANDOFF_TIMEOUT_S = 10.0

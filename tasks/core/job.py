@@ -130,6 +130,10 @@ class JobContext:
     #: Which run of the job this is: 1 first, one more after each preemption or lost worker
     #: (the same ``job_id`` and ``artifacts_dir`` each time: resume from a checkpoint there).
     attempt: int = 1
+    #: The most memory this run may take on its device, in bytes: on a GPU, CUDA's allocator cap
+    #: for the job (its slot's budget less what the process held before it); None: no cap known.
+    #: :func:`tasks.place_data` decides from it whether a dataset can live on the device.
+    memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not self.devices:

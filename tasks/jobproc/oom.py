@@ -6,7 +6,9 @@ ask for it (``fallback="cpu"``, :class:`~tasks.core.records.JobOptions`, sent be
 runs the job again on the CPU in the same process. Otherwise it raises
 :class:`~tasks.core.errors.OutOfMemory`, which becomes the device's error entry. When CUDA memory
 is still held after the release, the job process says so and the worker retires it (a fresh one
-takes the next job); the worker itself never held that memory.
+takes the next job); the worker itself never held that memory. :func:`settle_device` does the
+same after every job on CUDA: what the job left allocated (tensors in a module global) past
+``MAX_GPU_MEMORY_LEFT_MIB``, or a CUDA error while releasing it, retires the process.
 """
 
 from __future__ import annotations
@@ -65,8 +67,70 @@ def release_memory(torch_device: str, baseline: int = 0) -> bool:
         return False
     import torch
 
+    if torch.cuda.is_initialized():
+        # Kernels run asynchronously: a device-side assert of the job's surfaces here, not in
+        # the next job (raised to the caller: settle_device turns it into the job's error).
+        torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return bool(torch.cuda.memory_allocated() > baseline)
+
+
+def leftover(allocated_bytes: int, limit_bytes: int) -> str | None:
+    """Why a process whose CUDA allocator still holds ``allocated_bytes`` after its job must
+    retire (over ``limit_bytes``), or None: a job's tensors kept in a module global would take
+    that memory from every later job on the device."""
+    if allocated_bytes <= limit_bytes:
+        return None
+    return (f"{allocated_bytes / MiB:,.0f} MiB of device memory still allocated after the job "
+            f"(over {limit_bytes / MiB:,.0f} MiB: tensors it kept, e.g. in a module global)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceAfterJob:
+    """The job's device once its memory was released (:func:`settle_device`)."""
+
+    #: Bytes CUDA's caching allocator still reserves; None without CUDA (or when unreadable).
+    reserved_bytes: int | None = None
+    #: Why the process must not run another job; None: it may.
+    retire: str | None = None
+    #: What releasing or reading the memory raised (a CUDA error of the job's, reported late).
+    error: Exception | None = None
+
+
+def _cuda_memory() -> tuple[int, int] | None:
+    """(allocated, reserved) bytes of this process's CUDA allocator; None when this process
+    never initialised CUDA (asking would create a context)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved())
+
+
+def settle_device(torch_device: str, *, failed: bool, limit_bytes: int,
+                  release: Callable[[str], bool] = release_memory,
+                  measure: Callable[[], tuple[int, int] | None] = _cuda_memory) -> DeviceAfterJob:
+    """Release what a job left on ``torch_device`` and say whether its process may run another.
+
+    On CUDA after every job (else only after a failed one: its tensors are garbage then), the
+    garbage is collected and the allocator's cache emptied; more than ``limit_bytes`` still
+    allocated retires the process. An error while doing so (a device-side assert surfaces at
+    the next synchronising call: pytorch#2300) never escapes: it is returned, and the process
+    retires, since its context may be poisoned. Never raises.
+    """
+    cuda = torch_device.startswith("cuda")
+    try:
+        if cuda or failed:
+            release(torch_device)
+        figures = measure() if cuda else None
+    except Exception as exc:  # whatever CUDA raises on a poisoned context
+        return DeviceAfterJob(retire=f"CUDA error while releasing the job's device memory, the context may be "
+                              f"poisoned: {type(exc).__name__}: {exc}", error=exc)
+    if figures is None:
+        return DeviceAfterJob()
+    allocated, reserved = figures
+    return DeviceAfterJob(reserved_bytes=reserved, retire=leftover(allocated, limit_bytes))
 
 
 def run_guarded(

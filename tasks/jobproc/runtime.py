@@ -5,8 +5,9 @@ modules and checks what torch sees, then remembers the environment, working dire
 ``sys.path``, core affinity and torch threads. :meth:`JobRuntime.run` puts all of those back
 before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVICES"] = ...``,
 ``os.chdir("/")``), then runs it (:func:`run_job`; a pack of trials: :mod:`.pack_run`) and says how it ended, and whether this
-process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300) or
-an out-of-memory.
+process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300, also
+when it surfaces only as the job's memory is released), an out-of-memory, or with more than
+``MAX_GPU_MEMORY_LEFT_MIB`` of device memory still allocated after the job (:func:`.oom.settle_device`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
 from ..core.devices import Device, check_visibility
 from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost, Preempted
 from ..core.job import JobContext, JobDefinition, JobFunc
@@ -27,7 +29,7 @@ from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessS
 from .channel import Channel
 from .command import CommandJob
 from .command_process import become_subreaper
-from .oom import release_memory, run_guarded
+from .oom import MiB, run_guarded, settle_device
 from .progress import ProgressThrottle
 from .rank import run_command_rank, run_rank
 from .registry import JobRegistry, validate_kwargs
@@ -206,6 +208,7 @@ def context_of(runtime: JobRuntime, job: RunJob, slot_of: RunJob, channel: Chann
         cancelled=lambda: channel.stop_requested(job.job_id),
         interruption=lambda: channel.interruption(job.job_id),
         preemption=lambda: channel.preempted(job.job_id), attempt=job.attempt,
+        memory_budget_bytes=slot_of.allocator_limit_bytes,
     )
 
 
@@ -264,18 +267,25 @@ def classify(spec: ProcessSpec, name: str, job_id: str, exc: BaseException) -> t
 
 
 def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
+    # Out of the except block, so the job's tensors are unreachable: the device's memory is
+    # back at its baseline before the worker hears the job ended, whatever stopped it (a
+    # cancel, a pruned trial, a preemption, a time limit, its worker fencing itself, its own
+    # error), so the next job, or the one that preempted it, finds the memory free. What is
+    # still allocated then (a module global's tensors) retires the process.
+    device = settle_device(runtime.spec.torch_device, failed=ending.error is not None,
+                           limit_bytes=MAX_GPU_MEMORY_LEFT_MIB * MiB)
+    if device.error is not None and ending.error is None:
+        # The job's own CUDA error, raised only now (kernels run asynchronously): its entry.
+        logger.warning("%s: %s", runtime.spec.device, device.retire)
+        ending.output, ending.metrics = None, {}
+        ending.failed(device.error)
+    ending.retire = ending.retire or device.retire
     exc = ending.error
-    if exc is not None:
-        # Out of the except block, so the job's tensors are unreachable: the device's memory is
-        # back at its baseline before the worker hears the job ended, whatever stopped it (a
-        # cancel, a pruned trial, a preemption, a time limit, its worker fencing itself, its own
-        # error), so the next job, or the one that preempted it, finds the memory free.
-        release_memory(runtime.spec.torch_device)
     return Finished(
         outcome=ending.outcome, output=ending.output,
         error=ErrorInfo.of(exc) if exc is not None else None,
         error_module=type(exc).__module__ if exc is not None else None,
-        metrics=ending.metrics, gpu_memory_bytes=gpu_memory_in_use(), rss_bytes=rss_bytes(),
+        metrics=ending.metrics, gpu_memory_bytes=device.reserved_bytes, rss_bytes=rss_bytes(),
         retire=ending.retire,
     )
 

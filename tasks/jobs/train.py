@@ -1,8 +1,10 @@
 """``train``: train a real model on a real dataset and save a safetensors checkpoint.
 
 The loop follows the habits that keep a device fed (PyTorch's Performance Tuning Guide,
-https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html): DataLoader workers prefetch
-batches in the background; on CUDA, batches are pinned and copied with ``non_blocking=True``;
+https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html): a training split that fits the
+job's memory budget lives on the device, copied there once, each batch indexed there
+(:mod:`.resident`: no loader, no per-batch copy); one that does not is fed by DataLoader workers
+that prefetch batches in the background, pinned on CUDA and copied with ``non_blocking=True``;
 accumulators live on the device and are read once per epoch (no per-step ``.item()``);
 evaluation runs under ``torch.inference_mode()``. Results travel by reference: the checkpoint
 stays on disk and only its path goes through Redis.
@@ -24,6 +26,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
@@ -40,6 +43,7 @@ from ..core.job import JobContext, JobMetric, PackData, Packing, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
+from .resident import DataMode, DeviceData, LoaderOrder, Placement, place_data, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ logger = logging.getLogger(__name__)
 class TrainParams(TrainingParams):
     #: Adam's weight decay (L2, added to the gradient as torch.optim.Adam does).
     weight_decay: float = Field(default=0.0, ge=0, le=10)
-    #: DataLoader worker processes; ``auto``: 4 on a GPU, else one per core beyond the first.
+    #: DataLoader worker processes (the loader path only: see ``data``); ``auto``: 4 on a GPU,
+    #: else one per core beyond the first.
     num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     #: Save a resumable checkpoint (model + optimizer) at most this often; 0: every epoch.
     #: A job that runs again after its worker died resumes from it.
@@ -55,6 +60,11 @@ class TrainParams(TrainingParams):
     #: Split each batch over the visible GPUs with ``nn.DataParallel`` when there are several;
     #: False: train on the first only.
     data_parallel: bool = True
+    #: Where the training data lives: ``auto``: on the job's device when it fits its memory budget
+    #: (batches indexed there: no DataLoader workers, no per-batch copy), else a DataLoader;
+    #: ``device`` or ``loader``: that path. Under ``auto`` a ``num_workers`` above 0 means the
+    #: loader. The result's ``data_path`` says which and why.
+    data: DataMode = "auto"
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,15 @@ def _loader_workers(params: TrainParams, ctx: JobContext, cuda: bool) -> int:
     return min(4, cores) if cuda else min(4, cores - 1)
 
 
+def _placement(params: TrainParams, ctx: JobContext, split: data.Split) -> Placement:
+    """Where the training split lives: ``params.data``; under ``auto`` an explicit
+    ``num_workers`` above 0 asks for DataLoader workers, so the loader feeds it."""
+    if params.data == "auto" and params.num_workers not in ("auto", 0):
+        return Placement("loader", tensor_bytes(split.x_train, split.y_train), None,
+                         f"num_workers={params.num_workers} asks for DataLoader workers: a DataLoader feeds it")
+    return place_data(ctx, split.x_train, split.y_train, mode=params.data)
+
+
 def weights_digest(model: nn.Module) -> str:
     """SHA-256 of a model's parameters and buffers, by name: equal models, equal digests."""
     digest = hashlib.sha256()
@@ -131,6 +150,8 @@ def _pack_model(params: TrainParams, pack_data: PackData) -> nn.Module:
 def _pack_output(params: TrainParams, pack_data: PackData) -> dict[str, Any]:
     return {"model": params.model.value, "dataset": pack_data.info["name"],
             "train_samples": len(pack_data.y_train), "test_samples": len(pack_data.y_test), "num_workers": 0,
+            "data_path": asdict(Placement("device", tensor_bytes(pack_data.x_train, pack_data.y_train), None,
+                                          "packed: the pack's data lives on its device, batches indexed there")),
             "parallel": asdict(Parallel("packed", [], "trained with the other trials of its pack as one vmapped model"))}
 
 
@@ -159,24 +180,36 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
     cuda = device.type == "cuda"
     rank, ranks = ctx.rank, ctx.world_size
     split = data.load(params.dataset, test_fraction=params.test_fraction, seed=params.seed)
-    workers = _loader_workers(params, ctx, cuda)
-    train_set = TensorDataset(split.x_train, split.y_train)
-    sampler: DistributedSampler[Any] | None = (DistributedSampler(train_set, num_replicas=ranks, rank=rank, shuffle=True, seed=params.seed)
-               if ranks > 1 else None)
-    loader = build_loader(
-        train_set,
-        batch_size=params.batch_size,
-        num_workers=workers,
-        cuda=cuda,
-        shuffle=True,
-        seed=params.seed,
-        sampler=sampler,
-    )
+    placement = _placement(params, ctx, split)
+    sampler: DistributedSampler[Any] | None = None
+    if placement.on_device:
+        # Copied to the device once, batches indexed there in the order the loader would give
+        # (one small host-to-device copy of the order per epoch, none per batch).
+        resident: DeviceData | None = DeviceData.from_tensors(split.x_train, split.y_train, device=device)
+        order = LoaderOrder(params.seed, len(split.y_train))
+        loader = None
+        workers = 0
+    else:
+        resident = None
+        workers = _loader_workers(params, ctx, cuda)
+        train_set = TensorDataset(split.x_train, split.y_train)
+        if ranks > 1:
+            sampler = DistributedSampler(train_set, num_replicas=ranks, rank=rank, shuffle=True, seed=params.seed)
+        loader = build_loader(
+            train_set,
+            batch_size=params.batch_size,
+            num_workers=workers,
+            cuda=cuda,
+            shuffle=True,
+            seed=params.seed,
+            sampler=sampler,
+        )
     net = build(params.model, split.features, split.classes, params.hidden).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=params.lr, weight_decay=params.weight_decay)
     loss_fn = nn.CrossEntropyLoss()
     n_train = len(split.y_train)
-    rank_samples = len(sampler) if sampler is not None else n_train
+    rank_samples = (resident.shard_size(ranks) if resident is not None else len(sampler) if sampler is not None
+                    else n_train)
 
     if ranks > 1:
         resume.share(ctx.artifacts_dir, rank, device)  # every rank resumes from rank 0's checkpoint
@@ -204,7 +237,13 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         epoch_wait = wait_s
         loss_sum = torch.zeros((), device=device)
         correct_sum = torch.zeros((), dtype=torch.long, device=device)
-        batches = iter(loader)
+        if resident is None:
+            batches: Iterator[Any] = iter(loader or ())
+        elif ranks > 1:  # DistributedSampler's own order: a CPU generator seeded seed + epoch
+            batches = resident.batches(params.batch_size, torch.Generator().manual_seed(params.seed + epoch),
+                                       rank=rank, world_size=ranks)
+        else:  # the loader's order: the same batches, and so the same model, on either path
+            batches = resident.batches(params.batch_size, order=order.next_epoch())
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -288,6 +327,8 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
         "resumed_from_epoch": resumed_from,
         "train_s": train_s,
         "num_workers": workers,
+        # Where the training data lived: "device" (indexed there) or "loader", and why.
+        "data_path": asdict(placement),
         "torch_device": str(device),
         "parallel": asdict(parallel),
         # Rank 0's file (the other ranks of a distributed job write none: theirs is None).
