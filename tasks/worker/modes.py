@@ -128,7 +128,7 @@ class Group:
             self.client, spec, self.device, self.gate, self.plain.supervisor, self.lease_ttl_s, launch.message,
             launch.watch, lambda job, watch, budget, apart: self.plain.in_process(
                 job, watch, dataclasses.replace(slot, budget_bytes=budget), apart),
-            on_start=launch.on_start)
+            on_start=launch.on_start, level=launch.options.priority)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
     job_id = str(task.request.id)
-    with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked) as admitted:
+    with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked,
+                            options.priority) as admitted:
         if admitted:
             return _leased(worker, task, job, kwargs, options)
     if job_id in worker_state.revoked:  # cancelled while a group held the device: it never ran
