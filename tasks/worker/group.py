@@ -13,15 +13,18 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
 1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
    else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
    one script): the attempt is added to every device's reservations
-   (:func:`tasks.core.keys.group_reservations`) with the group's age, its ``alive`` key
+   (:func:`tasks.core.keys.group_reservations`) scored by the group's precedence (its job's
+   level, then its age: :func:`tasks.core.priority.precedence`), its ``alive`` key
    (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
-   and runs. Where its own device runs nothing else and no older group reserved it, the same
+   and runs. Where its own device runs nothing else and no group before it in precedence
+   reserved it, the same
    script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
-   sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job
-   starts there (one already taken waits, its message unacknowledged, in the slot it took); a
-   running one finishes. Once the device runs nothing but the oldest group that reserved it,
-   the keeper **holds** the device for that group (:func:`tasks.core.keys.group_hold`);
+   sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job of
+   the group's level or lower starts there (one already taken waits, its message
+   unacknowledged, in the slot it took); a running one finishes. Once the device runs nothing
+   but the first group in precedence that reserved it, the keeper **holds** the device for that
+   group (:func:`tasks.core.keys.group_hold`);
 3. the leader starts once every device holds it (one script: the holds and the group's
    ``running`` state in one step, so a hold is never moved off a running group), and runs the
    job in one job process over all the devices' cores (:mod:`tasks.core.groups`): one of its
@@ -42,13 +45,23 @@ waiting leader (which also looks at its job's cancel and time limit then).
 stream of single jobs cannot keep a group's device busy for ever; the group waits for the jobs
 running when it was sent (the longest of them), plus what its leader's queue held before it.
 
+**Not in the way of higher work.** A single job of a higher level than every group that
+reserved its device (the first in precedence is the highest) passes the closed gate: its
+worker takes the device's hold back (:meth:`GroupKeeper.take_back`, under the gate's
+:attr:`GroupGate.holds`, so no hold is set on what it has just decided) unless the group it is
+held for runs, and the job runs. The group keeps its reservation and waits for that job's end,
+as for a job that ran when it was sent; once the job leaves, the keeper holds the device for it
+again. A group that has started is not preempted: the job waits for its end. Only higher
+levels pass, so a stream of single jobs of the group's own level still cannot starve it.
+
 **No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
-waiting leader follows *wait-die*, as gangs do (:mod:`tasks.worker.gang`): a group's ``seq`` is
-its age; a leader that finds an older, live reservation (claimed or not) on any of its devices
-drops its own, gives its slot up and its message goes back to the queue
+waiting leader follows *wait-die* over the precedence gangs use too
+(:func:`tasks.core.priority.precedence`, :mod:`tasks.worker.gang`): its job's level first, then
+its ``seq``, its age; a leader that finds a live reservation (claimed or not) before its own in
+precedence on any of its devices drops its own, gives its slot up and its message goes back to the queue
 (:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later; it then
-reserves anew). A keeper holds its device for the oldest group only. A group only waits for
-older groups and for running jobs, which end, and an unclaimed reservation expires, so no cycle
+reserves anew). A keeper holds its device for the first group in precedence only. A group only
+waits for groups before it and for running jobs, which end, and an unclaimed reservation expires, so no cycle
 forms; a group that has started never gives way.
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
@@ -292,7 +305,7 @@ class GroupGate:
 
 class GroupKeeper:
     """The thread that keeps one device's side of the groups that reserve it: drop dead
-    reservations, close or open the gate, hold the device for the oldest group once idle.
+    reservations, close or open the gate, hold the device for the first group in precedence once idle.
 
     It looks when nudged (:func:`tasks.core.keys.group_nudge`: a reservation added or dropped,
     a job leaving the closed gate), waiting on the nudge list with ``BLPOP``, and every
@@ -400,15 +413,15 @@ class GroupKeeper:
             if held:
                 self._move_hold(self.client.pipeline(transaction=False), held, "")
             return
-        first, oldest = attempts[0]
-        idle = self.gate.close(oldest, level_of(float(first)))
-        told = (oldest, self.gate.held_back)
+        score, first = attempts[0]  # the first in precedence: of the highest level there
+        idle = self.gate.close(first, level_of(float(score)))
+        told = (first, self.gate.held_back)
         pipe = self.client.pipeline(transaction=False)
         if self._told != told:  # the group's record says the device takes no new single job
-            pipe.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
+            pipe.hset(keys.group_run(first), mapping={f"closed:{self.device}": self.gate.held_back})
             self._told = told
-        if held != oldest and (idle or (held and held not in {a for _, a in attempts})):
-            self._move_hold(pipe, held, oldest if idle else "")
+        if held != first and (idle or (held and held not in {a for _, a in attempts})):
+            self._move_hold(pipe, held, first if idle else "")
         elif len(pipe):
             pipe.execute()
 
@@ -484,7 +497,7 @@ class Reservation:
         """Refresh the reservation; True once every device holds it (it is then running).
 
         The leader's own device is held here, by the leader's worker, as its keeper would (no
-        older reservation there, nothing but this group's job runs on it): one keeper fewer on
+        reservation before it in precedence there, nothing but this group's job runs on it): one keeper fewer on
         the way to the start.
 
         Raises:
@@ -502,12 +515,12 @@ class Reservation:
         *found, own, started = pipe.execute()[2:]
         if started:
             return True
-        older = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
-        if older:
+        before = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
+        if before:
             pipe = self.client.pipeline(transaction=False)
-            for attempt in older:
+            for attempt in before:
                 pipe.exists(keys.group_alive(attempt))
-            for (attempt, device), up in zip(older.items(), pipe.execute(), strict=True):
+            for (attempt, device), up in zip(before.items(), pipe.execute(), strict=True):
                 if up:
                     raise GiveWay(device, f"group {attempt}")
         own = _text(own) if own is not None else ""
@@ -558,7 +571,7 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
     within the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`; in
     a process of its own where its visibility is not the device's), release.
     Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
-    says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
+    says how it ended, ``give_way`` when a group before it in precedence needs one of its devices. ``on_start``
     is called once every device holds it, as its job starts (its entry's ``started_at``).
     ``level``: its job's, its precedence in wait-die before its age."""
     if client is None:
