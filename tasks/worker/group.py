@@ -203,8 +203,7 @@ class GroupGate:
 
     def _admit(self, job_id: str, give_up: Callable[[], bool], level: Level) -> bool:
         waiting = False
-        #: When a job that could not overtake (a group ran on the device) asks again.
-        ask_at = 0.0
+        ask_at = 0.0  # when a job that could not pass (a group ran on the device) asks again
         try:
             while True:
                 with self._cond:
@@ -221,13 +220,9 @@ class GroupGate:
                         continue
                 if self._overtake(job_id):
                     return True
+                # A group runs on the device: wait for it as any single job (its end opens the
+                # gate); ask again after a keeper's poll, in case the hold moved meanwhile.
                 ask_at = time.monotonic() + GROUP_KEEPER_POLL_S
-                with self._cond:  # a group runs on the device: wait for it as any single job
-                    if not waiting:
-                        self.held_back, waiting = self.held_back + 1, True
-                    if give_up():
-                        return False
-                    self._cond.wait(GROUP_POLL_S)
         finally:
             if waiting:
                 with self._cond:
