@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -34,10 +35,12 @@ from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.group_reservation import reserve_at_send
 from tasks.core.groups import Link, best_connected, group_budget, group_environment, plan_groups
+from tasks.core.priority import Level
 from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
 from tasks.producer.fanout import FanOut
+from tasks.worker.group import GroupGate
 from tasks.worker.group_host import GroupHostLink
 from tasks.worker.jobenv import job_environment
 from tasks.worker.memory import ResidentMeter
@@ -104,6 +107,46 @@ def test_a_groups_memory_budget_is_the_sum_of_its_devices_budgets():
 def test_group_environment_lists_gpus_in_bus_order():
     assert group_environment(["gpu3", "gpu1"]) == {"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert group_environment(["cpu0", "cpu1"]) == {"CUDA_VISIBLE_DEVICES": "-1"}
+
+
+def _at_gate(gate: GroupGate, job_id: str, level: Level, give_up: threading.Event) -> tuple[threading.Thread, list[bool]]:
+    """A single job of ``level`` coming to ``gate`` in a thread of its own; what it was told."""
+    told: list[bool] = []
+
+    def come() -> None:
+        with gate.single(job_id, give_up.is_set, level) as admitted:
+            told.append(admitted)
+
+    thread = threading.Thread(target=come, daemon=True)
+    thread.start()
+    return thread, told
+
+
+@pytest.mark.timeout(30)
+def test_a_gate_closed_for_a_batch_group_admits_an_urgent_single_job_only():
+    """Closed for a ``batch`` group, the gate lets an ``urgent`` single job in at once, the
+    device's hold taken back first; a ``batch`` one waits (the group is not starved by singles
+    of its own level), and so does an ``urgent`` one while a group runs on the device."""
+    gate, group_runs = GroupGate(), threading.Event()
+    taken_back: list[bool] = []
+    gate.take_back = lambda: taken_back.append(not group_runs.is_set()) or not group_runs.is_set()
+    gate.close("g.1", Level.BATCH)
+    urgent, told = _at_gate(gate, "urgent", Level.URGENT, threading.Event())
+    urgent.join(10)
+    assert told == [True] and taken_back == [True]
+    give_up = threading.Event()
+    batch, batch_told = _at_gate(gate, "batch", Level.BATCH, give_up)
+    wait_for(lambda: gate.held_back == 1, 10, "the batch job to wait at the gate")
+    give_up.set()
+    batch.join(10)
+    assert batch_told == [False] and gate.held_back == 0
+    group_runs.set()  # a group's run holds the device: an urgent job waits for it as any
+    urgent, told = _at_gate(gate, "urgent-2", Level.URGENT, threading.Event())
+    wait_for(lambda: gate.held_back == 1, 10, "the urgent job to wait for the group's run")
+    assert taken_back == [True, False] and not told
+    gate.open()
+    urgent.join(10)
+    assert told == [True]
 
 
 # -- on the fleet ----------------------------------------------------------------------------------
@@ -271,6 +314,39 @@ def test_a_group_reserves_its_devices_as_it_is_sent_no_single_sent_after_it_star
         single = handle.get(timeout=90)[device]
         assert single["status"] == "ok", single
         assert _started(single) >= entry["output"]["ended"], (device, single, entry)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(120)
+def test_an_urgent_single_job_starts_before_a_batch_group_that_reserved_its_device(app, rclient, tmp_path,
+                                                                                  monkeypatch):
+    """A ``batch`` group over cpu1+cpu0 waits for cpu1's job, cpu0 reserved and held for it;
+    an ``urgent`` single job sent to cpu0 then starts at once, before the group (one wait-die
+    precedence: level first); a ``batch`` single sent after it waits for the group, as before."""
+    monkeypatch.setattr("tasks.producer.fanout.GROUP_CLAIM_TTL_S", 120.0)  # no expiry under any load
+    release = tmp_path / "release"
+    busy = _busy(app, "cpu1", release)
+    group = fan_out({"cpu1+cpu0": ("group_probe", {})}, priority="batch", app=app)
+    spec = group.plan["cpu1+cpu0"].options.group
+    assert spec is not None and spec.reservation is not None
+    run = keys.group_run(spec.reservation)
+    wait_for(lambda: rclient.get(keys.group_hold("cpu0")) == spec.reservation, 30,
+             "cpu0, idle, to be held for the batch group")
+    assert rclient.hget(run, "level") == "batch"
+    urgent = fan_out("echo", "cpu0", kwargs={"value": 1}, priority="urgent", app=app).get(timeout=60)["cpu0"]
+    assert urgent["status"] == "ok", urgent
+    assert busy.states() == {"cpu1": "PROGRESS"}  # the group still waits for cpu1
+    later = fan_out("echo", "cpu0", kwargs={"value": 2}, priority="batch", app=app)
+    wait_for(lambda: int(rclient.hget(run, "closed:cpu0") or 0) >= 1, 30,
+             "the batch single job to wait at cpu0's gate, held for the group again")
+    release.touch()
+    assert busy.get(timeout=60)["cpu1"]["status"] == "ok"
+    entry = group.get(timeout=90)["cpu1+cpu0"]
+    assert entry["status"] == "ok", entry
+    assert _started(urgent) < _started(entry), (urgent, entry)
+    single = later.get(timeout=90)["cpu0"]
+    assert single["status"] == "ok", single
+    assert _started(single) >= entry["output"]["ended"], (single, entry)
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
 
 

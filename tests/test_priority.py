@@ -10,6 +10,7 @@ from rich.console import Console
 from tasks import fan_out, sweep
 from tasks.core import keys
 from tasks.core.errors import ConfigError
+from tasks.core.priority import LEVEL_PRECEDENCE, Level, level_of, precedence
 from tasks.core.registry import connect
 
 from .conftest import wait_for
@@ -107,6 +108,21 @@ def test_status_shows_waiting_work_by_level_and_user_with_position_and_reason(fl
     assert all(handle.get(timeout=60)["cpu1"]["status"] == "ok" for handle in batch)
     hold.get(timeout=30)
     assert order.read_text().split() == ["u", "b0", "b1"]
+
+
+def test_precedence_ranks_gangs_and_groups_by_level_first_then_age():
+    """The one wait-die order of gangs and groups (lower goes first): an urgent one sent last
+    before a batch one sent first; within a level the older first; a normal one's is its age."""
+    order = sorted([(Level.BATCH, 1), (Level.NORMAL, 7), (Level.URGENT, 9), (Level.URGENT, 3), (Level.NORMAL, 2)],
+                   key=lambda work: precedence(*work))
+    assert order == [(Level.URGENT, 3), (Level.URGENT, 9), (Level.NORMAL, 2), (Level.NORMAL, 7), (Level.BATCH, 1)]
+    assert precedence(Level.NORMAL, 5) == 5
+    for level in Level:  # what a sorted set's score (a float) gives back
+        for age in (0, 1, LEVEL_PRECEDENCE - 1):
+            assert level_of(float(precedence(level, age))) is level
+            assert float(precedence(level, age)) == precedence(level, age)  # exact as a double
+    with pytest.raises(ValueError, match="out of range"):
+        precedence(Level.NORMAL, LEVEL_PRECEDENCE)
 
 
 def test_a_worker_takes_every_urgent_list_first_and_the_queues_of_a_level_in_turns():

@@ -4,7 +4,8 @@ The protocol as a whole is in :mod:`tasks.worker.group`; this module holds the s
 take on the same keys, so that each is one script (one round trip, atomic):
 
 - :func:`reserve_at_send`: the **producer**, as it sends a group, gives it its age (``seq``) and
-  reserves its devices other than the leader (the leader's own queue is first in, first out: what
+  reserves its devices other than the leader, each reservation scored by the group's precedence
+  (:func:`tasks.core.priority.precedence`: its job's level, then its age) (the leader's own queue is first in, first out: what
   was sent to it before the group runs before it, what is sent after waits behind it). The
   reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
   message no leader takes in that time (its producer died before sending it, or the leader's
@@ -35,18 +36,21 @@ import redis
 
 from . import keys
 from .defaults import GROUP_NUDGE_TTL_MS
+from .priority import DEFAULT_LEVEL, Level, level_offset, precedence
 
 #: KEYS: GROUP_SEQ, the attempt's hash, its alive key, then each other device's reservations and
 #: nudge. ARGV: attempt id, ttl ms, group id, leader, devices (comma list), since, waiting_for,
-#: nudge ttl ms. Returns the group's seq.
+#: nudge ttl ms, level, the level's offset (:func:`tasks.core.priority.level_offset`). Scores
+#: each reservation with the group's precedence (its seq plus the offset). Returns the group's seq.
 _SEND = """
 local seq = redis.call('incr', KEYS[1])
+local score = string.format('%.0f', seq + tonumber(ARGV[10]))
 redis.call('hset', KEYS[2], 'group', ARGV[3], 'leader', ARGV[4], 'devices', ARGV[5], 'seq', seq,
-           'state', 'sent', 'waiting_for', ARGV[7], 'since', ARGV[6])
+           'level', ARGV[9], 'state', 'sent', 'waiting_for', ARGV[7], 'since', ARGV[6])
 redis.call('pexpire', KEYS[2], ARGV[2])
 redis.call('set', KEYS[3], 1, 'px', ARGV[2])
 for i = 4, #KEYS, 2 do
-  redis.call('zadd', KEYS[i], seq, ARGV[1])
+  redis.call('zadd', KEYS[i], score, ARGV[1])
   redis.call('rpush', KEYS[i + 1], 1)
   redis.call('pexpire', KEYS[i + 1], ARGV[8])
 end
@@ -55,11 +59,11 @@ return seq
 
 #: KEYS: the sent attempt's hash and alive key, a fresh attempt's hash and alive key, then each
 #: device's reservations, nudge and hold (the leader's first). ARGV: the sent attempt id, the
-#: fresh one, ttl ms, seq, job id, since, group id, leader, devices, nudge ttl ms, '1' if the
-#: leader's device runs nothing but this group's job.
+#: fresh one, ttl ms, precedence, job id, since, group id, leader, devices, nudge ttl ms, '1' if
+#: the leader's device runs nothing but this group's job, seq, level.
 #: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one (its
-#: hash says ``waiting``); hold the leader's device if it runs nothing else, no older group
-#: reserved it and no group holds it; start (``running``) if every device holds the attempt.
+#: hash says ``waiting``); hold the leader's device if it runs nothing else, no group of higher
+#: precedence reserved it and no group holds it; start (``running``) if every device holds the attempt.
 #: Returns 1 if it claimed the sent attempt, plus 2 if it started.
 _RESERVE = """
 local claimed = 0
@@ -68,7 +72,7 @@ if redis.call('hget', KEYS[1], 'state') == 'sent' and redis.call('exists', KEYS[
   claimed, run, alive, attempt = 1, KEYS[1], KEYS[2], ARGV[1]
 end
 redis.call('hset', run, 'group', ARGV[7], 'job_id', ARGV[5], 'leader', ARGV[8], 'devices', ARGV[9],
-           'seq', ARGV[4], 'state', 'waiting', 'waiting_for', '{}', 'since', ARGV[6])
+           'seq', ARGV[12], 'level', ARGV[13], 'state', 'waiting', 'waiting_for', '{}', 'since', ARGV[6])
 redis.call('pexpire', run, ARGV[3])
 redis.call('set', alive, 1, 'px', ARGV[3])
 for i = 5, #KEYS, 3 do
@@ -112,23 +116,25 @@ def nudge(pipe: Any, device: str) -> None:
 
 
 def reserve_at_send(pipe: redis.client.Pipeline, group_id: str, devices: Sequence[str], attempt: str,
-                    ttl_s: float) -> None:
+                    ttl_s: float, level: Level = DEFAULT_LEVEL) -> None:
     """Queue on ``pipe`` the producer's step: number the group (``keys.GROUP_SEQ``) and reserve
-    its devices but the leader (``devices[0]``) under ``attempt``, unclaimed, for ``ttl_s``. Its
-    reply in ``pipe.execute()`` is the group's seq."""
+    its devices but the leader (``devices[0]``) under ``attempt``, unclaimed, for ``ttl_s``, at
+    the group's precedence (``level``, its job's, then that seq). Its reply in
+    ``pipe.execute()`` is the group's seq."""
     leader = devices[0]
     waiting = json.dumps({leader: "its leader to take the group's message"})
     pipe.eval(_SEND, 3 + 2 * (len(devices) - 1), keys.GROUP_SEQ, keys.group_run(attempt), keys.group_alive(attempt),
               *_device_keys(devices[1:]), attempt, int(ttl_s * 1000), group_id, leader, ",".join(devices), time.time(),
-              waiting, GROUP_NUDGE_TTL_MS)
+              waiting, GROUP_NUDGE_TTL_MS, level.value, level_offset(level))
 
 
 def reserve(client: redis.Redis, *, group_id: str, devices: Sequence[str], seq: int, sent: str | None,
-            fresh: str, job_id: str, ttl_ms: int, leader_idle: bool) -> tuple[bool, bool]:
+            fresh: str, job_id: str, ttl_ms: int, leader_idle: bool, level: Level = DEFAULT_LEVEL) -> tuple[bool, bool]:
     """The leader's step: claim the attempt ``sent`` reserved at send time if it is unclaimed and
-    alive, else reserve every device under ``fresh``; either way for ``ttl_ms``, in state
-    ``waiting``. Where ``leader_idle`` (its worker runs nothing but this group's job, and its gate
-    is closed) and no older group reserved it, the leader's device is held for the attempt; and
+    alive, else reserve every device under ``fresh`` at the group's precedence (``level``, then
+    ``seq``); either way for ``ttl_ms``, in state ``waiting``. Where ``leader_idle`` (its worker
+    runs nothing but this group's job, and its gate is closed) and no group of higher precedence
+    reserved it, the leader's device is held for the attempt; and
     if every device holds it, it starts. Returns (claimed ``sent``, started): the attempt is
     ``sent`` if claimed, else ``fresh``."""
     sent = sent or fresh
@@ -136,8 +142,9 @@ def reserve(client: redis.Redis, *, group_id: str, devices: Sequence[str], seq: 
                                                          keys.group_hold(device))]
     done = int(client.eval(_RESERVE, 4 + len(device_keys), keys.group_run(sent), keys.group_alive(sent),
                            keys.group_run(fresh), keys.group_alive(fresh), *device_keys,
-                           sent, fresh, ttl_ms, seq, job_id, time.time(), group_id, devices[0],
-                           ",".join(devices), GROUP_NUDGE_TTL_MS, "1" if leader_idle else "0"))
+                           sent, fresh, ttl_ms, precedence(level, seq), job_id, time.time(), group_id,
+                           devices[0], ",".join(devices), GROUP_NUDGE_TTL_MS, "1" if leader_idle else "0",
+                           seq, level.value))
     return bool(done & 1), bool(done & 2)
 
 

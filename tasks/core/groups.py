@@ -34,6 +34,7 @@ import redis
 from . import keys
 from .devices import Device, DeviceKind
 from .errors import ConfigError, GroupUnavailable
+from .priority import DEFAULT_LEVEL, Level, parse_level, precedence
 from .records import WorkerRecord
 
 #: Between the devices of a group's key: ``cpu0+cpu1``.
@@ -267,9 +268,10 @@ def group_environment(devices: Sequence[str]) -> dict[str, str]:
 
 
 def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, Any]]:
-    """The device groups that reserved any of ``devices`` now (``devicefleet status``), oldest
-    first: ``{"attempt", "group", "name", "job_id", "leader", "state", "waiting_for", "closed",
-    "since", "why"}``, where ``state`` is ``sent`` (its producer reserved its other devices; its
+    """The device groups that reserved any of ``devices`` now (``devicefleet status``), first
+    in wait-die first (:func:`tasks.core.priority.precedence`: level, then age): ``{"attempt",
+    "group", "name", "job_id", "leader", "state", "waiting_for", "closed", "since", "seq",
+    "level", "why"}``, where ``state`` is ``sent`` (its producer reserved its other devices; its
     leader has not taken it yet), ``waiting`` or ``running``, ``waiting_for`` is
     ``{device: what it still runs}`` of a group not running yet, ``closed``
     ``{device: single jobs waiting there}`` of the devices that take no new single job for it,
@@ -300,9 +302,18 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
             "waiting_for": waiting if fields.get("state") in ("sent", "waiting") else {},
             "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
             "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
+            "level": _level(fields.get("level")).value,
             "why": _text(why) if why is not None else None,
         })
-    return sorted(out, key=lambda g: g["seq"])
+    return sorted(out, key=lambda g: precedence(Level(g["level"]), g["seq"]))
+
+
+def _level(value: str | None) -> Level:
+    """A group's level as its hash says it (a hash written before groups had levels: normal)."""
+    try:
+        return parse_level(value or DEFAULT_LEVEL)
+    except ConfigError:
+        return DEFAULT_LEVEL
 
 
 def _text(value: Any) -> str:

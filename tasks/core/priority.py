@@ -28,6 +28,12 @@ chosen at that moment, among everything then queued.
 Within a level, users share fairly (:mod:`tasks.core.fairshare`): each list of a level has one
 list per user beside it, :data:`~tasks.core.queue_lists.USER_SEPARATOR` and the user after its
 name (``cpu:batch~alice``), and a worker names the users' lists in the order of their usage, least first.
+
+Work that needs several devices at once (a distributed job's gang, a device group) waits for its
+devices by *wait-die* over one :func:`precedence`: its level first (a higher level wins, whatever
+the ages), then its age (older wins). :mod:`tasks.worker.gang` and :mod:`tasks.worker.group` both
+rank by it; a single job of a higher level than every group that reserved its device does not
+wait for them (:class:`tasks.worker.group.GroupGate`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ class Level(str, Enum):
 _RANKS = {level: rank for rank, level in enumerate(Level)}
 #: The level of a job that names none.
 DEFAULT_LEVEL = Level.NORMAL
+
+#: How far one level moves a precedence: more than any age (a fleet-wide counter) reaches, and
+#: exact in a Redis sorted set's score (a double: integers to 2**53).
+LEVEL_PRECEDENCE = 2**40
+
+
+def precedence(level: Level, age: int) -> int:
+    """The place in wait-die of work of ``level`` numbered ``age`` (a fleet-wide counter at send
+    time, ``0 <= age < LEVEL_PRECEDENCE``): lower goes first. Level first, then age, so an
+    ``urgent`` gang or group sent last goes before a ``batch`` one sent long before. A ``normal``
+    one's is its age (what it was before levels counted). A sorted set's score as is.
+
+    Raises:
+        ValueError: ``age`` is out of range.
+    """
+    if not 0 <= age < LEVEL_PRECEDENCE:
+        raise ValueError(f"age {age} is out of range: 0 <= age < {LEVEL_PRECEDENCE}")
+    return age + level_offset(level)
+
+
+def level_offset(level: Level) -> int:
+    """What ``level`` adds to an age in its :func:`precedence` (for a script that numbers the
+    work itself, as a group's reservation at send time does)."""
+    return (level.rank - DEFAULT_LEVEL.rank) * LEVEL_PRECEDENCE
+
+
+def level_of(value: float) -> Level:
+    """The level of the :func:`precedence` ``value`` (a sorted set's score, a float, is taken)."""
+    return list(Level)[int(value) // LEVEL_PRECEDENCE + DEFAULT_LEVEL.rank]
 
 
 def parse_level(value: Any) -> Level:

@@ -538,7 +538,7 @@ def group_job(spec: JobSpec, choice: GroupChoice, connections: Connections, app:
     attempt = f"{group_id}.{uuid.uuid4().hex[:8]}"
     pipe = connections.redis.pipeline(transaction=False)
     pipe.set(keys.group_choice(group_id), choice.why, ex=max(60, int(app.backend.expires or RESULT_EXPIRES_S)))
-    reserve_at_send(pipe, group_id, choice.devices, attempt, GROUP_CLAIM_TTL_S)
+    reserve_at_send(pipe, group_id, choice.devices, attempt, GROUP_CLAIM_TTL_S, spec.options.priority)
     seq = int(pipe.execute()[-1])
     group = GroupSpec(id=group_id, devices=list(choice.devices), seq=seq, reservation=attempt)
     return spec.model_copy(update={"options": spec.options.model_copy(update={"group": group})})

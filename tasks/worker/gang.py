@@ -47,7 +47,8 @@ device's queue holds one gang's ranks before the next's; but order alone is not 
 reaper gives a dead worker's rank back at the front of its queue after its restarted worker may
 have taken another gang's rank). So ranks also follow *wait-die* (Rosenkrantz, Stearns and
 Lewis, 1978) over a gang's *precedence*: its level first (a higher level wins, whatever the
-ages: :mod:`tasks.core.priority`), then its ``seq``, its age (:attr:`Rendezvous.precedence`). A
+ages), then its ``seq``, its age: :func:`tasks.core.priority.precedence`, the one rule device
+groups follow too (:attr:`Rendezvous.precedence`). A
 rank waiting for its gang on a device that a gang of higher precedence, still assembling, needs
 (``keys.gangs_needing``, scored by precedence) gives the device up (its message goes back to
 the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
@@ -77,17 +78,13 @@ from ..core.defaults import PREEMPT_GRACE_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
 from ..core.jobstate import JobState
-from ..core.priority import DEFAULT_LEVEL, Level
+from ..core.priority import DEFAULT_LEVEL, Level, precedence
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import Outcome, Rank, RunJob, StopJob, StopReason
 from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
-
-#: How far one level moves a gang's precedence in wait-die: more than any ``seq`` (a fleet-wide
-#: counter) reaches, and exact in a sorted set's score (a double: integers to 2**53).
-LEVEL_PRECEDENCE = 2**40
 
 #: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
 #: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), precedence, gang id, max restarts, TTL s, the
@@ -213,8 +210,8 @@ class Rendezvous:
                  expires_s: int, task_id: str = "", token: int = 0, level: Level = DEFAULT_LEVEL) -> None:
         self.client = client
         #: The gang's place in wait-die (lower goes first): its level, then its age. A ``normal``
-        #: gang's is its ``seq``; a level above or below moves it by :data:`LEVEL_PRECEDENCE`.
-        self.precedence = spec.seq + (level.rank - DEFAULT_LEVEL.rank) * LEVEL_PRECEDENCE
+        #: gang's is its ``seq`` (:func:`tasks.core.priority.precedence`).
+        self.precedence = precedence(level, spec.seq)
         #: This rank's task and its attempt's fencing token (recorded at join: its peers watch
         #: its lease); '' and 0 for a run under no lease (called in process).
         self.task_id = task_id if token else ""

@@ -13,15 +13,18 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
 1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
    else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
    one script): the attempt is added to every device's reservations
-   (:func:`tasks.core.keys.group_reservations`) with the group's age, its ``alive`` key
+   (:func:`tasks.core.keys.group_reservations`) scored by the group's precedence (its job's
+   level, then its age: :func:`tasks.core.priority.precedence`), its ``alive`` key
    (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
-   and runs. Where its own device runs nothing else and no older group reserved it, the same
+   and runs. Where its own device runs nothing else and no group before it in precedence
+   reserved it, the same
    script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
-   sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job
-   starts there (one already taken waits, its message unacknowledged, in the slot it took); a
-   running one finishes. Once the device runs nothing but the oldest group that reserved it,
-   the keeper **holds** the device for that group (:func:`tasks.core.keys.group_hold`);
+   sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job of
+   the group's level or lower starts there (one already taken waits, its message
+   unacknowledged, in the slot it took); a running one finishes. Once the device runs nothing
+   but the first group in precedence that reserved it, the keeper **holds** the device for that
+   group (:func:`tasks.core.keys.group_hold`);
 3. the leader starts once every device holds it (one script: the holds and the group's
    ``running`` state in one step, so a hold is never moved off a running group), and runs the
    job in one job process over all the devices' cores (:mod:`tasks.core.groups`): one of its
@@ -42,13 +45,23 @@ waiting leader (which also looks at its job's cancel and time limit then).
 stream of single jobs cannot keep a group's device busy for ever; the group waits for the jobs
 running when it was sent (the longest of them), plus what its leader's queue held before it.
 
+**Not in the way of higher work.** A single job of a higher level than every group that
+reserved its device (the first in precedence is the highest) passes the closed gate: its
+worker takes the device's hold back (:meth:`GroupKeeper.take_back`, under the gate's
+:attr:`GroupGate.holds`, so no hold is set on what it has just decided) unless the group it is
+held for runs, and the job runs. The group keeps its reservation and waits for that job's end,
+as for a job that ran when it was sent; once the job leaves, the keeper holds the device for it
+again. A group that has started is not preempted: the job waits for its end. Only higher
+levels pass, so a stream of single jobs of the group's own level still cannot starve it.
+
 **No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
-waiting leader follows *wait-die*, as gangs do (:mod:`tasks.worker.gang`): a group's ``seq`` is
-its age; a leader that finds an older, live reservation (claimed or not) on any of its devices
-drops its own, gives its slot up and its message goes back to the queue
+waiting leader follows *wait-die* over the precedence gangs use too
+(:func:`tasks.core.priority.precedence`, :mod:`tasks.worker.gang`): its job's level first, then
+its ``seq``, its age; a leader that finds a live reservation (claimed or not) before its own in
+precedence on any of its devices drops its own, gives its slot up and its message goes back to the queue
 (:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later; it then
-reserves anew). A keeper holds its device for the oldest group only. A group only waits for
-older groups and for running jobs, which end, and an unclaimed reservation expires, so no cycle
+reserves anew). A keeper holds its device for the first group in precedence only. A group only
+waits for groups before it and for running jobs, which end, and an unclaimed reservation expires, so no cycle
 forms; a group that has started never gives way.
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
@@ -80,6 +93,7 @@ from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_NUDGE_TTL_MS, GROUP_POLL_
 from ..core.errors import GiveWay, NoJobProcess
 from ..core.groups import group_budget, group_cores, group_environment
 from ..core.periodic import PeriodicThread
+from ..core.priority import DEFAULT_LEVEL, Level, level_of, precedence
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
 from ..core.wire import Outcome, RunJob
@@ -147,32 +161,38 @@ def _text(value: Any) -> str:
 
 class GroupGate:
     """Which jobs this worker runs now, and whether a group reserved its device (then no new
-    single job starts). Local to the worker; :class:`GroupKeeper` closes and opens it."""
+    single job starts, but one of a higher level than every group that reserved it). Local to
+    the worker; :class:`GroupKeeper` closes and opens it."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._reserved = False
+        #: The level of the first group in wait-die that reserved the device (the highest of
+        #: them all: precedence ranks by level first); None while the gate is open.
+        self._level: Level | None = None
         #: ``{job id: the group attempt it runs for, or None for a single job}``.
         self._running: dict[str, str | None] = {}
         #: Single jobs waiting at the closed gate now.
         self.held_back = 0
+        #: Taken around "the device runs nothing else: hold it for a group" (the check and the
+        #: hold's move in Redis) and around a single job of a higher level coming in and taking
+        #: the hold back, so that neither acts on what the other has just changed.
+        self.holds = threading.Lock()
         #: Called (outside the lock) when a job leaves while the gate is closed: the device may
         #: have fallen idle for the group that closed it (its keeper nudges itself).
         self.on_leave: Callable[[], None] = lambda: None
+        #: Called (under :attr:`holds`) as a single job of a higher level comes in at the closed
+        #: gate: let go of the device's hold unless the group it is held for runs (its keeper's
+        #: :meth:`GroupKeeper.take_back`). Whether the device is free of any group's run.
+        self.take_back: Callable[[], bool] = lambda: True
 
     @contextmanager
-    def single(self, job_id: str, give_up: Callable[[], bool]) -> Iterator[bool]:
-        """Admit a single job once no group reserves the device; yields False instead when
-        ``give_up()`` turned true while it waited (the worker stops: its message goes back)."""
-        with self._cond:
-            if self._reserved:
-                self.held_back += 1
-                while self._reserved and not give_up():
-                    self._cond.wait(GROUP_POLL_S)
-                self.held_back -= 1
-            admitted = not self._reserved
-            if admitted:
-                self._running[job_id] = None
+    def single(self, job_id: str, give_up: Callable[[], bool], level: Level = DEFAULT_LEVEL) -> Iterator[bool]:
+        """Admit a single job of ``level`` once no group reserves the device, or at once if its
+        level is higher than that of every group that reserved it (and none runs here); yields
+        False instead when ``give_up()`` turned true while it waited (the worker stops: its
+        message goes back)."""
+        admitted = self._admit(job_id, give_up, level)
         if not admitted:
             yield False
             return
@@ -181,11 +201,56 @@ class GroupGate:
         finally:
             self.leave(job_id)
 
-    def lead(self, job_id: str) -> bool:
-        """A group's job (its leader's) starts here, before it reserves: it never waits at the
-        gate, and closes it (the group is about to reserve the device; the gate stays closed
-        while a group's job is here). Whether nothing else runs on the device."""
+    def _admit(self, job_id: str, give_up: Callable[[], bool], level: Level) -> bool:
+        waiting = False
+        ask_at = 0.0  # when a job that could not pass (a group ran on the device) asks again
+        try:
+            while True:
+                with self._cond:
+                    if not self._reserved:
+                        self._running[job_id] = None
+                        return True
+                    overtakes = self._level is not None and level.rank < self._level.rank
+                    if not overtakes or time.monotonic() < ask_at:
+                        if not waiting:
+                            self.held_back, waiting = self.held_back + 1, True
+                        if give_up():
+                            return False
+                        self._cond.wait(GROUP_POLL_S)
+                        continue
+                if self._overtake(job_id):
+                    return True
+                # A group runs on the device: wait for it as any single job (its end opens the
+                # gate); ask again after a keeper's poll, in case the hold moved meanwhile.
+                ask_at = time.monotonic() + GROUP_KEEPER_POLL_S
+        finally:
+            if waiting:
+                with self._cond:
+                    self.held_back -= 1
+
+    def _overtake(self, job_id: str) -> bool:
+        """Run ``job_id`` before the groups that reserved the device (of a lower level): counted
+        as running first, so that nothing holds the device for a group meanwhile, then the
+        device's hold let go. False (and not counted) if a group's run holds the device."""
+        with self.holds:
+            with self._cond:
+                self._running[job_id] = None
+            try:
+                free = self.take_back()
+            except redis.RedisError as exc:  # looked at again after a poll
+                logger.debug("could not let the device's hold go for job %s: %s", job_id, exc)
+                free = False
+            if not free:
+                with self._cond:
+                    self._running.pop(job_id, None)
+            return free
+
+    def lead(self, job_id: str, level: Level = DEFAULT_LEVEL) -> bool:
+        """A group's job (its leader's) of ``level`` starts here, before it reserves: it never
+        waits at the gate, and closes it (the group is about to reserve the device; the gate
+        stays closed while a group's job is here). Whether nothing else runs on the device."""
         with self._cond:
+            self._set_level(level if self._level is None else min(self._level, level, key=lambda lv: lv.rank))
             self._reserved = True
             idle = not self._running
             self._running[job_id] = ""
@@ -205,17 +270,27 @@ class GroupGate:
         if left and reserved:
             self.on_leave()
 
-    def close(self, attempt: str) -> bool:
-        """Take no new single job; whether the device runs nothing but ``attempt``'s job."""
+    def close(self, attempt: str, level: Level | None = None) -> bool:
+        """Take no new single job, but of a level higher than ``level`` (the first group's in
+        wait-die of those that reserved the device; None: as it was); whether the device runs
+        nothing but ``attempt``'s job."""
         with self._cond:
             self._reserved = True
+            if level is not None:
+                self._set_level(level)
             return all(running == attempt for running in self._running.values())
+
+    def _set_level(self, level: Level) -> None:
+        if level is not self._level:
+            self._level = level
+            self._cond.notify_all()  # a waiting job of a higher level may come in now
 
     def open(self) -> None:
         """Take single jobs again, unless a group's job runs here (its reservation is on the way)."""
         with self._cond:
             if self._reserved and all(running is None for running in self._running.values()):
                 self._reserved = False
+                self._level = None
                 self._cond.notify_all()
 
     @property
@@ -225,7 +300,7 @@ class GroupGate:
 
 class GroupKeeper:
     """The thread that keeps one device's side of the groups that reserve it: drop dead
-    reservations, close or open the gate, hold the device for the oldest group once idle.
+    reservations, close or open the gate, hold the device for the first group in precedence once idle.
 
     It looks when nudged (:func:`tasks.core.keys.group_nudge`: a reservation added or dropped,
     a job leaving the closed gate), waiting on the nudge list with ``BLPOP``, and every
@@ -246,11 +321,13 @@ class GroupKeeper:
 
     def start(self) -> None:
         self.gate.on_leave = self.nudge
+        self.gate.take_back = self.take_back
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         self.gate.on_leave = lambda: None
+        self.gate.take_back = lambda: True
         if self._thread.is_alive():
             self.nudge()  # out of its BLPOP now, rather than a poll later
             self._thread.join(self.poll_s + 1)
@@ -277,8 +354,36 @@ class GroupKeeper:
                 logger.exception("%s: could not look at its reservations", self.device)
                 self._stop.wait(self.poll_s)
 
+    def take_back(self) -> bool:
+        """Let go of the device's hold (a single job of a higher level than the groups that
+        reserved the device comes in; its gate's :attr:`GroupGate.holds` is held), unless the
+        group it is held for runs. Whether the device is free of any group's run. Its group
+        keeps its reservation and waits: once the job has left, the device is held for it again.
+
+        Raises:
+            redis.RedisError: Redis did not answer; the job waits and asks again.
+        """
+        hold = keys.group_hold(self.device)
+        for _ in range(3):  # the hold moved between the read and the move: read it again
+            held = self.client.get(hold)
+            if held is None:
+                return True
+            pipe = self.client.pipeline(transaction=False)
+            _move_hold(pipe, self.device, _text(held), "")
+            if pipe.execute()[-1]:
+                logger.info("%s: hold for group %s let go for a single job of a higher level", self.device,
+                            _text(held))
+                return True
+            if self.client.get(hold) == held:  # its group runs
+                return False
+        return False
+
     def tick(self) -> None:
         """One look at the device's reservations and hold (the nudges so far are taken in)."""
+        with self.gate.holds:
+            self._tick()
+
+    def _tick(self) -> None:
         reservations, hold = keys.group_reservations(self.device), keys.group_hold(self.device)
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self._nudge)  # what changed before the reads below is seen by them
@@ -303,15 +408,15 @@ class GroupKeeper:
             if held:
                 self._move_hold(self.client.pipeline(transaction=False), held, "")
             return
-        _, oldest = attempts[0]
-        idle = self.gate.close(oldest)
-        told = (oldest, self.gate.held_back)
+        score, first = attempts[0]  # the first in precedence: of the highest level there
+        idle = self.gate.close(first, level_of(float(score)))
+        told = (first, self.gate.held_back)
         pipe = self.client.pipeline(transaction=False)
         if self._told != told:  # the group's record says the device takes no new single job
-            pipe.hset(keys.group_run(oldest), mapping={f"closed:{self.device}": self.gate.held_back})
+            pipe.hset(keys.group_run(first), mapping={f"closed:{self.device}": self.gate.held_back})
             self._told = told
-        if held != oldest and (idle or (held and held not in {a for _, a in attempts})):
-            self._move_hold(pipe, held, oldest if idle else "")
+        if held != first and (idle or (held and held not in {a for _, a in attempts})):
+            self._move_hold(pipe, held, first if idle else "")
         elif len(pipe):
             pipe.execute()
 
@@ -348,10 +453,14 @@ class GroupAlive(PeriodicThread):
 class Reservation:
     """One attempt of a group's job, its leader's side in Redis."""
 
-    def __init__(self, client: redis.Redis, spec: GroupSpec, job_id: str, ttl_ms: int, gate: GroupGate) -> None:
+    def __init__(self, client: redis.Redis, spec: GroupSpec, job_id: str, ttl_ms: int, gate: GroupGate,
+                 level: Level = DEFAULT_LEVEL) -> None:
         self.client = client
         self.ttl_ms = ttl_ms
         self.spec = spec
+        #: Its job's level; with its age, its place in wait-die (lower goes first).
+        self.level = level
+        self.precedence = precedence(level, spec.seq)
         self.job_id = job_id
         self.gate = gate
         #: A fresh attempt's id, until :meth:`reserve` claims the one reserved at send time.
@@ -367,10 +476,12 @@ class Reservation:
         """Claim the reservation its producer made as it sent the group, if it is still alive,
         else reserve every device anew (:func:`tasks.core.group_reservation.reserve`), holding
         the leader's own device if it runs nothing else. True if the group started at once."""
-        idle = self.gate.lead(self.job_id)
-        self.claimed, started = group_reservation.reserve(
-            self.client, group_id=self.spec.id, devices=self.spec.devices, seq=self.spec.seq,
-            sent=self.spec.reservation, fresh=self.attempt, job_id=self.job_id, ttl_ms=self.ttl_ms, leader_idle=idle)
+        with self.gate.holds:
+            idle = self.gate.lead(self.job_id, self.level)
+            self.claimed, started = group_reservation.reserve(
+                self.client, group_id=self.spec.id, devices=self.spec.devices, seq=self.spec.seq,
+                sent=self.spec.reservation, fresh=self.attempt, job_id=self.job_id, ttl_ms=self.ttl_ms,
+                leader_idle=idle, level=self.level)
         if self.claimed:
             assert self.spec.reservation is not None
             self.attempt = self.spec.reservation
@@ -381,39 +492,40 @@ class Reservation:
         """Refresh the reservation; True once every device holds it (it is then running).
 
         The leader's own device is held here, by the leader's worker, as its keeper would (no
-        older reservation there, nothing but this group's job runs on it): one keeper fewer on
+        reservation before it in precedence there, nothing but this group's job runs on it): one keeper fewer on
         the way to the start.
 
         Raises:
-            GiveWay: an older group that is alive reserved one of its devices, and this one has
-                not started (a group that started never gives way).
+            GiveWay: a group of higher precedence (of a higher level, or as high and older) that
+                is alive reserved one of its devices, and this one has not started (a group that started never gives way).
         """
         holds = [self.key, *self._holds]
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
         pipe.pexpire(self.key, self.ttl_ms)
         for device in self.spec.devices:
-            pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.spec.seq}")
+            pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.precedence}")
         pipe.get(self._holds[0])
         _run_script(pipe, _START, holds, [self.attempt])
         *found, own, started = pipe.execute()[2:]
         if started:
             return True
-        older = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
-        if older:
+        before = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
+        if before:
             pipe = self.client.pipeline(transaction=False)
-            for attempt in older:
+            for attempt in before:
                 pipe.exists(keys.group_alive(attempt))
-            for (attempt, device), up in zip(older.items(), pipe.execute(), strict=True):
+            for (attempt, device), up in zip(before.items(), pipe.execute(), strict=True):
                 if up:
                     raise GiveWay(device, f"group {attempt}")
         own = _text(own) if own is not None else ""
-        if own == self.attempt or found[0] or not self.gate.close(self.attempt):
-            return False
-        pipe = self.client.pipeline(transaction=False)
-        _move_hold(pipe, self.spec.leader, own, self.attempt)
-        _run_script(pipe, _START, holds, [self.attempt])
-        return bool(pipe.execute()[-1])
+        with self.gate.holds:
+            if own == self.attempt or found[0] or not self.gate.close(self.attempt):
+                return False
+            pipe = self.client.pipeline(transaction=False)
+            _move_hold(pipe, self.spec.leader, own, self.attempt)
+            _run_script(pipe, _START, holds, [self.attempt])
+            return bool(pipe.execute()[-1])
 
     def wait(self, timeout_s: float) -> None:
         """Wait until a keeper holds a device for this attempt, at most ``timeout_s``."""
@@ -448,14 +560,15 @@ class Reservation:
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
               supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
               run: Callable[[RunJob, Watch, int | None, Apart | None], Ended],
-              on_start: Callable[[], None] = lambda: None) -> Ended:
+              on_start: Callable[[], None] = lambda: None, level: Level = DEFAULT_LEVEL) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
     hold, run it in one job process over them all (``run(job, watch, budget_bytes, apart)``:
     within the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`; in
     a process of its own where its visibility is not the device's), release.
     Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
-    says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
-    is called once every device holds it, as its job starts (its entry's ``started_at``)."""
+    says how it ended, ``give_way`` when a group before it in precedence needs one of its devices. ``on_start``
+    is called once every device holds it, as its job starts (its entry's ``started_at``).
+    ``level``: its job's, its precedence in wait-die before its age."""
     if client is None:
         return Ended.by_worker(NoJobProcess, f"{device} is not joined to a fleet: a device group needs its Redis",
                                pid=0, retired=None)
@@ -463,7 +576,7 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         return Ended.by_worker(NoJobProcess, f"{device} took the message of group {spec.name}, which its "
                                f"leader {spec.leader} runs: send groups with fan_out(..., group=k)", pid=0, retired=None)
     ttl_ms = int(lease_ttl_s * 1000)
-    reservation = Reservation(client, spec, job.job_id, ttl_ms, gate)
+    reservation = Reservation(client, spec, job.job_id, ttl_ms, gate, level)
     try:
         started_at_once = reservation.reserve()
         logger.info("%s: group %s (%s) %s %s; waiting for its devices", device, spec.name, reservation.attempt,

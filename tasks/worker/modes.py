@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import redis
@@ -36,34 +35,12 @@ from ..core.records import JobOptions
 from ..core.wire import RunJob, RunPack
 from . import gang, group
 from .group import GroupGate
+from .launch import Launch
 from .pack import Room, Rooms
 from .slots import Slot
 from .supervisor import Apart, Ended, Supervisor, Watch
 
 logger = logging.getLogger(__name__)
-
-
-def _now() -> None:
-    """A run whose clock needs no restart (its job starts as it is launched)."""
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One run of one job, as the runner hands it to its mode."""
-
-    message: RunJob
-    options: JobOptions
-    #: The job's own watch: its reports relayed, its stop asked (:class:`tasks.worker.runner.JobWatch`).
-    watch: Watch
-    slot: Slot
-    #: The fencing token of the attempt that holds the job's lease (0: run under none).
-    token: int = 0
-    #: Called when the job starts later than it was launched (a group, once its devices are held).
-    on_start: Callable[[], None] = field(default=_now)
-    #: Takes up to ``n`` more waiting messages of the queue and level this job's came from and
-    #: starts each as a member of ``room`` (:func:`tasks.worker.runner.take_siblings`); returns
-    #: how many it took. None: the job came from no queue (run in process).
-    siblings: Callable[[Room, int], int] | None = None
 
 
 class RunMode(Protocol):
@@ -137,7 +114,7 @@ class Group:
             self.client, spec, self.device, self.gate, self.plain.supervisor, self.lease_ttl_s, launch.message,
             launch.watch, lambda job, watch, budget, apart: self.plain.in_process(
                 job, watch, dataclasses.replace(slot, budget_bytes=budget), apart),
-            on_start=launch.on_start)
+            on_start=launch.on_start, level=launch.options.priority)
 
 
 @dataclass(frozen=True)

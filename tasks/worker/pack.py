@@ -22,14 +22,12 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import JobCrashed
 from ..core.wire import Outcome
+from .launch import Launch
 from .supervisor import Ended
-
-if TYPE_CHECKING:
-    from .modes import Launch
 
 logger = logging.getLogger(__name__)
 

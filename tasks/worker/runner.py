@@ -58,8 +58,8 @@ from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, progress
 from .device import DeviceWorker
+from .launch import Launch
 from .lease import deaths_kept_s
-from .modes import Launch
 from .slots import Slot
 from .supervisor import Ended
 
@@ -154,7 +154,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     job_id = str(task.request.id)
     if worker.modes.pack.rooms.room_of(job_id) is not None:  # a pack's member: its leader passed the gate
         return _leased(worker, task, job, kwargs, options)
-    with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked) as admitted:
+    with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked,
+                            options.priority) as admitted:
         if admitted:
             return _leased(worker, task, job, kwargs, options)
     if job_id in worker_state.revoked:  # cancelled while a group held the device: it never ran
