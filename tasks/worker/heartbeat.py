@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -33,10 +34,15 @@ class Heartbeat(PeriodicThread):
 
     name = "devicefleet-heartbeat"
 
-    def __init__(self, client: redis.Redis, record: WorkerRecord, interval_s: float, ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, record: WorkerRecord, interval_s: float, ttl_s: float,
+                 schemas: Mapping[str, str] | None = None) -> None:
         super().__init__(interval_s)
         self.client = client
         self._record = record
+        #: ``{job: JSON schema}`` published at ``keys.job_schemas(device)``: written with the
+        #: first write (and again if Redis lost it), then only its TTL renewed with the record's.
+        self._schemas = dict(schemas or {})
+        self._schemas_written = False
         self._ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -90,7 +96,7 @@ class Heartbeat(PeriodicThread):
         device = self._record.device
         try:
             pipe = self.client.pipeline()
-            pipe.delete(keys.worker(device))
+            pipe.delete(keys.worker(device), keys.job_schemas(device))
             pipe.srem(keys.WORKERS, device)
             pipe.execute()
         except redis.RedisError as exc:
@@ -112,8 +118,17 @@ class Heartbeat(PeriodicThread):
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.worker(device), value, px=self._ttl_ms)
             pipe.sadd(keys.WORKERS, device)
-            pipe.execute()
+            if self._schemas:
+                schemas = keys.job_schemas(device)
+                if not self._schemas_written:  # a predecessor's schemas (other modules) go first
+                    pipe.delete(schemas)
+                    pipe.hset(schemas, mapping=self._schemas)
+                pipe.pexpire(schemas, self._ttl_ms)
+            replies = pipe.execute()
             self._written = True
+            # The schemas are large and never change: only their TTL goes with each beat; a
+            # failed-over Redis that lost them (pexpire answers 0) gets them at the next.
+            self._schemas_written = bool(self._schemas) and bool(replies[-1])
 
     def tick(self) -> None:
         self.write()
