@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Collection, Mapping
+import operator
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .errors import InvalidJobArguments
@@ -32,6 +33,11 @@ class _Sampled:
 
 
 _SAMPLED = _Sampled()
+
+#: JSON schema's numeric bounds, as the message words them.
+_NUMBER_BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
+_HOLDS: dict[str, Callable[[float, float], bool]] = {
+    ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 
 _TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "a boolean",
                "array": "a list", "object": "an object", "null": "null"}
@@ -127,21 +133,18 @@ class _Checker:
     def bounds(self, value: Any, schema: Mapping[str, Any], where: str) -> None:
         number = _number(value) if not isinstance(value, str) else None  # a numeric string: the job decides
         if number is not None:
-            for key, broken, word in (("minimum", number.__lt__, ">="), ("maximum", number.__gt__, "<="),
-                                      ("exclusiveMinimum", number.__le__, ">"),
-                                      ("exclusiveMaximum", number.__ge__, "<")):
+            for key, word in _NUMBER_BOUNDS.items():
                 bound = schema.get(key)
-                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and broken(bound):
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool) \
+                        and not _HOLDS[word](number, bound):
                     self.problems.append(f"{where}={value!r}: must be {word} {bound}")
                     return
         if isinstance(value, (str, list)):
-            for key, broken, word in (("minLength", len(value).__lt__, "at least"),
-                                      ("maxLength", len(value).__gt__, "at most"),
-                                      ("minItems", len(value).__lt__, "at least"),
-                                      ("maxItems", len(value).__gt__, "at most")):
+            unit, keys = ("characters", ("minLength", "maxLength")) if isinstance(value, str) \
+                else ("items", ("minItems", "maxItems"))
+            for key, word in zip(keys, ("at least", "at most"), strict=True):
                 bound = schema.get(key)
-                if ("Length" in key) == isinstance(value, str) and isinstance(bound, int) and broken(bound):
-                    unit = "characters" if isinstance(value, str) else "items"
+                if isinstance(bound, int) and not _HOLDS[">=" if word == "at least" else "<="](len(value), bound):
                     self.problems.append(f"{where}={value!r}: must have {word} {bound} {unit}")
                     return
 

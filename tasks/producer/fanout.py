@@ -40,6 +40,7 @@ from celery.states import READY_STATES, SUCCESS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
+from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
@@ -52,7 +53,6 @@ from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
-from ..core.arguments import check_arguments
 from ..core.registry import job_schemas, live_workers
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app

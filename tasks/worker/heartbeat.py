@@ -6,6 +6,10 @@ changes fields (the job running now, its progress) and wakes the thread, which w
 once or after a short delay that folds close updates into one write (:data:`~tasks.core.defaults.HEARTBEAT_COALESCE_S`), so
 producers see the change without the job's own thread waiting on Redis.
 
+Beside it, the JSON schemas of the worker's jobs' params (``keys.job_schemas(device)``, a hash
+producers check kwargs with: :mod:`tasks.core.arguments`) are written with the first write and
+then only kept alive with the record's TTL: large, and never changed while the worker lives.
+
 Its life is the registry step's (:mod:`tasks.worker.steps`): built with the worker, started once
 the worker joins (the first write), stopped when it leaves (the record removed). An update after
 that changes the record in memory only: a job that ends while the worker leaves does not bring the
@@ -21,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from ..core import keys
 from ..core.periodic import PeriodicThread
@@ -41,7 +46,7 @@ class Heartbeat(PeriodicThread):
         self._record = record
         #: ``{job: JSON schema}`` published at ``keys.job_schemas(device)``: written with the
         #: first write (and again if Redis lost it), then only its TTL renewed with the record's.
-        self._schemas = dict(schemas or {})
+        self._schemas: dict[FieldT, EncodableT] = {job: schema for job, schema in (schemas or {}).items()}
         self._schemas_written = False
         self._ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
