@@ -433,6 +433,16 @@ def _read_trials(path: Path) -> list[Any]:
     return trials
 
 
+def _parse_pack(text: str | None) -> int | str | None:
+    """``--pack``: a count or ``auto`` (the sweep's own check names a bad value)."""
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text  # refused by sweep() with one line naming it
+
+
 @cli.command(cls=_TakesCommand)
 @click.argument("job", required=False)
 @_command_options
@@ -447,6 +457,9 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--group", type=click.IntRange(2, 64),
               help="Run each trial over this many DEVICES of one host at once, in one process that sees them "
                    "all (each entry's device: cpu0+cpu1).")
+@click.option("--pack", "pack_text", metavar="K|auto",
+              help="Train up to K trials as one packed model in one job process ('auto': as many as fit the "
+                   "slot's memory); the job must opt in, trials of other shapes run unpacked.")
 @click.option("--objective", help="Output field to rank the trials by (and the best so far).")
 @click.option("--direction", type=click.Choice(["maximize", "minimize"]), default="maximize", show_default=True)
 @click.option("--timeout", type=float, default=SWEEP_TIMEOUT_S, show_default=True, help="Seconds to wait for every trial.")
@@ -455,8 +468,9 @@ def _read_trials(path: Path) -> list[Any]:
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
           grid_text: str | None, kwargs_text: str | None, devices: str, name: str | None,
-          max_concurrent: int | None, group: int | None, objective: str | None, direction: str, timeout: float,
-          as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
+          max_concurrent: int | None, group: int | None, pack_text: str | None, objective: str | None,
+          direction: str, timeout: float, as_json: bool, priority: str, user: str | None,
+          redis_url: str | None) -> None:
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
     Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
@@ -477,7 +491,9 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     app = _producer_app(settings)
     handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
                          max_concurrent=max_concurrent, priority=priority, group=group,
-                         kwargs=_parse_kwargs(kwargs_text), app=app)
+                         pack=_parse_pack(pack_text), kwargs=_parse_kwargs(kwargs_text), app=app)
+    if pack_text is not None:
+        err_console.print(f"sweep {handle.id}: {handle.packing.reason}")
     watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
                                  timeout=timeout)) if err_console.is_terminal else None
     entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch, settings)

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.core.errors import DeviceFleetError
-from tasks.core.job import JobContext, job
+from tasks.core.job import JobContext, Packing, job
 
 
 def _wait_for_file(path: str, timeout_s: float) -> None:
@@ -576,3 +576,53 @@ def memory_probe(ctx: JobContext, params: MemoryProbeParams) -> dict[str, Any]:
 
     alive = [p for p in pids if p != os.getpid() and running(p)]
     return {"free_mib": free, "total_mib": total, "pids": pids, "alive": alive, "pid": os.getpid()}
+
+
+class PackedParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    epochs: int = 2
+    batch_size: int = 16
+    lr: float = 1e-2
+    seed: int = 0
+    #: Kill the job process while this trial's data is made (a trial that takes its pack down).
+    crash: bool = False
+
+
+def _packed_data(params: PackedParams) -> Any:
+    import torch
+
+    from tasks.core.job import PackData
+
+    if params.crash:
+        os._exit(7)
+    generator = torch.Generator().manual_seed(params.seed)
+    x = torch.randn(64, 4, generator=generator)
+    y = (x.sum(dim=1) > 0).long()
+    return PackData(x_train=x[:48], y_train=y[:48], x_test=x[48:], y_test=y[48:])
+
+
+def _packed_model(params: PackedParams, data: Any) -> Any:
+    import torch
+
+    return torch.nn.Linear(4, 2)
+
+
+@job("packed", params=PackedParams, pack=Packing(key=("epochs", "batch_size"), model=_packed_model, data=_packed_data))
+def packed(ctx: JobContext, params: PackedParams) -> dict[str, Any]:
+    """A tiny packable classifier: ``epochs`` long (a progress report each), or a crash."""
+    import torch
+
+    torch.manual_seed(params.seed)
+    split = _packed_data(params)
+    net = _packed_model(params, split)
+    optimizer = torch.optim.Adam(net.parameters(), lr=params.lr)
+    for epoch in range(1, params.epochs + 1):
+        for start in range(0, len(split.y_train), params.batch_size):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(split.x_train[start:start + params.batch_size]),
+                                                     split.y_train[start:start + params.batch_size])
+            loss.backward()
+            optimizer.step()
+        ctx.progress(epoch=epoch, epochs=params.epochs)
+    accuracy = (net(split.x_test).argmax(dim=1) == split.y_test).float().mean().item()
+    return {"accuracy": accuracy, "packed": None}

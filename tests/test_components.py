@@ -1190,6 +1190,14 @@ class _RankWatch:
     def made_way(self, level: Any) -> None: ...
     def stop(self) -> None:
         return None
+    def act_on(self, stop: Any) -> Any:
+        return stop
+
+
+def _sent(watch: Any) -> Any:
+    """The stop the supervisor sends the job now: the watch's, once it acted on it."""
+    stop = watch.stop()
+    return watch.act_on(stop) if stop is not None else None
 
 
 def _ended(outcome: Outcome, error: ErrorInfo | None = None) -> Ended:
@@ -1241,7 +1249,7 @@ def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(c
             return _ended(Outcome.OK)
         watches[rank.rank].running.set()
         deadline = time.monotonic() + 10
-        while (stop := watch.stop()) is None and time.monotonic() < deadline:
+        while (stop := _sent(watch)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         stops[rank.rank] = stop
         return _ended(Outcome.OK if stop is None else Outcome.PREEMPTED)
@@ -1312,7 +1320,9 @@ def test_a_rank_its_worker_fenced_off_leaves_its_gang_to_its_peers(client):
         return stopped
 
     job = RunJob(job_id="j1", job="ranked", kwargs={}, fan_out_id="f1")
-    stopped = Ended.by_worker(WorkerStopped, "cut off", pid=1, retired=None)
+    # As the supervisor ends a run it sent the fencing stop (the stop travels into its Ended).
+    stopped = Ended.by_worker(WorkerStopped, "cut off", pid=1, retired=None).under(
+        StopJob(job_id="j1", reason=StopReason.FENCED, message="cut off"))
     ended = gang_module.run_rank(client, _gang("fenced", 7, ["d0"]), "d0", "h", 60, job, FencedWatch(), run)
     assert ended is stopped and len(ran) == 1
     assert client.hget(keys.gang("fenced"), "failed") is None

@@ -62,6 +62,7 @@ COVERED = {
     "uvicorn tasks.examples.service:app": "tests/test_service.py::test_a_fan_out_streams_its_progress_in_order_then_returns_its_result",
     "curl ": "tests/test_service.py::test_a_fan_out_streams_its_progress_in_order_then_returns_its_result",
     "mkdocs serve": ".ci/run::mkdocs build --strict",
+    "python3 -m pytest -m system": ".ci/run::python3 -m pytest -m system",
     "python3 -m pytest": ".ci/run::python3 -m pytest",
     "RELIABILITY_LOAD_JOBS=": "tests/test_reliability.py::test_load_burst_every_job_has_exactly_one_result",
     "lint-imports": "tests/test_layers.py::test_import_linter_contracts_are_kept",

@@ -7,7 +7,9 @@ in tests/scripts (tests/conftest.py, ``FLEET_COMMANDS``)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -16,6 +18,17 @@ import tasks
 from tasks.cli import cli
 
 pytestmark = pytest.mark.timeout(150)
+
+
+def command_logs(stdout: str) -> str:
+    """The whole ``stderr.log`` of each command run the group's entry names: a failure's entry
+    keeps only the last lines, after torchrun's summary, which can cut the cause off (issue 51)."""
+    try:
+        entry = json.dumps(json.loads(stdout)["cpu0+cpu1"])
+    except (ValueError, KeyError):
+        return "(no entry)"
+    logs = [Path(folder) / "stderr.log" for folder in sorted(set(re.findall(r'"log": "([^"]+)"', entry)))]
+    return "\n".join(f"--- {log}:\n{log.read_text(errors='replace')[-20000:]}" for log in logs if log.exists()) or "(no log)"
 
 
 @pytest.mark.parametrize(("argv", "world"), [
@@ -31,9 +44,9 @@ def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: lis
     world_size = len(cores) if world == "cores" else world
     result = CliRunner().invoke(cli, ["run", "--devices", "cpu", "--group", "2", "--json", "--timeout", "140",
                                       "--redis-url", fleet.redis_url, "--", *argv])
-    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert result.exit_code == 0, (result.stdout, result.stderr, command_logs(result.stdout))
     entry = json.loads(result.stdout)["cpu0+cpu1"]
-    assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", entry
+    assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", (entry, command_logs(result.stdout))
     assert entry["output"]["command"]["exit_code"] == 0
     # The script's own line, printed by rank 0 as it came, after the group's name (on stderr with --json).
     lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[cpu0+cpu1] {")]

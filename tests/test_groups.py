@@ -41,7 +41,7 @@ from tasks.producer.fanout import FanOut
 from tasks.worker.group_host import GroupHostLink
 from tasks.worker.jobenv import job_environment
 from tasks.worker.memory import ResidentMeter
-from tasks.worker.supervisor import ProcessPolicy, Supervisor
+from tasks.worker.supervisor import Apart, ProcessPolicy, Supervisor
 
 from .conftest import ROOT, TEST_JOB_MODULES, wait_for
 from .test_components import _RankWatch  # a watch that relays nothing and never stops the job
@@ -377,7 +377,7 @@ def test_a_group_whose_visibility_differs_runs_in_a_process_of_its_own(tmp_path)
     assert supervisor.needs_own_process(group_env)
     assert not supervisor.needs_own_process(group_environment(["cpu0", "cpu1"]))
     cores = sorted(os.sched_getaffinity(0))
-    ended = supervisor.run_apart(_group_job("apart"), _RankWatch(), group_env)
+    ended = supervisor.run(_group_job("apart"), _RankWatch(), apart=Apart(group_env))
     assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
     out = ended.finished.output
     assert out is not None
@@ -415,7 +415,7 @@ def test_a_group_job_process_started_by_the_group_host_runs_and_ends_with_its_le
     link, host = group_host
     supervisor = _supervisor(tmp_path)
     supervisor.group_host = link
-    ended = supervisor.run_apart(_group_job("hosted"), _RankWatch(), {"CUDA_VISIBLE_DEVICES": ""})
+    ended = supervisor.run(_group_job("hosted"), _RankWatch(), apart=Apart({"CUDA_VISIBLE_DEVICES": ""}))
     assert ended.outcome is Outcome.OK and ended.finished is not None, ended.error
     out = ended.finished.output
     assert out is not None
@@ -440,7 +440,7 @@ def test_a_group_job_past_its_groups_memory_budget_ends_as_out_of_memory(tmp_pat
     supervisor = _supervisor(tmp_path)
     supervisor.meter = ResidentMeter()
     job = _group_job("over", release_file=str(tmp_path / "never"), timeout_s=100)
-    ended = supervisor.run_apart(job, _RankWatch(), {"CUDA_VISIBLE_DEVICES": ""}, budget_bytes=1 << 20)
+    ended = supervisor.run(job, _RankWatch(), apart=Apart({"CUDA_VISIBLE_DEVICES": ""}, budget_bytes=1 << 20))
     assert ended.outcome is Outcome.ERROR and ended.error is not None and ended.error.type == "OutOfMemory", ended
     assert "past group cpu0+cpu1's budget of 1 MiB" in ended.error.message
     assert ended.error.memory is not None and ended.error.memory["budget_mib"] == 1.0

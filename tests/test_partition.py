@@ -37,6 +37,9 @@ from .partition_rig import (
     sweep_through_cut,
 )
 
+# A real system rig (root, network namespaces): its own step in .ci/run, `python3 -m pytest -m system`.
+pytestmark = pytest.mark.system
+
 
 class _Failed(Exception):
     pass

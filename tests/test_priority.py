@@ -214,19 +214,19 @@ def test_one_job_makes_way_per_higher_level_message_waiting_and_only_after_its_m
         watch.running("a", Level.BATCH)
         watch.running("b", Level.BATCH)
         watch.tick()
-        assert watch.outranked("a", Level.BATCH, now) is None  # run less than min_run_s
+        assert watch.claim("a", Level.BATCH, now) is None  # run less than min_run_s
         client.lpush(f"{queue}:urgent", "m1")
         watch.tick()
         long_ago = now - 60.0
-        assert watch.outranked("a", Level.BATCH, long_ago) is Level.URGENT
-        assert watch.outranked("b", Level.BATCH, long_ago) is None  # one message: one job makes way
-        assert watch.outranked("c", Level.URGENT, long_ago) is None  # nothing waits above urgent
+        assert watch.claim("a", Level.BATCH, long_ago) is Level.URGENT
+        assert watch.claim("b", Level.BATCH, long_ago) is None  # one message: one job makes way
+        assert watch.claim("c", Level.URGENT, long_ago) is None  # nothing waits above urgent
         # A job that starts makes the last look stale: nothing is preempted until the next one.
         watch.done("a")
         watch.running("d", Level.BATCH)
-        assert watch.outranked("d", Level.BATCH, long_ago) is None
+        assert watch.claim("d", Level.BATCH, long_ago) is None
         watch.tick()
-        assert watch.outranked("d", Level.BATCH, long_ago) is Level.URGENT
+        assert watch.claim("d", Level.BATCH, long_ago) is Level.URGENT
     finally:
         client.delete(f"{queue}:urgent", keys.preempt_claims(f"{queue}:urgent"))
         client.close()

@@ -31,6 +31,9 @@ from .conftest import wait_for
 from .partition_rig import LEASE_TTL_S
 from .sentinel_partition import RedisNode, SentinelPartition, deployed_min_replicas, sentinel_partition
 
+# A real system rig (root, network namespaces: Sentinel over a partition): its own step in .ci/run, `python3 -m pytest -m system`.
+pytestmark = pytest.mark.system
+
 #: A loaded 2-core host may be this much later than min-replicas-max-lag to refuse.
 REFUSE_SLACK_S = 5.0
 #: kombu's unacked hash and index (the fleet's transport: tasks.core.transport.stored_ack_keys).

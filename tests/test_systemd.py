@@ -30,7 +30,8 @@ from .conftest import ROOT, http_status, read_markers, wait_for
 from .systemd_container import BootFailed, Container, nspawn_binary
 from .systemd_units import exposure_level
 
-pytestmark = pytest.mark.timeout(120)
+# A real system rig (systemd-nspawn, root): its own step in .ci/run, `python3 -m pytest -m system`.
+pytestmark = [pytest.mark.system, pytest.mark.timeout(120)]
 
 WORKERS = ["devicefleet-worker@cpu0.service", "devicefleet-worker@cpu1.service"]
 SERVICES = ["redis-server.service", *WORKERS, "devicefleet-flower.service", "devicefleet-metrics.service"]
@@ -349,7 +350,7 @@ def test_gpu_units_open_their_own_card_and_a_group_job_its_groups_cards_under_sy
                                                                                     tmp_path: Path) -> None:
     """Stand-in device nodes (no NVIDIA driver here), units rendered for a host with two GPUs.
     gpu0's worker, the group's leader (tests/scripts/group_leader.py in its place: the worker's own
-    run_apart), runs a group job over gpu0 and gpu1: its job process, the group host's child in
+    Supervisor.run with apart), runs a group job over gpu0 and gpu1: its job process, the group host's child in
     devicefleet-groups.service, gets past the device cgroup for both cards (ENXIO: no driver
     behind them), while the leader itself is stopped at gpu1's (EPERM). A single-device unit,
     gpu1's, opens its own card only and cannot reach the leader's socket (EACCES: hidden from

@@ -104,9 +104,9 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
         if "slots" in chosen:  # fleets of its own, one per slot count
             with _timed(figures, "slots"):
                 figures["slots"] = slots.measure(settings, quick=quick)
-    if "pack" in chosen:  # one plain process: the reference figures of packed trials
-        with _timed(figures, "pack"):
-            figures["pack"] = pack.measure(quick=quick)
+        if "pack" in chosen:  # one plain process, then a fleet of its own: the same trials packed
+            with _timed(figures, "pack"):
+                figures["pack"] = pack.measure_fleet(settings, pack.measure(quick=quick), quick=quick)
     if "pipeline" in chosen:
         with _timed(figures, "pipeline"):
             figures["pipeline"] = pipeline.measure(quick=quick)

@@ -191,6 +191,16 @@ GANG_POLL_S = 0.02
 GANG_ALIVE_TTL_MS = 3_000
 #: A rank that gave its device up to an older gang (wait-die) comes back after this long.
 GIVE_WAY_S = 0.5
+
+# -- Packed trials (tasks.worker.pack) ------------------------------------------------------
+
+#: The most trials one pack may hold (``tasks.sweep(..., pack=K)``), and what ``pack="auto"``
+#: takes at most: the job process packs fewer where its memory budget says so.
+PACK_MAX = 1024
+PACK_AUTO_MAX = 256
+#: How long a pack's leader waits for the members it took to take their leases and join it;
+#: one still on its way then finds the pack gone and runs alone.
+PACK_JOIN_TIMEOUT_S = 10.0
 #: How often a running rank's worker looks at its gang (failed, or moved to a new generation:
 #: the rank is stopped).
 GANG_WATCH_INTERVAL_S = 0.25

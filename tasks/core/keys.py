@@ -102,7 +102,7 @@ def sweep_sent(sweep_id: str) -> str:
 OPTUNA_PREFIX = f"{PREFIX}optuna"
 
 
-# -- distributed jobs (tasks.producer.fanout sends, tasks.jobproc.distributed assembles) ----------
+# -- distributed jobs (tasks.producer.fanout sends, tasks.worker.gang assembles) -----------------
 
 #: Counter that gives each distributed job its ``seq`` (its age).
 GANG_SEQ = f"{PREFIX}gang:seq"

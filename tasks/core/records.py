@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from .commands import CommandRules
-from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS
+from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS, PACK_MAX
+from .errors import ConfigError
 from .priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 
 
@@ -197,7 +198,7 @@ class GangSpec(_Record):
     id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     devices: list[str] = Field(min_length=1)
     #: The gang's age (a fleet-wide counter at send time): an older gang keeps a device that
-    #: two assembling gangs both want (tasks.jobproc.distributed).
+    #: two assembling gangs both want (wait-die: tasks.worker.gang).
     seq: int = Field(ge=0)
     backend: Literal["gloo", "nccl"]
     max_restarts: int = Field(ge=0, le=100)
@@ -272,15 +273,38 @@ class JobOptions(_Record):
     #: Whether higher-level work waiting for the device may preempt the job (False: it runs to
     #: its end, as Slurm's ``PreemptMode=OFF`` for one job).
     preemptible: bool = True
+    #: Set on a packed sweep's trial (``sweep(..., pack=K)``): the worker that takes it runs it
+    #: with up to K-1 more trials of its queue as one packed model; ``"auto"``: as many as fit
+    #: the slot's budget. None: the trial runs alone.
+    pack: int | Literal["auto"] | None = None
 
     @field_validator("priority", mode="before")
     @classmethod
     def _check_priority(cls, value: object) -> Level:
         return parse_level(value)  # its ConfigError names the value and the levels
 
+    @field_validator("pack", mode="before")
+    @classmethod
+    def _check_pack(cls, value: object) -> int | str | None:
+        return parse_pack(value)
+
     @property
     def is_default(self) -> bool:
         return self == JobOptions()
+
+
+def parse_pack(value: object) -> int | str | None:
+    """``pack=``: None, a trial count >= 1, or ``"auto"``.
+
+    Raises:
+        ConfigError: anything else; the message names the value.
+    """
+    if value is None or value == "auto":
+        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= PACK_MAX:
+        return value
+    raise ConfigError(f"pack={value!r}: give a number of trials to train as one model (1 to {PACK_MAX}), "
+                      "or 'auto' to fit as many as the slot's memory allows (nothing was sent)")
 
 
 # -- the registry ----------------------------------------------------------------------------------
@@ -335,6 +359,9 @@ class WorkerRecord(_Record):
     memory_kind: Literal["device", "resident"] = "resident"
     #: The jobs this worker may run (its allowlist's), as ``devicefleet.<job>`` task names' suffixes.
     jobs: list[str]
+    #: ``{job: the params that must be equal for trials to share a pack}`` of its jobs that pack
+    #: (:attr:`tasks.core.wire.JobInfo.pack`): what ``sweep(..., pack=)`` checks.
+    packable: dict[str, list[str]] = Field(default_factory=dict)
     started_at: float
     cuda_visible_devices: str | None = None
     cuda_available: bool | None = None

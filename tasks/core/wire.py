@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
 from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
+from .priority import Level
 from .records import ErrorInfo, Visibility
 
 
@@ -218,6 +219,8 @@ class StopJob(_Message):
     #: Seconds the job has to stop before its process is ended (``None``: the policy's
     #: ``cancel_grace_s``); a self-fenced job's is bounded by its lease's TTL.
     grace_s: float | None = None
+    #: A ``PREEMPT`` stop's: the level of the work the job makes way for.
+    level: Level | None = None
 
 
 class Proceed(_Message):
@@ -267,12 +270,23 @@ class Outcome(str, Enum):
     #: A rank gives its device to an older gang (:class:`~tasks.core.errors.GiveWay`, decided by
     #: the worker's gang): the worker sends its message back to the queue.
     GIVE_WAY = "give_way"
+    #: A member of a pack that its pack could not run to its end (the pack's process died, or
+    #: its leader ended before the pack started): the worker sends its message back to its
+    #: queue to run alone, so a trial that kills its process kills only itself the next time
+    #: (:mod:`tasks.worker.pack`). Never a job process's own saying.
+    UNPACK = "unpack"
     #: A rank's gang lost a peer (:class:`~tasks.core.errors.PeerLost`): the worker's gang runs
     #: it again in the next generation.
     PEER_LOST = "peer_lost"
     #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`): the
     #: worker sends its message back to its queue.
     PREEMPTED = "preempted"
+    #: Its worker stopped it, cut off from Redis or superseded by a newer attempt (self-fencing,
+    #: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`): no result of this attempt is stored; its
+    #: lease expires and the job is given back. The worker's own: a job process ends such a job
+    #: as ``error`` (its ``WorkerStopped``), and the stop sent makes it ``fenced``
+    #: (:meth:`tasks.worker.supervisor.Ended.under`).
+    FENCED = "fenced"
 
 
 #: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
@@ -282,7 +296,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.TIMEOUT: (JobTimeout, Outcome.ERROR),
     StopReason.SHUTDOWN: (WorkerStopped, Outcome.ERROR),
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
-    StopReason.FENCED: (WorkerStopped, Outcome.ERROR),
+    StopReason.FENCED: (WorkerStopped, Outcome.FENCED),
     StopReason.PREEMPT: (Preempted, Outcome.PREEMPTED),
 }
 

@@ -18,8 +18,8 @@ at once (:class:`~tasks.core.errors.DeviceUnavailable`), naming the live devices
 
 With ``distributed=True`` the devices' jobs are the ranks of one ``torch.distributed`` job
 (rank ``i`` on the ``i``-th device): every message carries the gang's
-:class:`~tasks.core.records.GangSpec`, and the workers assemble the process group
-(:mod:`tasks.jobproc.distributed`). A gang's ranks are sent under one Redis lock, so on every
+:class:`~tasks.core.records.GangSpec`, and the workers assemble the gang
+(:mod:`tasks.worker.gang`; each rank's process group in :mod:`tasks.jobproc.rank`). A gang's ranks are sent under one Redis lock, so on every
 device's queue one gang's ranks come before the next gang's.
 """
 

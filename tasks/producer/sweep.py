@@ -41,10 +41,12 @@ from ..core.commands import COMMAND_JOB, command_params
 from ..core.defaults import RESULT_EXPIRES_S
 from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.priority import Level
-from ..core.records import SweepRecord
+from ..core.queues import sweep_queue
+from ..core.records import SweepRecord, parse_pack
 from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary, summarize
+from .packing import Packing, packed_spec, plan_packing
 from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,10 @@ class Sweep(JobHandle[int, list[dict[str, Any]]]):
     progress_of_every_job = False
 
     def __init__(self, app: Celery, record: SweepRecord, specs: list[JobSpec], queue: TrialQueue,
-                 sent: set[int], max_concurrent: int | None) -> None:
+                 sent: set[int], max_concurrent: int | None, packing: Packing | None = None) -> None:
         super().__init__(app, queue.connections, queue.reader)
+        #: What ``pack=`` did: ``packing.reason`` is ``"packed 8"``, or why the trials run unpacked.
+        self.packing = packing or Packing(None, "unpacked")
         self.record = record
         self.specs = specs
         self.queue = queue
@@ -271,6 +275,7 @@ def sweep(
     priority: Level | str | None = None,
     user: str | None = None,
     group: int | None = None,
+    pack: int | str | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> Sweep:
@@ -292,13 +297,18 @@ def sweep(
             job process that sees them all (a device group, as ``fan_out(..., group=k)``): the
             groups ``devices`` make, each running one trial at a time (``max_concurrent``
             defaults to their number); each entry's ``device`` names its group (``cpu0+cpu1``).
+        pack: train up to this many trials as one packed (vmapped) model in one job process,
+            or ``"auto"``: as many as fit the slot's memory budget (:mod:`tasks.producer.packing`).
+            The job must opt in; trials that differ in a param their model's shape hangs on run
+            unpacked, and ``handle.packing.reason`` says why. A packed sweep has its own queue.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
 
     Raises:
-        ConfigError: a trial is not a dict, an argument is out of range, or ``priority`` or
-            ``user`` is invalid.
+        ConfigError: a trial is not a dict, an argument is out of range, ``priority`` or
+            ``user`` is invalid, or ``pack`` is not a count >= 1 or ``"auto"``, or asks a job or a
+            command that does not pack.
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``
             (nothing is sent).
@@ -309,6 +319,7 @@ def sweep(
     app = app or (client.app if client is not None else default_app())
     connections = client if client is not None and client.app is app else Connections.of(app)
     specs = trial_specs(prioritized(job, priority, user), trials, kwargs)
+    parse_pack(pack)  # a bad value is refused before the registry is read
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1, or None for all at once")
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
@@ -323,10 +334,14 @@ def sweep(
         check_jobs({device: specs[0] for device in chosen}, live)
         check_kwargs(connections.redis, [(device, spec, f"trial {i}") for i, spec in enumerate(specs)
                                          for device in chosen])
+    packing = plan_packing(pack, specs, chosen, live, group)
+    specs = [packed_spec(spec, packing) for spec in specs]
     sweep_id = name or uuid.uuid4().hex
+    # A packed sweep's queue holds only its trials: the worker that takes one pulls its siblings.
+    queue_name = sweep_queue(sweep_id) if packing.packed else queue_for(sweep_id, chosen, live)
     record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,
                          digest=digest(specs), trials=len(specs), devices=chosen,
-                         queue=queue_for(sweep_id, chosen, live), created_at=time.time())
+                         queue=queue_name, created_at=time.time())
     registry = connections.redis
     sent: set[int] = set()
     existing = registry.get(keys.sweep(sweep_id)) if name else None
@@ -346,7 +361,7 @@ def sweep(
                        groups=groups)
     if not record.cancelled:
         queue.attach()
-    handle = Sweep(app, record, specs, queue, sent, max_concurrent)
+    handle = Sweep(app, record, specs, queue, sent, max_concurrent, packing)
     handle.feed()
     logger.debug("sweep %s: %d trials of %s on %s", sweep_id, len(specs), record.job, ", ".join(chosen))
     return handle

@@ -56,8 +56,10 @@ from .jobprocess import ProcessGone
 from .jobs import JobCatalog
 from .lease import LeaseKeeper, Reaper
 from .memory import open_meter
+from .modes import RunModes
 from .mps import MpsServer
 from .preemption import Preemption
+from .siblings import Siblings
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
 from .topology import read_links
@@ -284,7 +286,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
     return WorkerRecord(
         device=setup.device.name, kind=setup.device.kind.value, worker=setup.nodename,
         host=host_name(), pid=os.getpid(), queues=setup.queues, cores=setup.cores,
-        pool=setup.config.pool.value, jobs=processes.jobs.names,
+        pool=setup.config.pool.value, jobs=processes.jobs.names, packable=processes.jobs.packable,
         slots=[SlotRecord(index=slot.index, cores=slot.cores, budget_bytes=slot.budget_bytes)
                for slot in slots.all],
         memory_kind="device" if setup.device.kind is DeviceKind.GPU else "resident",
@@ -342,6 +344,17 @@ class DeviceWorker:
     jobs_done: int = 0
     #: Guards ``jobs_done``: the slots' threads end jobs at once.
     counts_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: How its jobs run (plain, a gang's rank, a device group, a pack), with its services bound.
+    modes: RunModes = field(init=False)
+    #: Takes a pack's members from its leader's queue (:mod:`tasks.worker.siblings`).
+    siblings: Siblings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.modes = RunModes.build(
+            self.supervisor, self.client, self.device.name, self.gate, self.address,
+            expires_s=self.settings.result_expires_s, lease_ttl_s=self.settings.lease_ttl_s,
+            preempt_grace_s=self.config.preempt_grace_s)
+        self.siblings = Siblings(self.modes.pack.rooms, self.nodename)
 
     @property
     def device(self) -> Device:

@@ -80,7 +80,7 @@ from ..core.jobstate import JobState
 from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
-from ..core.wire import STOPS, Outcome, Rank, RunJob, StopJob, StopReason
+from ..core.wire import Outcome, Rank, RunJob, StopJob, StopReason
 from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
@@ -395,17 +395,20 @@ class Rendezvous:
         return host, int(port)
 
 
-def _preempted(rdv: Rendezvous, gen: int, watch: Watch) -> bool:
-    """Whether generation ``gen`` of the gang was preempted (the mark is written before any rank
-    stops); if so the rank makes way (``watch.made_way``). False where Redis cannot say."""
+def _preempted(rdv: Rendezvous, gen: int, job_id: str, watch: Watch) -> StopJob | None:
+    """The stop of a rank whose generation ``gen`` of the gang was preempted (the mark is
+    written before any rank stops), which it makes way with; None if it was not, or where Redis
+    cannot say."""
     try:
         _, _, mark = rdv.look()
     except redis.RedisError:
-        return False
+        return None
     if mark is None or mark[0] != gen:
-        return False
+        return None
     watch.made_way(mark[1])
-    return True
+    return StopJob(job_id=job_id, reason=StopReason.PREEMPT, level=mark[1],
+                   message=f"{rdv.spec.id} ({rdv.device}, rank {rdv.rank}) made way as a whole for "
+                           f"{mark[1].value} work; it goes back to its queues and runs again")
 
 
 def route_address(redis_url: str) -> str:
@@ -448,9 +451,10 @@ class GangWatch(WatchOver):
     as its TCP retries last, and its own job's self-fencing must not wait for them). :meth:`close`
     ends it.
 
-    A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``) is held back
-    until this thread has marked the gang preempted (:meth:`Rendezvous.preempt`): the rank then
-    stops with every other, each told by the mark."""
+    A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``, its message
+    claimed as the supervisor acts on it) is held back until this thread has marked the gang
+    preempted (:meth:`Rendezvous.preempt`): the rank then stops with every other, each told by
+    the mark, its stop carrying the level it makes way for."""
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
                  jobs: JobState | None = None, preempt_grace_s: float = PREEMPT_GRACE_S) -> None:
@@ -459,8 +463,6 @@ class GangWatch(WatchOver):
         self.preempt_grace_s = preempt_grace_s
         #: The preemption this rank's worker asked for (held back until the gang is marked).
         self._asked: StopJob | None = None
-        #: Whether this rank was told its gang made way (the mark read): it goes back to its queue.
-        self.made_way_told = False
         self.job_id = job_id
         self.generation = generation
         self.address = address
@@ -485,10 +487,20 @@ class GangWatch(WatchOver):
 
     def stop(self) -> StopJob | None:
         stop = self.inner.stop()
-        if stop is not None and stop.reason is StopReason.PREEMPT:
-            self._asked = stop  # the whole gang is told first (_watch), this rank with it
-            stop = None
+        if stop is not None and stop.reason is StopReason.PREEMPT and self._verdict is not None:
+            return self._verdict  # the gang's own stop ends this run anyway: nothing to claim for it
         return stop or self._verdict
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        if stop is self._verdict:  # the gang's own stop: its worker has nothing to take for it
+            return stop
+        acted = self.inner.act_on(stop)
+        if acted is not None and acted.reason is StopReason.PREEMPT:
+            # Its worker asked it to make way: the whole gang is told first (_watch marks it,
+            # and the mark stops every rank), this rank with it.
+            self._asked = acted
+            return None
+        return acted
 
     def close(self) -> None:
         """The run ended: stop watching (a read in flight is left to finish on its own)."""
@@ -497,7 +509,7 @@ class GangWatch(WatchOver):
     def _watch(self) -> None:
         while not self._closed.wait(WATCH_INTERVAL_S):
             try:
-                if self._asked is not None and not self.made_way_told:
+                if self._asked is not None:
                     self._mark()
                 verdict = self.look()
             except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
@@ -510,7 +522,7 @@ class GangWatch(WatchOver):
     def _mark(self) -> None:
         """This rank's worker asked it to make way: mark the gang (``look`` then stops every
         rank); a gang that failed or moved on meanwhile is stopped by ``look`` for that."""
-        level = self.inner.preempted or Level.URGENT  # set by the inner watch with its stop
+        level = (self._asked.level if self._asked is not None else None) or Level.URGENT
         if self.rdv.preempt(self.generation, level):
             logger.info("%s: rank %d of %s makes way for %s work: the whole gang stops", self.rdv.device,
                         self.rdv.rank, self.rdv.spec.id, level.value)
@@ -529,9 +541,8 @@ class GangWatch(WatchOver):
         lost = self.rdv.lost_peer(self._peers, self._jobs) if self._peers else None
         failed, current, preempt = self.rdv.look()
         if failed is None and preempt is not None and preempt[0] == self.generation:
-            self.made_way_told = True
             self.inner.made_way(preempt[1])
-            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.preempt_grace_s,
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.preempt_grace_s, level=preempt[1],
                            message=f"{spec.id} ({self.rdv.device}, rank {self.rdv.rank}) made way as a whole "
                                    f"for {preempt[1].value} work; it goes back to its queues and runs again")
         if failed is None and lost is not None and current == self.generation:
@@ -572,10 +583,9 @@ def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, exp
         return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)
     except GangFailed as exc:
         stop = watch.stop()
-        if stop is not None and stop.reason is not StopReason.GANG:
+        if stop is not None and stop.reason is not StopReason.GANG and (stop := watch.act_on(stop)) is not None:
             # Every rank of a cancelled job is revoked: its entry says cancelled, not failed.
-            error, outcome = STOPS[stop.reason]
-            return Ended.by_worker(error, f"{stop.message} ({exc})", pid=0, retired=None, outcome=outcome)
+            return Ended.stopped(stop, f"{stop.message} ({exc})")
         return Ended.by_worker(GangFailed, str(exc), pid=0, retired=None)
 
 
@@ -586,13 +596,12 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
     gen = rdv.join()
     while True:
         stop = watch.stop()
-        if stop is not None:
+        if stop is not None and (stop := watch.act_on(stop)) is not None:
             if stop.reason is StopReason.PREEMPT:  # between two runs: the gang makes way as a whole
-                rdv.preempt(gen, watch.preempted or Level.URGENT)
+                rdv.preempt(gen, stop.level or Level.URGENT)
             elif stop.reason is not StopReason.FENCED:  # a fenced rank leaves the gang to its peers (below)
                 rdv.fail(f"rank {rdv.rank} on {rdv.device} was stopped: {stop.message}")
-            error, outcome = STOPS[stop.reason]
-            return Ended.by_worker(error, stop.message, pid=0, retired=None, outcome=outcome)
+            return Ended.stopped(stop)
         assembled = rdv.wait(gen)
         gen = assembled.generation
         try:
@@ -613,15 +622,19 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
         if ended.outcome is Outcome.OK:
             rdv.done()
             return ended
-        if (stop := watch.stop()) is not None and stop.reason is StopReason.FENCED:
+        if ended.outcome is not Outcome.FENCED and (stop := watch.stop()) is not None and \
+                stop.reason is StopReason.FENCED and (stop := watch.act_on(stop)) is not None:
+            ended = ended.under(stop)  # its worker fenced itself off it as the run ended
+        if ended.outcome is Outcome.FENCED:
             # Cut off from Redis, its worker stopped it: the lease expires, the job is given back
             # and its next run joins the gang where its peers (who saw the lease go) moved it.
             # Failing the gang from here would undo that, once Redis is reachable again.
             return ended
-        if gang_watch.made_way_told or _preempted(rdv, gen, watch):
-            # The gang made way (this rank told, or its collective failed as a peer stopped for
-            # it): back to its queue, as every rank (the runner sends the message back).
+        if ended.outcome is Outcome.PREEMPTED:  # told by the mark: back to its queue, as every rank
             return ended
+        if (made_way := _preempted(rdv, gen, job.job_id, watch)) is not None:
+            # Its collective failed as a peer stopped for the gang's preemption: it made way too.
+            return dataclasses.replace(ended, outcome=Outcome.PREEMPTED, stop=made_way)
         if ended.crashed and gen >= spec.max_restarts:
             # No restart left: the gang fails naming the crash, which this rank's entry keeps.
             rdv.fail(f"rank {rdv.rank} on {rdv.device} failed: JobCrashed: {ended.error.message if ended.error else ''}")

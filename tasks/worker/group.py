@@ -79,10 +79,11 @@ from ..core import group_reservation, keys
 from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_NUDGE_TTL_MS, GROUP_POLL_S, GROUP_REFRESH_S
 from ..core.errors import GiveWay, NoJobProcess
 from ..core.groups import group_budget, group_cores, group_environment
+from ..core.periodic import PeriodicThread
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
-from ..core.wire import STOPS, Outcome, RunJob, StopJob
-from .supervisor import Ended, Supervisor, Watch, WatchOver
+from ..core.wire import Outcome, RunJob
+from .supervisor import Apart, Ended, Supervisor, Watch
 
 logger = logging.getLogger(__name__)
 
@@ -320,29 +321,28 @@ class GroupKeeper:
             logger.info("%s: held for group %s", self.device, to)
 
 
-class GroupWatch(WatchOver):
-    """A group job's watch: the job's own, and its leader's ``alive`` key kept fresh."""
+class GroupAlive(PeriodicThread):
+    """Keeps a running group's leader ``alive`` key (and its hash) fresh while its job runs,
+    from a thread of its own: the keepers drop a reservation whose key expired (a dead leader's).
+    A refresh Redis refused is tried again at the next; a leader cut off for long is stopped by
+    its lease's fencing."""
 
-    def __init__(self, inner: Watch, client: redis.Redis, attempt: str, ttl_ms: int) -> None:
-        super().__init__(inner)
+    name = "devicefleet-group-alive"
+
+    def __init__(self, client: redis.Redis, attempt: str, ttl_ms: int) -> None:
+        super().__init__(min(GROUP_REFRESH_S, ttl_ms / 4000))
         self.client = client
         self.attempt = attempt
         self.ttl_ms = ttl_ms
-        self.refresh_s = min(GROUP_REFRESH_S, ttl_ms / 4000)
-        self._next = time.monotonic() + self.refresh_s
 
-    def stop(self) -> StopJob | None:
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + self.refresh_s
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
-                pipe.pexpire(keys.group_run(self.attempt), self.ttl_ms)
-                pipe.execute()
-            except redis.RedisError as exc:  # the lease's own fencing stops a job cut off for long
-                logger.debug("group %s: could not refresh its alive key: %s", self.attempt, exc)
-        return self.inner.stop()
+    def tick(self) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
+            pipe.pexpire(keys.group_run(self.attempt), self.ttl_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            logger.debug("group %s: could not refresh its alive key: %s", self.attempt, exc)
 
 
 class Reservation:
@@ -447,10 +447,12 @@ class Reservation:
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,
               supervisor: Supervisor, lease_ttl_s: float, job: RunJob, watch: Watch,
-              run: Callable[[RunJob, Watch, int | None], Ended], on_start: Callable[[], None] = lambda: None) -> Ended:
+              run: Callable[[RunJob, Watch, int | None, Apart | None], Ended],
+              on_start: Callable[[], None] = lambda: None) -> Ended:
     """Run ``job`` as the group ``spec`` led by ``device``: reserve, wait for every device's
-    hold, run it in one job process over them all (``run(job, watch, budget_bytes)``: within
-    the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`), release.
+    hold, run it in one job process over them all (``run(job, watch, budget_bytes, apart)``:
+    within the sum of its devices' memory budgets, :func:`~tasks.core.groups.group_budget`; in
+    a process of its own where its visibility is not the device's), release.
     Its reservation lives as long as a lease (``lease_ttl_s``) past its leader's last refresh. Never raises: the :class:`Ended`
     says how it ended, ``give_way`` when an older group needs one of its devices. ``on_start``
     is called once every device holds it, as its job starts (its entry's ``started_at``)."""
@@ -470,10 +472,8 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         noted = 0.0
         while not started_at_once and not reservation.poll():
             stop = watch.stop()
-            if stop is not None:
-                error, outcome = STOPS[stop.reason]
-                return Ended.by_worker(error, f"{stop.message} (while group {spec.name} waited for its devices)",
-                                       pid=0, retired=None, outcome=outcome)
+            if stop is not None and (stop := watch.act_on(stop)) is not None:
+                return Ended.stopped(stop, f"{stop.message} (while group {spec.name} waited for its devices)")
             if time.monotonic() - noted > GROUP_REFRESH_S:
                 noted = time.monotonic()
                 reservation.note_waiting()
@@ -485,10 +485,12 @@ def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: Gr
         budget = group_budget(records)
         env = group_environment(spec.devices)
         job = job.model_copy(update={"devices": list(spec.devices), "cores": cores, "torch_threads": len(cores)})
-        group_watch = GroupWatch(watch, client, reservation.attempt, ttl_ms)
-        if supervisor.needs_own_process(env):
-            return supervisor.run_apart(job, group_watch, env, budget)
-        return run(job, group_watch, budget)
+        alive = GroupAlive(client, reservation.attempt, ttl_ms)
+        alive.start()
+        try:
+            return run(job, watch, budget, Apart(env, budget) if supervisor.needs_own_process(env) else None)
+        finally:
+            alive.stop(timeout=0)  # a refresh in flight finishes on its own
     except GiveWay as exc:
         logger.info("%s: group %s gives way: %s", device, spec.name, exc)
         return Ended(outcome=Outcome.GIVE_WAY, finished=None, error=None, error_module=None, pid=0, retired=None)

@@ -43,6 +43,7 @@ from ..core.wire import (
     Refused,
     Report,
     RunJob,
+    RunPack,
     StopJob,
     StoreOpened,
     decode_from_job_process,
@@ -148,9 +149,9 @@ class JobProcess:
                 self.kill("it did not say hello in time")
                 raise ProcessGone(f"{self.label}: not ready after {timeout:g} s; its output: {self.tail_text()}")
 
-    def send(self, message: RunJob | StopJob | Proceed) -> None:
+    def send(self, message: RunJob | RunPack | StopJob | Proceed) -> None:
         """Send ``message``; a process that has gone is found by the next :meth:`receive`."""
-        if isinstance(message, RunJob):
+        if isinstance(message, RunJob | RunPack):
             self._tail.clear()
             self.jobs_run += 1
         try:

@@ -25,6 +25,11 @@ class JobCatalog:
     def names(self) -> list[str]:
         return sorted(self._jobs)
 
+    @property
+    def packable(self) -> dict[str, list[str]]:
+        """``{job: its pack key params}`` of the jobs that pack (the registry's ``packable``)."""
+        return {name: list(info.pack) for name, info in sorted(self._jobs.items()) if info.pack is not None}
+
     def infos(self) -> list[JobInfo]:
         return [self._jobs[name] for name in self.names]
 

@@ -33,8 +33,9 @@ job to make way, once it has run ``preempt_min_run_s`` and unless its options sa
 
 The free slot then takes the highest level waiting: the work that preempted the job.
 
-Not preempted: a rank of a distributed job (a gang would have to stop as a whole) and a job of a
-host group.
+A rank of a distributed job is preempted with its gang, as a whole (:mod:`tasks.worker.gang`:
+its worker marks the gang, and every rank stops). Not preempted: a job of a device group (its
+devices would have to stop as a whole), a job run in process (no message to send back).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def consumed_lists(app: Any, queues: list[str]) -> Callable[[], list[str]]:
 
 class Preemption(PeriodicThread):
     """Looks for higher-level work waiting in this worker's queues while it runs lower-level
-    jobs; :meth:`outranked` says whether a job must make way (and claims the message it makes
-    way for)."""
+    jobs; :meth:`outranked` says whether a job is due to make way, :meth:`claim` claims the
+    message it makes way for as it is asked."""
 
     name = "devicefleet-preemption"
 
@@ -171,18 +172,32 @@ class Preemption(PeriodicThread):
 
     def outranked(self, job_id: str, level: Level, started: float) -> Level | None:
         """The higher level whose work waits for this device, if job ``job_id`` at ``level``,
-        started at ``started`` (monotonic), must make way for it now; else None. One job is
-        asked per waiting message, across the workers that consume its list: the others run on.
-        A claim refused is tried again at the next look."""
+        started at ``started`` (monotonic), is due to make way for it now; else None. A question
+        only (no round trip): :meth:`claim` takes the waiting message before the job is asked.
+        None too once the job was asked, and while the waiting messages are each claimed, or
+        its claim was refused at this look (it is tried again at the next)."""
         with self._lock:
-            waiting = self._waiting
-            if waiting is None or waiting.rank >= level.rank:
-                return None
-            if time.monotonic() - started < self.min_run_s:
-                return None
-            if job_id in self._making_way or len(self._making_way) >= self._waiting_count:
-                return None
-            if self._refused.get(job_id) == self._look:
+            return self._outranked(job_id, level, started)
+
+    def _outranked(self, job_id: str, level: Level, started: float) -> Level | None:
+        waiting = self._waiting
+        if waiting is None or waiting.rank >= level.rank:
+            return None
+        if time.monotonic() - started < self.min_run_s:
+            return None
+        if job_id in self._making_way or len(self._making_way) >= self._waiting_count:
+            return None
+        if self._refused.get(job_id) == self._look:
+            return None
+        return waiting
+
+    def claim(self, job_id: str, level: Level, started: float) -> Level | None:
+        """Claim one of the messages waiting above ``level`` for job ``job_id`` to make way for
+        (:meth:`outranked` first) and return its level; None if it is not outranked or the claim
+        went to another job. One job is asked per waiting message, across the workers that
+        consume its list: the others run on. A claim refused is tried again at the next look."""
+        with self._lock:
+            if self._outranked(job_id, level, started) is None:
                 return None
             lists = [name for above, name in self._waiting_lists if above.rank < level.rank]
             expired = time.monotonic() - self._hold_s

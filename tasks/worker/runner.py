@@ -11,24 +11,27 @@ it (:func:`tasks.core.backend.attach_entry`) so that a fan-out's chord still col
 device.
 
 The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is a
-short chain (:func:`execute`): read its options, take its lease, run it in a job process while
-a :class:`JobWatch` publishes its progress and asks for its stop, then hand its end (the
-lease's attempt, the count and the acknowledgement: :func:`tasks.worker.accounting.job_end`) to
-the store of its result (:meth:`JobRun.end`), which Celery's tracer makes once the task returns
-or raises; :class:`tasks.worker.lease.LeaseKeeper` settles the lease after it.
+short chain (:func:`execute`): read its options, take its lease, run it in the run mode its
+options call for (:mod:`tasks.worker.modes`: plain, a gang's rank, a device group) while a
+:class:`JobWatch` publishes its progress and says when to stop it, then one ``match`` on the
+run's :class:`~tasks.worker.supervisor.Ended` (:func:`settle`): its end handed (the lease's
+attempt, the count and the acknowledgement: :func:`tasks.worker.accounting.job_end`) to the
+store of its result (:meth:`JobRun.end`), which Celery's tracer makes once the task returns or
+raises (:class:`tasks.worker.lease.LeaseKeeper` settles the lease after it); or nothing stored
+(fenced); or its message back on its queue (preempted, given way).
 """
 
 from __future__ import annotations
 
 import builtins
-import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import Any, NoReturn
+from typing import Any, NoReturn, assert_never
 
 import redis
 from billiard.einfo import ExceptionWithTraceback
@@ -43,7 +46,7 @@ from pydantic import ValidationError
 from ..core import errors
 from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
-from ..core.errors import InvalidJobArguments, JobCancelled, NoJobProcess, OutOfMemory, WorkerLost
+from ..core.errors import InvalidJobArguments, JobCancelled, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
@@ -53,11 +56,12 @@ from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, gang, group, progress
+from . import accounting, progress
 from .device import DeviceWorker
 from .lease import deaths_kept_s
+from .modes import Launch
 from .slots import Slot
-from .supervisor import Ended, Watch
+from .supervisor import Ended
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +152,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
     job_id = str(task.request.id)
+    if worker.modes.pack.rooms.room_of(job_id) is not None:  # a pack's member: its leader passed the gate
+        return _leased(worker, task, job, kwargs, options)
     with worker.gate.single(job_id, lambda: worker.stopping_since is not None or job_id in worker_state.revoked) as admitted:
         if admitted:
             return _leased(worker, task, job, kwargs, options)
@@ -170,53 +176,80 @@ def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options
 
 def _execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions,
              attempt: Attempt | None = None) -> dict[str, Any]:
+    room = worker.modes.pack.rooms.room_of(str(task.request.id)) if task.request.id is not None else None
+    if room is not None:  # a pack's member runs in its leader's slot, which makes way for it as a whole
+        run = JobRun(worker, task, job, None, options)
+        watch = JobWatch(worker, task, run.job_id, options, room.slot.index, attempt, preemptible=False)
+        return _run(worker, task, run, watch, Launch(
+            message=run.job_message(kwargs, options, attempt), options=options, watch=watch, slot=room.slot,
+            token=attempt.token if attempt is not None else 0))
     with worker.slots.take() as slot:
         run = JobRun(worker, task, job, slot, options)
-        message = run.job_message(kwargs, options, attempt)
         watch = JobWatch(worker, task, run.job_id, options, slot.index, attempt)
-        preemption = worker.preemption if watch.preemptible else None
+        siblings = (functools.partial(worker.siblings.take, task, level=options.priority)
+                    if options.pack is not None and task.request.id is not None else None)
+        return _run(worker, task, run, watch, Launch(
+            message=run.job_message(kwargs, options, attempt), options=options, watch=watch, slot=slot,
+            token=attempt.token if attempt is not None else 0, on_start=run.start_clock, siblings=siblings))
+
+
+def _run(worker: DeviceWorker, task: Task, run: JobRun, watch: JobWatch, launch: Launch) -> dict[str, Any]:
+    """Run ``launch`` in the mode its options choose, then settle its ending."""
+    options = launch.options
+    preemption = worker.preemption if watch.preemptible else None
+    if preemption is not None:
+        preemption.running(run.job_id, options.priority)
+    try:
+        ended = worker.modes.of(options).run(launch)
+    finally:
         if preemption is not None:
-            preemption.running(run.job_id, options.priority)
-        try:
-            if options.group is not None:
-                ended = group.run_group(worker.client, options.group, worker.device.name, worker.gate,
-                                        worker.supervisor, worker.settings.lease_ttl_s, message, watch,
-                                        lambda grouped, group_watch, budget: run_in_process(
-                                            worker, grouped, group_watch, dataclasses.replace(slot, budget_bytes=budget)),
-                                        on_start=run.start_clock)
-            elif options.gang is None:
-                ended = run_in_process(worker, message, watch, slot)
-            else:
-                ended = gang.run_rank(worker.client, options.gang, worker.device.name, worker.address,
-                                      worker.settings.result_expires_s, message, watch,
-                                      lambda rank, rank_watch: run_in_process(worker, rank, rank_watch, slot),
-                                      token=attempt.token if attempt is not None else 0, level=options.priority,
-                                      preempt_grace_s=worker.config.preempt_grace_s)
-        finally:
-            if preemption is not None:
-                preemption.done(run.job_id)
-            # Every report relayed before the job's end is stored; a fenced job's Redis may be
-            # out of reach: its reports are left (their relay gives up with its retries).
-            watch.drain(wait=not watch.fenced)
-        if watch.fenced:
+            preemption.done(run.job_id)
+        # Every report relayed before the job's end is stored (a fenced job's are left).
+        watch.drain()
+    return settle(worker, task, run, ended)
+
+
+def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[str, Any]:
+    """Hand ``run``'s ending on, by its outcome: its entry stored (returned, or raised with its
+    failure), nothing stored (fenced: its lease expires and the job is given back), or its
+    message back on its queue (preempted: at once, at the front; given way: later).
+
+    Raises:
+        celery.exceptions.Ignore: it was fenced off, or cancelled (REVOKED stored with its end).
+        celery.exceptions.Retry: it made way for higher-level work, or gave its device to an
+            older gang or group: its message goes back to the queue.
+        Exception: it failed; the exception carries its error entry.
+    """
+    match ended.outcome:
+        case Outcome.FENCED:
             # Cut off from Redis, it stopped the job itself: no result of this attempt may be
             # stored; its lease expires, the reaper gives the job back, and no death is counted.
             run.idle(done=False)
             worker.leases.fenced(run.job_id, deaths_kept_s(task.app))
             raise Ignore()
-        if watch.preempted is not None and ended.outcome is not Outcome.OK:
+        case Outcome.PREEMPTED:
             # It made way (or was ended for it after its grace): back to its queue, not a failure.
             run.idle(done=False)
-            return requeue_preempted(worker, task, run.job_id, watch.preempted)
-        if ended.outcome is Outcome.GIVE_WAY:
+            requeue_preempted(worker, task, run.job_id, ended.stop.level if ended.stop is not None else None)
+        case Outcome.UNPACK:
+            # Its pack could not finish it (the pack's process died): back to its queue at once,
+            # to run alone, so a trial that kills its process kills only itself the next time.
             run.idle(done=False)
-        else:
+            worker.leases.release(run.job_id)
+            headers = dict(task.request.headers or {})
+            alone = job_options(task.request).model_copy(update={"pack": None}).to_dict()
+            raise task.retry(countdown=0, max_retries=None, headers={**headers, OPTIONS_HEADER: alone})
+        case Outcome.GIVE_WAY:
+            # The same message (id, chord, options) back on the queue: it runs again later.
+            run.idle(done=False)
+            raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+        case Outcome.OK | Outcome.ERROR | Outcome.CANCELLED | Outcome.PEER_LOST:
             return run.end(ended=ended)
-    # The same message (id, chord, options) back on the queue: it runs again later.
-    raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+        case _:
+            assert_never(ended.outcome)
 
 
-def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level) -> NoReturn:
+def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level | None) -> NoReturn:
     """Send a preempted job's message back to its queue (:mod:`tasks.worker.preemption`): the
     same id, kwargs, options and chord, its count of preemptions one more, at the front of its
     level's list (:data:`~tasks.core.keys.FRONT_HEADER`), so it keeps its place among its level:
@@ -229,7 +262,7 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
     headers = dict(task.request.headers or {})
     count = preemptions_of(task.request) + 1
     logger.info("job %s on %s made way for %s work (preemption %d): back to its queue", job_id,
-                worker.device, level.value, count)
+                worker.device, level.value if level is not None else "higher-level", count)
     worker.leases.release(job_id)
     try:
         count_preemption(worker.client, worker.device.name)
@@ -245,29 +278,22 @@ def preemptions_of(request: Any) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
-def run_in_process(worker: DeviceWorker, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
-    """Run ``job`` in one of the worker's job processes (in ``slot``); a rank of a distributed
-    job runs here once per generation of its gang (:mod:`tasks.worker.gang` owns its restarts)."""
-    supervisor = worker.supervisor
-    try:
-        return supervisor.run(job, watch, slot)
-    except NoJobProcess as exc:
-        logger.error("%s: %s", worker.device, exc)
-        return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
-
-
 class JobWatch:
     """What a running job's supervisor asks of the worker: publish a report or a command's log
     lines (the job process has no door to Redis: the worker relays them); stop it now?
 
     A job stops when the producer cancelled it (Celery's revoke adds its id to the worker's
-    ``revoked`` set), when it is past its time limit, when the worker is stopping and the
-    job has had its stop timeout, or when its worker fences itself off it (its lease has gone
-    unconfirmed too long, or a newer attempt took it: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`).
+    ``revoked`` set), when it is past its time limit, when higher-level work waits for its
+    device (:mod:`tasks.worker.preemption`), when the worker is stopping and the job has had
+    its stop timeout, or when its worker fences itself off it (its lease has gone unconfirmed
+    too long, or a newer attempt took it: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`).
+    :meth:`stop` only answers which stop is due; :meth:`act_on` does what sending it takes
+    (a preemption's claim on the message it makes way for). The stop sent travels into the
+    run's :class:`~tasks.worker.supervisor.Ended`, whose outcome :func:`settle` matches on.
     """
 
     def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0,
-                 attempt: Attempt | None = None) -> None:
+                 attempt: Attempt | None = None, preemptible: bool = True) -> None:
         self.worker = worker
         #: The attempt that holds the job's lease (``None``: run under none): its reports carry its token.
         self.attempt = attempt
@@ -279,15 +305,14 @@ class JobWatch:
         self.time_limit_s = options.time_limit_s or float(worker.config.max_job_seconds)
         self.deadline = time.monotonic() + self.time_limit_s
         self._client = worker.client
-        #: Whether :meth:`stop` stopped the job by self-fencing.
-        self.fenced = False
-        #: The level of the work :meth:`stop` stopped the job for (preemption); None: not preempted.
-        self.preempted: Level | None = None
+        #: Set once a self-fencing stop is sent (:meth:`act_on`): the job's reports are a newer
+        #: attempt's business now, and its Redis may be out of reach (:meth:`drain` waits for none).
+        self._fenced = threading.Event()
         self.level = options.priority
         # Not a group's job (its devices would have to stop as a whole), nor a job run in process
         # without a message to send back. A gang's rank is: its gang stops as a whole
         # (tasks.worker.gang.GangWatch tells every rank).
-        self.preemptible = options.preemptible and options.group is None and attempt is not None
+        self.preemptible = preemptible and options.preemptible and options.group is None and attempt is not None
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
@@ -305,7 +330,7 @@ class JobWatch:
 
     def _relay_reports(self) -> None:
         while (fields := self._reports.get()) is not None:
-            if self.fenced:  # a newer attempt's reports are the job's now
+            if self._fenced.is_set():  # a newer attempt's reports are the job's now
                 continue
             published = progress.publish(self.task, self.request, fields, self.worker.heartbeat, self._client,
                                          self.worker.settings.result_expires_s, self.slot, self.attempt,
@@ -313,12 +338,13 @@ class JobWatch:
             if not published:  # a newer attempt runs the job: this one stops (stop() asks the keeper)
                 self.worker.leases.superseded(self.job_id)
 
-    def drain(self, wait: bool = True) -> None:
-        """End the relay of reports; with ``wait``, once every report is relayed."""
+    def drain(self) -> None:
+        """End the relay of reports, once every report is relayed; a fenced job's are left
+        (their relay gives up with its retries)."""
         if self._relay is None:
             return
         self._reports.put(None)
-        if wait:
+        if not self._fenced.is_set():
             self._relay.join()
 
     def log(self, lines: Sequence[tuple[str, str]]) -> None:
@@ -331,7 +357,8 @@ class JobWatch:
         """A plain job has no gang: nothing to fail."""
 
     def made_way(self, level: Level) -> None:
-        self.preempted = self.preempted or level
+        logger.info("job %s on %s: its gang makes way for %s work as a whole", self.job_id, self.worker.device,
+                    level.value)
 
     def memory(self, used: int) -> None:
         # Folded into the next write: the samples come often.
@@ -341,8 +368,6 @@ class JobWatch:
         where = f"job {self.job_id} on {self.worker.device}"
         leases = self.worker.leases
         if (why := leases.must_stop(self.job_id)) is not None:
-            self.fenced = True
-            logger.error("%s: %s", where, why)
             return StopJob(job_id=self.job_id, reason=StopReason.FENCED, message=f"{where}: {why}",
                            grace_s=leases.fence_grace_s)
         if self.job_id in worker_state.revoked:
@@ -354,11 +379,9 @@ class JobWatch:
         preemption = self.worker.preemption
         if self.preemptible and preemption is not None and \
                 (waiting := preemption.outranked(self.job_id, self.level, self.started)) is not None:
-            self.preempted = waiting
-            grace = self.worker.config.preempt_grace_s
-            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=grace,
-                           message=f"{where} ({self.level.value}) made way for {waiting.value} work waiting for "
-                                   f"the device; it goes back to its queue and runs again")
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.worker.config.preempt_grace_s,
+                           level=waiting, message=f"{where} ({self.level.value}) made way for {waiting.value} work "
+                                                  f"waiting for the device; it goes back to its queue and runs again")
         if worker_state.should_stop is not None or worker_state.should_terminate is not None:
             self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
@@ -368,6 +391,17 @@ class JobWatch:
                                message=f"{where}: the worker is stopping and the job did not end "
                                        f"within its stop timeout of {timeout:g} s")
         return None
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        if stop.reason is StopReason.FENCED:
+            self._fenced.set()
+            logger.error("%s", stop.message)
+        elif stop.reason is StopReason.PREEMPT:
+            # One job per waiting message, across the fleet: the claim decides which one.
+            preemption = self.worker.preemption
+            if preemption is None or preemption.claim(self.job_id, self.level, self.started) is None:
+                return None
+        return stop
 
 
 class JobRun:

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,7 +63,9 @@ from ..core.wire import (
     RankFailed,
     Report,
     RunJob,
+    RunPack,
     StopJob,
+    StopReason,
     StoreOpened,
 )
 from . import memory
@@ -94,10 +96,6 @@ class ProcessPolicy:
 class Watch(Protocol):
     """What the supervisor asks of the job it runs (implemented by the runner)."""
 
-    @property
-    def preempted(self) -> Level | None:
-        """The level of the work the job was stopped to make way for (None: not preempted)."""
-
     def report(self, fields: dict[str, Any]) -> None:
         """Publish a progress report."""
 
@@ -111,14 +109,21 @@ class Watch(Protocol):
         """A rank's own error: fail its gang with ``reason`` now (a plain job has none)."""
 
     def stop(self) -> StopJob | None:
-        """Whether to stop the job now, and why (asked every :data:`POLL_S`)."""
+        """Whether to stop the job now, and why (asked every :data:`POLL_S`). A question only:
+        what acting on the stop takes is :meth:`act_on`'s."""
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        """The supervisor acts on ``stop`` (one :meth:`stop` gave) now: take what acting on it
+        takes (a preemption claims the waiting message the job makes way for; a fenced job's
+        reports are no longer relayed) and return the stop to send, or ``None`` where it no
+        longer stands (the message went to another job: the job runs on)."""
 
     def memory(self, used: int) -> None:
         """The job's memory at its latest sample (bytes)."""
 
     def made_way(self, level: Level) -> None:
-        """The job stops to make way for ``level`` work though its own worker did not ask it (its
-        gang was preempted as a whole): it goes back to its queue."""
+        """The job's gang makes way for ``level`` work as a whole, though its own worker did not
+        ask it (the stop that follows says so too)."""
 
 
 class WatchOver:
@@ -127,10 +132,6 @@ class WatchOver:
 
     def __init__(self, inner: Watch) -> None:
         self.inner = inner
-
-    @property
-    def preempted(self) -> Level | None:
-        return self.inner.preempted
 
     def report(self, fields: dict[str, Any]) -> None:
         self.inner.report(fields)
@@ -147,6 +148,9 @@ class WatchOver:
     def stop(self) -> StopJob | None:
         return self.inner.stop()
 
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        return self.inner.act_on(stop)
+
     def memory(self, used: int) -> None:
         self.inner.memory(used)
 
@@ -155,8 +159,20 @@ class WatchOver:
 
 
 @dataclass(frozen=True)
+class Apart:
+    """A job that runs in a process of its own (:meth:`Supervisor.run`): a device group's whose
+    visibility this device's processes lack (CUDA reads it once, at a process's start)."""
+
+    #: Over the device's environment (the group's ``CUDA_VISIBLE_DEVICES``).
+    env: dict[str, str]
+    #: The group's memory budget (its devices' together), where this device measures memory.
+    budget_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Ended:
-    """How a job ended, as the supervisor saw it."""
+    """How a run ended, as the supervisor saw it: the value the runner matches on
+    (:func:`tasks.worker.runner.settle`)."""
 
     outcome: Outcome
     #: The job process's own account; None when the process died or was ended.
@@ -167,19 +183,44 @@ class Ended:
     pid: int
     #: Why its process was retired after this job; None: it runs the next one.
     retired: str | None
+    #: The stop the worker sent the job (or ended it with before it ran); None: none was.
+    stop: StopJob | None = None
 
     @property
     def crashed(self) -> bool:
         return self.error is not None and self.error.type == "JobCrashed"
 
+    def under(self, stop: StopJob | None) -> Ended:
+        """This ending with ``stop``, the stop the worker sent, and the outcome that stop makes
+        of it: a job its worker fenced off ends ``fenced`` however its process ended (no result
+        of the attempt may be stored), one asked to make way ends ``preempted`` unless it
+        finished ok first; ``preempted`` is never a job's own saying (a job that raised
+        ``Preempted`` unasked failed)."""
+        outcome = self.outcome
+        if stop is not None and stop.reason is StopReason.FENCED:
+            outcome = Outcome.FENCED
+        elif stop is not None and stop.reason is StopReason.PREEMPT:
+            outcome = outcome if outcome is Outcome.OK else Outcome.PREEMPTED
+        elif outcome in (Outcome.PREEMPTED, Outcome.FENCED):
+            outcome = Outcome.ERROR
+        return dataclasses.replace(self, outcome=outcome, stop=stop)
+
     @classmethod
     def by_worker(cls, error: type[BaseException], message: str, pid: int, retired: str | None,
-                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None) -> Ended:
+                  outcome: Outcome = Outcome.ERROR, figures: dict[str, Any] | None = None,
+                  stop: StopJob | None = None) -> Ended:
         """A job the worker ended (or found ended), with one of devicefleet's job errors (and
-        its memory ``figures`` when it ended past its budget)."""
+        its memory ``figures`` when it ended past its budget; the ``stop`` it ended it for)."""
         return cls(outcome=outcome, finished=None,
                    error=ErrorInfo(type=error.__name__, message=message, memory=figures),
-                   error_module=error.__module__, pid=pid, retired=retired)
+                   error_module=error.__module__, pid=pid, retired=retired, stop=stop)
+
+    @classmethod
+    def stopped(cls, stop: StopJob, message: str | None = None) -> Ended:
+        """A job ended for ``stop`` before (or between) its runs: the error and outcome of
+        :data:`~tasks.core.wire.STOPS` for its reason, the stop's message or ``message``."""
+        error, outcome = STOPS[stop.reason]
+        return cls.by_worker(error, message or stop.message, pid=0, retired=None, outcome=outcome, stop=stop)
 
 
 class Supervisor:
@@ -206,7 +247,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
         #: Called (outside the lock) when a process was started or ended: the registry shows them.
         self.on_change: Callable[[], None] | None = None
-        #: Where a device group's own job process starts (:meth:`run_apart`): the group host
+        #: Where a device group's own job process starts (:meth:`run` ``apart``): the group host
         #: under systemd, whose unit may open every GPU of the host; None: this worker's child.
         self.group_host: GroupHostLink | None = None
 
@@ -263,13 +304,16 @@ class Supervisor:
 
     # -- running a job -----------------------------------------------------------------------
 
-    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None) -> Ended:
-        """Run ``job`` in a ready job process and watch it to its end; in ``slot``: on its cores,
-        within its memory budget.
+    def run(self, job: RunJob, watch: Watch, slot: Slot | None = None, apart: Apart | None = None) -> Ended:
+        """Run ``job`` and watch it to its end: in a ready job process of this device (in
+        ``slot``: on its cores, within its memory budget), or, with ``apart``, in a process of
+        its own (:class:`Apart`: a GPU group's job, which must see all its GPUs).
 
         Raises:
             NoJobProcess: none became ready within the start timeout.
         """
+        if apart is not None:
+            return self._run_apart(job, watch, apart)
         process = self._take()
         budget = None
         if slot is not None:
@@ -287,16 +331,41 @@ class Supervisor:
         self._give_back(process, retire)
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
 
+    def run_pack(self, pack: RunPack, watches: Mapping[str, Watch], slot: Slot,
+                 on_end: Callable[[str, Ended], None]) -> None:
+        """Run ``pack`` (several trials of one job, trained at once: :mod:`tasks.worker.pack`)
+        in one ready job process, in ``slot``, and watch each member with its own watch of
+        ``watches``: its reports relayed, its own stop sent to it alone (the first member's
+        preemption or worker stop to all: the pack holds one slot and makes way as a whole),
+        and its ending handed to ``on_end(job_id, ended)`` as soon as the process ends it. Every
+        member gets exactly one ending; those the pack could not finish (its process died, went
+        past the slot's budget, or a member did not stop within its grace) end as
+        :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone.
+
+        Raises:
+            NoJobProcess: none became ready within the start timeout (no member was ended).
+        """
+        process = self._take()
+        first = self._in_slot(pack.members[0], slot, process)
+        placed = {"slot": first.slot, "cores": first.cores, "torch_threads": first.torch_threads,
+                  "allocator_limit_bytes": first.allocator_limit_bytes}
+        pack = RunPack(members=[member.model_copy(update=placed) for member in pack.members])
+        budget = _Budget(slot, self.meter) if slot.budget_bytes is not None and self.meter is not None else None
+        run = _PackRun(process, pack, watches, self.policy.cancel_grace_s, budget, on_end)
+        last, retire = run.wait()
+        retire = retire or self._retire_reason(process, last)
+        self._give_back(process, retire)
+
     def needs_own_process(self, env: dict[str, str]) -> bool:
         """Whether a job whose process must see ``env`` (a device group's visibility) cannot run
         in one of this device's processes: CUDA reads its visibility once, at its start."""
         return any(self._env.get(name) != value for name, value in env.items())
 
-    def run_apart(self, job: RunJob, watch: Watch, env: dict[str, str], budget_bytes: int | None = None) -> Ended:
-        """Run ``job`` in a process of its own, started with ``env`` over the device's
+    def _run_apart(self, job: RunJob, watch: Watch, apart: Apart) -> Ended:
+        """Run ``job`` in a process of its own, started with ``apart.env`` over the device's
         environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
-        lists all its GPUs), within ``budget_bytes`` of memory where this device measures it,
-        and end that process after it. Under systemd it is the group host's child
+        lists all its GPUs), within ``apart.budget_bytes`` of memory where this device measures
+        it, and end that process after it. Under systemd it is the group host's child
         (:attr:`group_host`), whose unit may open the group's GPUs; else this worker's.
 
         Raises:
@@ -306,7 +375,7 @@ class Supervisor:
         threads = job.torch_threads or len(cores)
         spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
         try:
-            process = JobProcess(spec, {**self._env, **env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
+            process = JobProcess(spec, {**self._env, **apart.env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
                                  self.group_host, self.policy.start_timeout_s)
         except ProcessGone as exc:
             raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
@@ -318,8 +387,8 @@ class Supervisor:
             except ProcessGone as exc:
                 raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
             budget = None
-            if budget_bytes is not None and self.meter is not None:
-                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=budget_bytes),
+            if apart.budget_bytes is not None and self.meter is not None:
+                budget = _Budget(Slot(index=job.slot or 0, cores=cores, threads=threads, budget_bytes=apart.budget_bytes),
                                  self.meter)
             return _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
         finally:
@@ -479,6 +548,10 @@ class _Run:
         self._stop_sent_at = 0.0
 
     def wait(self) -> Ended:
+        """The run's end, with the stop the worker sent it (:meth:`Ended.under`)."""
+        return self._wait().under(self.stop)
+
+    def _wait(self) -> Ended:
         self.process.send(self.job)
         if self.budget is not None:  # the first sample once the job had MEMORY_SAMPLE_S to start
             self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
@@ -512,7 +585,7 @@ class _Run:
         now = time.monotonic()
         if self.stop is None:
             stop = self.watch.stop()
-            if stop is not None:
+            if stop is not None and (stop := self.watch.act_on(stop)) is not None:
                 self.stop, self._stop_sent_at = stop, now
                 self.process.send(stop)
             return False
@@ -559,3 +632,111 @@ class _Run:
         message = (f"the job process {process.pid} running {self.job.job} ({self.job.job_id}) died: "
                    f"{how}; its last lines: {tail}")
         return Ended.by_worker(JobCrashed, message, process.pid, f"crashed: {how}")
+
+
+class _PackRun:
+    """One pack of trials in one process, from :class:`RunPack` to its last member's end."""
+
+    def __init__(self, process: JobProcess, pack: RunPack, watches: Mapping[str, Watch], grace_s: float,
+                 budget: _Budget | None, on_end: Callable[[str, Ended], None]) -> None:
+        self.process = process
+        self.pack = pack
+        self.watches = watches
+        self.grace_s = grace_s
+        self.budget = budget
+        self.on_end = on_end
+        self.leader = pack.members[0].job_id
+        #: The members not ended yet, each with the stop sent to it and when (None: none yet).
+        self.open: dict[str, tuple[StopJob, float] | None] = {m.job_id: None for m in pack.members}
+
+    def wait(self) -> tuple[Finished | None, str | None]:
+        """Run the pack to its end; returns the last member's account (None: the process did not
+        finish the pack) and why the process must retire (None: it may run the next job)."""
+        self.process.send(self.pack)
+        if self.budget is not None:
+            self.budget.next_sample = time.monotonic() + MEMORY_SAMPLE_S
+        last: Finished | None = None
+        retire: str | None = None
+        while self.open:
+            try:
+                message = self.process.receive(POLL_S)
+            except ProcessGone as gone:
+                because = self.process.killed_because
+                self._end_open(because or f"its process died: {gone}; its last lines: {self.process.tail_text()}",
+                               retired=because or f"crashed: {gone}")
+                return None, because or f"crashed: {gone}"
+            if isinstance(message, Finished):
+                job_id = message.job_id or self.leader
+                if job_id in self.open:
+                    sent = self.open.pop(job_id)
+                    ended = Ended(outcome=message.outcome, finished=message, error=message.error,
+                                  error_module=message.error_module, pid=self.process.pid, retired=None)
+                    self.on_end(job_id, ended.under(sent[0] if sent is not None else None))
+                    last, retire = message, retire or message.retire
+            elif isinstance(message, Report):
+                watch = self.watches.get(message.job_id or self.leader)
+                if watch is not None:
+                    watch.report(message.fields)
+            elif isinstance(message, LogLines):
+                self.watches[self.leader].log(message.lines)
+            if (late := self._ask_stops()) is not None:
+                self._kill_for(late)
+                return None, f"ended after {late.reason.value}"
+            if self.budget is not None and (over := self.budget.over(self.process, self.watches[self.leader])):
+                used, budget = over
+                reason = f"past its slot's memory budget ({used / memory.MiB:.0f} of {budget / memory.MiB:.0f} MiB)"
+                self.process.kill(reason)
+                self._end_open(f"the pack went {reason}", retired=reason)
+                return None, reason
+        return last, retire
+
+    def _ask_stops(self) -> StopJob | None:
+        """Ask each open member's watch for its stop and send it to that member alone (the
+        leader's preemption or worker stop to every member); returns a stop whose grace ran out."""
+        now = time.monotonic()
+        for job_id in list(self.open):
+            sent = self.open.get(job_id)
+            if sent is not None:
+                if now - sent[1] > (sent[0].grace_s if sent[0].grace_s is not None else self.grace_s):
+                    return sent[0]
+                continue
+            watch = self.watches[job_id]
+            asked = watch.stop()
+            stop = watch.act_on(asked) if asked is not None else None
+            if stop is None:
+                continue
+            whole = job_id == self.leader and stop.reason in (StopReason.PREEMPT, StopReason.SHUTDOWN)
+            for member in (list(self.open) if whole else [job_id]):
+                if self.open.get(member) is None:
+                    member_stop = stop.model_copy(update={"job_id": member})
+                    self.open[member] = (member_stop, now)
+                    self.process.send(member_stop)
+        return None
+
+    def _kill_for(self, late: StopJob) -> None:
+        """A member did not stop at ``ctx.progress()`` within its grace: the process goes, the
+        members asked to stop end with their stop's error, the others run again alone."""
+        because = f"{late.reason.value}: no stop at ctx.progress() within its grace"
+        self.process.kill(because)
+        for job_id, sent in list(self.open.items()):
+            if sent is None:
+                continue
+            stop = sent[0]
+            error, outcome = STOPS[stop.reason]
+            self.open.pop(job_id)
+            self.on_end(job_id, Ended.by_worker(
+                error, f"{stop.message}; its pack did not stop at ctx.progress() within its grace, so its process "
+                       f"{self.process.pid} was ended ({self.process.exit_text()})",
+                self.process.pid, because, outcome, stop=stop))
+        self._end_open(f"a member of its pack did not stop in time ({late.message})", retired=because)
+
+    def _end_open(self, why: str, retired: str) -> None:
+        for job_id in list(self.open):
+            sent = self.open.pop(job_id)
+            if sent is not None and sent[0].reason in (StopReason.CANCEL, StopReason.FENCED, StopReason.PREEMPT):
+                # Asked to stop, and the process went first: the stop's ending, as a lone job's.
+                self.on_end(job_id, Ended.stopped(sent[0], f"{sent[0].message}; its pack's process went ({why})"))
+                continue
+            self.on_end(job_id, Ended.by_worker(
+                JobCrashed, f"pack member {job_id} ({self.pack.members[0].job}): {why}; it goes back to its queue "
+                            "to run alone", self.process.pid, retired, Outcome.UNPACK))

@@ -4,7 +4,7 @@ Run as ``devicefleet-worker@gpu0.service``'s main process (its ExecStart replace
 with the unit's rendered drop-ins and its socket: it takes the listening socket systemd passed
 it, as the worker does, waits for the group host (``devicefleet-groups.service``) to connect,
 and runs the ``sandbox`` job (tests/fleet_jobs.py) as a GPU group's job over gpu0 and gpu1 through
-the worker's own :meth:`~tasks.worker.supervisor.Supervisor.run_apart`: its job process is the
+the worker's own :meth:`~tasks.worker.supervisor.Supervisor.run` (``apart``): its job process is the
 group host's child. It prints, for the journal, one ``devprobe`` line per node for itself (the
 leader, behind its own unit's device policy) and for the group's job process, then the job's
 parent and visibility.
@@ -23,7 +23,7 @@ from tasks.core.groups import group_environment
 from tasks.core.wire import ProcessSpec, RunJob
 from tasks.worker.group_host import GroupHostLink, inherited_listener
 from tasks.worker.jobenv import job_environment
-from tasks.worker.supervisor import ProcessPolicy, Supervisor
+from tasks.worker.supervisor import Apart, ProcessPolicy, Supervisor
 
 NODES = ["/dev/nvidia0", "/dev/nvidia1"]
 
@@ -36,6 +36,7 @@ class Watch:
     def store_opened(self, port: int) -> None: ...
     def rank_failed(self, reason: str) -> None: ...
     def stop(self) -> None: return None
+    def act_on(self, stop: Any) -> Any: return stop
     def memory(self, used: int) -> None: ...
 
 
@@ -60,7 +61,7 @@ def main() -> int:
     kwargs: dict[str, Any] = {"open": NODES}
     job = RunJob(job_id="group-under-systemd", job="sandbox", kwargs=kwargs, fan_out_id="group-under-systemd",
                  devices=["gpu0", "gpu1"], cores=spec.cores, torch_threads=1)
-    ended = supervisor.run_apart(job, Watch(), group_environment(["gpu0", "gpu1"]))
+    ended = supervisor.run(job, Watch(), apart=Apart(group_environment(["gpu0", "gpu1"])))
     if ended.finished is None or ended.finished.output is None:
         print("group leader: the job did not finish:", ended.error, file=sys.stderr)
         return 1

@@ -46,3 +46,7 @@ def train_step(rank: int, world_size: int, local_rank: int) -> None:
             # The cores rank 0 may run on: under a device group, the union of its devices' cores.
             "affinity": sorted(os.sched_getaffinity(0)),
         }), flush=True)
+    # Every rank past its last collective before any tears its group down: a gloo rank whose peer
+    # had already destroyed its group and exited could abort in its own teardown (`terminate
+    # called without an active exception`, SIGABRT; issue 51).
+    dist.barrier()

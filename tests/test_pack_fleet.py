@@ -1,0 +1,63 @@
+"""Packed trials on real workers: a leader takes its siblings from its sweep's queue and trains
+them in one job process, each trial still its own message, lease and entry (tasks/worker/pack.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import tasks
+from tasks.core.records import Entry
+
+SMALL = {"model": "mlp", "epochs": 2, "num_workers": 0, "checkpoint_every_s": 3600.0}
+
+
+def _trials(count: int) -> list[dict[str, object]]:
+    return [{"lr": 3e-3 * (1 + i % 4), "seed": i} for i in range(count)]
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_sweep_trains_its_trials_in_packs_with_an_entry_each(app):
+    trials = _trials(8)
+    handle = tasks.sweep(("train", SMALL), trials, "cpu0", pack=4, app=app)
+    entries = handle.get(timeout=240)
+    assert [Entry.parse(e).ok for e in entries] == [True] * 8, [e["error"] for e in entries]
+    assert [e["trial"] for e in entries] == list(range(8))
+    packed = [e["output"]["packed"] for e in entries]
+    # Every trial ran in a pack of more than one (the first leader takes up to 3 more).
+    assert all(p is not None and p["members"] > 1 for p in packed), packed
+    alone = tasks.sweep(("train", SMALL), trials[:2], "cpu0", app=app).get(timeout=240)
+    for packed_entry, lone in zip(entries[:2], alone, strict=True):
+        assert abs(packed_entry["output"]["accuracy"] - lone["output"]["accuracy"]) <= 0.01
+
+
+def _wait(predicate, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.timeout(300)
+def test_a_cancelled_member_leaves_its_pack_alone(app):
+    trials = [{"seed": i, "epochs": 600} for i in range(4)]
+    handle = tasks.sweep("packed", trials, "cpu1", pack=4, app=app)
+    # Trial 1 reports progress once the pack trains; then it alone is cancelled.
+    _wait(lambda: handle.progress().get(1))
+    app.control.revoke(handle.task_ids[1])
+    entries = handle.get(timeout=240)
+    assert [e["status"] for e in entries] == ["ok", "cancelled", "ok", "ok"], [e["error"] for e in entries]
+    assert entries[0]["output"]["packed"]["members"] == 4
+    assert entries[1]["error"]["type"] == "JobCancelled"
+
+
+@pytest.mark.timeout(300)
+def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
+    trials = [{"seed": i, "crash": i == 2} for i in range(4)]
+    entries = tasks.sweep("packed", trials, "cpu1", pack=4, app=app).get(timeout=240)
+    assert [e["status"] for e in entries] == ["ok", "ok", "error", "ok"], [e["error"] for e in entries]
+    # The crashing trial took down only itself, alone; the others ran again unpacked and ended ok.
+    assert entries[2]["error"]["type"] == "JobCrashed"
+    assert [e["output"]["packed"] for e in entries if e["status"] == "ok"] == [None, None, None]
