@@ -200,6 +200,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture
+def unchecked_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer sees no published params schemas, as with workers from before they were
+    published: bad kwargs reach the worker, whose own validation these tests are about."""
+    import tasks.producer.fanout
+
+    monkeypatch.setattr(tasks.producer.fanout, "job_schemas", lambda client, runs: {})
+
+
 def queue_length(client: Any, queue: str) -> int:
     """Every message waiting in ``queue`` at the normal level: its own list and each user's list
     beside it (fair share: a job that names its user waits in ``device.cpu0~alice``)."""

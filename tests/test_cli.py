@@ -91,6 +91,13 @@ def test_up_run_status_and_clean_stop(tmp_path):
         bad = subprocess.run([*CLI, "run", "probe", "--kwargs", "{not json"], env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--kwargs" in bad.stderr and "not JSON" in bad.stderr
 
+        # A typo in --kwargs: refused from the workers' published schema, nothing sent, one line.
+        typo = subprocess.run([*CLI, "run", "train", "--devices", "cpu0", "--kwargs", '{"epoch": 3}'], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert typo.returncode == 1 and typo.stdout == ""
+        assert typo.stderr.strip().splitlines() == [
+            "Error: train: unexpected argument 'epoch' (3); did you mean 'epochs'?"]
+
         failed = subprocess.run([*CLI, "run", "fail", "--devices", "cpu0", "--json"], env=env, capture_output=True, text=True, timeout=60)
         assert failed.returncode == 1 and json.loads(failed.stdout)["cpu0"]["error"]["type"] == "ValueError"
 

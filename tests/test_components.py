@@ -59,7 +59,7 @@ from tasks.core.records import (
     SlotRecord,
     WorkerRecord,
 )
-from tasks.core.registry import live_workers, read_worker
+from tasks.core.registry import job_schemas, live_workers, read_worker
 from tasks.core.settings import Settings
 from tasks.core.wire import Outcome, RunJob, StopJob, StopReason
 from tasks.jobproc.oom import run_guarded
@@ -642,6 +642,28 @@ def test_a_heartbeat_that_never_wrote_leaves_the_owners_record(client):
     refused = Heartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0)
     refused.stop(timeout=5)
     assert read_worker(client, "cpu7") == owner and client.smembers(keys.WORKERS) == {"cpu7"}
+
+
+def test_heartbeat_publishes_job_schemas_once_with_the_records_ttl(client):
+    client.hset(keys.job_schemas("cpu7"), mapping={"gone": "{}"})  # a predecessor's, other modules
+    schemas = {"train": json.dumps({"type": "object"}), "probe": "{}"}
+    beat = Heartbeat(client, worker_record("cpu7"), interval_s=30.0, ttl_s=60.0, schemas=schemas)
+    beat.start()
+    try:
+        assert client.hgetall(keys.job_schemas("cpu7")) == schemas
+        assert 0 < client.pttl(keys.job_schemas("cpu7")) <= 60_000
+        assert job_schemas(client, [("cpu7", "train"), ("cpu7", "nope"), ("cpu8", "train")]) == {
+            ("cpu7", "train"): schemas["train"]}
+        client.hset(keys.job_schemas("cpu7"), "train", "marked")  # not rewritten by a beat...
+        beat.write()
+        assert client.hget(keys.job_schemas("cpu7"), "train") == "marked"
+        client.delete(keys.job_schemas("cpu7"))  # ...unless Redis lost them (a failover)
+        beat.write()  # renews nothing, so the next beat writes them again
+        beat.write()
+        assert client.hgetall(keys.job_schemas("cpu7")) == schemas
+    finally:
+        beat.stop(timeout=5)
+    assert client.exists(keys.job_schemas("cpu7")) == 0
 
 
 def test_live_workers_skips_expired_and_malformed_records(client):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import tasks
 from tasks import ENTRY_KEYS, DeviceUnavailable, fan_out
-from tasks.core.errors import UnknownJob
+from tasks.core.errors import InvalidJobArguments, UnknownJob
 from tasks.core.job import task_name
 
 from .conftest import queue_length, test_env, wait_for
@@ -161,7 +161,31 @@ def test_a_misspelt_job_gets_a_did_you_mean_at_the_producer(fleet, app):
         fan_out({"cpu0": "probe", "cpu1": ("prbe", {"seconds": 0})}, app=app)
 
 
-def test_bad_kwargs_give_a_clear_error_entry(fleet, app):
+def test_bad_kwargs_are_refused_at_the_producer_before_anything_is_sent(fleet, app):
+    published: list[str] = []
+
+    def count(sender=None, **kwargs):  # type: ignore[no-untyped-def]
+        published.append(sender)
+
+    client = redis.Redis.from_url(fleet.redis_url)
+    waiting = {device: queue_length(client, f"device.{device}") for device in ("cpu0", "cpu1")}
+    before_task_publish.connect(count, weak=False)
+    try:
+        with pytest.raises(InvalidJobArguments) as typo:
+            fan_out("train", ["cpu0", "cpu1"], kwargs={"epoch": 3}, app=app)
+        with pytest.raises(InvalidJobArguments, match=r"^train \(trial 1\): lr=-0.5: must be > 0$"):
+            tasks.sweep("train", trials=[{"lr": 0.1}, {"lr": -0.5}], kwargs={"epochs": 1}, devices="cpu", app=app)
+        with pytest.raises(InvalidJobArguments, match=r"model='mpl': must be one of 'mlp', 'cnn'; did you mean 'mlp'\?"):
+            fan_out({"cpu0": "probe", "cpu1": ("train", {"model": "mpl"})}, app=app)
+        assert {device: queue_length(client, f"device.{device}") for device in waiting} == waiting
+    finally:
+        before_task_publish.disconnect(count)
+        client.close()
+    assert str(typo.value) == "train: unexpected argument 'epoch' (3); did you mean 'epochs'?"
+    assert published == []  # refused before a message was made
+
+
+def test_bad_kwargs_give_a_clear_error_entry(fleet, app, unchecked_kwargs):
     before = tasks.live_devices(app)
     results = fan_out(
         {
@@ -238,7 +262,7 @@ def plain(fleet):
     app.close()
 
 
-def test_plain_celery_send_task_runs_jobs_and_reports_failures(fleet, app, plain):
+def test_plain_celery_send_task_runs_jobs_and_reports_failures(fleet, app, plain, unchecked_kwargs):
     sent = [plain.send_task("devicefleet.probe", kwargs={}, queue="cpu") for _ in range(10)]
     entries = [result.get(timeout=60) for result in sent]
     assert len(entries) == 10

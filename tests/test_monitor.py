@@ -204,13 +204,14 @@ def test_flower_runs_on_loopback_behind_basic_auth(monitored: Monitored) -> None
 
 
 def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
-    monitored: Monitored, browser: Any
+    monitored: Monitored, browser: Any, unchecked_kwargs: None
 ) -> None:
     handles_before = len(monitored.handles)
     for _ in range(N):
         results = monitored.run("echo")
         assert set(results) == set(DEVICES) and all(e["status"] == "ok" for e in results.values())
-    # Two jobs that fail on purpose: one raises, one gets kwargs its schema refuses.
+    # Two jobs that fail on purpose: one raises, one gets kwargs its schema refuses (at the
+    # worker: unchecked_kwargs keeps the producer from refusing them first).
     failing = monitored.send({"cpu0": ("fail", {"message": "on purpose"}), "cpu1": ("train", {"epochs": "many"})})
     results = failing.get(timeout=60)
     assert results["cpu0"]["error"]["type"] == "ValueError"

@@ -546,7 +546,9 @@ def _dataset(path: Path, x: np.ndarray, y: np.ndarray) -> str:
 
 
 @pytest.mark.timeout(180)
-def test_bad_job_inputs_give_error_entries_and_the_worker_stays(rfleet, rapp, tmp_path):
+def test_bad_job_inputs_give_error_entries_and_the_worker_stays(rfleet, rapp, tmp_path, unchecked_kwargs):
+    # The kwargs the params refuse reach the worker (unchecked_kwargs: as from workers that
+    # publish no schema), whose own validation is what this checks.
     pids = _pids(rapp)
     corrupt = tmp_path / "corrupt.npz"
     corrupt.write_bytes(b"PK\x03\x04 this is not a zip file")

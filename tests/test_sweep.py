@@ -170,6 +170,9 @@ def test_bad_input_fails_at_the_producer_naming_it(fleet, app, tmp_path):
         tasks.optimize("counted", {"lr": {"low": 1.0, "high": 0.1}}, 2, "score", app=app)
     with pytest.raises(tasks.ConfigError, match=r"objective 'accuracy' is not a number .* returned device, pid, score"):
         tasks.optimize("counted", {"score": [0.5, 1.0]}, 4, "accuracy", kwargs={"marker": str(tmp_path)}, app=app)
+    with pytest.raises(tasks.InvalidJobArguments,  # the fixed kwargs: refused before the study starts
+                       match=r"^counted: unexpected argument 'stepz' \(1\); did you mean 'steps'\?$"):
+        tasks.optimize("counted", {"score": [0.5]}, 1, "score", kwargs={"stepz": 1, "marker": str(tmp_path)}, app=app)
     with pytest.raises(tasks.ConfigError, match="refused trial 0's parameters .*'lr'"):
         tasks.optimize("counted", {"lr": [0.1]}, 1, "score", kwargs={"marker": str(tmp_path)},
                        max_concurrent=1, app=app)

@@ -167,7 +167,14 @@ class UnknownJob(JobError, LookupError):
 
 
 class InvalidJobArguments(JobError, ValueError):
-    """The job's kwargs do not match its schema."""
+    """The job's kwargs do not match its schema.
+
+    Raised by the producer (``fan_out``, ``sweep``, ``optimize``, ``devicefleet run``) before
+    anything is sent, from the params schema the workers publish: one line naming the job (and a
+    sweep's trial), each bad field with its value and a close name, e.g. ``train: unexpected
+    argument 'epoch' (3); did you mean 'epochs'?``; the CLI exits 1. Else (a plain Celery
+    producer, a worker that publishes no schema) the job process raises it: the entry's error.
+    """
 
 
 class DatasetError(JobError):

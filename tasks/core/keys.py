@@ -21,6 +21,13 @@ def worker(device: str) -> str:
     return f"{PREFIX}worker:{device}"
 
 
+def job_schemas(device: str) -> str:
+    """Hash ``{job: JSON schema of its params}`` of a device worker's jobs, written once as it
+    joins (beside its record, whose TTL it shares; rewritten if it was lost), for producers to
+    check kwargs before sending (:mod:`tasks.core.arguments`)."""
+    return f"{PREFIX}job-schemas:{device}"
+
+
 # -- leases (tasks.worker.lease) ------------------------------------------------------------------
 
 #: Hash ``{task id: lease record}`` of every job running now, for the reaper.

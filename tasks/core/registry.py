@@ -9,7 +9,7 @@ broadcast.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -126,3 +126,14 @@ def live_workers(client: redis.Redis) -> dict[str, WorkerRecord]:
         if record is not None:
             live[device] = record
     return live
+
+
+def job_schemas(client: redis.Redis, runs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """``{(device, job): JSON schema of the job's params}`` as each device's worker published it
+    (:func:`tasks.core.keys.job_schemas`), one round trip; a pair without one (a worker from
+    before schemas were published, a job with no JSON schema) is left out."""
+    pairs = list(dict.fromkeys(runs))
+    pipe = client.pipeline(transaction=False)
+    for device, job in pairs:
+        pipe.hget(keys.job_schemas(device), job)
+    return {pair: bytes_to_str(raw) for pair, raw in zip(pairs, pipe.execute(), strict=True) if raw}

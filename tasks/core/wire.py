@@ -94,6 +94,10 @@ class JobInfo(BaseModel):
     #: The names of the job's params that must be equal for trials to share a pack (their
     #: models' shapes: :class:`tasks.core.job.Packing`); None: the job does not pack.
     pack: list[str] | None = None
+    #: The JSON schema of the job's params (``model_json_schema()``): the worker publishes it
+    #: (:func:`tasks.core.keys.job_schemas`) so producers refuse bad kwargs before sending
+    #: (:mod:`tasks.core.arguments`); None: the model has no JSON schema (nothing is checked).
+    params_schema: dict[str, Any] | None = None
 
 
 class DeviceView(BaseModel):

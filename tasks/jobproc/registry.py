@@ -70,7 +70,8 @@ class JobRegistry:
     def infos(self) -> list[JobInfo]:
         """The jobs as a job process names them in its hello."""
         return [JobInfo(name=d.name, module=d.module, doc=d.func.__doc__,
-                        pack=list(d.pack.key) if d.pack is not None else None) for d in self.definitions()]
+                        pack=list(d.pack.key) if d.pack is not None else None,
+                        params_schema=params_schema(d)) for d in self.definitions()]
 
     def get(self, name: str) -> JobDefinition:
         """The job ``name``.
@@ -82,6 +83,17 @@ class JobRegistry:
         if definition is None:
             raise unknown_job(name, self.names, self.modules)
         return definition
+
+
+def params_schema(definition: JobDefinition) -> dict[str, Any] | None:
+    """The JSON schema of the job's params, or None where pydantic cannot make one (a field of a
+    type with no JSON form): such a job's kwargs are checked here only, as before."""
+    try:
+        return definition.params.model_json_schema()
+    except Exception as exc:  # PydanticInvalidForJsonSchema and whatever a custom type raises
+        logger.warning("job %s: its params have no JSON schema (%s); producers will not check its kwargs",
+                       definition.name, exc)
+        return None
 
 
 def validate_kwargs(definition: JobDefinition, kwargs: Any) -> BaseModel:

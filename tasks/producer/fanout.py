@@ -40,6 +40,7 @@ from celery.states import READY_STATES, SUCCESS
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from ..core import keys
+from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
@@ -52,7 +53,7 @@ from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
-from ..core.registry import live_workers
+from ..core.registry import job_schemas, live_workers
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
 from .handle import JobHandle
@@ -232,6 +233,37 @@ def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) ->
     )
 
 
+def check_kwargs(client: redis.Redis, runs: Sequence[tuple[str, JobSpec, str]],
+                 sampled: Sequence[str] = ()) -> None:
+    """Check each run's kwargs against its job's params schema as the device's worker published
+    it (:mod:`tasks.core.arguments`), before anything is sent: one round trip for the schemas,
+    each distinct schema checked once per spec (workers that agree cost one check).
+
+    Args:
+        runs: ``(device, spec, where)``: ``spec`` would run on ``device``; ``where`` names it in
+            the message (a sweep's ``trial 3``), or is empty.
+        sampled: params a study samples: not missing, and not checked (the study's).
+
+    Raises:
+        InvalidJobArguments: a spec's kwargs are refused; one line naming the job, each bad
+            field with its value and a close name. A job without a published schema (a worker
+            from before schemas, a command) is not checked here: its worker checks it.
+    """
+    runs = [run for run in runs if run[1].name != COMMAND_JOB]  # a command's rules: check_jobs
+    if not runs:
+        return
+    schemas = job_schemas(client, [(device, spec.name) for device, spec, _ in runs])
+    checked: set[tuple[str, int, str]] = set()
+    parsed: dict[str, dict[str, Any]] = {}
+    for device, spec, where in runs:
+        raw = schemas.get((device, spec.name))
+        if raw is None or (raw, id(spec), where) in checked:
+            continue
+        checked.add((raw, id(spec), where))
+        schema = parsed.setdefault(raw, json.loads(raw))
+        check_arguments(spec.name, spec.kwargs, schema, where=where, sampled=sampled)
+
+
 class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
     """A running fan-out. :meth:`get` (or ``await handle``) returns ``{device: entry}``, the dict
     the chord collected; the rest of its API is :class:`~tasks.producer.handle.JobHandle`'s."""
@@ -387,6 +419,7 @@ def fan_out(
             a named group's devices are not of one kind on one host (nothing is sent).
         ConfigError: a job spec is malformed, or ``priority`` or ``user`` is invalid.
         UnknownJob: a device's worker does not run the job (nothing is sent).
+        InvalidJobArguments: the job's params refuse the kwargs (nothing is sent).
     """
     app = app or (client.app if client is not None else default_app())
     client = client if client is not None and client.app is app else Connections.of(app)
@@ -419,6 +452,7 @@ def fan_out(
             chosen = list(whys)
         plan = {key: spec for key in chosen}
     check_jobs({device: spec for key, spec in plan.items() for device in key_devices(key)}, live)
+    check_kwargs(client.redis, [(device, spec, "") for key, spec in plan.items() for device in key_devices(key)])
     grouped = [key for key in plan if GROUP_SEPARATOR in key]
     if grouped:
         if distributed is not False or per_slot:

@@ -59,7 +59,7 @@ from ..core.records import Entry, EntryStatus
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary
 from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
@@ -235,7 +235,8 @@ def start_study(
     Raises:
         MissingExtra: Optuna is not installed.
         ConfigError: a bad space, direction, objective or count.
-        DeviceUnavailable, UnknownJob: as for :func:`tasks.fan_out` (nothing is sent).
+        DeviceUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
+            sent; the fixed kwargs are checked, the sampled ones are the study's).
         SweepConflict: a study of that name exists for another job.
     """
     optuna = require_optuna()
@@ -260,6 +261,7 @@ def start_study(
     # A command's placeholders are filled from the space: check them with a value for each.
     probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
     check_jobs({device: probe for device in chosen}, live)
+    check_kwargs(connections.redis, [(device, base, "") for device in chosen], sampled=list(distributions))
     # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once).
     limit = (max_concurrent if max_concurrent is not None else len(groups) if groups is not None
              else sum(live[device].slot_count for device in chosen))

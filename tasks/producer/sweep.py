@@ -44,7 +44,7 @@ from ..core.priority import Level
 from ..core.queues import sweep_queue
 from ..core.records import SweepRecord, parse_pack
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, live_devices, prioritized, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
 from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
@@ -313,6 +313,7 @@ def sweep(
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``
             (nothing is sent).
         UnknownJob: a device's worker does not run the job (nothing is sent).
+        InvalidJobArguments: the job's params refuse a trial's kwargs (nothing is sent).
         SweepConflict: a sweep of that name exists with another job or other trials.
     """
     app = app or (client.app if client is not None else default_app())
@@ -331,6 +332,8 @@ def sweep(
         max_concurrent = max_concurrent if max_concurrent is not None else len(groups)
     if specs:
         check_jobs({device: specs[0] for device in chosen}, live)
+        check_kwargs(connections.redis, [(device, spec, f"trial {i}") for i, spec in enumerate(specs)
+                                         for device in chosen])
     packing = plan_packing(pack, specs, chosen, live, group)
     specs = [packed_spec(spec, packing) for spec in specs]
     sweep_id = name or uuid.uuid4().hex

@@ -6,6 +6,10 @@ changes fields (the job running now, its progress) and wakes the thread, which w
 once or after a short delay that folds close updates into one write (:data:`~tasks.core.defaults.HEARTBEAT_COALESCE_S`), so
 producers see the change without the job's own thread waiting on Redis.
 
+Beside it, the JSON schemas of the worker's jobs' params (``keys.job_schemas(device)``, a hash
+producers check kwargs with: :mod:`tasks.core.arguments`) are written with the first write and
+then only kept alive with the record's TTL: large, and never changed while the worker lives.
+
 Its life is the registry step's (:mod:`tasks.worker.steps`): built with the worker, started once
 the worker joins (the first write), stopped when it leaves (the record removed). An update after
 that changes the record in memory only: a job that ends while the worker leaves does not bring the
@@ -17,9 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from ..core import keys
 from ..core.periodic import PeriodicThread
@@ -33,10 +39,15 @@ class Heartbeat(PeriodicThread):
 
     name = "devicefleet-heartbeat"
 
-    def __init__(self, client: redis.Redis, record: WorkerRecord, interval_s: float, ttl_s: float) -> None:
+    def __init__(self, client: redis.Redis, record: WorkerRecord, interval_s: float, ttl_s: float,
+                 schemas: Mapping[str, str] | None = None) -> None:
         super().__init__(interval_s)
         self.client = client
         self._record = record
+        #: ``{job: JSON schema}`` published at ``keys.job_schemas(device)``: written with the
+        #: first write (and again if Redis lost it), then only its TTL renewed with the record's.
+        self._schemas: dict[FieldT, EncodableT] = {job: schema for job, schema in (schemas or {}).items()}
+        self._schemas_written = False
         self._ttl_ms = int(ttl_s * 1000)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -90,7 +101,7 @@ class Heartbeat(PeriodicThread):
         device = self._record.device
         try:
             pipe = self.client.pipeline()
-            pipe.delete(keys.worker(device))
+            pipe.delete(keys.worker(device), keys.job_schemas(device))
             pipe.srem(keys.WORKERS, device)
             pipe.execute()
         except redis.RedisError as exc:
@@ -112,8 +123,17 @@ class Heartbeat(PeriodicThread):
             pipe = self.client.pipeline(transaction=False)
             pipe.set(keys.worker(device), value, px=self._ttl_ms)
             pipe.sadd(keys.WORKERS, device)
-            pipe.execute()
+            if self._schemas:
+                schemas = keys.job_schemas(device)
+                if not self._schemas_written:  # a predecessor's schemas (other modules) go first
+                    pipe.delete(schemas)
+                    pipe.hset(schemas, mapping=self._schemas)
+                pipe.pexpire(schemas, self._ttl_ms)
+            replies = pipe.execute()
             self._written = True
+            # The schemas are large and never change: only their TTL goes with each beat; a
+            # failed-over Redis that lost them (pexpire answers 0) gets them at the next.
+            self._schemas_written = bool(self._schemas) and bool(replies[-1])
 
     def tick(self) -> None:
         self.write()

@@ -7,6 +7,8 @@ names them in its hello; the jobs step registers each as the Celery task ``devic
 
 from __future__ import annotations
 
+import json
+
 from ..core.errors import UnknownJob
 from ..core.job import unknown_job
 from ..core.wire import JobInfo
@@ -30,6 +32,10 @@ class JobCatalog:
 
     def infos(self) -> list[JobInfo]:
         return [self._jobs[name] for name in self.names]
+
+    def schemas(self) -> dict[str, str]:
+        """``{job: JSON schema of its params}`` of the jobs that have one, as the worker publishes them."""
+        return {info.name: json.dumps(info.params_schema) for info in self.infos() if info.params_schema is not None}
 
     def unknown(self, name: str) -> UnknownJob:
         """The error for a job ``name`` that is not one of these (a message naming another task)."""

@@ -158,7 +158,8 @@ class RegistryStep(bootsteps.StartStopStep):
             self.url = setup.settings.resolve_redis_url()
         self.client = connect(self.url)
         self.heartbeat = Heartbeat(self.client, worker_record(setup, processes, built(parent, SlotsStep).slots),
-                                   setup.settings.heartbeat_interval_s, setup.settings.heartbeat_ttl_s)
+                                   setup.settings.heartbeat_interval_s, setup.settings.heartbeat_ttl_s,
+                                   schemas=processes.jobs.schemas())
 
     def start(self, parent: Any) -> None:
         setup, supervisor = built(parent, DeviceStep).setup, built(parent, JobProcessesStep).processes.supervisor
