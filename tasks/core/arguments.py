@@ -26,10 +26,7 @@ from .errors import InvalidJobArguments
 _BOOL_STRINGS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
 
 class _Sampled:
-    """The value of a param a study samples: present, its type the study's."""
-
-    def __repr__(self) -> str:
-        return "sampled"
+    """The value of a param a study samples: present, its name and type the study's."""
 
 
 _SAMPLED = _Sampled()
