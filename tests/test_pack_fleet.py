@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 import tasks
+from tasks.core.errors import ConfigError
 from tasks.core.records import Entry
+
+from .conftest import wait_for
 
 SMALL = {"model": "mlp", "epochs": 2, "num_workers": 0, "checkpoint_every_s": 3600.0}
 
@@ -30,22 +33,12 @@ def test_a_packed_sweep_trains_its_trials_in_packs_with_an_entry_each(app):
         assert abs(packed_entry["output"]["accuracy"] - lone["output"]["accuracy"]) <= 0.01
 
 
-def _wait(predicate, timeout_s: float = 120.0):  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return value
-
-
 @pytest.mark.timeout(300)
 def test_a_cancelled_member_leaves_its_pack_alone(app):
     trials = [{"seed": i, "epochs": 600} for i in range(4)]
     handle = tasks.sweep("packed", trials, "cpu1", pack=4, app=app)
     # Trial 1 reports progress once the pack trains; then it alone is cancelled.
-    _wait(lambda: handle.progress().get(1))
+    wait_for(lambda: handle.progress().get(1), 120, "trial 1 training in its pack")
     app.control.revoke(handle.task_ids[1])
     entries = handle.get(timeout=240)
     assert [e["status"] for e in entries] == ["ok", "cancelled", "ok", "ok"], [e["error"] for e in entries]
@@ -61,3 +54,8 @@ def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
     # The crashing trial took down only itself, alone; the others ran again unpacked and ended ok.
     assert entries[2]["error"]["type"] == "JobCrashed"
     assert [e["output"]["packed"] for e in entries if e["status"] == "ok"] == [None, None, None]
+
+
+def test_pack_on_a_job_that_does_not_opt_in_is_refused_before_anything_is_sent(app):
+    with pytest.raises(ConfigError, match=r"pack=2: job 'counted' does not pack on cpu0"):
+        tasks.sweep("counted", [{"score": 1.0}], devices="cpu0", pack=2, app=app)
