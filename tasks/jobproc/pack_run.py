@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
 from ..core.errors import InvalidJobArguments, OutOfMemory, PackTooLarge
 from ..core.job import JobDefinition, Packing
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Outcome, Report, RunJob, RunPack
 from .channel import Channel
-from .oom import _oom_error, memory_figures, release_memory
+from .oom import MiB, _oom_error, memory_figures, release_memory, settle_device
 from .packed import Member, bytes_per_member, train_pack
 from .progress import ProgressThrottle
 from .registry import validate_kwargs
@@ -32,7 +33,6 @@ from .scalars import ScalarLog, run_dir
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
-MiB = 1024**2
 
 
 @dataclass
@@ -62,12 +62,12 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
     definition: JobDefinition | None = None
 
     def finish(seat: _Seat, output: dict[str, Any] | None, exc: BaseException | None,
-               outcome: Outcome | None = None) -> None:
+               outcome: Outcome | None = None, retire: str | None = None) -> None:
         nonlocal failed
         seat.ended = True
         seat.throttle.flush()  # the member's last report always goes out
         seat.scalars.close()
-        retire, metrics = None, {}
+        metrics: dict[str, float] = {}
         if exc is not None:
             failed = True
             exc.__traceback__ = exc.__context__ = exc.__cause__ = None  # no frames holding tensors
@@ -179,7 +179,12 @@ def _train(torch_device: str, definition: JobDefinition, members: list[Member], 
         raise OutOfMemory(f"a pack of {len(members)} trials of {definition.name!r} ran out of memory on "
                           f"{torch_device} ({exc}); run smaller packs (pack=K with a lower K, or pack='auto')",
                           memory=figures) from None
-    # The pack's tensors are gone: free the cache before the memory each Finished reports.
-    release_memory(torch_device)
+    # The pack's tensors are gone: free the cache before the memory each Finished reports, and
+    # what is still allocated (tensors a job kept) or a CUDA error surfacing now retires the
+    # process after the pack, as after a lone job (.oom.settle_device).
+    device = settle_device(torch_device, failed=False, limit_bytes=MAX_GPU_MEMORY_LEFT_MIB * MiB)
     for index, output in outputs.items():
-        finish(seated[index], output, None)
+        if device.error is not None:
+            finish(seated[index], None, device.error)
+        else:
+            finish(seated[index], output, None, retire=device.retire)
