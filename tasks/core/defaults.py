@@ -201,6 +201,12 @@ PACK_AUTO_MAX = 256
 #: How long a pack's leader waits for the members it took to take their leases and join it;
 #: one still on its way then finds the pack gone and runs alone.
 PACK_JOIN_TIMEOUT_S = 10.0
+#: A pack's leader goes on taking its queue's trials while they still arrive (a sweep publishes
+#: them in a burst, and the leader may take the first before the rest are there): until none
+#: came for PACK_GATHER_S, looking every PACK_GATHER_POLL_S, PACK_GATHER_MAX_S at most.
+PACK_GATHER_S = 0.1
+PACK_GATHER_POLL_S = 0.01
+PACK_GATHER_MAX_S = 1.0
 #: How often a running rank's worker looks at its gang (failed, or moved to a new generation:
 #: the rank is stopped).
 GANG_WATCH_INTERVAL_S = 0.25

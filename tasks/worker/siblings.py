@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from celery import Task
 from celery.worker.request import Request
 
+from ..core.defaults import PACK_GATHER_MAX_S, PACK_GATHER_POLL_S, PACK_GATHER_S
 from ..core.priority import Level
 from ..core.queue_lists import QueueLists
 from .pack import Room, Rooms
@@ -47,13 +49,20 @@ class Siblings:
         with self._lock:
             channel = self._open(task)
             lists = QueueLists.read(channel.client, queue).of_level(level)
-            for name in lists:
-                while taken < wanted:
-                    message = channel.basic_get(name, no_ack=False)
-                    if message is None:
-                        break
-                    self._start(task, room, message)
-                    taken += 1
+            # A sweep publishes its trials in a burst, and the leader may have come first: go on
+            # taking while they still arrive (one more within PACK_GATHER_S), PACK_GATHER_MAX_S at most.
+            started = last = time.monotonic()
+            while taken < wanted:
+                before = taken
+                for name in lists:
+                    while taken < wanted and (message := channel.basic_get(name, no_ack=False)) is not None:
+                        self._start(task, room, message)
+                        taken += 1
+                now = time.monotonic()
+                last = now if taken > before else last
+                if now - last >= PACK_GATHER_S or now - started >= PACK_GATHER_MAX_S:
+                    break
+                time.sleep(PACK_GATHER_POLL_S)
         return taken
 
     def close(self) -> None:
