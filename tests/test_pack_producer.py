@@ -71,3 +71,14 @@ def test_trials_that_differ_in_a_key_param_run_unpacked_and_say_why() -> None:
     mixed = plan_packing(4, _specs("train", {"hidden": 64}, {"lr": 0.1}), ["cpu0"], LIVE)
     assert mixed.reason == "unpacked: trials differ in hidden (64, default)"
     assert plan_packing(None, specs, ["cpu0"], LIVE).reason == "unpacked"
+
+
+def test_cli_sweep_refuses_a_bad_pack_in_one_line_before_reading_the_fleet() -> None:
+    from click.testing import CliRunner
+
+    from tasks.cli import cli
+
+    result = CliRunner().invoke(cli, ["sweep", "train", "--grid", '{"seed": [0, 1]}', "--pack", "0",
+                                      "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code != 0
+    assert "pack=0: give a number of trials" in " ".join(result.output.split())
