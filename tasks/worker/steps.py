@@ -237,7 +237,7 @@ class PreemptionStep(bootsteps.StartStopStep):
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.lease`)."""
+    """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.reaper`)."""
 
     label = "Reaper"
     requires = (RegistryStep,)
