@@ -1,7 +1,8 @@
 """Single worker components, in-process, against a real redis-server (no fleet, no mocked Redis).
 
 One embedded redis-server serves the whole module; each test starts from an empty database.
-The components: the lease keeper and the reaper (tasks.worker.lease), the registry heartbeat
+The components: the lease keeper (tasks.worker.lease, its fence tasks.worker.fence) and the reaper
+(tasks.worker.reaper), the registry heartbeat
 (tasks.worker.heartbeat), the guarded task strategy and hardened transport (run inside a real
 in-process Celery worker with the device-worker bootstep), the out-of-memory guard
 (tasks.worker.oom) and the result backend (tasks.core.backend).
@@ -70,10 +71,12 @@ from tasks.ops.redis_server import EmbeddedRedis
 from tasks.ops.status import render, report
 from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
+from tasks.worker import reaper as reaper_module
 from tasks.worker.gang import GangWatch, Rendezvous
 from tasks.worker.heartbeat import Heartbeat
-from tasks.worker.lease import LeaseKeeper, Orphans, Reaper, Take, reap_once
+from tasks.worker.lease import LeaseKeeper, Take
 from tasks.worker.progress import publish, summary
+from tasks.worker.reaper import Orphans, Reaper, reap_once
 from tasks.worker.supervisor import Ended
 from tests.conftest import cli_env, wait_for
 
@@ -1477,13 +1480,13 @@ def test_the_reaper_counts_the_death_of_the_owner_it_gives_a_job_back_from(clien
     _dead_lease(client, raced, resend=NOOP_RESEND)
     successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
     taken: list[Take] = []
-    real_resend = lease_module.resend_job
+    real_resend = reaper_module.resend_job
 
     def resend_and_taken_at_once(*args: Any) -> None:
         real_resend(*args)
         taken.append(successor.take(raced, None).outcome)
 
-    monkeypatch.setattr(lease_module, "resend_job", resend_and_taken_at_once)
+    monkeypatch.setattr(reaper_module, "resend_job", resend_and_taken_at_once)
     assert reap_once(client, app) == [raced]
     assert taken == [Take.TAKEN]
     assert len(_deaths(client, raced)) == 1

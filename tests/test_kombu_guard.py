@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: take, in order (``**kwargs`` for any keywords), or ``None`` for an attribute that must exist
 #: (on the class, or assigned as ``self.<name> =`` in a class of its MRO).
 RELIED_ON: list[tuple[str, tuple[str, ...] | None]] = [
-    # kombu's Redis QoS (tasks/core/transport.py, tasks/worker/lease.py)
+    # kombu's Redis QoS (tasks/core/transport.py, tasks/worker/reaper.py)
     ("kombu.transport.redis:QoS.ack", ("self", "delivery_tag")),
     ("kombu.transport.redis:QoS.reject", ("self", "delivery_tag", "requeue")),
     ("kombu.transport.redis:QoS.append", ("self", "message", "delivery_tag")),

@@ -58,7 +58,7 @@ REAPER_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TTL_S = 3.0
 #: How long after a worker's death its job is given back at most, on an idle host
-#: (tasks/worker/lease.py): its lease and its registry record must both have expired, then the
+#: (tasks/worker/lease.py, tasks/worker/reaper.py): its lease and its registry record must both have expired, then the
 #: next reaper round gives the job back. Timings are asserted as ratios of this bound, with room
 #: for a loaded host; the one-hour visibility timeout they replace is 800 times longer.
 RECOVERY_BOUND_S = max(LEASE_TTL_S, HEARTBEAT_TTL_S) + REAPER_INTERVAL_S

@@ -25,7 +25,7 @@ from tasks.core.jobstate import JobEnd, MessageAck, Stored, hand_over
 from tasks.core.sentinel import Replication
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
-from tasks.worker import lease
+from tasks.worker import fence, lease
 from tasks.worker.lease import LeaseKeeper, Take
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,9 @@ def test_a_renewal_no_replica_confirmed_does_not_put_the_jobs_stop_off(client, m
     fence_after_s after the take (the last write a replica had), though the lease lives on the
     primary; the same renewal confirmed puts the stop off. On the keepers' clock, set by hand."""
     now = [1000.0]
-    monkeypatch.setattr(lease, "time", SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    clock = SimpleNamespace(monotonic=lambda: now[0], time=time.time)
+    monkeypatch.setattr(lease, "time", clock)  # the take's and the renewals' send times
+    monkeypatch.setattr(fence, "time", clock)  # the fence's reading of them
     ttl_s = 4.0
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s, replication=UNCONFIRMED)
     control = LeaseKeeper(client, "cpu1", "cpu1@here", ttl_s)

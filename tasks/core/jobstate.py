@@ -3,8 +3,8 @@ reaps a job's lease, the Python side that drives them (:class:`JobState`), and t
 are handed and return.
 
 Each step is one script call through :class:`JobState`, which nothing else calls scripts for:
-the device worker's lease keeper and reaper (:mod:`tasks.worker.lease`: the threads, and what to
-do with each reply) and the result backend's store (:class:`tasks.core.backend.FleetBackend`,
+the device worker's lease keeper and reaper (:mod:`tasks.worker.lease`, :mod:`tasks.worker.reaper`:
+the threads, and what to do with each reply) and the result backend's store (:class:`tasks.core.backend.FleetBackend`,
 through which every Celery path of storing a state goes). The record a job's lease holds is
 :class:`tasks.core.records.LeaseRecord`; its keys are in :mod:`tasks.core.keys`.
 
@@ -49,7 +49,7 @@ grows per job, stamped into the lease value and the STARTED state and carried by
 current one: a worker that was cut off, whose job a newer attempt runs now, writes nothing (a
 refused store is :attr:`Stored.FENCED`, which the keeper's settle sees); so does the script that
 publishes its progress (:data:`PROGRESS`). A worker that stopped
-its job itself, cut off (:mod:`tasks.worker.lease`, self-fencing), reports it
+its job itself, cut off (self-fencing, :mod:`tasks.worker.fence`), reports it
 (:meth:`JobState.fenced`): the reaper and the take count no death for it.
 """
 

@@ -28,7 +28,7 @@ def job_schemas(device: str) -> str:
     return f"{PREFIX}job-schemas:{device}"
 
 
-# -- leases (tasks.worker.lease) ------------------------------------------------------------------
+# -- leases (tasks.worker.lease, .reaper) ----------------------------------------------------------
 
 #: Hash ``{task id: lease record}`` of every job running now, for the reaper.
 LEASES = f"{PREFIX}leases"

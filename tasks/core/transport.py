@@ -195,7 +195,7 @@ class QoS(kombu_redis.QoS):
     kombu internals (checked on kombu 5.7.0, pyproject.toml's floor and the newest release when
     checked): ack and reject, and virtual.QoS.ack as the in-memory part of an acknowledgement;
     the unacked hash and index it names (unacked_key, unacked_index_key, also named by
-    :func:`stored_ack_keys`) are read by tasks.worker.lease (with restore_by_tag).
+    :func:`stored_ack_keys`) are read by tasks.worker.reaper (with restore_by_tag).
     """
 
     def ack(self, delivery_tag: str) -> None:

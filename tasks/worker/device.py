@@ -54,11 +54,12 @@ from .heartbeat import Heartbeat
 from .jobenv import job_environment
 from .jobprocess import ProcessGone
 from .jobs import JobCatalog
-from .lease import LeaseKeeper, Reaper
+from .lease import LeaseKeeper
 from .memory import open_meter
 from .modes import RunModes
 from .mps import MpsServer
 from .preemption import Preemption
+from .reaper import Reaper
 from .siblings import Siblings
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor

@@ -23,7 +23,7 @@ does for its workers, and never in the job process (which holds no key to Redis)
 or whose collective lost a peer (the outcome ``peer_lost``, :func:`tasks.jobproc.rank.peer_lost`)
 runs again, in a fresh job process where it crashed: it moves the gang to the next generation
 and waits there; its peers follow. A rank whose whole worker died runs again on its device (the
-lease's reaper gives its message back, :mod:`tasks.worker.lease`): its fresh run finds the
+lease's reaper gives its message back, :mod:`tasks.worker.reaper`): its fresh run finds the
 generation it had joined complete and moves the gang on too; all meet in the next generation
 and the job resumes from its checkpoint (``train`` saves one). After ``max_restarts``
 generations the gang fails (the restart budget is the join script's). Any other error of a

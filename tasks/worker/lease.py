@@ -19,30 +19,15 @@ long timeout and adds a lease per running job:
   (:class:`tasks.core.jobstate.JobEnd`), so a copy arriving at any moment finds the lease or
   the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
-- a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
-  recorded lease whose key has expired and whose owner is not alive in the fleet registry, and
-  gives the message back to the front of its queue with the transport's own
-  ``QoS.restore_by_tag``, which also removes it from kombu's ``unacked`` hash so the transport
-  does not restore it a second time an hour later.
-
-A lease can also be orphaned: its owner is alive but no longer runs the job, and the write that
-ended it (the stored result, which releases the lease and acknowledges the message) is gone, lost
-with a Redis primary that died before a replica had it (README "On Redis Sentinel"). Its owner
-neither renews it (it forgot it) nor restores it, so its key expires, and nothing else would
-give the job back before kombu's visibility timeout. The reaper gives such a lease back too,
-without counting a death, once its owner's registry record, fresh, says the owner runs no such
-job and the lease has stayed so for :attr:`Reaper.orphan_grace_s` (:class:`Orphans`): an owner
-that held it would have restored its key within a third of the lease TTL of reaching Redis.
+- a :class:`~tasks.worker.reaper.Reaper` thread gives back to their queues the jobs whose lease
+  expired with their owner dead (or orphaned: :mod:`tasks.worker.reaper`).
 
 A worker cut off from Redis (a network partition) is not dead, and its job must not run on
-beside the copy the reaper gives to another worker: :class:`LeaseKeeper` stops a job whose lease
-Redis has not confirmed for long enough that it may expire (self-fencing), and every write of
-an attempt carries its fencing token, which the scripts refuse once a newer attempt took the job
-(:mod:`tasks.core.jobstate`). The worker reports the stop once it reaches Redis again: the
-partition counts no death against the job.
-
-Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
-reaper_interval_s``, whatever the job's length.
+beside the copy the reaper gives to another worker: the keeper's :class:`~tasks.worker.fence.Fence`
+stops a job whose lease Redis has not confirmed for long enough that it may expire (self-fencing,
+:mod:`tasks.worker.fence`), and every write of an attempt carries its fencing token, which the
+scripts refuse once a newer attempt took the job (:mod:`tasks.core.jobstate`). The worker reports
+the stop once it reaches Redis again: the partition counts no death against the job.
 
 A job that takes its whole worker down (it kills it, or the machine's OOM killer does) would
 then run again for ever, its worker restarted each time. So each such death is counted where it
@@ -77,10 +62,8 @@ from celery.exceptions import Ignore, Reject
 from celery.states import STARTED
 from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
-from redis.exceptions import LockError
 
 from ..core import keys
-from ..core.defaults import FENCE_AFTER_TTL, FENCE_GRACE_TTL
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
@@ -90,6 +73,7 @@ from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, Wo
 from ..core.registry import read_worker
 from ..core.sentinel import Replication
 from ..core.settings import Settings
+from .fence import Fence
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +110,8 @@ class Taken:
     attempt: Attempt | None = None
 
 
-def _parse(raw: str | bytes | None) -> LeaseRecord | None:
+def parse_lease(raw: str | bytes | None) -> LeaseRecord | None:
+    """The lease record stored as ``raw`` (``None``: none, or not one)."""
     if not raw:
         return None
     try:
@@ -144,34 +129,6 @@ def live_owner(client: redis.Redis, lease: LeaseRecord) -> WorkerRecord | None:
 def owner_alive(client: redis.Redis, lease: LeaseRecord) -> bool:
     """Whether the lease's owner is still the live worker of its device."""
     return live_owner(client, lease) is not None
-
-
-def runs_job(owner: WorkerRecord, task_id: str) -> bool:
-    """Whether ``owner``'s record says one of its slots runs job ``task_id``."""
-    return any(slot.busy is not None and slot.busy.job_id == task_id for slot in owner.running)
-
-
-class Orphans:
-    """The expired leases a reaper has seen with a live owner that does not run their job, and
-    since when (see the module's docstring): one is due to be given back once it has stayed so,
-    the same lease record, for ``grace_s``."""
-
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
-        self._seen: dict[str, tuple[str, float]] = {}
-
-    def due(self, task_id: str, raw: str) -> bool:
-        now = time.monotonic()
-        seen = self._seen.get(task_id)
-        if seen is None or seen[0] != raw:
-            self._seen[task_id] = (raw, now)
-            return False
-        return now - seen[1] >= self.grace_s
-
-    def keep(self, task_ids: set[str]) -> None:
-        """Forget every lease but ``task_ids`` (the expired ones of this round)."""
-        for task_id in set(self._seen) - task_ids:
-            del self._seen[task_id]
 
 
 def death_note(lease: LeaseRecord) -> str:
@@ -195,23 +152,13 @@ class LeaseKeeper(PeriodicThread):
     :meth:`settle`, after the store, forgets it (or releases it, had the store not run). Until
     then it is renewed (never restored once finishing: the store may have deleted it).
 
-    Self-fencing: a job whose lease Redis has not confirmed for :attr:`fence_after_s` (a part of
-    the TTL, :data:`tasks.core.defaults.FENCE_AFTER_TTL`), measured on this process's monotonic
-    clock from the time the last confirmed renewal (or the take) was *sent*, is to be stopped
-    (:meth:`must_stop`, which the job's watch asks; its stop has :attr:`fence_grace_s`) before
-    its lease can expire and go to another worker; so is one whose lease a newer attempt took.
-    On a fleet with replicas, confirmed means a replica had it too (Redis's ``WAIT``,
-    :class:`~tasks.core.sentinel.Replication`): a primary cut off from its replicas still confirms
-    renewals that a failover drops, while the promoted replica's copy of the lease expires from
-    the last renewal it had; the job stops from that one, before the copy can go to another worker.
-    The rule rests on two assumptions: the clocks of this host and Redis's run at rates that
-    differ by far less than the margin left (the TTL less both), and this process is never paused
-    (SIGSTOP, a VM migration, swapping) for longer than that margin. While Redis refuses
-    connections (no redis-server there: a restart) nothing is stopped: Redis gives the lease to
-    no one meanwhile, and the keeper restores it once Redis is back. Once stopped
-    (:meth:`fenced`), the lease is left to expire (never renewed, released or restored) and the
-    stop is reported to Redis as soon as it can be reached (:meth:`tasks.core.jobstate.JobState.fenced`):
-    the reaper gives the job back and no death is counted for it.
+    Self-fencing (:mod:`tasks.worker.fence`): the keeper tells its :attr:`fence` which renewals
+    Redis confirmed (on a fleet with replicas: which ones a replica had too, Redis's ``WAIT``,
+    :class:`~tasks.core.sentinel.Replication`) and which leases a newer attempt took; a job the
+    fence says must stop (:meth:`must_stop`, which the job's watch asks; its stop has
+    :attr:`fence_grace_s`) is never renewed, and once stopped (:meth:`fenced`) its lease is left
+    to expire (never renewed, released or restored) and the stop is reported to Redis as soon as
+    it can be reached: the reaper gives the job back and no death is counted for it.
     """
 
     name = "devicefleet-leases"
@@ -227,15 +174,8 @@ class LeaseKeeper(PeriodicThread):
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
-        #: How long a lease may go unconfirmed before its job is stopped, and the stop's grace.
-        self.fence_after_s = ttl_s * FENCE_AFTER_TTL
-        self.fence_grace_s = ttl_s * FENCE_GRACE_TTL
-        # task id -> monotonic time the last renewal Redis confirmed was sent (or the take)
-        self._confirmed: dict[str, float] = {}
-        self._taken_over: set[str] = set()  # task ids whose lease a newer attempt holds
-        self._reports: dict[str, int] = {}  # task id -> deaths kept s: stops to report to Redis
-        # Whether the last renewal found Redis refusing connections (its process down: restarting)
-        self._redis_down = False
+        #: What Redis last confirmed of each lease held here, and which jobs must stop (self-fencing).
+        self.fence = Fence(ttl_s)
         self._held: dict[str, Attempt] = {}  # task id -> the attempt this process runs
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
@@ -268,12 +208,13 @@ class LeaseKeeper(PeriodicThread):
             pinned[0].close()
 
     def held(self) -> list[str]:
-        """The task ids whose leases this process holds now."""
+        """The task ids whose leases this process holds now. For tests: the worker keeps no list."""
         with self._lock:
             return list(self._held)
 
     def acquire(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None) -> bool:
-        """Take the lease of ``task_id``; False if another live worker holds it (see :meth:`take`)."""
+        """Take the lease of ``task_id``; False if another live worker holds it (see :meth:`take`).
+        For tests: the worker takes a job's lease with :meth:`hold`."""
         return self.take(task_id, delivery_tag, resend).outcome is Take.TAKEN
 
     def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
@@ -301,7 +242,7 @@ class LeaseKeeper(PeriodicThread):
         reply = call("", "")
         if reply.status in (Took.HELD, Took.EXPIRED):
             raw = reply.holder or ""
-            holder = _parse(raw)
+            holder = parse_lease(raw)
             dead = ""
             if holder is not None and holder.pid == os.getpid() and holder.host == host_name():
                 with self._lock:
@@ -339,8 +280,7 @@ class LeaseKeeper(PeriodicThread):
             return Taken(Take.UNCONFIRMED)
         with self._lock:
             self._held[task_id] = attempt
-            self._confirmed[task_id] = sent
-            self._taken_over.discard(task_id)
+            self.fence.taken(task_id, sent)
             self._finishing.discard(task_id)
         if reply.status is Took.LOST:
             return Taken(Take.LOST, reply.lost_to, attempt)
@@ -349,8 +289,7 @@ class LeaseKeeper(PeriodicThread):
     def _drop(self, task_id: str) -> Attempt | None:
         """Stop keeping ``task_id``'s lease (caller holds the lock); returns its attempt."""
         self._finishing.discard(task_id)
-        self._confirmed.pop(task_id, None)
-        self._taken_over.discard(task_id)
+        self.fence.forget(task_id)
         return self._held.pop(task_id, None)
 
     def release(self, task_id: str) -> None:
@@ -386,39 +325,32 @@ class LeaseKeeper(PeriodicThread):
         with self._lock:
             self._drop(task_id)
 
+    @property
+    def fence_after_s(self) -> float:
+        """How long a lease may go unconfirmed before its job is stopped (:class:`Fence`)."""
+        return self.fence.fence_after_s
+
+    @property
+    def fence_grace_s(self) -> float:
+        """The grace of a job's stop when its worker fences itself off it (:class:`Fence`)."""
+        return self.fence.fence_grace_s
+
     def must_stop(self, task_id: str) -> str | None:
-        """Why job ``task_id`` must be stopped now (self-fencing), or ``None``: its lease has gone
-        unconfirmed for :attr:`fence_after_s`, or a newer attempt took it. No round trip."""
-        with self._lock:
-            if task_id in self._taken_over:
-                return "its lease was taken by a newer attempt"
-            confirmed = self._confirmed.get(task_id)
-        if confirmed is None or self._redis_down:
-            # Redis refuses connections: it is not running (restarting), so it gives the lease to
-            # no one meanwhile; the keeper restores it once Redis is back (a Redis restart must
-            # not stop every running job). A partition that rejects rather than drops packets
-            # is taken for that.
-            return None
-        unconfirmed = time.monotonic() - confirmed
-        if unconfirmed < self.fence_after_s:
-            return None
-        return (f"Redis has not confirmed its lease for {unconfirmed:.1f} s (cut off?); it is stopped before "
-                f"the lease's {self._ttl_ms / 1000:g} s can run out and the job be given to another worker")
+        """Why job ``task_id`` must be stopped now (self-fencing), or ``None``
+        (:meth:`Fence.must_stop`). No round trip."""
+        return self.fence.must_stop(task_id)
 
     def fence_deadline(self, task_id: str) -> float | None:
-        """When (this process's monotonic clock) :meth:`must_stop` will say to stop job
-        ``task_id`` unless a renewal is confirmed before: the last confirmed renewal's (or the
-        take's) send time plus :attr:`fence_after_s`; ``None`` if no lease of it is held."""
-        with self._lock:
-            confirmed = self._confirmed.get(task_id)
-        return None if confirmed is None else confirmed + self.fence_after_s
+        """When :meth:`must_stop` will say to stop job ``task_id`` (:meth:`Fence.deadline`).
+        For tests: the worker asks :meth:`must_stop`."""
+        return self.fence.deadline(task_id)
 
     def superseded(self, task_id: str) -> None:
         """A write of job ``task_id``'s attempt was refused (a newer attempt holds the job): it is
         to be stopped (:meth:`must_stop`), as when a renewal finds the lease taken."""
         with self._lock:
             if task_id in self._held:
-                self._taken_over.add(task_id)
+                self.fence.taken_over(task_id)
         logger.error("job %s: a write of its attempt was refused, a newer attempt holds it: stopping it", task_id)
 
     def fenced(self, task_id: str, keep_s: int = DEATHS_KEPT_S) -> None:
@@ -427,25 +359,10 @@ class LeaseKeeper(PeriodicThread):
         (the next ticks), so that no death is counted for it."""
         with self._lock:
             self._drop(task_id)
-            self._reports[task_id] = keep_s
+            self.fence.stopped(task_id, keep_s)
         logger.error("job %s stopped: its worker fenced itself off it (its lease left to expire, the job given back)",
                      task_id)
         self.wake()
-
-    def _report_fenced(self) -> None:
-        with self._lock:
-            reports = dict(self._reports)
-        note = f"{self.worker} pid {os.getpid()}"
-        for task_id, keep_s in reports.items():
-            try:
-                taken_back = self._jobs.fenced(task_id, self.device, note, keep_s)
-            except redis.RedisError as exc:  # still cut off: on the next beat
-                logger.warning("could not report job %s as fenced yet: %s", task_id, exc)
-                return
-            with self._lock:
-                self._reports.pop(task_id, None)
-            logger.warning("reported job %s as stopped by self-fencing%s", task_id,
-                           " (the death a reaper counted meanwhile taken back)" if taken_back else "")
 
     def settle(self, task_id: str, request: Any) -> None:
         """After the store of job ``task_id``'s outcome (``task_postrun``, which Celery sends
@@ -552,15 +469,16 @@ class LeaseKeeper(PeriodicThread):
         )
 
     def release_held(self, task_id: str) -> None:
-        """Release ``task_id``'s lease if this process holds it (a no-op, no round trip, if not)."""
+        """Release ``task_id``'s lease if this process holds it (a no-op, no round trip, if not).
+        For tests: the worker releases what it holds with :meth:`release`."""
         with self._lock:
             held = task_id in self._held
         if held:
             self.release(task_id)
 
     def tick(self) -> None:
-        if self._reports:
-            self._report_fenced()
+        if self.fence.has_reports():
+            self.fence.report(self._jobs, self.device, f"{self.worker} pid {os.getpid()}")
         with self._lock:
             held = dict(self._held)
             finishing = set(self._finishing)
@@ -572,16 +490,16 @@ class LeaseKeeper(PeriodicThread):
             try:
                 ours = self._jobs.renew(attempt, self._ttl_ms, restore=task_id not in finishing)
             except redis.RedisError as exc:  # Redis restarting or cut off: renew on the next beat
-                self._redis_down = _refused(exc)
+                self.fence.unreachable(exc)
                 logger.warning("could not renew the lease of job %s: %s", task_id, exc)
                 continue
-            self._redis_down = False
+            self.fence.reached()
             if ours:
                 renewed[task_id] = sent
                 continue
             with self._lock:
                 if task_id in self._held:
-                    self._taken_over.add(task_id)
+                    self.fence.taken_over(task_id)
             logger.error("the lease of job %s was taken over by a newer attempt: stopping it", task_id)
         # A renewal no replica has does not count (Replication's rule): a promoted replica's copy
         # of a lease expires from the last renewal it had, so a job must stop from that one. One
@@ -591,7 +509,7 @@ class LeaseKeeper(PeriodicThread):
         with self._lock:
             for task_id, sent in renewed.items():
                 if task_id in self._held:
-                    self._confirmed[task_id] = max(sent, self._confirmed.get(task_id, sent))
+                    self.fence.confirmed(task_id, sent)
 
     def _replicated(self, what: str) -> bool:
         """Whether the replicas have this keeper's writes (:meth:`Replication.wait`); False if
@@ -601,18 +519,6 @@ class LeaseKeeper(PeriodicThread):
         except redis.RedisError as exc:
             logger.warning("%s: could not ask the replicas: %s", what, exc)
             return False
-
-
-def _refused(exc: BaseException) -> bool:
-    """Whether ``exc`` came of Redis's host refusing the connection (no redis-server there)."""
-    cause: BaseException | None = exc
-    for _ in range(8):  # a chain of causes, never a cycle's worth
-        if cause is None:
-            return False
-        if isinstance(cause, ConnectionRefusedError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
 
 
 def started_meta(task: Any) -> StateMeta | None:
@@ -628,105 +534,3 @@ def started_meta(task: Any) -> StateMeta | None:
     meta["task_id"] = str(request.id)
     key = backend.get_key_for_task(str(request.id))
     return StateMeta(key=bytes_to_str(key), value=str(backend.encode(meta)), expires_s=int(backend.expires or 0))
-
-
-def reap_once(client: redis.Redis, app: Celery, orphans: Orphans | None = None) -> list[str]:
-    """Give back to their queues the jobs whose lease expired with their owner dead, and count
-    each owner's death against its job (:meth:`JobState.reaped`); with ``orphans``, also those whose
-    owner is alive but has not run them for ``orphans.grace_s`` (no death counted).
-
-    A broker connection is opened only when there is such a job. Returns the task ids given back.
-    """
-    restored: list[str] = []
-    conn = None
-    jobs = JobState(client)
-    keep_s = deaths_kept_s(app)
-    expired = jobs.expired()
-    if orphans is not None:
-        orphans.keep(set(expired))
-    try:
-        for task_id, raw in expired.items():
-            record = _parse(raw)
-            if record is None:
-                client.hdel(keys.LEASES, task_id)
-                continue
-            dead = death_note(record)
-            owner = live_owner(client, record)
-            if owner is not None:
-                # Alive and late to renew (Redis was away): it renews on its next beat. Unless
-                # it has not run the job for a while: the write that ended the job was lost.
-                if orphans is None or runs_job(owner, task_id) or not orphans.due(task_id, raw):
-                    continue
-                dead = ""
-                logger.warning("job %s: its lease expired %g s ago or more and its owner %s (pid %s), alive, "
-                               "does not run it: the write that ended it was lost (a Redis failover?); "
-                               "giving it back", task_id, orphans.grace_s, record.worker, record.pid)
-            if conn is None:
-                conn = app.connection_for_write()
-            qos = conn.default_channel.qos
-            tag = record.delivery_tag
-            if tag and client.hexists(qos.unacked_key, tag):
-                # Back to the front of its queue, and out of kombu's unacked hash and index.
-                qos.restore_by_tag(tag, leftmost=False)
-            elif record.resend is not None:
-                # The message is gone from Redis (a dropped duplicate copy acknowledged its
-                # delivery tag): send the job again, same id, chord and group, from the lease.
-                resend_job(app, task_id, record.resend)
-            else:
-                logger.error("job %s of dead worker %s cannot be given back: its message is gone",
-                             task_id, record.worker)
-            # After the message is back (a round cut short gives it back again, never loses it).
-            jobs.reaped(task_id, raw, dead, keep_s)
-            if dead:
-                logger.warning("job %s of dead worker %s (pid %s) given back to its queue",
-                               task_id, record.worker, record.pid)
-            restored.append(task_id)
-    finally:
-        if conn is not None:
-            conn.release()
-    return restored
-
-
-def resend_job(app: Celery, task_id: str, resend: ResendRecord) -> None:
-    """Send a job again from its lease record: same task id, kwargs, queue, headers, chord, group."""
-    app.send_task(
-        resend.name, kwargs=resend.kwargs, task_id=task_id, queue=resend.queue, headers=resend.headers,
-        chord=resend.chord, group_id=resend.group_id, group_index=resend.group_index,
-        root_id=resend.root_id, parent_id=resend.parent_id,
-    )
-
-
-class Reaper(PeriodicThread):
-    """Looks for expired leases every ``interval_s`` and, when there are some, runs
-    :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time.
-
-    An orphaned lease (a live owner that does not run its job) is given back once this reaper
-    has seen it so for ``orphan_grace_s`` (default: twice ``lease_ttl_s``, in which an owner that
-    held it would have restored it six times)."""
-
-    name = "devicefleet-reaper"
-
-    def __init__(self, client: redis.Redis, app: Celery, interval_s: float, orphan_grace_s: float) -> None:
-        super().__init__(interval_s)
-        self._client = client
-        self._jobs = JobState(client)
-        self._app = app
-        self.orphans = Orphans(orphan_grace_s)
-        # Held for one round at most; a reaper that dies holding it frees it by expiry.
-        self._lock_timeout_s = max(1.0, interval_s * 5)
-
-    def tick(self) -> None:
-        # One round trip in the usual case, with nothing to reap: the lock only when there is.
-        if not self._jobs.expired():
-            self.orphans.keep(set())
-            return
-        lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)
-        if not lock.acquire():
-            return
-        try:
-            reap_once(self._client, self._app, self.orphans)
-        finally:
-            try:
-                lock.release()
-            except LockError:  # the round outlasted the lock: another reaper may hold it now
-                pass

@@ -60,8 +60,9 @@ from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
 from .group import GroupKeeper
 from .heartbeat import Heartbeat
-from .lease import LeaseKeeper, Reaper
+from .lease import LeaseKeeper
 from .preemption import Preemption, consumed_lists
+from .reaper import Reaper
 from .runner import JobTask, collect
 from .shutdown import install_stop_handlers
 
@@ -236,7 +237,7 @@ class PreemptionStep(bootsteps.StartStopStep):
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.lease`)."""
+    """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.reaper`)."""
 
     label = "Reaper"
     requires = (RegistryStep,)
