@@ -60,9 +60,10 @@ def _console(stderr: bool = False) -> Console:
     """A console for stdout (or stderr): rich's layout at the terminal's width on a terminal; on
     a pipe or a file, every line whole (soft wrap, and tables at their natural width up to
     :data:`~tasks.core.defaults.PIPED_OUTPUT_WIDTH`), so a path or an error line in a log can be
-    copied and grepped (rich would otherwise wrap at 80 columns)."""
+    copied and grepped (rich would otherwise wrap at 80 columns), unless ``COLUMNS`` asks for a
+    width: then rich's layout at that width, as on a terminal."""
     stream = sys.stderr if stderr else sys.stdout
-    if stream is not None and stream.isatty():
+    if (stream is not None and stream.isatty()) or os.environ.get("COLUMNS"):  # a width asked for: rich's layout
         return Console(stderr=stderr)
     return Console(stderr=stderr, soft_wrap=True, width=PIPED_OUTPUT_WIDTH)
 
