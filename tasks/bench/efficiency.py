@@ -48,12 +48,13 @@ def _mp_child(device: str, kwargs: dict[str, Any], artifacts: str, out: Any) -> 
     out[f"{device}_output"] = run_train_inline(device, kwargs, Path(artifacts))
 
 
-def _mp_context() -> Any:
-    """The baseline's processes fork from a forkserver that has imported the job's code and never
-    trained. Forking this process itself fails once its inline runs have used autograd on a CUDA
-    build ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing", seen on an H100 host), and spawn would charge the baseline an interpreter
-    start and a torch import per job that the fleet's warm workers do not pay."""
+def mp_context() -> Any:
+    """The baseline's processes (and ``--quick``'s native DDP ranks, :mod:`.ddp`) fork from a
+    forkserver that has imported the job's code and never trained. Forking this process itself
+    fails once its inline runs have used autograd on a CUDA build ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing", seen on an H100 host), and spawn
+    would charge the baseline an interpreter start and a torch import per job that the fleet's
+    warm workers do not pay."""
     ctx = mp.get_context("forkserver")
     # What a warm worker has imported: train's lazy imports too (scikit-learn's datasets, and
     # torch._dynamo, which the first optimizer pulls in), or the baseline pays ~4 s of imports.
@@ -67,14 +68,14 @@ def _noop() -> None:
 
 def warm_multiprocessing() -> None:
     """Start the forkserver (and its imports) before anything is timed, as the workers are warm."""
-    proc = _mp_context().Process(target=_noop)
+    proc = mp_context().Process(target=_noop)
     proc.start()
     proc.join()
 
 
 def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: Path) -> float:
     """Wall seconds of the plain multiprocessing pattern: a Process per job, a Manager dict, join()."""
-    ctx = _mp_context()
+    ctx = mp_context()
     t0 = time.perf_counter()
     with ctx.Manager() as manager:
         out = manager.dict()
@@ -95,12 +96,10 @@ QUICK_EPOCHS = 4
 
 def job_epochs(quick: bool, artifacts: Path) -> int:
     """Epochs for the section's ``train`` jobs: :data:`QUICK_EPOCHS` in ``--quick``, else about
-    3 s of training (:func:`calibrate_epochs`). Either way this process has run the job once
-    (imports, dataset cache), as the fleet's warm workers have."""
-    if not quick:
-        return calibrate_epochs(3.0, artifacts)
-    run_train_inline("warm", train_kwargs(1), artifacts)
-    return QUICK_EPOCHS
+    3 s of training (:func:`calibrate_epochs`), after which this process has run the job once
+    (imports, dataset cache), as the fleet's warm workers have. ``--quick`` warms nothing: its
+    figures are not judged, and the warm-ups were most of its time (first runs pay the imports)."""
+    return calibrate_epochs(3.0, artifacts) if not quick else QUICK_EPOCHS
 
 
 def calibrate_epochs(target_s: float, artifacts: Path) -> int:
@@ -129,8 +128,8 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         forkserver.start()
         try:
             epochs = job_epochs(quick, artifacts)
-            # Warm the workers (imports, dataset) as the in-process runs are warm.
-            fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
+            if not quick:  # warm the workers (imports, dataset) as the in-process runs are warm
+                fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
         finally:
             forkserver.join()
         repeats = 1 if quick else 3
