@@ -96,10 +96,12 @@ QUICK_EPOCHS = 4
 
 def job_epochs(quick: bool, artifacts: Path) -> int:
     """Epochs for the section's ``train`` jobs: :data:`QUICK_EPOCHS` in ``--quick``, else about
-    3 s of training (:func:`calibrate_epochs`), after which this process has run the job once
-    (imports, dataset cache), as the fleet's warm workers have. ``--quick`` warms nothing: its
-    figures are not judged, and the warm-ups were most of its time (first runs pay the imports)."""
-    return calibrate_epochs(3.0, artifacts) if not quick else QUICK_EPOCHS
+    3 s of training (:func:`calibrate_epochs`). Either way this process has run the job once
+    (imports, dataset cache), as the fleet's warm workers have."""
+    if not quick:
+        return calibrate_epochs(3.0, artifacts)
+    run_train_inline("warm", train_kwargs(1), artifacts)
+    return QUICK_EPOCHS
 
 
 def calibrate_epochs(target_s: float, artifacts: Path) -> int:
@@ -128,8 +130,9 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         forkserver.start()
         try:
             epochs = job_epochs(quick, artifacts)
-            if not quick:  # warm the workers (imports, dataset) as the in-process runs are warm
-                fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
+            # Warm the workers (imports, dataset) as the in-process runs are warm. In --quick too:
+            # the warm-ups run while the forkserver starts, so they cost no wall time there.
+            fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
         finally:
             forkserver.join()
         repeats = 1 if quick else 3
