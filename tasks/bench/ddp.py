@@ -31,7 +31,7 @@ from celery import Celery
 from ..core.job import DistributedInfo, JobContext
 from ..core.records import Entry
 from ..producer.fanout import fan_out
-from .efficiency import job_epochs, train_kwargs
+from .efficiency import job_epochs, mp_context, train_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +81,22 @@ def _native_rank(rank: int, world: int, port: int, kwargs: dict[str, Any], folde
     os._exit(0)
 
 
-def run_native(world: int, kwargs: dict[str, Any], folder: Path) -> tuple[float, float, list[dict[str, Any]]]:
+def run_native(world: int, kwargs: dict[str, Any], folder: Path, *,
+               forked: bool = False) -> tuple[float, float, list[dict[str, Any]]]:
     """Native DDP launched with ``torch.multiprocessing.spawn``: ``(seconds from the last rank
-    ready to the last one done, seconds of the whole spawn, each rank's train output)``."""
+    ready to the last one done, seconds of the whole spawn, each rank's train output)``.
+
+    ``forked`` (``--quick``) forks the ranks from the fan-out section's forkserver instead
+    (:func:`.efficiency.mp_context`: torch and the job's code already imported), which spares a
+    smoke run two interpreters importing torch; its ``native_launch_s`` is then no cold launch."""
     import torch.multiprocessing as tmp
 
     folder.mkdir(parents=True, exist_ok=True)
+    if forked:
+        mp_context()  # its preloads, where the fan-out section has not started it
     t0 = time.perf_counter()
-    tmp.spawn(_native_rank, args=(world, _free_port(), kwargs, str(folder)), nprocs=world, join=True)
+    tmp.start_processes(_native_rank, args=(world, _free_port(), kwargs, str(folder)), nprocs=world, join=True,
+                        start_method="forkserver" if forked else "spawn")
     launch = time.perf_counter() - t0
     records = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
     # From the moment every rank is ready (as a fleet's idle workers are) to the last one done.
@@ -114,9 +122,10 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
         epochs = job_epochs(quick, artifacts)
         kwargs = {**train_kwargs(epochs), "checkpoint_every_s": 3600.0}
         repeats = 1 if quick else 3
-        # Warm the workers and the gang path (imports, dataset, gloo) as the native runs are
-        # warm in what they share with this process (the dataset cache on disk).
-        _check(fan_out(("train", train_kwargs(1)), pair, distributed=True, app=app).get(timeout=600), "warm-up")
+        if not quick:  # --quick's figures are not judged: its first gang pays the warm-up
+            # Warm the workers and the gang path (imports, dataset, gloo) as the native runs are
+            # warm in what they share with this process (the dataset cache on disk).
+            _check(fan_out(("train", train_kwargs(1)), pair, distributed=True, app=app).get(timeout=600), "warm-up")
         fleet_wall: list[float] = []
         fleet_train: list[float] = []
         native_wall: list[float] = []
@@ -133,7 +142,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any] |
             if len({o["weights_digest"] for o in outs}) != 1:
                 raise RuntimeError(f"DDP ranks ended with different weights: {outs}")
 
-            wall, launch, native_outs = run_native(len(pair), kwargs, artifacts / f"native-{i}")
+            wall, launch, native_outs = run_native(len(pair), kwargs, artifacts / f"native-{i}", forked=quick)
             native_wall.append(wall)
             native_launch.append(launch)
             native_train.append(max(o["train_s"] for o in native_outs))

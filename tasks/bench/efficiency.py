@@ -48,12 +48,13 @@ def _mp_child(device: str, kwargs: dict[str, Any], artifacts: str, out: Any) -> 
     out[f"{device}_output"] = run_train_inline(device, kwargs, Path(artifacts))
 
 
-def _mp_context() -> Any:
-    """The baseline's processes fork from a forkserver that has imported the job's code and never
-    trained. Forking this process itself fails once its inline runs have used autograd on a CUDA
-    build ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing", seen on an H100 host), and spawn would charge the baseline an interpreter
-    start and a torch import per job that the fleet's warm workers do not pay."""
+def mp_context() -> Any:
+    """The baseline's processes (and ``--quick``'s native DDP ranks, :mod:`.ddp`) fork from a
+    forkserver that has imported the job's code and never trained. Forking this process itself
+    fails once its inline runs have used autograd on a CUDA build ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing", seen on an H100 host), and spawn
+    would charge the baseline an interpreter start and a torch import per job that the fleet's
+    warm workers do not pay."""
     ctx = mp.get_context("forkserver")
     # What a warm worker has imported: train's lazy imports too (scikit-learn's datasets, and
     # torch._dynamo, which the first optimizer pulls in), or the baseline pays ~4 s of imports.
@@ -67,14 +68,14 @@ def _noop() -> None:
 
 def warm_multiprocessing() -> None:
     """Start the forkserver (and its imports) before anything is timed, as the workers are warm."""
-    proc = _mp_context().Process(target=_noop)
+    proc = mp_context().Process(target=_noop)
     proc.start()
     proc.join()
 
 
 def run_multiprocessing(devices: list[str], kwargs: dict[str, Any], artifacts: Path) -> float:
     """Wall seconds of the plain multiprocessing pattern: a Process per job, a Manager dict, join()."""
-    ctx = _mp_context()
+    ctx = mp_context()
     t0 = time.perf_counter()
     with ctx.Manager() as manager:
         out = manager.dict()
@@ -129,7 +130,8 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
         forkserver.start()
         try:
             epochs = job_epochs(quick, artifacts)
-            # Warm the workers (imports, dataset) as the in-process runs are warm.
+            # Warm the workers (imports, dataset) as the in-process runs are warm. In --quick too:
+            # the warm-ups run while the forkserver starts, so they cost no wall time there.
             fan_out(("train", train_kwargs(1)), devices, app=app).get(timeout=600)
         finally:
             forkserver.join()
