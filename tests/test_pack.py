@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from safetensors.torch import load_file
 from torch import nn
 
+from tasks.core.batch_order import LoaderOrder
 from tasks.core.job import DEFINED, JobContext, PackData, Packing, job
 from tasks.core.wire import (
     DeviceView,
@@ -34,7 +35,7 @@ from tasks.core.wire import (
 )
 from tasks.jobproc.channel import Channel
 from tasks.jobproc.pack_run import fits, run_pack
-from tasks.jobproc.packed import BatchOrder, Member, train_pack
+from tasks.jobproc.packed import Member, train_pack
 from tasks.jobproc.registry import JobRegistry
 from tasks.jobproc.runtime import JobRuntime, _Baseline
 from tasks.jobs.loader import build_loader
@@ -84,7 +85,7 @@ def test_batch_order_is_train_loaders(tmp_path):
     """A packed member sees its batches in the order its DataLoader would give ``train``."""
     loader = build_loader(torch.utils.data.TensorDataset(torch.arange(50)), batch_size=16, num_workers=0,
                           cuda=False, shuffle=True, seed=7)
-    order = BatchOrder(7, 50)
+    order = LoaderOrder(7, 50)
     for _ in range(3):  # each epoch runs its loader to the end, as train's does
         epoch = torch.cat([batch for (batch,) in loader])
         assert torch.equal(epoch, order.next_epoch())

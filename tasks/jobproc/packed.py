@@ -7,7 +7,7 @@ Each member's model is built from its own seed (``torch.manual_seed(seed)`` then
 tensors, with each member's lr and weight decay: torch.optim.Adam's math (L2 weight decay added
 to the gradient, bias-corrected moments, ``eps`` outside the square root), so a packed trial
 ends where the same trial trained alone does, within float rounding. Each member draws its
-batches in the order ``train``'s DataLoader would (:class:`BatchOrder`). The data stays on the
+batches in the order ``train``'s DataLoader would (:class:`~tasks.core.batch_order.LoaderOrder`). The data stays on the
 device; the losses and hit counts of every member are read back once per epoch.
 
 A member whose loss is not finite, or whose ``ctx.progress()`` raises (cancelled, pruned,
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..core.batch_order import LoaderOrder
 from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, PackData, Packing
 
@@ -56,22 +57,6 @@ class Member:
     history: list[dict[str, float]] = field(default_factory=list)
     #: When its last checkpoint was saved (``time.monotonic()``).
     saved_at: float = field(default_factory=time.monotonic)
-
-
-class BatchOrder:
-    """The sample order of each epoch, drawn as ``train``'s DataLoader draws it from a
-    generator seeded with ``seed`` (in-process loading: each epoch's iterator first takes a
-    base seed, then its RandomSampler a permutation, and one more when it is exhausted)."""
-
-    def __init__(self, seed: int, samples: int) -> None:
-        self.samples = samples
-        self._generator = torch.Generator().manual_seed(seed)
-
-    def next_epoch(self) -> torch.Tensor:
-        torch.empty((), dtype=torch.int64).random_(generator=self._generator)
-        order = torch.randperm(self.samples, generator=self._generator)
-        torch.randperm(self.samples, generator=self._generator)
-        return order
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -140,7 +125,7 @@ def train_pack(packing: Packing, members: list[Member], torch_device: str, on_en
     y = torch.stack([m.data.y_train for m in members]).to(device)
     samples = int(y.shape[1])
     rows = torch.arange(k, device=device)[:, None]
-    orders = [BatchOrder(int(m.params.seed), samples) for m in members]
+    orders = [LoaderOrder(int(m.params.seed), samples) for m in members]
     loss_of = packing.loss or torch.nn.functional.cross_entropy
 
     def one(w: dict[str, torch.Tensor], b: dict[str, torch.Tensor], xb: torch.Tensor,

@@ -142,7 +142,7 @@ class DeviceData:
 
         Shuffled by one permutation drawn from ``generator`` (on its device: the data's own by
         default; pass equal ones on every rank), or in the given ``order`` (a permutation, e.g.
-        :class:`LoaderOrder`'s); rank ``rank`` of ``world_size`` takes every ``world_size``-th
+        :class:`~tasks.core.batch_order.LoaderOrder`'s); rank ``rank`` of ``world_size`` takes every ``world_size``-th
         sample of it, the order padded by wrapping around so every rank has :meth:`shard_size`
         samples, as ``DistributedSampler`` does (with a CPU generator seeded ``seed + epoch``,
         the very order it gives).
@@ -163,21 +163,3 @@ class DeviceData:
         for start in range(0, len(order), batch_size):
             index = order[start : start + batch_size]
             yield tuple(t.index_select(0, index) for t in self.tensors)
-
-
-class LoaderOrder:
-    """Each epoch's sample order as ``train``'s in-process DataLoader draws it
-    (``shuffle=True``, a generator seeded with ``seed``: each epoch's iterator takes a base seed,
-    then its RandomSampler a permutation, and one more when it is exhausted), so data on the
-    device is trained on in the same batches as through the loader: same seed, same model,
-    whichever path (and as a packed trial, :class:`tasks.jobproc.packed.BatchOrder`)."""
-
-    def __init__(self, seed: int, samples: int) -> None:
-        self.samples = samples
-        self._generator = torch.Generator().manual_seed(seed)
-
-    def next_epoch(self) -> torch.Tensor:
-        torch.empty((), dtype=torch.int64).random_(generator=self._generator)
-        order = torch.randperm(self.samples, generator=self._generator)
-        torch.randperm(self.samples, generator=self._generator)
-        return order

@@ -37,13 +37,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from ..core.batch_order import LoaderOrder
 from ..core.defaults import CHECKPOINT_EVERY_S
 from ..core.errors import TrainingDiverged
 from ..core.job import JobContext, JobMetric, PackData, Packing, job
 from . import data, resume
 from .loader import build_loader
 from .models import TrainingParams, build
-from .resident import DataMode, DeviceData, LoaderOrder, Placement, place_data, tensor_bytes
+from .resident import DataMode, DeviceData, Placement, place_data, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
