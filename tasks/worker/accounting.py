@@ -44,6 +44,7 @@ def job_end(
     finished: float,
     metrics: Mapping[JobMetric, float] | None = None,
     gpu_memory_bytes: int | None = None,
+    shared_by: int = 1,
 ) -> JobEnd:
     """The end of the job whose task request is ``request`` on ``worker``: the attempt this
     process holds for it (handed to the store, which releases its lease), its count, and its
@@ -54,9 +55,11 @@ def job_end(
         app: the worker's app, whose broker names the hash and index to acknowledge in.
         ok: whether the job succeeded (counted as ``jobs_ok``, else ``jobs_error``).
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
+        shared_by: how many jobs shared its slot the whole time (a pack's members): its busy
+            seconds, and its user's device-seconds for fair share, are its share of the time.
     """
     user, level, sent_at = _sender(request)
-    busy = max(0.0, finished - started)
+    busy = max(0.0, finished - started) / max(1, shared_by)
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
                      busy_seconds=busy, last_finished_at=finished,
                      gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}),

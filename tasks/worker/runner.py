@@ -469,6 +469,7 @@ class JobRun:
             self.worker, self.task.app, request, ok=error is None, started=self.started, finished=finished,
             metrics={JobMetric(name): value for name, value in result.metrics.items()} if result is not None else None,
             gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None,
+            shared_by=ended.shared_by if ended is not None else 1,
         ))
         group_spec = self.options.group if self.options is not None else None
         entry = Entry.make(device=group_spec.name if group_spec is not None else self.worker.device.name,

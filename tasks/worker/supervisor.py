@@ -185,6 +185,9 @@ class Ended:
     retired: str | None
     #: The stop the worker sent the job (or ended it with before it ran); None: none was.
     stop: StopJob | None = None
+    #: How many jobs ran at once in its process and slot (a pack's members): each counts
+    #: 1/``shared_by`` of the time for the device's busy seconds and its user's fair share.
+    shared_by: int = 1
 
     @property
     def crashed(self) -> bool:
@@ -671,7 +674,7 @@ class _PackRun:
                     sent = self.open.pop(job_id)
                     ended = Ended(outcome=message.outcome, finished=message, error=message.error,
                                   error_module=message.error_module, pid=self.process.pid, retired=None)
-                    self.on_end(job_id, ended.under(sent[0] if sent is not None else None))
+                    self._end(job_id, ended.under(sent[0] if sent is not None else None))
                     last, retire = message, retire or message.retire
             elif isinstance(message, Report):
                 watch = self.watches.get(message.job_id or self.leader)
@@ -689,6 +692,10 @@ class _PackRun:
                 self._end_open(f"the pack went {reason}", retired=reason)
                 return None, reason
         return last, retire
+
+    def _end(self, job_id: str, ended: Ended) -> None:
+        # Every member held the slot for the pack's time: each counts its share of it.
+        self.on_end(job_id, dataclasses.replace(ended, shared_by=len(self.pack.members)))
 
     def _ask_stops(self) -> StopJob | None:
         """Ask each open member's watch for its stop and send it to that member alone (the
@@ -724,7 +731,7 @@ class _PackRun:
             stop = sent[0]
             error, outcome = STOPS[stop.reason]
             self.open.pop(job_id)
-            self.on_end(job_id, Ended.by_worker(
+            self._end(job_id, Ended.by_worker(
                 error, f"{stop.message}; its pack did not stop at ctx.progress() within its grace, so its process "
                        f"{self.process.pid} was ended ({self.process.exit_text()})",
                 self.process.pid, because, outcome, stop=stop))
@@ -735,8 +742,8 @@ class _PackRun:
             sent = self.open.pop(job_id)
             if sent is not None and sent[0].reason in (StopReason.CANCEL, StopReason.FENCED, StopReason.PREEMPT):
                 # Asked to stop, and the process went first: the stop's ending, as a lone job's.
-                self.on_end(job_id, Ended.stopped(sent[0], f"{sent[0].message}; its pack's process went ({why})"))
+                self._end(job_id, Ended.stopped(sent[0], f"{sent[0].message}; its pack's process went ({why})"))
                 continue
-            self.on_end(job_id, Ended.by_worker(
+            self._end(job_id, Ended.by_worker(
                 JobCrashed, f"pack member {job_id} ({self.pack.members[0].job}): {why}; it goes back to its queue "
                             "to run alone", self.process.pid, retired, Outcome.UNPACK))
