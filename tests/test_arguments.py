@@ -98,3 +98,12 @@ def test_the_refusal_is_one_line_naming_job_and_trial():
     assert str(refused.value) == ("train (trial 2): unexpected argument 'epoch' (3); did you mean 'epochs'?; "
                                   "lr=-1: must be > 0; missing argument 'name'")
     check_arguments("train", {"name": "a"}, SCHEMA)  # fine: no error
+
+
+def test_a_whole_bound_reads_the_same_whichever_pydantic_wrote_the_schema() -> None:
+    # pydantic writes Field(gt=0) as 0 on newer releases and 0.0 on older ones (the floors run).
+    for bound in (0, 0.0):
+        schema = {"type": "object", "properties": {"lr": {"type": "number", "exclusiveMinimum": bound}}}
+        assert argument_problems({"lr": -0.5}, schema) == ["lr=-0.5: must be > 0"]
+    schema = {"type": "object", "properties": {"p": {"type": "number", "maximum": 0.5}}}
+    assert argument_problems({"p": 0.75}, schema) == ["p=0.75: must be <= 0.5"]

@@ -134,7 +134,9 @@ class _Checker:
                 bound = schema.get(key)
                 if isinstance(bound, (int, float)) and not isinstance(bound, bool) \
                         and not _HOLDS[word](number, bound):
-                    self.problems.append(f"{where}={value!r}: must be {word} {bound}")
+                    # A whole bound as an int: pydantic's schema writes gt=0 as 0 or 0.0 by release.
+                    shown = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+                    self.problems.append(f"{where}={value!r}: must be {word} {shown}")
                     return
         if isinstance(value, (str, list)):
             unit, keys = ("characters", ("minLength", "maxLength")) if isinstance(value, str) \
