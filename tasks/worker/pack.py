@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,7 +144,3 @@ class Rooms:
         if room is not None:
             room.left(job_id)
 
-
-#: Takes up to ``n`` waiting messages of the leader's queue and level and starts each as a
-#: member's thread (:func:`tasks.worker.runner.take_siblings`); returns how many it started.
-Puller = Callable[["Launch", Room, int], int]
