@@ -211,8 +211,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[1].startswith("Z"))
+    try:  # it may be reaped between the signal and the read: then it is gone
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return not stat.split(") ", 1)[1].startswith("Z")
 
 
 @pytest.mark.timeout(180)
