@@ -664,10 +664,11 @@ class _PackRun:
             try:
                 message = self.process.receive(POLL_S)
             except ProcessGone as gone:
-                because = self.process.killed_because
+                because = self.process.killed_because  # the worker ended it: it is leaving
+                retired = because or f"crashed: {gone}"
                 self._end_open(because or f"its process died: {gone}; its last lines: {self.process.tail_text()}",
-                               retired=because or f"crashed: {gone}")
-                return None, because or f"crashed: {gone}"
+                               retired=retired)
+                return None, retired
             if isinstance(message, Finished):
                 job_id = message.job_id or self.leader
                 if job_id in self.open:
