@@ -28,6 +28,11 @@ def job_schemas(device: str) -> str:
     return f"{PREFIX}job-schemas:{device}"
 
 
+#: Hash ``{device: DeviceState JSON}`` of every device out of service (drained, quarantined,
+#: suspect), no TTL; :mod:`tasks.core.device_state` owns its layout.
+DEVICE_STATE = f"{PREFIX}device-state"
+
+
 # -- leases (tasks.worker.lease, .reaper) ----------------------------------------------------------
 
 #: Hash ``{task id: lease record}`` of every job running now, for the reaper.
