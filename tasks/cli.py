@@ -524,13 +524,17 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
               help="Trials running at once (default: one per device; with --group, one per group).")
 @click.option("--group", type=click.IntRange(2, 64),
               help="Run each trial over this many DEVICES of one host at once, in one process that sees them all.")
+@click.option("--pack", "pack_text", metavar="K|auto",
+              help="Train up to K trials as one packed model in one job process ('auto': as many as fit the "
+                   "slot's memory); the job must opt in; a study that samples a shape param runs unpacked.")
 @click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
 @_priority_options
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
              kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
-             group: int | None, timeout: float | None, as_json: bool, priority: str, user: str | None, redis_url: str | None) -> None:
+             group: int | None, pack_text: str | None, timeout: float | None, as_json: bool, priority: str,
+             user: str | None, redis_url: str | None) -> None:
     """Tune JOB's parameters with Optuna: each trial runs on the next free device.
 
     The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
@@ -557,7 +561,7 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               direction=direction, devices=devices, pruner=pruner, name=name,
                               sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
                               kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent, group=group,
-                              timeout=timeout, on_update=view, priority=priority, app=app)
+                              pack=_parse_pack(pack_text), timeout=timeout, on_update=view, priority=priority, app=app)
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
     rows = study_rows(study)

@@ -61,3 +61,24 @@ def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
 def test_pack_on_a_job_that_does_not_opt_in_is_refused_before_anything_is_sent(app):
     with pytest.raises(ConfigError, match=r"pack=2: job 'counted' does not pack on cpu0"):
         tasks.sweep("counted", [{"marker": "unused"}], devices="cpu0", pack=2, app=app)
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_study_trains_its_trials_in_packs_and_tells_each_to_optuna(app):
+    pytest.importorskip("optuna")
+    from tasks.producer.optimize import start_study
+    from tasks.producer.trials import entry_of
+
+    handle = start_study("packed", {"lr": {"low": 1e-3, "high": 1e-1, "log": True}}, 4, "accuracy",
+                         devices="cpu1", kwargs={"epochs": 2}, pack=4, app=app)
+    assert handle.packing.reason == "packed 4"
+    study = handle.get(timeout=240)
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 4
+    metas = handle.queue.metas(list(handle.jobs().values()))
+    outputs = [entry_of(metas[task_id])["output"] for task_id in handle.jobs().values()]
+    assert [t.value for t in study.trials] == [out["accuracy"] for out in outputs]
+    # Optuna's trials were sent at once (4 per slot) and trained in packs, each its own entry.
+    assert max(out["packed"]["members"] for out in outputs if out["packed"] is not None) > 1, outputs
+    with pytest.raises(ConfigError, match=r"pack=2: job 'counted' does not pack on cpu0"):
+        start_study("counted", {"score": [0.5]}, 2, "score", devices="cpu0", kwargs={"marker": "unused"},
+                    pack=2, app=app)

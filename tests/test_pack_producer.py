@@ -82,3 +82,33 @@ def test_cli_sweep_refuses_a_bad_pack_in_one_line_before_reading_the_fleet() -> 
                                       "--redis-url", "redis://127.0.0.1:1/0"])
     assert result.exit_code != 0
     assert "pack=0: give a number of trials" in " ".join(result.output.split())
+
+
+def test_a_study_packs_on_its_fixed_kwargs_and_runs_unpacked_when_it_samples_a_key_param() -> None:
+    from tasks.producer.packing import plan_study_packing
+
+    base = JobSpec.of("train", {"hidden": 64})
+    assert plan_study_packing(4, base, ["lr", "seed"], ["cpu0"], LIVE).reason == "packed 4"
+    sampled = plan_study_packing("auto", base, ["lr", "hidden"], ["cpu0"], LIVE)
+    assert sampled.pack is None
+    assert sampled.reason == "unpacked: the study samples hidden, which the models' shapes hang on"
+    # the sweep's refusals, the same one line each
+    with pytest.raises(ConfigError, match=r"pack=0"):
+        plan_study_packing(0, base, ["lr"], ["cpu0"], LIVE)
+    with pytest.raises(ConfigError, match=r"job 'train' does not pack on cpu1"):
+        plan_study_packing(2, base, ["lr"], ["cpu1"], LIVE)
+    with pytest.raises(ConfigError, match="a command cannot be packed"):
+        plan_study_packing(2, JobSpec.of("command", {"argv": ["true"]}), ["lr"], ["cpu0"], LIVE)
+
+
+def test_cli_optimize_refuses_a_bad_pack_in_one_line_before_reading_the_fleet() -> None:
+    pytest.importorskip("optuna")
+    from click.testing import CliRunner
+
+    from tasks.cli import cli
+
+    result = CliRunner().invoke(cli, ["optimize", "train", "--space", '{"lr": {"low": 0.001, "high": 0.1}}',
+                                      "--trials", "2", "--objective", "accuracy", "--pack", "0",
+                                      "--redis-url", "redis://127.0.0.1:1/0"])
+    assert result.exit_code != 0
+    assert "pack=0: give a number of trials" in " ".join(result.output.split())

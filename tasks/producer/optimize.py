@@ -32,6 +32,13 @@ Resume: the same call with the same ``name`` loads the study, adopts the trials 
 (sent again under the same task id: a copy of a trial that runs or ran is dropped by the
 worker's lease) and asks for trials until ``n_trials`` have finished in all.
 
+Packed (``pack=K`` or ``"auto"``, as :func:`tasks.sweep`'s): the study's trials go to a queue of
+its own, and a worker that takes one trains up to K of them as one vmapped model
+(:mod:`tasks.producer.packing`); each trial is still its own message, lease and entry, told to
+Optuna when it ends. A packed study asks Optuna for K trials per slot at once (the sampler sees
+fewer finished trials before it asks: packing trades its feedback for throughput). A pruned
+trial's job is revoked as alone: its pack masks it out and trains on.
+
 Optuna is the ``sweep`` extra: ``pip install 'devicefleet[sweep]'``.
 """
 
@@ -52,15 +59,18 @@ from celery import Celery
 from ..core import keys
 from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
+from ..core.defaults import PACK_AUTO_MAX
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from ..core.job import PROGRESS_STATE
 from ..core.priority import Level
-from ..core.records import Entry, EntryStatus
+from ..core.queues import sweep_queue
+from ..core.records import Entry, EntryStatus, parse_pack
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
 from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
 from .handle import JobHandle, Summary
+from .packing import Packing, packed_spec, plan_study_packing
 from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
 
@@ -202,6 +212,7 @@ def start_study(
     priority: Level | str | None = None,
     user: str | None = None,
     group: int | None = None,
+    pack: int | str | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> StudyHandle:
@@ -228,13 +239,18 @@ def start_study(
         group: run each trial over ``group`` devices of one kind on one host at once, in one
             job process (a device group, as :func:`tasks.sweep`'s ``group``): one trial per
             group at a time by default; a trial's ``device`` user attribute names its group.
+        pack: train up to this many trials as one packed (vmapped) model in one job process, or
+            ``"auto"`` (as :func:`tasks.sweep`'s ``pack``); ``max_concurrent`` then defaults to
+            that many trials per slot. A study that samples a param the job's models' shapes
+            hang on runs unpacked, and ``handle.packing.reason`` says why.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
 
     Raises:
         MissingExtra: Optuna is not installed.
-        ConfigError: a bad space, direction, objective or count.
+        ConfigError: a bad space, direction, objective or count, or a ``pack`` that
+            :func:`tasks.sweep` refuses (a bad count, a job or command that does not pack).
         DeviceUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
             sent; the fixed kwargs are checked, the sampled ones are the study's).
         SweepConflict: a study of that name exists for another job.
@@ -242,6 +258,7 @@ def start_study(
     optuna = require_optuna()
     app = app or (client.app if client is not None else default_app())
     connections = client if client is not None and client.app is app else Connections.of(app)
+    parse_pack(pack)  # a bad value is refused before the registry is read
     distributions = parse_space(space)
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         raise ConfigError(f"n_trials={n_trials!r}: give a whole number of at least 1")
@@ -262,9 +279,12 @@ def start_study(
     probe = JobSpec.of(base, {**base.kwargs, **dict.fromkeys(distributions, 0)}) if base.name == COMMAND_JOB else base
     check_jobs({device: probe for device in chosen}, live)
     check_kwargs(connections.redis, [(device, base, "") for device in chosen], sampled=list(distributions))
-    # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once).
+    packing = plan_study_packing(pack, base, list(distributions), chosen, live, group)
+    # Every slot of every chosen device busy (a device with 4 slots runs 4 trials at once), with
+    # a pack's worth of trials each when packed.
+    per_slot = 1 if not packing.packed else PACK_AUTO_MAX if packing.pack == "auto" else int(packing.pack or 1)
     limit = (max_concurrent if max_concurrent is not None else len(groups) if groups is not None
-             else sum(live[device].slot_count for device in chosen))
+             else per_slot * sum(live[device].slot_count for device in chosen))
     if limit < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1")
     study_name = name or f"{base.name}-{uuid.uuid4().hex[:8]}"
@@ -275,11 +295,13 @@ def start_study(
         raise SweepConflict(f"study {study_name!r} is a study of job {owner!r}, not {base.name!r}: "
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
-    queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections, level=base.level,
-                       groups=groups)
+    queue_id = f"optuna-{study_name}"
+    # A packed study's queue holds only its trials: the worker that takes one pulls its siblings.
+    queue = TrialQueue(app, queue_id, chosen, live, queue=sweep_queue(queue_id) if packing.packed else None,
+                       connections=connections, level=base.level, groups=groups)
     queue.attach()
-    handle = StudyHandle(_StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit,
-                                   on_update))
+    handle = StudyHandle(_StudyRun(optuna, study, queue, packed_spec(base, packing), distributions, objective,
+                                   n_trials, limit, on_update, packing))
     handle._read()  # the first trials go out now
     return handle
 
@@ -356,8 +378,10 @@ class _StudyRun:
 
     def __init__(self, optuna: Any, study: Any, queue: TrialQueue, base: JobSpec, distributions: dict[str, Any],
                  objective: str, n_trials: int, limit: int,
-                 on_update: Callable[[StudyProgress], None] | None) -> None:
+                 on_update: Callable[[StudyProgress], None] | None, packing: Packing | None = None) -> None:
         self.optuna = optuna
+        #: What ``pack=`` did (``base``'s options carry its ``pack``).
+        self.packing = packing or Packing(None, "unpacked")
         self.study = study
         self.queue = queue
         self.base = base
@@ -561,6 +585,11 @@ class StudyHandle(JobHandle[int, "optuna.Study"]):
     @property
     def id(self) -> str:
         return str(self.run.study.study_name)
+
+    @property
+    def packing(self) -> Packing:
+        """What ``pack=`` did: ``packing.reason`` is ``"packed 8"``, or why the trials run unpacked."""
+        return self.run.packing
 
     @property
     def devices(self) -> list[str]:

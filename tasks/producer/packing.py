@@ -14,6 +14,9 @@ anything is sent, :func:`plan_packing`
 A trial that leaves a key param to its default is compared as "default": mixed with trials that
 set it, the sweep runs unpacked (the producer does not know the job's defaults; the worker's job
 process checks the shapes again in any case).
+
+A study (``tasks.optimize(..., pack=K)``) is checked the same way by :func:`plan_study_packing`
+on its fixed kwargs; one that samples a key param runs unpacked and says why.
 """
 
 from __future__ import annotations
@@ -67,13 +70,7 @@ def plan_packing(pack: object, specs: Sequence[JobSpec], devices: Sequence[str],
                           "give one of them (nothing was sent)")
     if name is None:
         return Packing(None, "unpacked: no trials")
-    refusing = [device for device in devices if name not in live[device].packable]
-    if refusing:
-        raise ConfigError(
-            f"pack={pack!r}: job {name!r} does not pack on {', '.join(refusing)} (its workers list it as not "
-            "opting in to packed trials: tasks.core.job Packing); drop pack= to run it as today (nothing was sent)")
-    key = sorted({param for device in devices for param in live[device].packable[name]})
-    for param in key:
+    for param in pack_key(pack, name, devices, live):
         values = {_shown(spec.kwargs.get(param, DEFAULT)) for spec in specs}
         if len(values) > 1:
             reason = f"unpacked: trials differ in {param} ({', '.join(sorted(values))})"
@@ -82,6 +79,37 @@ def plan_packing(pack: object, specs: Sequence[JobSpec], devices: Sequence[str],
     if count == 1:
         return Packing(1, "packed 1")
     return Packing(count, f"packed {count}")
+
+
+def plan_study_packing(pack: object, base: JobSpec, sampled: Sequence[str], devices: Sequence[str],
+                       live: Mapping[str, WorkerRecord], group: int | None = None) -> Packing:
+    """A study's :class:`Packing` for ``pack=`` (``tasks.optimize(..., pack=K)``): the refusals
+    of :func:`plan_packing` on the study's fixed kwargs; a study that samples a param of the job's
+    pack key runs unpacked and says why (its trials' shapes are Optuna's to choose, one at a time,
+    so no two of them are known to be equal when they are sent)."""
+    packing = plan_packing(pack, [base], devices, live, group)
+    if not packing.packed:
+        return packing
+    varied = [param for param in pack_key(pack, base.name, devices, live) if param in sampled]
+    if varied:
+        reason = f"unpacked: the study samples {', '.join(varied)}, which the models' shapes hang on"
+        logger.warning("study of %s with pack=%r runs %s: a pack trains trials of one shape", base.name, pack, reason)
+        return Packing(None, reason)
+    return packing
+
+
+def pack_key(pack: object, name: str, devices: Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
+    """The params that must be equal for trials of ``name`` to share a pack on ``devices``.
+
+    Raises:
+        ConfigError: a chosen device's worker does not list ``name`` as packable.
+    """
+    refusing = [device for device in devices if name not in live[device].packable]
+    if refusing:
+        raise ConfigError(
+            f"pack={pack!r}: job {name!r} does not pack on {', '.join(refusing)} (its workers list it as not "
+            "opting in to packed trials: tasks.core.job Packing); drop pack= to run it as today (nothing was sent)")
+    return sorted({param for device in devices for param in live[device].packable[name]})
 
 
 def packed_spec(spec: JobSpec, packing: Packing) -> JobSpec:
