@@ -207,6 +207,10 @@ PACK_JOIN_TIMEOUT_S = 10.0
 PACK_GATHER_S = 0.1
 PACK_GATHER_POLL_S = 0.01
 PACK_GATHER_MAX_S = 1.0
+#: A pack member's thread on the worker is kept for the next pack's members (its result backend's
+#: Redis connection stays open: a fresh thread opens one, about 4 ms a member): until it waited
+#: this long for one (tasks.worker.siblings.MemberThreads).
+PACK_THREAD_IDLE_S = 300.0
 #: How often a running rank's worker looks at its gang (failed, or moved to a new generation:
 #: the rank is stopped).
 GANG_WATCH_INTERVAL_S = 0.25

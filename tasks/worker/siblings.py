@@ -8,13 +8,20 @@ way (the reaper, kombu's visibility timeout). Each becomes a Celery request of t
 job task, executed in a thread of its own (``Request.execute``: Celery's tracer, as the pool
 would run it): the member takes its own lease, stores its own result and acknowledges its own
 message (:mod:`tasks.worker.runner`), and meets its leader in the room it was seated in.
+
+The members' threads are kept between packs (:class:`MemberThreads`): Celery makes a result
+backend per thread, with its own Redis connection pool, so a fresh thread per member opened a
+connection (a connect, redis-py's handshake, its version read from the package's metadata) for
+each trial, about 4 ms a member here, three times what its lease and its store cost together.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -23,7 +30,7 @@ from kombu.transport import virtual as kombu_virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from ..core.defaults import PACK_GATHER_MAX_S, PACK_GATHER_POLL_S, PACK_GATHER_S
+from ..core.defaults import PACK_GATHER_MAX_S, PACK_GATHER_POLL_S, PACK_GATHER_S, PACK_THREAD_IDLE_S
 from ..core.priority import Level
 from ..core.queue_lists import QueueLists
 from .pack import Room, Rooms
@@ -60,12 +67,57 @@ return taken
 """
 
 
+class MemberThreads:
+    """Daemon threads that run pack members, each kept for the next member until it has waited
+    ``idle_s`` for one. A member never waits for a thread: one is started when none is idle (a
+    pack's members all run at once, each waiting in its room until the pack ends it)."""
+
+    def __init__(self, name: str, idle_s: float = PACK_THREAD_IDLE_S) -> None:
+        self.name = name
+        self.idle_s = idle_s
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # kept threads waiting for work and not reserved by a run()
+        self.started = 0
+
+    def run(self, work: Callable[[], None]) -> None:
+        """Run ``work`` in an idle kept thread, else in a new one."""
+        with self._lock:
+            reserved = self._idle > 0
+            if reserved:
+                self._idle -= 1  # one waiting thread takes what is put
+            else:
+                self.started += 1
+        if reserved:
+            self._work.put(work)
+        else:
+            threading.Thread(target=self._loop, args=(work,), name=f"{self.name}-{self.started}",
+                             daemon=True).start()
+
+    def _loop(self, work: Callable[[], None]) -> None:
+        while True:
+            work()  # the work logs its own failures (Siblings._run)
+            with self._lock:
+                self._idle += 1
+            try:
+                work = self._work.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    # Idle too long: leave, unless a run() reserved this thread as the wait ended.
+                    if self._idle > 0 and self._work.empty():
+                        self._idle -= 1
+                        return
+                work = self._work.get()
+
+
 class Siblings:
-    """One worker's channel for taking waiting messages of a queue (built on first use)."""
+    """One worker's channel for taking waiting messages of a queue (built on first use), and the
+    threads its members run in."""
 
     def __init__(self, rooms: Rooms, hostname: str) -> None:
         self.rooms = rooms
         self.hostname = hostname
+        self.threads = MemberThreads("devicefleet-pack")
         self._lock = threading.Lock()
         self._connection: Any = None
         self._channel: Any = None
@@ -147,8 +199,7 @@ class Siblings:
                           hostname=self.hostname, app=task.app, task=member_task,
                           connection_errors=self._connection.connection_errors)
         self.rooms.seat(room, job_id)
-        threading.Thread(target=self._run, args=(request, job_id), name=f"devicefleet-pack-{job_id[:8]}",
-                         daemon=True).start()
+        self.threads.run(lambda: self._run(request, job_id))
 
     def _run(self, request: Request, job_id: str) -> None:
         try:
