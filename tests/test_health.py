@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -20,6 +21,8 @@ from tasks.core.device_state import DeviceState, read_state, write_state
 from tasks.core.errors import DeviceFailed
 from tasks.core.records import WorkerRecord
 from tasks.core.wire import STOPS, Outcome, StopJob, StopReason
+from tasks.core.xids import count_xid, read_xid_counts
+from tasks.ops.exporter import FleetCollector
 from tasks.worker.health import (
     XIDS,
     Action,
@@ -36,7 +39,7 @@ from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.runner import sent_by_name
 from tasks.worker.supervisor import Ended
 
-from .conftest import wait_for
+from .conftest import test_env, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -242,3 +245,77 @@ def test_a_hung_nvml_call_makes_the_device_suspect_while_the_heartbeat_beats_on(
     assert len(during) >= 3, (len(during), suspect_at - hung_at)
     gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
     assert max(gaps) < health.caller.timeout_s / 2, max(gaps)
+
+
+def test_the_exporter_serves_xid_counts_per_device(client: Any, redis_server: Any) -> None:
+    count_xid(client, "gpu0", 79)
+    count_xid(client, "gpu0", 79)
+    count_xid(client, "gpu1@hostb", 13)
+    assert read_xid_counts(client) == {"gpu0": {79: 2}, "gpu1@hostb": {13: 1}}
+    collector = FleetCollector(redis_server.url)
+    try:
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for metric in collector.collect() for s in metric.samples}
+    finally:
+        collector.close()
+    assert samples[("devicefleet_device_xid_total", (("device", "gpu0"), ("xid", "79")))] == 2
+    assert samples[("devicefleet_device_xid_total", (("device", "gpu1@hostb"), ("xid", "13")))] == 1
+
+
+# -- a real worker with the fake NVML --------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_fatal_xid_mid_job_hands_the_job_to_another_device_as_no_attempt(fleet: Any, app: Any,
+                                                                           tmp_path: Path) -> None:
+    """cpu9 watches a (fake) GPU: Xid 79 while its job runs. The job goes back to the shared
+    queue with no attempt spent and runs again on cpu0; cpu9 is drained naming Xid 79, takes
+    nothing more from the shared queue, and answers a job sent to it by name with DeviceFailed."""
+    import sys
+
+    from tasks.core.job import task_name
+    from tasks.core.registry import connect, live_workers
+
+    from .conftest import standalone_worker, worker_configs
+
+    queue = "health-test"
+    trigger, marker = tmp_path / "xid-now", tmp_path / "runs"
+    marker.mkdir()
+    scenario = tmp_path / "scenario.json"
+    scenario.write_text(json.dumps({"trigger": str(trigger), "events": [{"at": 0.3, "xid": 79}]}))
+    configs = worker_configs(tmp_path / "configs", health_nvml_index=0, extra_queues=[queue])
+    argv = [sys.executable, "-m", "tasks", "worker", "cpu9"]
+    client = connect(fleet.redis_url)
+    cpu0 = live_workers(client)["cpu0"].worker
+    with standalone_worker(fleet, "cpu9", argv, tmp_path / "cpu9.log", DEVICEFLEET_WORKER_CONFIGS_DIR=str(configs),
+                           DEVICEFLEET_STATE_DIR=str(tmp_path / "state"), DEVICEFLEET_FAKE_NVML=str(scenario),
+                           PYTHONPATH=f"{FAKE_NVML.parent}:{test_env()['PYTHONPATH']}"):
+        try:
+            result = app.send_task(task_name("counted"), queue=queue,
+                                   kwargs={"marker": str(marker), "seconds": 4.0, "steps": 40})
+            runs = marker / result.id
+            wait_for(lambda: runs.exists() and runs.read_text().split(), 60, "the job to start on cpu9")
+            trigger.touch()
+            state = wait_for(lambda: (s := read_state(client, "cpu9")).state == "drained" and s, 30, "cpu9 drained")
+            # Now a healthy device consumes the shared queue too: the job goes there.
+            app.control.add_consumer(queue, destination=[cpu0], reply=True, timeout=10)
+            entry = result.get(timeout=90)
+        finally:
+            app.control.cancel_consumer(queue, destination=[cpu0], reply=True, timeout=10)
+        assert entry["device"] == "cpu0" and entry["status"] == "ok", entry
+        # From the drain (Redis' clock) to the run on cpu0 (this host's clock), including the
+        # round trip that made cpu0 consume the queue: no lease had to expire first.
+        handoff_s = datetime.fromisoformat(entry["started_at"]).timestamp() - state.since
+        print(f"HEALTH job ran again on cpu0 {handoff_s:.2f} s after cpu9 was drained "
+              f"(lease TTL {fleet.settings.lease_ttl_s:g} s)")
+        assert handoff_s < fleet.settings.lease_ttl_s + 1
+        assert len(runs.read_text().split()) == 2  # stopped on cpu9, then run in full on cpu0
+        assert client.llen(keys.worker_deaths(result.id)) == 0  # no attempt spent
+        assert state.reason == "Xid 79: GPU has fallen off the bus" and state.by == "health" and state.hardware
+        assert read_xid_counts(client).get("cpu9") == {79: 1}
+        # Sent to cpu9 by name: its entry says the device failed, without running it.
+        named = app.send_task(task_name("counted"), queue="device.cpu9", kwargs={"marker": str(marker)})
+        with pytest.raises(DeviceFailed, match="Xid 79"):
+            named.get(timeout=60)
+        assert not (marker / named.id).exists()
+    client.close()

@@ -48,9 +48,9 @@ from typing import Any
 
 import redis
 
-from ..core import keys
 from ..core.defaults import HEALTH_EVENT_WAIT_S, HEALTH_NVML_TIMEOUT_S, HEALTH_POLL_S
 from ..core.device_state import DeviceState, read_state, redis_now, write_state
+from ..core.xids import count_xid
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,9 @@ class HealthService:
         self.failed: Verdict | None = None
         #: Every verdict but a fine reading, in order (what the tests and the log read).
         self.verdicts: list[Verdict] = []
+        #: Called once, from the health thread, when the device first fails (the worker stops
+        #: taking work from its shared queues: :class:`tasks.worker.steps.HealthStep`).
+        self.on_failed: Callable[[Verdict], None] | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="devicefleet-health", daemon=True)
         self._handle: Any = None
@@ -370,11 +373,13 @@ class HealthService:
         self.verdicts.append(verdict)
         if verdict.action is Action.DRAIN and self.failed is None:
             self.failed = verdict
+            if self.on_failed is not None:
+                self.on_failed(verdict)
         log = logger.warning if verdict.action is Action.WATCH else logger.error
         log("%s: health %s: %s", self.device, verdict.action.value, verdict.reason)
         try:
             if verdict.xid is not None:
-                self.client.hincrby(keys.XID_COUNTS, f"{self.device}:{verdict.xid}", 1)
+                count_xid(self.client, self.device, verdict.xid)
             if verdict.action is not Action.WATCH:
                 self._raise_state(verdict)
         except redis.RedisError as exc:  # the next verdict tries again; the job's stop needs no Redis

@@ -150,6 +150,13 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         return JobRun(worker, task, job).end(failed=exc)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
+    if worker.health is not None and (failed := worker.health.failed) is not None:
+        # The device failed (its shared queues are no longer consumed): a job sent to it by
+        # name ends at once, one taken from a shared queue meanwhile goes back to it.
+        if sent_by_name(task.request, worker.device.name):
+            return JobRun(worker, task, job).end(failed=errors.DeviceFailed(
+                f"job {task.request.id} was not run: {worker.device} failed ({failed.reason}) and was drained"))
+        raise task.retry(countdown=0, max_retries=None)
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
     job_id = str(task.request.id)
