@@ -319,3 +319,34 @@ def test_a_fatal_xid_mid_job_hands_the_job_to_another_device_as_no_attempt(fleet
             named.get(timeout=60)
         assert not (marker / named.id).exists()
     client.close()
+
+
+# -- the real NVML on a GPU --------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_an_illegal_address_kernel_is_an_applications_xid_watched_only(client: Any) -> None:
+    """A kernel that stores to an unmapped address (tests/scripts/illegal_address.py): the real
+    NVML delivers its Xid (31, or 13), which is counted and watched; the GPU stays in service."""
+    import subprocess
+    import sys
+
+    import pynvml
+
+    health = HealthService(client, "gpu0", pynvml, 0, event_wait_s=0.2, poll_s=1.0)
+    health.start()
+    try:
+        wait_for(lambda: health._events is not None or health.verdicts or not health._thread.is_alive(), 30,
+                 "NVML's events registered")
+        if health._events is None:
+            pytest.skip(f"NVML gives no Xid events here: {[v.reason for v in health.verdicts]}")
+        script = Path(__file__).parent / "scripts" / "illegal_address.py"
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        counts = wait_for(lambda: read_xid_counts(client).get("gpu0"), 30, "the fault's Xid")
+    finally:
+        health.stop()
+    assert set(counts) <= {13, 31, 43, 45}, counts
+    assert read_state(client, "gpu0").state == "ok" and health.failed is None
+    assert all(v.action is Action.WATCH for v in health.verdicts), health.verdicts
