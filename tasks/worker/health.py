@@ -240,9 +240,12 @@ class HealthService:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 1.0) -> None:
+    def stop(self) -> None:
+        """Stop watching: the health thread ends within its current event wait (a hung NVML
+        call holds the NVML thread, which nothing waits for)."""
         self._stopped.set()
-        self._thread.join(timeout)  # a hung NVML call holds its own thread, not this join for long
+        if self._thread.is_alive():
+            self._thread.join(2 * self.event_wait_s)
         self.caller.close()
 
     # -- the health thread -----------------------------------------------------------------------
