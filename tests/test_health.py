@@ -185,13 +185,14 @@ def test_a_fatal_xid_drains_the_device_with_its_reason_and_counts_it(client: Any
 
 def test_an_applications_xid_leaves_the_device_in_service(client: Any, nvml: Any) -> None:
     nvml.scenario({"events": [{"at": 0.0, "xid": 31}]})
-    health = service(client, nvml)
+    health = service(client, nvml, uuid="GPU-not-known-to-nvml")  # NVML's index then
     health.start()
     try:
         wait_for(lambda: client.hget(keys.XID_COUNTS, "gpu0:31"), 20, "Xid 31 counted")
     finally:
         health.stop()
     assert read_state(client, "gpu0").state == "ok" and health.failed is None
+    assert nvml.calls[:3] == ["nvmlInit", "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetHandleByIndex"]
 
 
 def test_a_failing_nvml_call_makes_the_device_suspect_and_not_supported_does_not(client: Any, nvml: Any) -> None:

@@ -214,13 +214,15 @@ class HealthService:
     """One GPU's health service (see the module's docstring): started and stopped by the worker's
     health step; :attr:`failed` tells the running job's watch that its device failed."""
 
-    def __init__(self, client: redis.Redis, device: str, nvml: Any, index: int, *,
+    def __init__(self, client: redis.Redis, device: str, nvml: Any, index: int, *, uuid: str | None = None,
                  timeout_s: float = HEALTH_NVML_TIMEOUT_S, event_wait_s: float = HEALTH_EVENT_WAIT_S,
                  poll_s: float = HEALTH_POLL_S) -> None:
         self.client = client
         self.device = device
         self.nvml = nvml
         self.index = index
+        #: The GPU's UUID as its job processes see it: NVML's index order may not be CUDA's.
+        self.uuid = uuid
         self.event_wait_s = event_wait_s
         self.poll_s = poll_s
         self.caller = NvmlCaller(timeout_s)
@@ -253,7 +255,7 @@ class HealthService:
     def _run(self) -> None:
         if not self._nvml("nvmlInit", self.nvml.nvmlInit):
             return
-        self._handle = self._nvml("nvmlDeviceGetHandleByIndex", self.nvml.nvmlDeviceGetHandleByIndex, self.index)
+        self._handle = self._open()
         if self._handle is None:
             return
         self._events = self._register_events()
@@ -266,6 +268,19 @@ class HealthService:
                 self._wait_event()
             else:
                 self._stopped.wait(min(self.event_wait_s, max(0.0, next_poll - time.monotonic())))
+
+    def _open(self) -> Any:
+        """The GPU's NVML handle, by its UUID where known (else NVML's index); None: judged."""
+        if self.uuid:
+            try:
+                return self.caller.call("nvmlDeviceGetHandleByUUID", self.nvml.nvmlDeviceGetHandleByUUID, self.uuid)
+            except NvmlHung as exc:
+                self.judge(Verdict(Action.SUSPECT, f"{exc}: the NVML watchdog gave up on it"))
+                return None
+            except Exception as exc:  # noqa: BLE001  (a UUID in another spelling: the index then)
+                logger.warning("%s: NVML does not know GPU %s (%s); watching NVML's GPU %d", self.device, self.uuid,
+                               exc, self.index)
+        return self._nvml("nvmlDeviceGetHandleByIndex", self.nvml.nvmlDeviceGetHandleByIndex, self.index)
 
     def _nvml(self, name: str, fn: Callable[..., Any], *args: Any, extra_s: float = 0.0) -> Any:
         """``fn(*args)`` through the watchdog; a failure or hang judged (its value None then).
@@ -396,9 +411,9 @@ class HealthService:
                                              by="health", hardware=True, since=redis_now(self.client)))
 
 
-def open_health(client: redis.Redis, device: str, index: int | None) -> HealthService | None:
-    """The health service of NVML's GPU ``index`` for ``device``; None without an index (a CPU
-    worker) or without ``nvidia-ml-py`` (said in the log)."""
+def open_health(client: redis.Redis, device: str, index: int | None, uuid: str | None = None) -> HealthService | None:
+    """The health service of the GPU ``uuid`` (else NVML's GPU ``index``) for ``device``; None
+    without an index (a CPU worker) or without ``nvidia-ml-py`` (said in the log)."""
     if index is None:
         return None
     try:
@@ -406,4 +421,4 @@ def open_health(client: redis.Redis, device: str, index: int | None) -> HealthSe
     except ImportError:
         logger.warning("%s: nvidia-ml-py is not installed: no GPU health service", device)
         return None
-    return HealthService(client, device, pynvml, index)
+    return HealthService(client, device, pynvml, index, uuid=uuid)

@@ -196,10 +196,10 @@ class HealthStep(bootsteps.StartStopStep):
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         setup = built(parent, DeviceStep).setup
-        index = setup.config.health_nvml_index
+        index, uuid = setup.config.health_nvml_index, None
         if index is None and setup.device.kind is DeviceKind.GPU:
-            index = setup.device.index
-        self.health = open_health(built(parent, RegistryStep).client, setup.device.name, index)
+            index, uuid = setup.device.index, built(parent, JobProcessesStep).processes.visibility.uuid
+        self.health = open_health(built(parent, RegistryStep).client, setup.device.name, index, uuid)
 
     def start(self, parent: Any) -> None:
         if self.health is not None:
