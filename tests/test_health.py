@@ -36,6 +36,7 @@ from tasks.worker.health import (
     judge_reading,
 )
 from tasks.worker.heartbeat import Heartbeat
+from tasks.worker.lease import LeaseKeeper
 from tasks.worker.runner import sent_by_name
 from tasks.worker.supervisor import Ended
 
@@ -215,21 +216,28 @@ def test_a_verdict_never_lowers_the_state(client: Any, nvml: Any) -> None:
     assert read_state(client, "gpu0").reason == "by hand"
 
 
-def test_a_hung_nvml_call_makes_the_device_suspect_while_the_heartbeat_beats_on(client: Any, nvml: Any) -> None:
+def test_a_hung_nvml_call_makes_the_device_suspect_while_heartbeat_and_leases_go_on(client: Any, nvml: Any) -> None:
     nvml.scenario({"hang": {"nvmlDeviceGetTotalEccErrors": 30}})
     beats: list[float] = []
+    renewals: list[float] = []
 
     class Recorded(Heartbeat):
         def tick(self) -> None:
             super().tick()
             beats.append(time.monotonic())
 
-    interval = 0.05
+    class RecordedLeases(LeaseKeeper):
+        def tick(self) -> None:
+            super().tick()
+            renewals.append(time.monotonic())
+
     heartbeat = Recorded(client, WorkerRecord(
         device="gpu0", kind="gpu", worker="gpu0@host", host="host", pid=1, queues=["gpu"], cores=[0],
-        pool="threads", jobs=[], started_at=time.time()), interval, 10.0)
+        pool="threads", jobs=[], started_at=time.time()), 0.05, 10.0)
+    leases = RecordedLeases(client, "gpu0", "gpu0@host", ttl_s=0.15)  # a renewal round every 0.05 s
     health = service(client, nvml, timeout_s=1.0)
     heartbeat.start()
+    leases.start()
     health.start()
     try:
         wait_for(lambda: "nvmlDeviceGetTotalEccErrors" in nvml.calls, 20, "the ECC read sent")
@@ -238,14 +246,16 @@ def test_a_hung_nvml_call_makes_the_device_suspect_while_the_heartbeat_beats_on(
         suspect_at = time.monotonic()
     finally:
         health.stop()
+        leases.stop()
         heartbeat.stop()
     assert "nvmlDeviceGetTotalEccErrors did not return within 1 s" in state.reason
-    during = [t for t in beats if hung_at <= t <= suspect_at]
-    # The heartbeat never waited on the hung call: it beat all through the watchdog's wait, no
-    # gap between its beats anywhere near the watchdog's timeout.
-    assert len(during) >= 3, (len(during), suspect_at - hung_at)
-    gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
-    assert max(gaps) < health.caller.timeout_s / 2, max(gaps)
+    # Neither the heartbeat nor the lease keeper waited on the hung call: each went on all
+    # through the watchdog's wait, no gap between its rounds anywhere near the watchdog's timeout.
+    for name, times in (("heartbeat", beats), ("lease renewals", renewals)):
+        during = [t for t in times if hung_at <= t <= suspect_at]
+        assert len(during) >= 3, (name, len(during), suspect_at - hung_at)
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        assert max(gaps) < health.caller.timeout_s / 2, (name, max(gaps))
 
 
 def test_the_exporter_serves_xid_counts_per_device(client: Any, redis_server: Any) -> None:

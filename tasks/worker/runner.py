@@ -253,8 +253,10 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
             run.idle(done=False)
             raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
         case Outcome.DEVICE_FAILED if sent_by_name(task.request, worker.device.name):
-            # Sent to this device and no other: its entry says the device failed, at once.
-            return run.end(ended=ended)
+            # Sent to this device and no other: its entry says the device failed, at once (its
+            # process may have crashed first on the failing GPU: the device's failure is why).
+            return run.end(failed=errors.DeviceFailed(ended.stop.message) if ended.stop is not None else None,
+                           ended=ended)
         case Outcome.DEVICE_FAILED:
             # Its device failed under it (and is drained: it takes nothing new): back to its
             # shared queue at once, its lease released (no attempt spent, no death counted).
