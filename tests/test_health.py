@@ -300,7 +300,7 @@ def test_a_fatal_xid_mid_job_hands_the_job_to_another_device_as_no_attempt(fleet
     cpu0 = live_workers(client)["cpu0"].worker
     with standalone_worker(fleet, "cpu9", argv, tmp_path / "cpu9.log", DEVICEFLEET_WORKER_CONFIGS_DIR=str(configs),
                            DEVICEFLEET_STATE_DIR=str(tmp_path / "state"), DEVICEFLEET_FAKE_NVML=str(scenario),
-                           PYTHONPATH=f"{FAKE_NVML.parent}:{test_env()['PYTHONPATH']}"):
+                           PYTHONPATH=f"{FAKE_NVML.parent}:{test_env()['PYTHONPATH']}") as (_, record):
         try:
             result = app.send_task(task_name("counted"), queue=queue,
                                    kwargs={"marker": str(marker), "seconds": 4.0, "steps": 40})
@@ -329,6 +329,19 @@ def test_a_fatal_xid_mid_job_hands_the_job_to_another_device_as_no_attempt(fleet
         with pytest.raises(DeviceFailed, match="Xid 79"):
             named.get(timeout=60)
         assert not (marker / named.id).exists()
+        # A queue it is asked to consume later (a new sweep's): the first job it takes from it
+        # goes back, and it stops consuming that queue too.
+        cpu9, later = record.worker, "health-test-later"
+        app.control.add_consumer(later, destination=[cpu9], reply=True, timeout=10)
+        bounced = app.send_task(task_name("counted"), queue=later, kwargs={"marker": str(marker)})
+        wait_for(lambda: later not in {q["name"] for q in app.control.inspect([cpu9], timeout=5, limit=1).active_queues()
+                                       .get(cpu9, [])}, 30, "cpu9 to stop consuming the later queue")
+        try:
+            app.control.add_consumer(later, destination=[cpu0], reply=True, timeout=10)
+            assert bounced.get(timeout=60)["device"] == "cpu0"
+        finally:
+            app.control.cancel_consumer(later, destination=[cpu0], reply=True, timeout=10)
+        assert (marker / bounced.id).read_text().count("\n") == 1  # never run on cpu9
     client.close()
 
 

@@ -156,6 +156,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         if sent_by_name(task.request, worker.device.name):
             return JobRun(worker, task, job).end(failed=errors.DeviceFailed(
                 f"job {task.request.id} was not run: {worker.device} failed ({failed.reason}) and was drained"))
+        if worker.health.on_failed is not None:  # a queue added since (a sweep's): stop taking it too
+            worker.health.on_failed(failed)
         raise task.retry(countdown=0, max_retries=None)
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
