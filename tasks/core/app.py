@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 #: The worker's bootsteps, one per service of a device worker (their ``requires`` order them),
 #: and the consumer's step that marks it ready.
 WORKER_STEPS = tuple(f"tasks.worker.steps:{step}" for step in (
-    "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "LeaseStep", "ReaperStep", "PreemptionStep",
+    "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "HealthStep", "LeaseStep", "ReaperStep", "PreemptionStep",
     "JobsStep", "GroupsStep", "StopHandlersStep",
 ))
 CONSUMER_STEP = "tasks.worker.steps:ConsumerReadyStep"

@@ -156,6 +156,22 @@ FAIRSHARE_REFRESH_S = 0.5
 #: Bucket bounds (seconds) of the wait-time histogram per level (from send to start).
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0, 7200.0)
 
+# -- A GPU's health service (tasks.worker.health, issue 50) -------------------------------------
+
+#: Seconds one NVML call may take before the health service gives up on it and marks the device
+#: ``suspect`` (a hung driver call; NVML answers a healthy GPU in milliseconds). The call runs
+#: on a thread of its own: the heartbeat and the lease keeper never wait on it.
+HEALTH_NVML_TIMEOUT_S = 5.0
+#: How long one ``nvmlEventSetWait`` waits for an Xid or ECC event (its own timeout, so the
+#: watchdog allows this plus :data:`HEALTH_NVML_TIMEOUT_S`); the loop reads again at once.
+HEALTH_EVENT_WAIT_S = 1.0
+#: How often the health service reads the GPU's counters (volatile uncorrected ECC errors,
+#: retired pages pending, remapped rows pending or failed, the GPU's recovery action).
+HEALTH_POLL_S = 10.0
+#: Seconds a job on a device that just failed has to stop at ``ctx.progress()`` before its
+#: process is ended: short, its GPU is gone (or going) and its work is handed elsewhere.
+HEALTH_STOP_GRACE_S = 1.0
+
 # -- A job process ----------------------------------------------------------------------------
 
 #: Progress reports closer together than this are folded into the next one (a few updates a

@@ -251,6 +251,12 @@ class WorkerStopped(JobError):
     end within the worker's stop timeout; its process was ended."""
 
 
+class DeviceFailed(JobError):
+    """The job's device failed under it (a fatal Xid, a double-bit ECC error: its worker's health
+    service drained it, :mod:`tasks.worker.health`). A job from a shared queue goes back to it
+    without spending an attempt; a job sent to that device by name ends with this error."""
+
+
 class ControlFlow(DeviceFleetError):
     """Not a failure: the worker wing steers a distributed job's rank with these (see the
     module's docstring); they never reach an entry or a producer."""

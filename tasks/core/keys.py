@@ -31,6 +31,9 @@ def job_schemas(device: str) -> str:
 #: Hash ``{device: DeviceState JSON}`` of every device out of service (drained, quarantined,
 #: suspect), no TTL; :mod:`tasks.core.device_state` owns its layout.
 DEVICE_STATE = f"{PREFIX}device-state"
+#: Hash ``{"<device>:<xid>": count}``: the Xid events each device's health service saw
+#: (:mod:`tasks.worker.health`), no TTL; the exporter's ``devicefleet_device_xid_total``.
+XID_COUNTS = f"{PREFIX}xid-counts"
 
 
 # -- leases (tasks.worker.lease, .reaper) ----------------------------------------------------------

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter
 
 from .commands import CommandRules
 from .defaults import CANCEL_GRACE_S
-from .errors import DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
+from .errors import DeviceFailed, DeviceFleetError, JobCancelled, JobTimeout, PeerLost, Preempted, WorkerStopped
 from .priority import Level
 from .records import ErrorInfo, Visibility
 
@@ -59,6 +59,9 @@ class StopReason(str, Enum):
     #: Work of a higher level waits for the device (:mod:`tasks.worker.preemption`): the job goes
     #: back to its queue and runs again.
     PREEMPT = "preempt"
+    #: Its device failed under it (a fatal Xid or ECC event: :mod:`tasks.worker.health`): a job
+    #: from a shared queue goes back to it, one sent to the device by name ends ``DeviceFailed``.
+    DEVICE_FAILED = "device_failed"
 
 
 class ProcessSpec(_Message):
@@ -287,6 +290,10 @@ class Outcome(str, Enum):
     #: as ``error`` (its ``WorkerStopped``), and the stop sent makes it ``fenced``
     #: (:meth:`tasks.worker.supervisor.Ended.under`).
     FENCED = "fenced"
+    #: Its device failed under it (:class:`~tasks.core.errors.DeviceFailed`, decided by the
+    #: worker's health service): the worker hands it back to its shared queue without spending
+    #: an attempt, or stores its entry if it was sent to the device by name. The worker's own.
+    DEVICE_FAILED = "device_failed"
 
 
 #: The error a stopped job ends with, and its outcome, by the reason it was stopped: raised by
@@ -298,6 +305,7 @@ STOPS: dict[StopReason, tuple[type[DeviceFleetError], Outcome]] = {
     StopReason.GANG: (PeerLost, Outcome.PEER_LOST),
     StopReason.FENCED: (WorkerStopped, Outcome.FENCED),
     StopReason.PREEMPT: (Preempted, Outcome.PREEMPTED),
+    StopReason.DEVICE_FAILED: (DeviceFailed, Outcome.DEVICE_FAILED),
 }
 
 

@@ -87,6 +87,10 @@ class WorkerConfig(BaseModel):
     #: Replace a job process whose resident memory grew by more than this (MiB) since it was
     #: ready; 0: never.
     max_memory_growth_mib: int = Field(default=MAX_MEMORY_GROWTH_MIB, ge=0)
+    #: NVML's index of the GPU whose health this worker watches (:mod:`tasks.worker.health`). A
+    #: GPU worker watches its own GPU without it; a CPU worker watches none unless it names one
+    #: (on a host with a GPU and ``nvidia-ml-py``: how the tests drive it with a fake NVML).
+    health_nvml_index: int | None = Field(default=None, ge=0)
     #: The ``[commands]`` table: the programs and folders commands may use on this device
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)

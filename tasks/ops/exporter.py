@@ -44,6 +44,7 @@ from ..core.queue_lists import leveled, lists_beside, step_lists
 from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
+from ..core.xids import read_xid_counts
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         ``"dead_letters"``: how many jobs are kept as dead letters; ``"users"``: ``{user:
         {"usage_s", "device_seconds": {level: s}}}`` (usage decayed to now, the fair share's;
         device-seconds ever, by level); ``"wait_times"``: ``{level: {"le:<bound>", "count", "sum"}}``,
-        each level's histogram of waits from send to start.
+        each level's histogram of waits from send to start; ``"xids"``: ``{device: {xid: count}}``,
+        the Xid events each GPU's health service saw.
     """
     now = time.time() if now is None else now
     live = live_workers(client)
@@ -160,7 +162,8 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "users": {user: {"usage_s": usage.get(user, 0.0),
                              "device_seconds": {level: s for (u, level), s in user_seconds.items() if u == user}}
                       for user in sorted(set(users) | set(usage) | {u for u, _ in user_seconds})},
-            "wait_times": {level.value: fields for level, fields in read_wait_times(client).items()}}
+            "wait_times": {level.value: fields for level, fields in read_wait_times(client).items()},
+            "xids": read_xid_counts(client)}
 
 
 def _first_progress(rec: WorkerRecord | None) -> dict[str, Any] | None:
@@ -286,6 +289,12 @@ class FleetCollector(Collector):
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")
         dead.add_metric([], snap["dead_letters"])
+        xids = CounterMetricFamily("devicefleet_device_xid", "Xid events each device's GPU health service saw, by Xid",
+                                   labels=["device", "xid"])
+        for device, counts in snap["xids"].items():
+            for xid, count in sorted(counts.items()):
+                xids.add_metric([device, str(xid)], count)
+        yield xids
         yield from (jobs, busy_s, fenced, preempted, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
                     wait, gpu, depth, age, dead)
 

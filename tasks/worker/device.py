@@ -50,6 +50,7 @@ from ..core.worker_config import WorkerConfig, load_worker_config
 from .gang import route_address
 from .group import GroupGate
 from .group_host import GroupHostLink, inherited_listener
+from .health import HealthService
 from .heartbeat import Heartbeat
 from .jobenv import job_environment
 from .jobprocess import ProcessGone
@@ -339,6 +340,9 @@ class DeviceWorker:
     gate: GroupGate = field(default_factory=GroupGate)
     #: Says when a running job must make way for higher-level work; None: never.
     preemption: Preemption | None = None
+    #: The GPU's health service (:mod:`tasks.worker.health`): a job stops once its device
+    #: failed; None: the device has none (a CPU device).
+    health: HealthService | None = None
     #: When the worker was asked to stop (monotonic), for running jobs' stop timeout; None
     #: while it runs.
     stopping_since: float | None = None

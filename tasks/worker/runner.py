@@ -45,14 +45,15 @@ from pydantic import ValidationError
 
 from ..core import errors
 from ..core.backend import attach_entry
-from ..core.defaults import GIVE_WAY_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
+from ..core.defaults import GIVE_WAY_S, HEALTH_STOP_GRACE_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
 from ..core.errors import InvalidJobArguments, JobCancelled, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
 from ..core.keys import FRONT_HEADER, OPTIONS_HEADER, PREEMPTIONS_HEADER
 from ..core.priority import Level
-from ..core.queues import key_device
+from ..core.queue_lists import split_level
+from ..core.queues import device_queue, key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
@@ -149,6 +150,15 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         return JobRun(worker, task, job).end(failed=exc)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
+    if worker.health is not None and (failed := worker.health.failed) is not None:
+        # The device failed (its shared queues are no longer consumed): a job sent to it by
+        # name ends at once, one taken from a shared queue meanwhile goes back to it.
+        if sent_by_name(task.request, worker.device.name):
+            return JobRun(worker, task, job).end(failed=errors.DeviceFailed(
+                f"job {task.request.id} was not run: {worker.device} failed ({failed.reason}) and was drained"))
+        if worker.health.on_failed is not None:  # a queue added since (a sweep's): stop taking it too
+            worker.health.on_failed(failed)
+        raise task.retry(countdown=0, max_retries=None)
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
         return _leased(worker, task, job, kwargs, options)
     job_id = str(task.request.id)
@@ -244,10 +254,30 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
             # The same message (id, chord, options) back on the queue: it runs again later.
             run.idle(done=False)
             raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+        case Outcome.DEVICE_FAILED if sent_by_name(task.request, worker.device.name):
+            # Sent to this device and no other: its entry says the device failed, at once (its
+            # process may have crashed first on the failing GPU: the device's failure is why).
+            return run.end(failed=errors.DeviceFailed(ended.stop.message) if ended.stop is not None else None,
+                           ended=ended)
+        case Outcome.DEVICE_FAILED:
+            # Its device failed under it (and is drained: it takes nothing new): back to its
+            # shared queue at once, its lease released (no attempt spent, no death counted).
+            run.idle(done=False)
+            logger.warning("job %s on %s: %s; back to its queue", run.job_id, worker.device,
+                           ended.error.message if ended.error is not None else "its device failed")
+            worker.leases.release(run.job_id)
+            raise task.retry(countdown=0, max_retries=None)
         case Outcome.OK | Outcome.ERROR | Outcome.CANCELLED | Outcome.PEER_LOST:
             return run.end(ended=ended)
         case _:
             assert_never(ended.outcome)
+
+
+def sent_by_name(request: Any, device: str) -> bool:
+    """Whether the job of ``request`` came from ``device``'s own queue (``device.<name>``, at
+    any level), not a queue the device shares with others."""
+    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    return isinstance(queue, str) and split_level(queue)[0] == device_queue(device)
 
 
 def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level | None) -> NoReturn:
@@ -371,6 +401,10 @@ class JobWatch:
         if (why := leases.must_stop(self.job_id)) is not None:
             return StopJob(job_id=self.job_id, reason=StopReason.FENCED, message=f"{where}: {why}",
                            grace_s=leases.fence_grace_s)
+        health = self.worker.health
+        if health is not None and (failed := health.failed) is not None:
+            return StopJob(job_id=self.job_id, reason=StopReason.DEVICE_FAILED, grace_s=HEALTH_STOP_GRACE_S,
+                           message=f"{where}: the device failed ({failed.reason}); it was drained")
         if self.job_id in worker_state.revoked:
             return StopJob(job_id=self.job_id, reason=StopReason.CANCEL, message=f"{where} was cancelled")
         now = time.monotonic()

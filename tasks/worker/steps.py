@@ -17,6 +17,8 @@ services it uses), starts them in that order and stops them in reverse::
     RegistryStep        the Redis client, the heartbeat       no other live process    remove the record, close
                                                               owns the device? then    the client
                                                               the first write
+    HealthStep          the GPU's health service (NVML;       watch the GPU            stop watching
+                        none on a CPU device)
     LeaseStep           the lease keeper                      renew leases             stop renewing
     PreemptionStep      the preemption watch                  look for higher-level    stop looking
                                                               work while jobs run
@@ -52,13 +54,16 @@ from typing import Any, TypeVar
 
 from celery import bootsteps, signals
 
+from ..core.devices import DeviceKind
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
-from ..core.queue_lists import leveled
+from ..core.queue_lists import leveled, split_level
+from ..core.queues import device_queue
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
 from .group import GroupKeeper
+from .health import open_health
 from .heartbeat import Heartbeat
 from .lease import LeaseKeeper
 from .preemption import Preemption, consumed_lists
@@ -180,6 +185,53 @@ class RegistryStep(bootsteps.StartStopStep):
     terminate = stop
 
 
+class HealthStep(bootsteps.StartStopStep):
+    """The GPU's health service (:mod:`tasks.worker.health`): NVML's events and counters, on
+    threads of its own beside the heartbeat; a fatal event drains the device and ends its
+    running job as a device failure. None on a CPU worker (unless its config names an NVML index)."""
+
+    label = "Health"
+    requires = (RegistryStep,)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        setup = built(parent, DeviceStep).setup
+        index, uuid = setup.config.health_nvml_index, None
+        if index is None and setup.device.kind is DeviceKind.GPU:
+            index, uuid = setup.device.index, built(parent, JobProcessesStep).processes.visibility.uuid
+        self.health = open_health(built(parent, RegistryStep).client, setup.device.name, index, uuid)
+
+    def start(self, parent: Any) -> None:
+        if self.health is not None:
+            device = built(parent, DeviceStep).setup.device.name
+            self.health.on_failed = lambda verdict: stop_shared_queues(parent.consumer, device)
+            self.health.start()
+
+    def stop(self, parent: Any) -> None:
+        if self.health is not None:
+            self.health.stop()
+
+    terminate = stop
+
+
+def stop_shared_queues(consumer: Any, device: str) -> None:
+    """Stop taking messages from every queue ``device`` shares with others (its kind's, the
+    fleet's, a sweep's), at every level, keeping its own (``device.<name>``: a job sent to it by
+    name gets its ``DeviceFailed`` entry at once). Called from any thread: the consumer's loop
+    cancels them (Celery's ``cancel_consumer`` does the same)."""
+    own = device_queue(device)
+
+    def cancel() -> None:
+        for queue in list(consumer.app.amqp.queues.consume_from or consumer.app.amqp.queues):
+            if split_level(queue)[0] != own:
+                consumer.cancel_task_queue(queue)
+
+    if consumer.hub is not None:
+        consumer.hub.call_soon(cancel)
+    else:  # no event loop (a solo pool's blocking consumer): the next drain sees the change
+        cancel()
+
+
 class LeaseStep(bootsteps.StartStopStep):
     """The lease keeper: takes, renews and releases the leases of the jobs this worker runs
     (:mod:`tasks.worker.lease`)."""
@@ -264,7 +316,7 @@ class JobsStep(bootsteps.StartStopStep):
     gets its stop timeout (:meth:`~tasks.worker.device.DeviceWorker.drain`)."""
 
     label = "Jobs"
-    requires = (LeaseStep, ReaperStep, PreemptionStep)
+    requires = (LeaseStep, ReaperStep, PreemptionStep, HealthStep)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
@@ -273,7 +325,7 @@ class JobsStep(bootsteps.StartStopStep):
             setup=built(parent, DeviceStep).setup, processes=built(parent, JobProcessesStep).processes,
             slots=built(parent, SlotsStep).slots, client=registry.client, heartbeat=registry.heartbeat,
             leases=built(parent, LeaseStep).leases, reaper=built(parent, ReaperStep).reaper,
-            preemption=built(parent, PreemptionStep).preemption,
+            preemption=built(parent, PreemptionStep).preemption, health=built(parent, HealthStep).health,
         )
         # Celery's components hang their state on the worker (w.pool, w.timer): so does this one
         # (the consumer answers a job outside the allowlist with it).

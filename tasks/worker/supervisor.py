@@ -204,7 +204,10 @@ class Ended:
             outcome = Outcome.FENCED
         elif stop is not None and stop.reason is StopReason.PREEMPT:
             outcome = outcome if outcome is Outcome.OK else Outcome.PREEMPTED
-        elif outcome in (Outcome.PREEMPTED, Outcome.FENCED):
+        elif stop is not None and stop.reason is StopReason.DEVICE_FAILED:
+            # However its process ended (a crash, likely, on a GPU gone): its device's failure.
+            outcome = outcome if outcome is Outcome.OK else Outcome.DEVICE_FAILED
+        elif outcome in (Outcome.PREEMPTED, Outcome.FENCED, Outcome.DEVICE_FAILED):
             outcome = Outcome.ERROR
         return dataclasses.replace(self, outcome=outcome, stop=stop)
 
