@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .commands import CommandPolicy
 from .defaults import (
     CANCEL_GRACE_S,
+    KEPT_USER_PROCESSES,
     LOADER_CORES,
     MAX_JOB_SECONDS,
     MAX_MEMORY_GROWTH_MIB,
@@ -87,6 +88,9 @@ class WorkerConfig(BaseModel):
     #: Replace a job process whose resident memory grew by more than this (MiB) since it was
     #: ready; 0: never.
     max_memory_growth_mib: int = Field(default=MAX_MEMORY_GROWTH_MIB, ge=0)
+    #: Idle job processes of other users kept warm beyond the slots and spares (a process runs
+    #: one user's jobs only); 0: another user's job retires the least recently used one.
+    kept_user_processes: int = Field(default=KEPT_USER_PROCESSES, ge=0, le=MAX_SLOTS)
     #: The ``[commands]`` table: the programs and folders commands may use on this device
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)

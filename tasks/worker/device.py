@@ -217,6 +217,7 @@ class JobProcesses:
         policy = ProcessPolicy(
             jobs_per_process=config.jobs_per_process,
             max_memory_growth_bytes=config.max_memory_growth_mib * 2**20,
+            kept_user_processes=config.kept_user_processes,
             cancel_grace_s=config.cancel_grace_s,
         )
         # Under systemd a GPU worker gets a listening socket for the group host, which starts
