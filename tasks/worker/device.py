@@ -297,6 +297,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
         device_name=v.device_name, total_memory=v.total_memory, torch_version=v.torch_version,
         torch_threads=v.torch_threads,
         job_pids=processes.supervisor.pids,
+        spare_pids=processes.supervisor.spare_pids,
         commands=processes.supervisor.spec.commands,
         gpu_links=read_links(setup.device.index) if setup.device.kind is DeviceKind.GPU else None,
     )

@@ -318,6 +318,12 @@ class Supervisor:
         with self._cond:
             return [p.pid for p in [*self._busy, *self._idle] if p.alive]
 
+    @property
+    def spare_pids(self) -> list[int]:
+        """The idle job processes that ran no job yet: any user's job may take one."""
+        with self._cond:
+            return [p.pid for p in self._idle if p.alive and p.owner is None]
+
     # -- running a job -----------------------------------------------------------------------
 
     def run(self, job: RunJob, watch: Watch, slot: Slot | None = None, apart: Apart | None = None) -> Ended:
@@ -455,10 +461,10 @@ class Supervisor:
                 process = owners.pick(self._idle, owner)
                 if process is not None:
                     self._idle.remove(process)
-                    process.owner = owner
+                    spare, process.owner = process.owner is None, owner
                     self._busy.add(process)
                     self._cond.notify_all()  # the spare may be taken: the spawner makes another
-                    return process
+                    break
                 left = deadline - time.monotonic()
                 if self._closed or left <= 0:
                     raise NoJobProcess(
@@ -470,6 +476,9 @@ class Supervisor:
                     self._cond.wait(left)
                 finally:
                     self._waiting -= 1
+        if spare:
+            self._changed()  # the registry lists the spares
+        return process
 
     def _give_back(self, process: JobProcess, retire: str | None) -> None:
         with self._cond:
