@@ -87,3 +87,27 @@ def test_a_job_waiting_for_a_process_asks_for_one_beyond_the_spare() -> None:
     assert sup._room() == (False, None)  # the spare on its way is enough
     sup._waiting = 1  # carol's job waits for that one: another spare, bob's (least recent) makes room
     assert sup._room() == (True, bob)
+
+
+def test_a_packs_leader_sends_another_users_trial_back_to_run_alone() -> None:
+    from tasks.core.records import JobOptions
+    from tasks.core.wire import Outcome
+    from tasks.worker.launch import Launch
+    from tasks.worker.modes import _one_users
+    from tasks.worker.pack import Room
+    from tasks.worker.slots import Slot
+
+    slot = Slot(index=0, cores=[0], threads=1, budget_bytes=None)
+
+    def launch(job_id: str, user: str) -> Launch:
+        message = RunJob(job_id=job_id, job="packed", kwargs={}, options={"user": user}, fan_out_id="f")
+        return Launch(message=message, options=JobOptions(user=user), watch=None, slot=slot)  # type: ignore[arg-type]
+
+    leader, mine, theirs = launch("a", "alice"), launch("b", "alice"), launch("c", "bob")
+    room = Room(leader)
+    room.expect("b")
+    room.expect("c")
+    assert _one_users(leader, room, [mine, theirs]) == [mine]
+    ended = room.join(theirs)  # its thread gets its ending at once: back to its queue
+    assert ended.outcome is Outcome.UNPACK
+    assert ended.error is not None and "its user is not its pack leader's (alice)" in ended.error.message
