@@ -657,3 +657,21 @@ def packed(ctx: JobContext, params: PackedParams) -> dict[str, Any]:
         ctx.progress(epoch=epoch, epochs=params.epochs)
     accuracy = (net(split.x_test).argmax(dim=1) == split.y_test).float().mean().item()
     return {"accuracy": accuracy, "packed": None}
+
+
+#: What the ``remember`` jobs run in this process kept: the module global a job of one user must
+#: never find another user's value in.
+_KEPT: list[str] = []
+
+
+class RememberParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: str
+
+
+@job("remember", params=RememberParams)
+def remember(ctx: JobContext, params: RememberParams) -> dict[str, Any]:
+    """Keep ``value`` in a module global; return what earlier jobs of this process kept and the pid."""
+    seen = list(_KEPT)
+    _KEPT.append(params.value)
+    return {"pid": os.getpid(), "seen": seen}

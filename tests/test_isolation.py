@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psutil
@@ -140,6 +141,26 @@ def test_a_job_that_rewrites_its_environment_does_not_change_the_next_jobs(fleet
     assert second["pid"] == first["pid"]  # the same process: it was put back between the jobs
     assert second == first
     assert first["cuda_visible_devices"] == "-1" and first["marker"] is None and first["cwd"] != "/"
+
+
+@pytest.mark.timeout(240)
+def test_two_users_alternating_never_share_a_job_process_and_each_reuses_its_own(fleet, app):
+    tag = uuid.uuid4().hex[:8]
+    alice, bob = f"alice-{tag}", f"bob-{tag}"
+    runs = []
+    for user in [alice, bob] * 3:
+        out = fan_out("remember", ["cpu0"], kwargs={"value": user}, user=user, app=app).get(timeout=120)["cpu0"]
+        assert out["status"] == "ok", out["error"]
+        runs.append((user, out["output"]["pid"], out["output"]["seen"]))
+    pids = {who: {pid for user, pid, _ in runs if user == who} for who in (alice, bob)}
+    # No job ran in a process that ran the other user's: it found only its own user's values.
+    assert not pids[alice] & pids[bob], runs
+    assert all(set(seen) <= {user} for user, _, seen in runs), runs
+    # Each user's jobs ran warm in one process (the device keeps one other user's warm), the
+    # first in a spare that had run no job.
+    assert len(pids[alice]) == 1 and len(pids[bob]) == 1, runs
+    for who in (alice, bob):
+        assert [seen for user, _, seen in runs if user == who] == [[], [who], [who, who]], runs
 
 
 def test_the_worker_process_never_loads_torch_its_job_processes_do(fleet, app):

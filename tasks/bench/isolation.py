@@ -13,7 +13,13 @@ of the bench fleet, with the misbehaving jobs of :mod:`.misbehave` (allowlisted 
   ``cancel_grace_s`` (:data:`CANCEL_GRACE_S` in the bench's worker configs, reported as
   ``cancel_grace_s``) is part of it: the job cannot stop by itself, so its process is ended;
 - ``respawn_s``: from the crash until the device has a warm spare again (its registry record
-  lists two live job processes), which it waits for before each round.
+  lists two live job processes), which it waits for before each round;
+- ``next_job_same_user_s``: from the send of a ``stamp`` job until it starts, right after a job
+  of the same user on the device: it runs in that user's warm process (a job process runs one
+  user's jobs: :mod:`tasks.worker.owners`);
+- ``next_job_other_user_s``: the same for a job of a user new to the device, right after: it
+  runs in the warm spare, never in the process the last user's job ran in (the user has sent a
+  job to another device first, :data:`USER_SETTLE_S` before, where the fleet has one).
 
 Each figure is the median over the rounds, with every round's own beside it (``*_rounds``).
 """
@@ -26,6 +32,7 @@ import re
 import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,11 @@ POLL_S = 0.02
 #: How long the ``segfault`` job waits before it crashes, so that the next job is queued behind
 #: it by then: ``next_job_after_crash_s`` is the device's recovery, not the producer's send.
 CRASH_DELAY_S = 0.2
+#: How long a user new to the fleet takes to be served by a worker idle in its blocking read
+#: (fair share's lists are read again once that read times out: kombu's ``brpop_timeout``, 1 s),
+#: waited after the user's first job elsewhere, so ``next_job_other_user_s`` is the device's
+#: process choice, not fair share's discovery of a user.
+USER_SETTLE_S = 2.0
 
 
 def write_worker_configs(source: Path, dest: Path, cancel_grace_s: float = CANCEL_GRACE_S) -> Path:
@@ -70,13 +82,13 @@ def _wait(check: Callable[[], Any], what: str) -> Any:
 
 
 def wait_warm(app: Celery, device: str, gone: Collection[int] = ()) -> float:
-    """Wait until ``device`` lists a job process per slot and its spares, none of them in
-    ``gone`` (processes that were ended); returns ``time.time()`` then."""
+    """Wait until ``device`` lists a job process per slot and its spares (processes that ran no
+    job yet), none of them in ``gone`` (processes that were ended); returns ``time.time()`` then."""
     def warm() -> float | None:
         record = live_devices(app).get(device)
         if record is None or set(record.job_pids) & set(gone):
             return None
-        if len(record.job_pids) < record.slot_count + SPARE_PROCESSES:
+        if len(record.job_pids) < record.slot_count + SPARE_PROCESSES or len(record.spare_pids) < SPARE_PROCESSES:
             return None
         return time.time()
 
@@ -123,6 +135,37 @@ def crash_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
             "respawn_s": warm_at - mark["t"]}
 
 
+def _stamp(app: Celery, device: str, user: str | None) -> tuple[float, int]:
+    """A ``stamp`` job of ``user``: seconds from its send until it started, and its pid."""
+    sent = time.time()
+    handle = fan_out("stamp", [device], user=user, app=app)
+    started = _started(handle, device)
+    return started - sent, int(_entry(handle, device)["output"]["pid"])
+
+
+def users_round(app: Celery, device: str, tag: str) -> dict[str, float]:
+    """The bench's user's job right after one of theirs, then a job of a user new to the device
+    (``bench-<tag>``, known to the fleet); each from the steady state, and back to it."""
+    other_user = f"bench-{tag}"
+    elsewhere = sorted(d for d in live_devices(app) if d != device)
+    if elsewhere:
+        _stamp(app, elsewhere[0], other_user)
+        time.sleep(USER_SETTLE_S)
+    else:
+        logger.warning("isolation: one device only: next_job_other_user_s includes fair share's discovery of a user")
+    _, first = _stamp(app, device, None)
+    same_s, again = _stamp(app, device, None)
+    if again != first:
+        raise RuntimeError(f"isolation bench: the next job of the same user ran in process {again}, "
+                           f"not in its warm {first}")
+    wait_warm(app, device)
+    other_s, other = _stamp(app, device, other_user)
+    if other == first:
+        raise RuntimeError(f"isolation bench: another user's job ran in process {first}, which ran the bench user's")
+    wait_warm(app, device)
+    return {"next_job_same_user_s": same_s, "next_job_other_user_s": other_s}
+
+
 def cancel_round(app: Celery, device: str, markers: Path) -> dict[str, float]:
     """One ``hang`` job, cancelled once it runs, and a ``stamp`` queued behind it."""
     hung = fan_out(("hang", {"marker_dir": str(markers)}), [device], app=app)
@@ -148,9 +191,10 @@ def measure(app: Celery, device: str, *, quick: bool, cancel_grace_s: float) -> 
         markers = Path(tmp)
         wait_warm(app, device)
         _started(fan_out("stamp", [device], app=app), device)  # warm: the first job's costs
-        for _ in range(rounds):
+        for index in range(rounds):
             # Each step starts from the steady state (a warm spare) that the last one waited for.
-            for figures in (crash_round(app, device, markers), cancel_round(app, device, markers)):
+            for figures in (crash_round(app, device, markers), cancel_round(app, device, markers),
+                            users_round(app, device, f"{index}-{uuid.uuid4().hex[:8]}")):
                 for key, value in figures.items():
                     samples.setdefault(key, []).append(value)
     out: dict[str, Any] = {key: statistics.median(values) for key, values in samples.items()}

@@ -36,6 +36,8 @@ KEYS = (
     "isolation.next_job_after_crash_s",
     "isolation.cancel_to_free_s",
     "isolation.cancel_grace_s",
+    "isolation.next_job_same_user_s",
+    "isolation.next_job_other_user_s",
     "slots.trials_per_s_vs_one",
     "slots.busy_fraction",
     "pack.plain_trials_per_s",
@@ -189,6 +191,9 @@ def table(figures: dict[str, Any]) -> Table:
     if "isolation.cancel_to_entry_s" in flat:
         extra["isolation.cancel_to_free_s"] = (f"a job that never reports; its entry "
                                                f"{flat['isolation.cancel_to_entry_s']:.2f} s after the cancel")
+    if "isolation.next_job_same_user_s" in flat:
+        extra["isolation.next_job_other_user_s"] = ("a user new to the device, in the warm spare; the same user's "
+                                                    f"next: {flat['isolation.next_job_same_user_s']:.3f} s")
     if "commands.direct_s" in flat:
         extra["commands.vs_direct"] = (
             f"fleet {flat['commands.fleet_s']:.2f} s, direct {flat['commands.direct_s']:.2f} s; the fleet adds "

@@ -119,6 +119,12 @@ MAX_MEMORY_GROWTH_MIB = 2048
 PROCESS_START_TIMEOUT_S = 120.0
 #: Spare job processes kept alive beside one per slot, so a retired one is replaced at once.
 SPARE_PROCESSES = 1
+#: Idle job processes of users other than the last a device keeps warm beyond its slots and
+#: spares (``kept_user_processes``): a job process runs one user's jobs only
+#: (:mod:`tasks.worker.owners`), so two users who alternate on a device each find their own warm
+#: process; each costs a process's memory (a CUDA context on a GPU), the least recently used
+#: goes first. 0: an owned process is retired whenever its spare is needed for another user.
+KEPT_USER_PROCESSES = 1
 #: How often a running job's watch is asked whether to stop it (also the longest a cancel waits
 #: before its stop request goes out).
 JOB_POLL_S = 0.05

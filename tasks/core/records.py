@@ -375,6 +375,9 @@ class WorkerRecord(_Record):
     heartbeat_at: float | None = None
     #: The worker's job processes alive now (the one running a job first), where its jobs run.
     job_pids: list[int] = Field(default_factory=list)
+    #: Those of them that ran no job yet: the spares any user's job may take (a job process runs
+    #: one user's jobs: :mod:`tasks.worker.owners`).
+    spare_pids: list[int] = Field(default_factory=list)
     #: The programs and folders commands may use here (its worker config's ``[commands]``,
     #: resolved when it started); None: it runs no commands.
     commands: CommandRules | None = None

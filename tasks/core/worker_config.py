@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .commands import CommandPolicy
 from .defaults import (
     CANCEL_GRACE_S,
+    KEPT_USER_PROCESSES,
     LOADER_CORES,
     MAX_JOB_SECONDS,
     MAX_MEMORY_GROWTH_MIB,
@@ -91,6 +92,9 @@ class WorkerConfig(BaseModel):
     #: GPU worker watches its own GPU without it; a CPU worker watches none unless it names one
     #: (on a host with a GPU and ``nvidia-ml-py``: how the tests drive it with a fake NVML).
     health_nvml_index: int | None = Field(default=None, ge=0)
+    #: Idle job processes of other users kept warm beyond the slots and spares (a process runs
+    #: one user's jobs only); 0: another user's job retires the least recently used one.
+    kept_user_processes: int = Field(default=KEPT_USER_PROCESSES, ge=0, le=MAX_SLOTS)
     #: The ``[commands]`` table: the programs and folders commands may use on this device
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)

@@ -218,6 +218,7 @@ class JobProcesses:
         policy = ProcessPolicy(
             jobs_per_process=config.jobs_per_process,
             max_memory_growth_bytes=config.max_memory_growth_mib * 2**20,
+            kept_user_processes=config.kept_user_processes,
             cancel_grace_s=config.cancel_grace_s,
         )
         # Under systemd a GPU worker gets a listening socket for the group host, which starts
@@ -297,6 +298,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
         device_name=v.device_name, total_memory=v.total_memory, torch_version=v.torch_version,
         torch_threads=v.torch_threads,
         job_pids=processes.supervisor.pids,
+        spare_pids=processes.supervisor.spare_pids,
         commands=processes.supervisor.spec.commands,
         gpu_links=read_links(setup.device.index) if setup.device.kind is DeviceKind.GPU else None,
     )

@@ -111,6 +111,9 @@ class JobProcess:
         self.refused: Refused | None = None
         #: Jobs this process has run.
         self.jobs_run = 0
+        #: The user of the first job it ran (:mod:`tasks.worker.owners`): it runs no other
+        #: user's; None until it runs one.
+        self.owner: str | None = None
         #: GPU memory it held before its first job (its CUDA context), as the worker's meter
         #: measured it; None until measured.
         self.device_baseline: int | None = None

@@ -33,7 +33,7 @@ from ..core.defaults import PACK_AUTO_MAX, PACK_JOIN_TIMEOUT_S
 from ..core.errors import NoJobProcess
 from ..core.records import JobOptions
 from ..core.wire import RunJob, RunPack
-from . import gang, group
+from . import gang, group, owners
 from .group import GroupGate
 from .launch import Launch
 from .pack import Room, Rooms
@@ -136,6 +136,7 @@ class Pack:
         try:
             taken = launch.siblings(room, wanted) if launch.siblings is not None and wanted > 0 else 0
             members = room.wait_joined(PACK_JOIN_TIMEOUT_S) if taken else []
+            members = _one_users(launch, room, members)
             if not members:
                 return self.plain.run(launch)
             return self._lead(launch, room, members)
@@ -162,6 +163,20 @@ class Pack:
             return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
         assert mine, "run_pack ends every member"
         return mine[0]
+
+
+def _one_users(leader: Launch, room: Room, members: list[Launch]) -> list[Launch]:
+    """The ``members`` of the leader's user: one job process runs one user's jobs
+    (:mod:`tasks.worker.owners`), so another's trial (its queue shared by two users' sweeps) goes
+    back to run alone."""
+    owner = owners.owner_of(leader.message)
+    mine = []
+    for member in members:
+        if owners.owner_of(member.message) == owner:
+            mine.append(member)
+        else:
+            room.unpack(member.message.job_id, f"its user is not its pack leader's ({owner or 'local'})")
+    return mine
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,10 @@ class Room:
             seat.ended = ended
             seat.done.set()
 
+    def unpack(self, job_id: str, why: str) -> None:
+        """End member ``job_id`` as :data:`Outcome.UNPACK` (``why``): back to its queue, alone."""
+        self.deliver(job_id, _unpacked(job_id, why))
+
     def close(self, why: str) -> None:
         """End every member that has no ending yet as :data:`Outcome.UNPACK` (``why``)."""
         with self._cond:

@@ -174,7 +174,7 @@ class RegistryStep(bootsteps.StartStopStep):
             check_unique(self.client, setup)
         heartbeat = self.heartbeat
         heartbeat.start()
-        supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids)
+        supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids, spare_pids=supervisor.spare_pids)
         supervisor.on_change()  # a spare that got ready before the hook was there
         logger.info("%s joined the fleet at %s", setup.device, redact_url(self.url))
 

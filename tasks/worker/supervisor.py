@@ -23,6 +23,12 @@ threshold, after ``jobs_per_process`` jobs, or after a device group's job that l
 behind (they end with it, before the group's devices run anything else). Otherwise it runs the next job too, from the
 environment and working directory it started with (:mod:`tasks.jobproc.runtime`).
 
+A process belongs to the user of the first job it runs and never runs another user's
+(:mod:`tasks.worker.owners`): a job takes a warm process of its own user, else the unowned spare,
+and a fresh spare is spawned in the background. Up to ``kept_user_processes`` idle processes of
+other users stay warm beyond the slots and spares (users who alternate each find theirs); past
+that, the least recently used is retired to make room for the spare.
+
 Job processes are started by :func:`tasks.core.children.spawn_child`: each leads its own process
 group and gets SIGKILL from the kernel when its worker dies, however the worker dies.
 """
@@ -42,6 +48,7 @@ import psutil
 
 from ..core.defaults import (
     CANCEL_GRACE_S,
+    KEPT_USER_PROCESSES,
     MEMORY_SAMPLE_S,
     PROCESS_START_TIMEOUT_S,
     RESPAWN_BACKOFF_S,
@@ -68,7 +75,7 @@ from ..core.wire import (
     StopReason,
     StoreOpened,
 )
-from . import memory
+from . import memory, owners
 from .group_host import GroupHostLink
 from .jobprocess import JobProcess, ProcessGone
 from .memory import MemoryMeter
@@ -91,6 +98,8 @@ class ProcessPolicy:
     cancel_grace_s: float = CANCEL_GRACE_S
     #: Seconds a new process has to import torch and the job modules and say hello.
     start_timeout_s: float = PROCESS_START_TIMEOUT_S
+    #: Idle processes of other users kept warm beyond the slots and spares (:mod:`.owners`).
+    kept_user_processes: int = KEPT_USER_PROCESSES
 
 
 class Watch(Protocol):
@@ -239,6 +248,8 @@ class Supervisor:
         self.label = label
         #: Job processes kept alive: one per slot and the spares.
         self.warm = slots + SPARE_PROCESSES
+        #: The most job processes alive at once: the warm ones and the other users' kept.
+        self.most = self.warm + policy.kept_user_processes
         #: Measures a running job's memory against its slot's budget (set by the device worker
         #: once the first process said what the device is); None: not measured.
         self.meter: MemoryMeter | None = None
@@ -248,6 +259,8 @@ class Supervisor:
         self._idle: list[JobProcess] = []
         self._busy: set[JobProcess] = set()
         self._spawning = 0
+        #: Jobs waiting for a process (none of their user's and no spare was idle).
+        self._waiting = 0
         self._closed = False
         self._last_failure: str | None = None
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
@@ -308,6 +321,12 @@ class Supervisor:
         with self._cond:
             return [p.pid for p in [*self._busy, *self._idle] if p.alive]
 
+    @property
+    def spare_pids(self) -> list[int]:
+        """The idle job processes that ran no job yet: any user's job may take one."""
+        with self._cond:
+            return [p.pid for p in self._idle if p.alive and p.owner is None]
+
     # -- running a job -----------------------------------------------------------------------
 
     def run(self, job: RunJob, watch: Watch, slot: Slot | None = None, apart: Apart | None = None) -> Ended:
@@ -320,7 +339,7 @@ class Supervisor:
         """
         if apart is not None:
             return self._run_apart(job, watch, apart)
-        process = self._take()
+        process = self._take(owners.owner_of(job))
         budget = None
         if slot is not None:
             if job.devices is None:  # a group's job comes with its devices' cores
@@ -351,7 +370,7 @@ class Supervisor:
         Raises:
             NoJobProcess: none became ready within the start timeout (no member was ended).
         """
-        process = self._take()
+        process = self._take(owners.pack_owner(pack.members))
         first = self._in_slot(pack.members[0], slot, process)
         placed = {"slot": first.slot, "cores": first.cores, "torch_threads": first.torch_threads,
                   "allocator_limit_bytes": first.allocator_limit_bytes}
@@ -430,25 +449,39 @@ class Supervisor:
             return f"it ran jobs_per_process={self.policy.jobs_per_process} jobs"
         return None
 
-    def _take(self) -> JobProcess:
+    def _take(self, owner: str) -> JobProcess:
+        """A ready process for a job of ``owner``: its own warm one, else the spare (then
+        ``owner``'s), else the next fresh one (:func:`owners.pick`)."""
         deadline = time.monotonic() + self.policy.start_timeout_s
         with self._cond:
             while True:
-                while self._idle:
-                    process = self._idle.pop(0)
-                    if process.alive:
-                        self._busy.add(process)
-                        return process
+                for dead in [p for p in self._idle if not p.alive]:
+                    self._idle.remove(dead)
                     logger.warning("%s: idle job process %d died (%s); replacing it", self.label,
-                                   process.pid, process.exit_text())
-                    process.kill("it died while idle")  # reaped, its group and pipe closed
+                                   dead.pid, dead.exit_text())
+                    dead.kill("it died while idle")  # reaped, its group and pipe closed
                     self._cond.notify_all()
+                process = owners.pick(self._idle, owner)
+                if process is not None:
+                    self._idle.remove(process)
+                    spare, process.owner = process.owner is None, owner
+                    self._busy.add(process)
+                    self._cond.notify_all()  # the spare may be taken: the spawner makes another
+                    break
                 left = deadline - time.monotonic()
                 if self._closed or left <= 0:
                     raise NoJobProcess(
                         f"{self.label}: no job process became ready in {self.policy.start_timeout_s:g} s"
                         + (f"; the last start failed: {self._last_failure}" if self._last_failure else ""))
-                self._cond.wait(left)
+                self._waiting += 1
+                self._cond.notify_all()  # one more spare wanted
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+        if spare:
+            self._changed()  # the registry lists the spares
+        return process
 
     def _give_back(self, process: JobProcess, retire: str | None) -> None:
         with self._cond:
@@ -473,15 +506,36 @@ class Supervisor:
     def _spawn(self) -> JobProcess:
         return JobProcess(self.spec, self._env, self._cwd, self.label)
 
+    def _room(self) -> tuple[bool, JobProcess | None]:
+        """Whether to spawn a process now (one per slot and the spares, or a job of a user with
+        no process of theirs waits), and the idle one to retire first to stay within
+        :attr:`most` (the least recently used of some user's). Called under the lock."""
+        alive = len(self._idle) + len(self._busy) + self._spawning
+        unowned = owners.spares(self._idle) + self._spawning
+        if alive >= self.warm and unowned >= SPARE_PROCESSES + self._waiting:
+            return False, None
+        if alive < self.most:
+            return True, None
+        old = owners.victim(self._idle)
+        return old is not None, old
+
     def _keep_warm(self) -> None:
         backoff = RESPAWN_BACKOFF_S[0]
         while True:
             with self._cond:
-                while not self._closed and len(self._idle) + len(self._busy) + self._spawning >= self.warm:
+                while not self._closed and not (room := self._room())[0]:
                     self._cond.wait()
                 if self._closed:
                     return
+                old = room[1]
+                if old is not None:
+                    self._idle.remove(old)
                 self._spawning += 1
+            if old is not None:
+                logger.info("%s: retiring job process %d of user %r: its place goes to a fresh spare",
+                            self.label, old.pid, old.owner)
+                old.kill("its place went to a fresh spare for another user's job")
+                self._changed()
             process: JobProcess | None = None
             try:
                 process = self._spawn()

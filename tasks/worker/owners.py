@@ -1,0 +1,78 @@
+"""Which warm job process may run a job: each belongs to the user of the first job it ran.
+
+A job process runs many jobs (that is the fleet's speed: no torch import per job), so whatever a
+job leaves in it (a module global, a cached dataset, a tokenizer's state) is there for the next
+job it runs. A process therefore belongs to the user of its first job (its *owner*) and never
+runs another user's: a job takes a warm process of its own user, else an unowned spare (which
+becomes its user's), else waits for a fresh one. :class:`tasks.worker.supervisor.Supervisor`
+keeps the pool; these are its choices, pure, so that they are tested apart from processes.
+
+Owners are user names as the job's options carry them (``JobOptions.user``); a job sent with
+none belongs to :data:`LOCAL`, the fleet's one local user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
+
+from ..core.wire import RunJob
+
+#: The owner of a job that names no user: the fleet's one local user (an embedded ``up``).
+LOCAL = ""
+
+
+class Owned(Protocol):
+    """A job process as these choices see it."""
+
+    #: The user of the first job it ran; None: it ran none yet (a spare anyone may take).
+    owner: str | None
+
+
+P = TypeVar("P", bound=Owned)
+
+
+def owner_of(job: RunJob) -> str:
+    """The user ``job`` runs for (:data:`LOCAL` when it names none)."""
+    user = job.options.get("user") if isinstance(job.options, dict) else None
+    return user if isinstance(user, str) and user else LOCAL
+
+
+def pack_owner(members: Sequence[RunJob]) -> str:
+    """The one user of a pack's ``members``.
+
+    Raises:
+        ValueError: they are not all one user's (a pack's leader takes only its own user's
+            trials: :class:`tasks.worker.modes.Pack`).
+    """
+    owners = {owner_of(member) for member in members}
+    if len(owners) != 1:
+        raise ValueError(f"a pack mixes the jobs of users {sorted(owners)}: one process runs one user's jobs")
+    return owners.pop()
+
+
+def pick(idle: Sequence[P], owner: str) -> P | None:
+    """The idle process a job of ``owner`` takes: the first of ``owner``'s own (``idle`` lists
+    the most recently used first: its caches are hot), else the first unowned spare; None: it
+    must wait for a fresh one."""
+    spare = None
+    for process in idle:
+        if process.owner == owner:
+            return process
+        if process.owner is None and spare is None:
+            spare = process
+    return spare
+
+
+def spares(idle: Sequence[Owned]) -> int:
+    """How many of ``idle`` are unowned (any user's job may take them)."""
+    return sum(1 for process in idle if process.owner is None)
+
+
+def victim(idle: Sequence[P]) -> P | None:
+    """The process to retire to make room for a fresh spare: the least recently used owned
+    one (``idle`` lists the most recently used first); None: there is none idle."""
+    for process in reversed(idle):
+        if process.owner is not None:
+            return process
+    return None
