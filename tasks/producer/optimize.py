@@ -54,12 +54,24 @@ from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from ..core.job import PROGRESS_STATE
+from ..core.placement import Constraints
 from ..core.priority import Level
 from ..core.records import Entry, EntryStatus
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
+from .fanout import (
+    ALL,
+    JobLike,
+    JobSpec,
+    check_jobs,
+    check_kwargs,
+    constrained,
+    live_devices,
+    placed,
+    prioritized,
+    select_devices,
+)
 from .handle import JobHandle, Summary
 from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
@@ -202,6 +214,7 @@ def start_study(
     priority: Level | str | None = None,
     user: str | None = None,
     group: int | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> StudyHandle:
@@ -228,6 +241,7 @@ def start_study(
         group: run each trial over ``group`` devices of one kind on one host at once, in one
             job process (a device group, as :func:`tasks.sweep`'s ``group``): one trial per
             group at a time by default; a trial's ``device`` user attribute names its group.
+        constraints: what a device must be to run a trial (as :func:`tasks.sweep`'s).
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -235,7 +249,7 @@ def start_study(
     Raises:
         MissingExtra: Optuna is not installed.
         ConfigError: a bad space, direction, objective or count.
-        DeviceUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
+        DeviceUnavailable, PlacementUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
             sent; the fixed kwargs are checked, the sampled ones are the study's).
         SweepConflict: a study of that name exists for another job.
     """
@@ -249,12 +263,12 @@ def start_study(
         raise ConfigError(f"direction={direction!r}: use 'maximize' or 'minimize'")
     if not isinstance(objective, str) or not objective:
         raise ConfigError(f"objective={objective!r}: name the field of the job's output to optimize")
-    base = JobSpec.sharing(prioritized(job, priority, user), kwargs)
+    base = JobSpec.sharing(constrained(prioritized(job, priority, user), constraints), kwargs)
     clash = sorted(set(distributions) & set(base.kwargs))
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
-    chosen = select_devices(devices, live)
+    chosen = placed(select_devices(devices, live), live, base, connections.redis)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
@@ -276,7 +290,7 @@ def start_study(
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
     queue = TrialQueue(app, f"optuna-{study_name}", chosen, live, connections=connections, level=base.level,
-                       groups=groups)
+                       groups=groups, own=base.options.constraints is not None)
     queue.attach()
     handle = StudyHandle(_StudyRun(optuna, study, queue, base, distributions, objective, n_trials, limit,
                                    on_update))

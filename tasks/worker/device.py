@@ -298,6 +298,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
         job_pids=processes.supervisor.pids,
         commands=processes.supervisor.spec.commands,
         gpu_links=read_links(setup.device.index) if setup.device.kind is DeviceKind.GPU else None,
+        compute_capability=v.compute_capability, labels=dict(setup.config.labels),
     )
 
 
