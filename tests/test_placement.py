@@ -22,7 +22,7 @@ from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
 from tasks.core.registry import connect, live_workers
 from tasks.producer.fanout import JobSpec
 
-from .conftest import FLEET_LABELS, cli_env
+from .conftest import FLEET_LABELS, cli_env, wait_for
 
 RACK_B = {"labels": {"rack": "b"}}
 
@@ -195,3 +195,22 @@ def test_the_cli_refuses_a_bad_requirement_in_one_line(fleet):
     assert out.returncode != 0 and out.stdout == ""
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "did you mean 'min_memory_gib'" in lines[0], out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_placed_trial_waits_for_its_busy_device_and_waiting_says_what_it_asks(fleet, app, tmp_path):
+    release = tmp_path / "release"
+    hold = tasks.fan_out("hold", ["cpu1"], kwargs={"steps": 1, "release_file": str(release)},
+                         options={"preemptible": False}, app=app)
+    try:
+        wait_for(lambda: hold.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+        handle = tasks.sweep("echo", [{"value": 1}], "cpu", constraints=RACK_B, app=app)
+        mine = wait_for(lambda: [job for job in tasks.waiting(app) if job.job_id in handle.task_ids], 30,
+                        "the trial listed as waiting")
+        assert mine[0].devices == ["cpu1"] and mine[0].constraints == 'label.rack="b"'
+        assert mine[0].reason.startswith('it asks for a device with label.rack="b": ')
+        assert "every device that can take it is busy (cpu1: hold" in mine[0].reason
+    finally:
+        release.touch()
+    assert hold.get(timeout=30)["cpu1"]["status"] == "ok"
+    assert [entry["device"] for entry in handle.get(timeout=30)] == ["cpu1"]
