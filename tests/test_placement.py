@@ -214,3 +214,21 @@ def test_a_placed_trial_waits_for_its_busy_device_and_waiting_says_what_it_asks(
         release.touch()
     assert hold.get(timeout=30)["cpu1"]["status"] == "ok"
     assert [entry["device"] for entry in handle.get(timeout=30)] == ["cpu1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_gpu_worker_registers_its_model_memory_and_compute_capability_and_is_placed_by_them(fleet, app):
+    import torch
+
+    gpus = {d: r for d, r in tasks.live_devices(app).items() if r.kind == "gpu"}
+    assert "gpu0" in gpus, "a GPU host runs a GPU worker"
+    device, record = "gpu0", gpus["gpu0"]
+    major, minor = torch.cuda.get_device_capability(0)
+    assert record.compute_capability == f"{major}.{minor}"
+    assert record.total_memory and record.device_name == torch.cuda.get_device_name(0)
+    exact = {"gpu_model": record.device_name, "min_compute_capability": record.compute_capability,
+             "min_memory_gib": record.total_memory // GIB}
+    assert device in tasks.fan_out("noop", "all", constraints=exact, app=app).get(timeout=60)
+    with pytest.raises(PlacementUnavailable, match=f"{device}: memory"):
+        tasks.fan_out("noop", "gpu", constraints={"min_memory_gib": record.total_memory / GIB + 1}, app=app)
