@@ -162,6 +162,9 @@ def test_an_impossible_constraint_is_refused_before_anything_is_sent(fleet, app)
         assert "cpu1: label rack is \"b\", not \"c\"" in message
         with pytest.raises(PlacementUnavailable):
             tasks.fan_out("echo", "cpu", constraints={"min_memory_gib": 1 << 19}, app=app)
+        with pytest.raises(PlacementUnavailable, match="kind=gpu"):
+            tasks.start_study("echo", {"value": [1, 2]}, 2, "value", devices="cpu", constraints={"kind": "gpu"},
+                              app=app)
         # A device out of service is not placed on: rack=b only on cpu1, which is drained.
         write_state(client, DeviceState(device="cpu1", state="drained", reason="test", by="test"))
         try:
@@ -204,6 +207,8 @@ def test_a_placed_trial_waits_for_its_busy_device_and_waiting_says_what_it_asks(
                          options={"preemptible": False}, app=app)
     try:
         wait_for(lambda: hold.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+        # What waiting() says cpu1 runs is its registry record's, once its heartbeat wrote the busy slot.
+        wait_for(lambda: tasks.live_devices(app)["cpu1"].running, 30, "cpu1's record showing the hold job")
         handle = tasks.sweep("echo", [{"value": 1}], "cpu", constraints=RACK_B, app=app)
         mine = wait_for(lambda: [job for job in tasks.waiting(app) if job.job_id in handle.task_ids], 30,
                         "the trial listed as waiting")
