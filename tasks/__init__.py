@@ -46,12 +46,14 @@ from .core.errors import (
     NoJobProcess,
     OutOfMemory,
     PackTooLarge,
+    PlacementUnavailable,
     SweepConflict,
     UnknownJob,
     WorkerLost,
     WorkerStopped,
 )
 from .core.job import JobContext, JobMetric, PackData, Packing, job
+from .core.placement import Constraints
 from .core.priority import Level
 from .core.queues import QueueName
 from .core.records import ENTRY_KEYS, DeadLetter, Entry, EntryStatus, JobOptions, WorkerRecord
@@ -108,6 +110,8 @@ __all__ = [
     "FleetError",
     "FleetLost",
     "GroupUnavailable",
+    "PlacementUnavailable",
+    "Constraints",
     "InvalidJobArguments",
     "JobCancelled",
     "JobContext",

@@ -255,6 +255,25 @@ def _priority_options(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="The jobs' level: a free device takes urgent work first, batch work last.")(func)
 
 
+def _require_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--require KEY=VALUE`` (repeatable): what a device must be to run the jobs
+    (:mod:`tasks.core.placement`)."""
+    return click.option("--require", "require", multiple=True, metavar="KEY=VALUE",
+                        help="Run only on devices that are this (repeatable): min_memory_gib=40, gpu_model=H100, "
+                             "kind=gpu, min_compute_capability=8.0, host=NAME, label.NAME=VALUE.")(func)
+
+
+def _constraints(require: tuple[str, ...]) -> Any:
+    """``--require``'s items as :class:`~tasks.core.placement.Constraints` (None without any).
+
+    Raises:
+        ConfigError: an item is not KEY=VALUE, or names an unknown key or a bad value.
+    """
+    from .core.placement import parse_requirements
+
+    return parse_requirements(require) if require else None
+
+
 def _job_or_command(job: str | None, env_pairs: tuple[str, ...], cwd: str | None) -> Any:
     """JOB, or the command after ``--`` (a :func:`tasks.command` job).
 
@@ -325,12 +344,13 @@ def _parse_kwargs(text: str | None) -> dict[str, Any]:
 @click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True),
               help="With --distributed: seconds a rank waits for the others to start [default: 120].")
 @_priority_options
+@_require_option
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_text: str | None, devices: str,
         timeout: float, as_json: bool, progress: bool, fallback: str | None, time_limit: float | None,
         max_attempts: int | None, per_slot: bool, distributed: bool, group: int | None, backend: str | None,
         max_restarts: int | None, join_timeout: float | None, priority: str, user: str | None,
-        redis_url: str | None) -> None:
+        require: tuple[str, ...], redis_url: str | None) -> None:
     """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 3 if the
     fleet went away before every device reported, 130 after Ctrl-C (which cancels the fan-out).
 
@@ -355,7 +375,8 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
     options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
     handle = fan_out(target, devices, kwargs=kwargs,
                      options={k: v for k, v in options.items() if v is not None} or None,
-                     distributed=gang, per_slot=per_slot, group=group, priority=priority, app=app)
+                     distributed=gang, per_slot=per_slot, group=group, priority=priority,
+                     constraints=_constraints(require), app=app)
     if is_command:
         watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
     else:
@@ -466,12 +487,13 @@ def _parse_pack(text: str | None) -> int | str | None:
 @click.option("--timeout", type=float, default=SWEEP_TIMEOUT_S, show_default=True, help="Seconds to wait for every trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print every trial's entry as JSON.")
 @_priority_options
+@_require_option
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_file: Path | None,
           grid_text: str | None, kwargs_text: str | None, devices: str, name: str | None,
           max_concurrent: int | None, group: int | None, pack_text: str | None, objective: str | None,
           direction: str, timeout: float, as_json: bool, priority: str, user: str | None,
-          redis_url: str | None) -> None:
+          require: tuple[str, ...], redis_url: str | None) -> None:
     """Run JOB once per trial over DEVICES, each device taking the next trial when free.
 
     Prints the trials ranked by --objective (or every entry with --json). Exits 1 if a trial
@@ -492,7 +514,8 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     app = _producer_app(settings)
     handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
                          max_concurrent=max_concurrent, priority=priority, group=group,
-                         pack=_parse_pack(pack_text), kwargs=_parse_kwargs(kwargs_text), app=app)
+                         pack=_parse_pack(pack_text), kwargs=_parse_kwargs(kwargs_text),
+                         constraints=_constraints(require), app=app)
     if pack_text is not None:
         err_console.print(f"sweep {handle.id}: {handle.packing.reason}")
     watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
@@ -530,11 +553,12 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
 @click.option("--timeout", type=float, help="Seconds to run in all (default: until every trial ends).")
 @click.option("--json", "as_json", is_flag=True, help="Print the study's trials and best as JSON.")
 @_priority_options
+@_require_option
 @click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
 def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space_text: str, n_trials: int, objective: str, direction: str, pruner: str, seed: int | None,
              kwargs_text: str | None, devices: str, name: str | None, max_concurrent: int | None,
              group: int | None, pack_text: str | None, timeout: float | None, as_json: bool, priority: str,
-             user: str | None, redis_url: str | None) -> None:
+             user: str | None, require: tuple[str, ...], redis_url: str | None) -> None:
     """Tune JOB's parameters with Optuna: each trial runs on the next free device.
 
     The study lives in the fleet's Redis (Optuna's journal storage); prints the trials ranked by
@@ -561,7 +585,8 @@ def optimize(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, space
                               direction=direction, devices=devices, pruner=pruner, name=name,
                               sampler=optuna.samplers.TPESampler(seed=seed) if seed is not None else None,
                               kwargs=_parse_kwargs(kwargs_text), max_concurrent=max_concurrent, group=group,
-                              pack=_parse_pack(pack_text), timeout=timeout, on_update=view, priority=priority, app=app)
+                              pack=_parse_pack(pack_text), timeout=timeout, on_update=view, priority=priority,
+                              constraints=_constraints(require), app=app)
     except KeyboardInterrupt:
         raise SystemExit(EXIT_INTERRUPTED) from None
     rows = study_rows(study)

@@ -138,12 +138,27 @@ FLEET_CANCEL_GRACE_S = 2.0
 FLEET_MEMORY_GROWTH_MIB = 300
 
 
+#: The session fleet's CPU devices' labels (their own worker configs, cpu0.toml and cpu1.toml):
+#: a mixed fleet for placement's tests (tests/test_placement.py).
+FLEET_LABELS: dict[str, dict[str, object]] = {"cpu0": {"rack": "a"}, "cpu1": {"rack": "b", "nvlink": True}}
+
+
+def label_devices(configs: Path, labels: dict[str, dict[str, object]]) -> None:
+    """Give each device of ``labels`` its own config: its kind's template with its ``[labels]``."""
+    for device, values in labels.items():
+        kind = device.rstrip("0123456789")
+        body = "\n".join(f"{key} = {json.dumps(value)}" for key, value in values.items())
+        (configs / f"{device}.toml").write_text(f"{(configs / f'{kind}.toml').read_text().rstrip()}\n\n[labels]\n{body}\n")
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Two CPU devices (and each visible GPU) on an embedded redis-server."""
+    """Two CPU devices (and each visible GPU) on an embedded redis-server; the CPU devices carry
+    :data:`FLEET_LABELS`."""
     state = tmp_path_factory.mktemp("fleet")
     configs = worker_configs(state / "worker_configs", tables={"commands": FLEET_COMMANDS},
                              cancel_grace_s=FLEET_CANCEL_GRACE_S, max_memory_growth_mib=FLEET_MEMORY_GROWTH_MIB)
+    label_devices(configs, FLEET_LABELS)
     settings = make_settings(state, worker_configs_dir=configs, job_modules=FLEET_JOB_MODULES)
     with Fleet(settings, cpu_workers=2, stop_timeout=20, extra_env=test_env()).start() as running:
         yield running

@@ -214,6 +214,14 @@ GANG_ALIVE_TTL_MS = 3_000
 #: A rank that gave its device up to an older gang (wait-die) comes back after this long.
 GIVE_WAY_S = 0.5
 
+# -- Placement (tasks.core.placement) -------------------------------------------------------
+
+#: Times a job from a shared queue is handed back by workers whose devices do not meet its
+#: constraints (each after ``GIVE_WAY_S``) before it ends as ``DeviceMismatch``: the producer sends
+#: placed work only to matching devices, so this is only reached when every matching device
+#: changed or left while it waited.
+PLACEMENT_HAND_BACKS = 120
+
 # -- Packed trials (tasks.worker.pack) ------------------------------------------------------
 
 #: The most trials one pack may hold (``tasks.sweep(..., pack=K)``), and what ``pack="auto"``

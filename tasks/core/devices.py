@@ -124,6 +124,7 @@ def visibility() -> dict[str, Any]:
         "total_memory": props.total_memory if props is not None else None,
         # How NVML finds the same GPU (its index order need not be CUDA's): "GPU-<uuid>".
         "uuid": _nvml_uuid(getattr(props, "uuid", None)) if props is not None else None,
+        "compute_capability": f"{props.major}.{props.minor}" if props is not None else None,
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }

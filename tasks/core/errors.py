@@ -142,6 +142,19 @@ class GroupUnavailable(FanOutError, LookupError):
         )
 
 
+class PlacementUnavailable(FanOutError, LookupError):
+    """No live device in service meets a job's constraints (:mod:`tasks.core.placement`); nothing was sent."""
+
+    def __init__(self, asked: str, closest: Mapping[str, str], considered: int) -> None:
+        self.asked = asked
+        self.closest = dict(closest)
+        lacks = "; ".join(f"{device}: {why}" for device, why in self.closest.items())
+        super().__init__(
+            f"no live device meets the constraints {asked} (of {considered} considered); closest: "
+            f"{lacks or 'no live worker'}. Ask for less, or start or label a device that has it (nothing was sent)."
+        )
+
+
 class FanOutTimeout(FanOutError, TimeoutError):
     """``FanOut.get`` ran out of time before every device reported."""
 
@@ -244,6 +257,11 @@ class JobTimeout(JobError, TimeoutError):
 class WorkerLost(JobError):
     """Each of the job's last ``max_attempts`` runs took its whole worker down (the worker
     died holding it); it is not run again, and is kept in the dead-letter record."""
+
+
+class DeviceMismatch(JobError, LookupError):
+    """A job sent to one device by name asks for what that device is not (its constraints: see
+    :mod:`tasks.core.placement`; the device changed since it was sent); it did not run."""
 
 
 class WorkerStopped(JobError):

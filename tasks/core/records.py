@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 from .commands import CommandRules
 from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS, PACK_MAX
 from .errors import ConfigError
+from .placement import Constraints, LabelValue
 from .priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 
 
@@ -277,6 +278,9 @@ class JobOptions(_Record):
     #: with up to K-1 more trials of its queue as one packed model; ``"auto"``: as many as fit
     #: the slot's budget. None: the trial runs alone.
     pack: int | Literal["auto"] | None = None
+    #: What the device that runs the job must be (:mod:`tasks.core.placement`): the producer sends
+    #: it only to matching devices; a worker whose device does not match hands it back.
+    constraints: Constraints | None = None
 
     @field_validator("priority", mode="before")
     @classmethod
@@ -387,6 +391,11 @@ class WorkerRecord(_Record):
     #: None where nothing was read: a CPU device, or no NVML. The producer's choice of a GPU
     #: group's devices reads it (:func:`tasks.core.groups.choose_groups`).
     gpu_links: dict[int, str] | None = None
+    #: A GPU's CUDA compute capability, ``"9.0"``; None on a CPU device (:mod:`tasks.core.placement`).
+    compute_capability: str | None = None
+    #: What its worker config's ``labels`` say the device is (``{"nvlink": true, "rack": "a"}``):
+    #: what jobs' ``labels`` constraints match.
+    labels: dict[str, LabelValue] = Field(default_factory=dict)
 
     def same_process(self, host: str, pid: int) -> bool:
         return self.host == host and self.pid == pid

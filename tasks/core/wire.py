@@ -116,6 +116,8 @@ class DeviceView(BaseModel):
     total_memory: int | None = None
     #: How NVML finds the same GPU: ``GPU-<uuid>``; None on a CPU.
     uuid: str | None = None
+    #: The GPU's CUDA compute capability, ``"9.0"``; None on a CPU.
+    compute_capability: str | None = None
     torch_version: str | None = None
     torch_threads: int | None = None
 

@@ -27,6 +27,7 @@ from .defaults import (
 )
 from .devices import Device, DeviceKind, parse_core_list
 from .errors import ConfigError
+from .placement import LabelValue
 from .validation import describe_validation_error
 
 
@@ -98,6 +99,9 @@ class WorkerConfig(BaseModel):
     #: The ``[commands]`` table: the programs and folders commands may use on this device
     #: (``devicefleet run -- CMD``); empty: the device runs no commands.
     commands: CommandPolicy = Field(default_factory=CommandPolicy)
+    #: What the device is, beyond what the worker detects (``labels = {nvlink = true, rack = "a"}``):
+    #: JSON scalars that jobs' placement constraints match (``--require label.nvlink=true``).
+    labels: dict[str, LabelValue] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod

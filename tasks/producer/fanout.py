@@ -43,12 +43,14 @@ from ..core import keys
 from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
+from ..core.device_state import read_states
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import OPTIONS_HEADER
+from ..core.placement import Constraints, place
 from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
@@ -204,6 +206,33 @@ def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord
     if missing:
         raise DeviceUnavailable(missing, live)
     return chosen
+
+
+def constrained(spec: JobSpec, constraints: Constraints | Mapping[str, Any] | None) -> JobSpec:
+    """``spec`` with ``constraints`` in its options (its options' own when none are given): they
+    travel with the job, so a worker whose device does not match hands it back.
+
+    Raises:
+        ConfigError: an unknown constraint or a bad value (:meth:`Constraints.parse`).
+    """
+    parsed = Constraints.parse(constraints)
+    if parsed is None or parsed == spec.options.constraints:
+        return spec
+    return spec.model_copy(update={"options": spec.options.model_copy(update={"constraints": parsed})})
+
+
+def placed(chosen: Sequence[str], live: Mapping[str, WorkerRecord], spec: JobSpec, client: redis.Redis) -> list[str]:
+    """The devices of ``chosen`` that meet ``spec``'s constraints and are in service
+    (:mod:`tasks.core.device_state`); ``chosen`` itself when it has none (no Redis read).
+
+    Raises:
+        PlacementUnavailable: no device of ``chosen`` does (nothing was sent).
+    """
+    constraints = spec.options.constraints
+    if constraints is None:
+        return list(chosen)
+    out = [device for device, state in read_states(client).items() if not state.in_service]
+    return place(chosen, live, constraints, out)
 
 
 def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) -> None:
@@ -380,6 +409,7 @@ def fan_out(
     priority: Level | str | None = None,
     user: str | None = None,
     group: int | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> FanOut:
@@ -408,6 +438,9 @@ def fan_out(
             cores, every GPU visible); as many groups as ``devices`` make, each keyed by its
             devices joined with ``+`` (``cpu0+cpu1``). A mapping's key names a group the same
             way: ``{"cpu0+cpu1": job}``. See the device groups guide.
+        constraints: what a device must be to run the job (:class:`~tasks.core.placement.Constraints`
+            or a dict: ``{"min_memory_gib": 40, "labels": {"nvlink": True}}``): of ``devices``,
+            those that meet them and are in service; with a mapping, each named device must.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` (or
             :class:`~tasks.producer.connections.Connections`) whose Redis connections the handle
@@ -417,7 +450,10 @@ def fan_out(
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``, or
             a named group's devices are not of one kind on one host (nothing is sent).
-        ConfigError: a job spec is malformed, or ``priority`` or ``user`` is invalid.
+        PlacementUnavailable: no device of ``devices`` in service meets ``constraints``, or a
+            device a mapping names does not (nothing is sent).
+        ConfigError: a job spec is malformed, ``priority`` or ``user`` is invalid, or a
+            constraint is unknown or bad.
         UnknownJob: a device's worker does not run the job (nothing is sent).
         InvalidJobArguments: the job's params refuse the kwargs (nothing is sent).
     """
@@ -435,17 +471,19 @@ def fan_out(
         if group is not None:
             raise ConfigError("group= goes with one job over devices=...; in a mapping, name a group "
                               "by its devices: {'cpu0+cpu1': job}")
-        plan = {device: prioritized(job, priority, user) for device, job in jobs.items()}
+        plan = {device: constrained(prioritized(job, priority, user), constraints) for device, job in jobs.items()}
         live = live_devices(client=client)
         # raises DeviceUnavailable before anything is sent
         select_devices([device for key in jobs for device in key_devices(key)], live)
+        _check_named(plan, live, client.redis)
         whys = {key: f"{key}: named by the caller" for key in plan if GROUP_SEPARATOR in key}
         for key in whys:
             check_named_group(key_devices(key), live)
     else:
-        spec = prioritized(JobSpec.of(jobs, kwargs, options), priority, user)  # type: ignore[arg-type]
+        spec = constrained(prioritized(JobSpec.of(jobs, kwargs, options), priority, user),  # type: ignore[arg-type]
+                           constraints)
         live = live_devices(client=client)
-        chosen = select_devices(devices, live)
+        chosen = placed(select_devices(devices, live), live, spec, client.redis)
         whys = {}
         if group is not None:
             whys = {choice.key: choice.why for choice in choose_groups(chosen, live, check_group_size(group))}
@@ -467,6 +505,19 @@ def fan_out(
         plan = {slot_key(device, copy): spec for device, spec in plan.items()
                 for copy in range(live[device].slot_count)}
     return FanOut(app, plan, _send(app, plan), client)
+
+
+def _check_named(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord], client: redis.Redis) -> None:
+    """Each device a mapping names meets its job's constraints.
+
+    Raises:
+        PlacementUnavailable: a named device does not (nothing is sent).
+    """
+    for key, spec in plan.items():
+        devices = key_devices(key)
+        kept = placed(devices, live, spec, client)
+        if len(kept) < len(devices):  # the others meet none of it: this raises, naming what each lacks
+            placed([device for device in devices if device not in kept], live, spec, client)
 
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:

@@ -62,13 +62,25 @@ from ..core.commands import COMMAND_JOB
 from ..core.defaults import PACK_AUTO_MAX
 from ..core.errors import ConfigError, FanOutTimeout, MissingExtra, SweepConflict
 from ..core.job import PROGRESS_STATE
+from ..core.placement import Constraints
 from ..core.priority import Level
 from ..core.queues import sweep_queue
 from ..core.records import Entry, EntryStatus, parse_pack
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
+from .fanout import (
+    ALL,
+    JobLike,
+    JobSpec,
+    check_jobs,
+    check_kwargs,
+    constrained,
+    live_devices,
+    placed,
+    prioritized,
+    select_devices,
+)
 from .handle import JobHandle, Summary
 from .packing import Packing, packed_spec, plan_study_packing
 from .reader import Meta, state_of
@@ -213,6 +225,7 @@ def start_study(
     user: str | None = None,
     group: int | None = None,
     pack: int | str | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> StudyHandle:
@@ -243,6 +256,7 @@ def start_study(
             ``"auto"`` (as :func:`tasks.sweep`'s ``pack``); ``max_concurrent`` then defaults to
             that many trials per slot. A study that samples a param the job's models' shapes
             hang on runs unpacked, and ``handle.packing.reason`` says why.
+        constraints: what a device must be to run a trial (as :func:`tasks.sweep`'s).
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -251,7 +265,7 @@ def start_study(
         MissingExtra: Optuna is not installed.
         ConfigError: a bad space, direction, objective or count, or a ``pack`` that
             :func:`tasks.sweep` refuses (a bad count, a job or command that does not pack).
-        DeviceUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
+        DeviceUnavailable, PlacementUnavailable, UnknownJob, InvalidJobArguments: as for :func:`tasks.fan_out` (nothing is
             sent; the fixed kwargs are checked, the sampled ones are the study's).
         SweepConflict: a study of that name exists for another job.
     """
@@ -266,12 +280,12 @@ def start_study(
         raise ConfigError(f"direction={direction!r}: use 'maximize' or 'minimize'")
     if not isinstance(objective, str) or not objective:
         raise ConfigError(f"objective={objective!r}: name the field of the job's output to optimize")
-    base = JobSpec.sharing(prioritized(job, priority, user), kwargs)
+    base = JobSpec.sharing(constrained(prioritized(job, priority, user), constraints), kwargs)
     clash = sorted(set(distributions) & set(base.kwargs))
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
-    chosen = select_devices(devices, live)
+    chosen = placed(select_devices(devices, live), live, base, connections.redis)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
@@ -296,9 +310,11 @@ def start_study(
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
     queue_id = f"optuna-{study_name}"
-    # A packed study's queue holds only its trials: the worker that takes one pulls its siblings.
+    # A packed study's queue holds only its trials: the worker that takes one pulls its siblings;
+    # a placed one's too, so that only the matching devices (and none that joins later) take them.
     queue = TrialQueue(app, queue_id, chosen, live, queue=sweep_queue(queue_id) if packing.packed else None,
-                       connections=connections, level=base.level, groups=groups)
+                       connections=connections, level=base.level, groups=groups,
+                       own=base.options.constraints is not None)
     queue.attach()
     handle = StudyHandle(_StudyRun(optuna, study, queue, packed_spec(base, packing), distributions, objective,
                                    n_trials, limit, on_update, packing))

@@ -40,11 +40,22 @@ from ..core import keys
 from ..core.commands import COMMAND_JOB, command_params
 from ..core.defaults import RESULT_EXPIRES_S
 from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
+from ..core.placement import Constraints
 from ..core.priority import Level
-from ..core.queues import sweep_queue
 from ..core.records import SweepRecord, parse_pack
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
+from .fanout import (
+    ALL,
+    JobLike,
+    JobSpec,
+    check_jobs,
+    check_kwargs,
+    constrained,
+    live_devices,
+    placed,
+    prioritized,
+    select_devices,
+)
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
 from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
@@ -276,6 +287,7 @@ def sweep(
     user: str | None = None,
     group: int | None = None,
     pack: int | str | None = None,
+    constraints: Constraints | Mapping[str, Any] | None = None,
     app: Celery | None = None,
     client: Connections | None = None,
 ) -> Sweep:
@@ -301,6 +313,8 @@ def sweep(
             or ``"auto"``: as many as fit the slot's memory budget (:mod:`tasks.producer.packing`).
             The job must opt in; trials that differ in a param their model's shape hangs on run
             unpacked, and ``handle.packing.reason`` says why. A packed sweep has its own queue.
+        constraints: what a device must be to run a trial (:mod:`tasks.core.placement`): the
+            trials go to a queue only the devices of ``devices`` that meet them consume.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -310,6 +324,8 @@ def sweep(
             ``user`` is invalid, or ``pack`` is not a count >= 1 or ``"auto"``, or asks a job or a
             command that does not pack.
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
+        PlacementUnavailable: no device of ``devices`` in service meets ``constraints``
+            (nothing is sent).
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``
             (nothing is sent).
         UnknownJob: a device's worker does not run the job (nothing is sent).
@@ -318,15 +334,16 @@ def sweep(
     """
     app = app or (client.app if client is not None else default_app())
     connections = client if client is not None and client.app is app else Connections.of(app)
-    specs = trial_specs(prioritized(job, priority, user), trials, kwargs)
+    specs = trial_specs(constrained(prioritized(job, priority, user), constraints), trials, kwargs)
     parse_pack(pack)  # a bad value is refused before the registry is read
     if max_concurrent is not None and max_concurrent < 1:
         raise ConfigError(f"max_concurrent={max_concurrent!r}: give at least 1, or None for all at once")
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
     live = live_devices(client=connections)
-    chosen = select_devices(devices, live)
-    groups = trial_groups(chosen, live, group, specs[0] if specs else JobSpec.of(job))
+    base = specs[0] if specs else constrained(JobSpec.of(job), constraints)
+    chosen = placed(select_devices(devices, live), live, base, connections.redis)
+    groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
         max_concurrent = max_concurrent if max_concurrent is not None else len(groups)
@@ -338,7 +355,7 @@ def sweep(
     specs = [packed_spec(spec, packing) for spec in specs]
     sweep_id = name or uuid.uuid4().hex
     # A packed sweep's queue holds only its trials: the worker that takes one pulls its siblings.
-    queue_name = sweep_queue(sweep_id) if packing.packed else queue_for(sweep_id, chosen, live)
+    queue_name = queue_for(sweep_id, chosen, live, own=packing.packed or base.options.constraints is not None)
     record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,
                          digest=digest(specs), trials=len(specs), devices=chosen,
                          queue=queue_name, created_at=time.time())

@@ -66,9 +66,12 @@ def trial_task_id(queue_id: str, trial: int) -> str:
     return str(uuid.uuid5(TRIAL_NAMESPACE, f"{queue_id}/{trial}"))
 
 
-def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord]) -> str:
+def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord], *, own: bool = False) -> str:
     """The queue that exactly ``devices`` consume: ``fleet`` for every live device, ``cpu`` or
-    ``gpu`` for every device of that kind, else the sweep's own (see the module's docstring)."""
+    ``gpu`` for every device of that kind, else (or with ``own``: placed trials, which a worker
+    that joins later must not take) the sweep's own (see the module's docstring)."""
+    if own:
+        return sweep_queue(queue_id)
     chosen = set(devices)
     if chosen == set(live):
         return QueueName.FLEET.value
@@ -102,14 +105,14 @@ class TrialQueue:
     def __init__(self, app: Celery, queue_id: str, devices: list[str],
                  live: Mapping[str, WorkerRecord], queue: str | None = None,
                  connections: Connections | None = None, level: Level = DEFAULT_LEVEL,
-                 groups: list[GroupChoice] | None = None) -> None:
+                 groups: list[GroupChoice] | None = None, own: bool = False) -> None:
         self.app = app
         self.connections = connections or Connections.of(app)
         #: The trials' states and progress (kept once final).
         self.reader = StateReader(self.connections)
         self.id = queue_id
         #: The queue the trials go to (:func:`queue_for`, or a resumed sweep's).
-        self.queue = queue or queue_for(queue_id, devices, live)
+        self.queue = queue or queue_for(queue_id, devices, live, own=own)
         #: Whether the queue is the sweep's own, which the workers consume only when asked.
         self.own = self.queue == sweep_queue(queue_id)
         #: The trials' level, and the queue's list of that level (what the workers consume).

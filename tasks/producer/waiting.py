@@ -71,6 +71,9 @@ class WaitingJob(BaseModel):
     reason: str
     #: When it was sent (the sender's clock; None if its message does not say).
     sent_at: float | None = None
+    #: What it asks of a device (``min_memory_gib=40 label.nvlink=true``: :mod:`tasks.core.placement`);
+    #: ``devices`` are then the consumers that meet it. None: any consumer.
+    constraints: str | None = None
 
 
 def waiting(app: Celery | None = None, *, client: Connections | None = None) -> list[WaitingJob]:
@@ -128,11 +131,19 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
             message = _decode(item)
             if message is None:
                 continue
-            ahead = min((_ahead(orders[d], name, depths, ahead_here) for d in consumers), key=lambda pair: pair[0])
+            options: JobOptions = message["options"]
+            # A placed job waits for the consumers that meet its constraints (the others hand it back).
+            able = consumers if options.constraints is None else \
+                [d for d in consumers if options.constraints.matches(live[d])]
+            ahead = min((_ahead(orders[d], name, depths, ahead_here) for d in able or consumers),
+                        key=lambda pair: pair[0])
+            reason = _reason(ahead, split_level(name)[1], able, busy_text)
+            asked = options.constraints.describe() if options.constraints is not None else None
             jobs.append(WaitingJob(
-                job_id=message["id"], job=message["job"], level=message["options"].priority,
-                user=message["options"].user, queue=split_user(name)[0], devices=consumers, position=ahead[0] + 1,
-                reason=_reason(ahead, split_level(name)[1], consumers, busy_text), sent_at=message["sent_at"],
+                job_id=message["id"], job=message["job"], level=options.priority,
+                user=options.user, queue=split_user(name)[0], devices=able, position=ahead[0] + 1,
+                reason=f"it asks for a device with {asked}: {reason}" if asked else reason,
+                sent_at=message["sent_at"], constraints=asked,
             ))
     jobs.sort(key=lambda job: (job.level.rank, job.position, job.queue, job.user or ""))
     return jobs

@@ -45,8 +45,8 @@ from pydantic import ValidationError
 
 from ..core import errors
 from ..core.backend import attach_entry
-from ..core.defaults import GIVE_WAY_S, HEALTH_STOP_GRACE_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S
-from ..core.errors import InvalidJobArguments, JobCancelled, OutOfMemory, WorkerLost
+from ..core.defaults import GIVE_WAY_S, HEALTH_STOP_GRACE_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S, PLACEMENT_HAND_BACKS
+from ..core.errors import DeviceMismatch, InvalidJobArguments, JobCancelled, OutOfMemory, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
@@ -148,6 +148,10 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         options = job_options(task.request)
     except InvalidJobArguments as exc:  # refused before it takes anything: there is nothing to run
         return JobRun(worker, task, job).end(failed=exc)
+    if options.constraints is not None and task.request.id is not None:
+        mismatch = _mismatch(worker, task, options)
+        if mismatch is not None:
+            return JobRun(worker, task, job).end(failed=mismatch)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
     if worker.health is not None and (failed := worker.health.failed) is not None:
@@ -174,6 +178,30 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
             retired=None, outcome=Outcome.CANCELLED))
     # The worker stops while a group holds the device: the message goes back to the queue.
     raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+
+
+def _mismatch(worker: DeviceWorker, task: Task, options: JobOptions) -> DeviceMismatch | None:
+    """None when this device meets the job's constraints. The producer sent the job only where
+    they held; a device that changed since (restarted with other labels) never runs it: one taken
+    from a shared queue goes back to it for a matching device (this worker's own record is read,
+    no Redis), one sent here by name gets its error entry.
+
+    Raises:
+        celery.exceptions.Retry: the job is handed back to its shared queue.
+    """
+    assert options.constraints is not None
+    why = options.constraints.why_not(worker.heartbeat.record)
+    if not why:
+        return None
+    queue = split_level(str((task.request.delivery_info or {}).get("routing_key") or ""))[0]
+    handed_back = int(task.request.retries or 0)
+    if queue != device_queue(worker.device.name) and handed_back < PLACEMENT_HAND_BACKS:
+        logger.info("job %s asks for %s; %s: %s; handing it back to %s", task.request.id,
+                    options.constraints.describe(), worker.device.name, why, queue)
+        raise task.retry(countdown=GIVE_WAY_S, max_retries=PLACEMENT_HAND_BACKS)
+    after = f" (handed back {handed_back} times: no matching device took it)" if handed_back else ""
+    return DeviceMismatch(f"{worker.device.name} does not meet the job's constraints "
+                          f"{options.constraints.describe()}: {why}; it did not run{after}")
 
 
 def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:

@@ -1,0 +1,239 @@
+"""Placement by what a device is (issue 50, item 4): :mod:`tasks.core.placement`'s constraints
+in process, then against the session fleet, whose CPU devices carry different labels
+(``conftest.FLEET_LABELS``: cpu0 ``rack=a``, cpu1 ``rack=b, nvlink=true``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import pytest
+
+import tasks
+from tasks.core import keys
+from tasks.core.device_state import DeviceState, write_state
+from tasks.core.errors import ConfigError, PlacementUnavailable
+from tasks.core.placement import GIB, Constraints, parse_requirements, place
+from tasks.core.queue_lists import QueueLists
+from tasks.core.queues import device_queue, sweep_queue
+from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
+from tasks.core.registry import connect, live_workers
+from tasks.producer.fanout import JobSpec
+
+from .conftest import FLEET_LABELS, cli_env, wait_for
+
+RACK_B = {"labels": {"rack": "b"}}
+
+
+def _record(device: str, **fields: Any) -> WorkerRecord:
+    values: dict[str, Any] = {"device": device, "kind": "gpu", "worker": f"{device}@h", "host": "h", "pid": 1,
+                              "queues": [], "cores": [0], "pool": "threads", "jobs": [], "started_at": 0.0}
+    values.update(fields)
+    return WorkerRecord(**values)
+
+
+H100 = _record("gpu0", device_name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB, compute_capability="9.0",
+               labels={"nvlink": True, "rack": "a"})
+T4 = _record("gpu1", device_name="Tesla T4", total_memory=16 * GIB, compute_capability="7.5", host="h2")
+CPU = _record("cpu0", kind="cpu", device_name="Intel Xeon", slots=[SlotRecord(index=0, cores=[0], budget_bytes=8 * GIB)])
+
+
+# -- the record, in process -----------------------------------------------------------------------
+
+
+def test_constraints_match_what_a_device_is_and_say_what_it_lacks():
+    big = Constraints.parse({"min_memory_gib": 40, "gpu_model": "h100", "min_compute_capability": 8,
+                             "labels": {"nvlink": True}})
+    assert big is not None and big.min_compute_capability == "8.0"
+    assert big.matches(H100) and big.why_not(H100) == ""
+    assert not big.matches(T4)
+    assert big.unmet(T4) == ["model is Tesla T4, not h100", "memory 16.0 GiB < 40 GiB",
+                             "compute capability 7.5 < 8.0", "label nvlink is unset, not true"]
+    # A CPU device's memory is its slots' budgets; it has no compute capability.
+    assert Constraints(min_memory_gib=8).matches(CPU) and not Constraints(min_memory_gib=9).matches(CPU)
+    assert Constraints(min_compute_capability="7.0").why_not(CPU) == "compute capability none < 7.0"
+    assert Constraints(kind="cpu").matches(CPU) and not Constraints(kind="cpu").matches(H100)
+    assert Constraints(host="h2").matches(T4) and not Constraints(host="h2").matches(H100)
+    # A label's value is compared with its type: true is not 1, "a" is not "A".
+    assert not Constraints(labels={"nvlink": 1}).matches(H100)
+    assert Constraints(labels={"rack": "a"}).matches(H100) and not Constraints(labels={"rack": "A"}).matches(H100)
+    # Compute capabilities compare as numbers, not text.
+    assert Constraints(min_compute_capability="10.0").why_not(H100) == "compute capability 9.0 < 10.0"
+
+
+def test_no_constraint_is_none_and_they_travel_in_the_options():
+    assert Constraints.parse(None) is None and Constraints.parse({}) is None and Constraints.parse(Constraints()) is None
+    options = JobOptions(constraints=Constraints(min_memory_gib=40, labels={"nvlink": True}))
+    assert JobOptions.model_validate(options.to_dict()) == options
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"min_memroy_gib": 40}, "unknown constraint 'min_memroy_gib': did you mean 'min_memory_gib'?"),
+    ({"colour": "red"}, "unknown constraint 'colour': known constraints: kind, gpu_model, min_memory_gib"),
+    ({"min_memory_gib": -1}, "constraint min_memory_gib=-1"),
+    ({"min_memory_gib": "lots"}, "constraint min_memory_gib='lots'"),
+    ({"kind": "tpu"}, "constraint kind='tpu'"),
+    ({"min_compute_capability": "eight"}, "constraint min_compute_capability='eight'"),
+    ({"labels": {"nvlink": [1, 2]}}, "constraint labels.nvlink"),
+])
+def test_an_unknown_key_or_a_bad_value_is_one_line_naming_it(given, named):
+    with pytest.raises(ConfigError) as caught:
+        Constraints.parse(given)
+    message = str(caught.value)
+    assert named in message and "\n" not in message
+    if "unknown" in named:
+        assert "labels" in message and "host" in message  # every known key
+
+
+def test_require_items_read_as_the_cli_gives_them():
+    parsed = parse_requirements(["min_memory_gib=40", "label.nvlink=true", "label.rack=a", "gpu_model=4090",
+                                 "kind=gpu"])
+    assert parsed == Constraints(min_memory_gib=40, gpu_model="4090", kind="gpu", labels={"nvlink": True, "rack": "a"})
+    assert parse_requirements([]) is None
+    with pytest.raises(ConfigError, match="--require 'min_memory_gib': give KEY=VALUE"):
+        parse_requirements(["min_memory_gib"])
+    with pytest.raises(ConfigError, match="unknown constraint 'gpu': did you mean 'gpu_model'"):
+        parse_requirements(["gpu=H100"])
+
+
+def test_place_keeps_matching_devices_in_service_and_refuses_naming_the_closest():
+    live = {"gpu0": H100, "gpu1": T4, "cpu0": CPU}
+    chosen = ["cpu0", "gpu0", "gpu1"]
+    assert place(chosen, live, None) == chosen
+    assert place(chosen, live, Constraints(kind="gpu")) == ["gpu0", "gpu1"]
+    assert place(chosen, live, Constraints(kind="gpu"), out_of_service=["gpu0"]) == ["gpu1"]
+    with pytest.raises(PlacementUnavailable) as caught:
+        place(chosen, live, Constraints(min_memory_gib=40), out_of_service=["gpu0"])
+    message = str(caught.value)
+    assert "min_memory_gib=40" in message and "gpu0: out of service" in message
+    assert "gpu1: memory 16.0 GiB < 40 GiB" in message and "nothing was sent" in message
+    assert caught.value.closest["gpu0"] == "out of service"
+
+
+# -- the fleet ------------------------------------------------------------------------------------
+
+
+def test_workers_register_their_labels(fleet):
+    client = connect(fleet.redis_url)
+    try:
+        live = live_workers(client)
+    finally:
+        client.close()
+    assert {device: live[device].labels for device in FLEET_LABELS} == FLEET_LABELS
+    assert all(live[device].compute_capability is None for device in FLEET_LABELS)
+
+
+@pytest.mark.timeout(90)
+def test_a_constrained_sweep_runs_every_trial_only_on_the_matching_device(fleet, app):
+    trials = [{"value": i} for i in range(12)]
+    handle = tasks.sweep("echo", trials, "cpu", constraints=RACK_B, app=app)
+    assert handle.devices == ["cpu1"] and handle.queue.queue == sweep_queue(handle.id)
+    entries = handle.get(timeout=60)
+    assert [e["status"] for e in entries] == ["ok"] * 12
+    assert {e["device"] for e in entries} == {"cpu1"}
+    assert {e["output"]["device"] for e in entries} == {"cpu1"}
+
+
+@pytest.mark.timeout(60)
+def test_a_constrained_fan_out_sends_only_to_matching_devices(fleet, app):
+    handle = tasks.fan_out("echo", "cpu", kwargs={"value": 1}, constraints={"labels": {"nvlink": True}}, app=app)
+    assert list(handle.get(timeout=30)) == ["cpu1"]
+    with pytest.raises(PlacementUnavailable, match="cpu0: label nvlink is unset, not true"):
+        tasks.fan_out({"cpu0": "echo"}, constraints={"labels": {"nvlink": True}}, app=app)
+
+
+def _queued(client: Any, queues: list[str]) -> int:
+    return sum(QueueLists.read(client, queue).count(client) for queue in queues)
+
+
+@pytest.mark.timeout(60)
+def test_an_impossible_constraint_is_refused_before_anything_is_sent(fleet, app):
+    client = connect(fleet.redis_url)
+    name = f"impossible-{uuid.uuid4().hex[:8]}"
+    queues = ["fleet", "cpu", device_queue("cpu0"), device_queue("cpu1"), sweep_queue(name)]
+    try:
+        before = _queued(client, queues)
+        with pytest.raises(PlacementUnavailable) as caught:
+            tasks.sweep("echo", [{"value": 1}], "cpu", name=name, constraints={"labels": {"rack": "c"}}, app=app)
+        message = str(caught.value)
+        assert "label.rack=\"c\"" in message and "cpu0: label rack is \"a\", not \"c\"" in message
+        assert "cpu1: label rack is \"b\", not \"c\"" in message
+        with pytest.raises(PlacementUnavailable):
+            tasks.fan_out("echo", "cpu", constraints={"min_memory_gib": 1 << 19}, app=app)
+        with pytest.raises(PlacementUnavailable, match="kind=gpu"):
+            tasks.start_study("echo", {"value": [1, 2]}, 2, "value", devices="cpu", constraints={"kind": "gpu"},
+                              app=app)
+        # A device out of service is not placed on: rack=b only on cpu1, which is drained.
+        write_state(client, DeviceState(device="cpu1", state="drained", reason="test", by="test"))
+        try:
+            with pytest.raises(PlacementUnavailable, match="cpu1: out of service"):
+                tasks.sweep("echo", [{"value": 1}], "cpu", constraints=RACK_B, app=app)
+        finally:
+            write_state(client, DeviceState(device="cpu1"))
+        assert _queued(client, queues) == before
+        assert client.get(keys.sweep(name)) is None
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_never_runs_a_job_its_device_does_not_match(fleet, app):
+    # Sent past the producer's check (as if cpu0 changed since): by name, an entry says why;
+    # from a shared queue, cpu0 hands it back and only cpu1 runs it.
+    spec = JobSpec.of("echo", {"value": 1}, {"constraints": RACK_B})
+    named = spec.signature(app, device_queue("cpu0")).apply_async()
+    with pytest.raises(Exception, match="cpu0 does not meet the job's constraints label.rack=\"b\"") as caught:
+        named.get(timeout=30)
+    assert type(caught.value).__name__ == "DeviceMismatch"
+    shared = [spec.signature(app, "cpu").apply_async() for _ in range(6)]
+    assert {result.get(timeout=40)["device"] for result in shared} == {"cpu1"}
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_refuses_a_bad_requirement_in_one_line(fleet):
+    out = subprocess.run([sys.executable, "-m", "tasks", "run", "echo", "--require", "min_memroy_gib=4",
+                          "--redis-url", fleet.redis_url], capture_output=True, text=True, env=cli_env(), timeout=50)
+    assert out.returncode != 0 and out.stdout == ""
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "did you mean 'min_memory_gib'" in lines[0], out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_a_placed_trial_waits_for_its_busy_device_and_waiting_says_what_it_asks(fleet, app, tmp_path):
+    release = tmp_path / "release"
+    hold = tasks.fan_out("hold", ["cpu1"], kwargs={"steps": 1, "release_file": str(release)},
+                         options={"preemptible": False}, app=app)
+    try:
+        wait_for(lambda: hold.progress()["cpu1"].get("step") == 1, 60, "the hold job running on cpu1")
+        # What waiting() says cpu1 runs is its registry record's, once its heartbeat wrote the busy slot.
+        wait_for(lambda: tasks.live_devices(app)["cpu1"].running, 30, "cpu1's record showing the hold job")
+        handle = tasks.sweep("echo", [{"value": 1}], "cpu", constraints=RACK_B, app=app)
+        mine = wait_for(lambda: [job for job in tasks.waiting(app) if job.job_id in handle.task_ids], 30,
+                        "the trial listed as waiting")
+        assert mine[0].devices == ["cpu1"] and mine[0].constraints == 'label.rack="b"'
+        assert mine[0].reason.startswith('it asks for a device with label.rack="b": ')
+        assert "every device that can take it is busy (cpu1: hold" in mine[0].reason
+    finally:
+        release.touch()
+    assert hold.get(timeout=30)["cpu1"]["status"] == "ok"
+    assert [entry["device"] for entry in handle.get(timeout=30)] == ["cpu1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_a_gpu_worker_registers_its_model_memory_and_compute_capability_and_is_placed_by_them(fleet, app):
+    import torch
+
+    gpus = {d: r for d, r in tasks.live_devices(app).items() if r.kind == "gpu"}
+    assert "gpu0" in gpus, "a GPU host runs a GPU worker"
+    device, record = "gpu0", gpus["gpu0"]
+    major, minor = torch.cuda.get_device_capability(0)
+    assert record.compute_capability == f"{major}.{minor}"
+    assert record.total_memory and record.device_name == torch.cuda.get_device_name(0)
+    exact = {"gpu_model": record.device_name, "min_compute_capability": record.compute_capability,
+             "min_memory_gib": record.total_memory // GIB}
+    assert device in tasks.fan_out("noop", "all", constraints=exact, app=app).get(timeout=60)
+    with pytest.raises(PlacementUnavailable, match=f"{device}: memory"):
+        tasks.fan_out("noop", "gpu", constraints={"min_memory_gib": record.total_memory / GIB + 1}, app=app)
