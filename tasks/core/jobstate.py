@@ -63,6 +63,7 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from . import keys
+from .device_state import LUA_OUT_OF_SERVICE
 from .fairshare import USAGE_LUA
 from .jobcount import JobCount
 from .records import LeaseRecord
@@ -114,9 +115,13 @@ end
 #: owner is dead or late to renew), ``{'changed'}`` (another lease replaced the one we read; a
 #: lease gone altogether, which a reaper gave back, is taken without counting the death again),
 #: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
-#: times: do not run it, end it) or ``{'ok'}`` (taken).
-TAKE = LUA_STATE_FUNCTIONS + """
+#: times: do not run it, end it) or ``{'ok'}`` (taken). KEYS[7] ``keys.DEVICE_STATE`` and ARGV[10]
+#: the taker's device ('' for neither): a device out of service takes nothing
+#: (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
+TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + """
 if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
+local out = out_of_service(KEYS[7] or '', ARGV[10] or '')
+if out then return {'out', out} end
 local lease = redis.call('get', KEYS[2])
 local dead = ARGV[7]
 if ARGV[6] == '' then
@@ -340,6 +345,8 @@ class Took(str, Enum):
     EXPIRED = "expired"
     #: The lease we meant to replace was replaced by another meanwhile.
     CHANGED = "changed"
+    #: The taker's device is out of service (drained, quarantined, suspect): nothing taken.
+    OUT = "out"
 
 
 @dataclass(frozen=True)
@@ -352,6 +359,8 @@ class TakeReply:
     attempt: Attempt | None = None
     holder: str | None = None
     lost_to: tuple[str, ...] = ()
+    #: With :attr:`Took.OUT`: the device's state.
+    out: str = ""
 
 
 @dataclass(frozen=True)
@@ -459,7 +468,7 @@ class JobState:
         self._progress = client.register_script(PROGRESS)
 
     def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
-             dead: str = "", max_attempts: int = 0, keep_s: int = 0) -> TakeReply:
+             dead: str = "", max_attempts: int = 0, keep_s: int = 0, device: str = "") -> TakeReply:
         """Take the lease of ``record.task_id`` as ``record`` for ``ttl_ms`` and, with
         ``started``, store the job's STARTED state, unless the job's result is stored.
 
@@ -467,16 +476,18 @@ class JobState:
         value or, when that key has expired, the value recorded in ``keys.LEASES``); ``dead``:
         the dead owner of that lease, whose death is counted (kept ``keep_s`` seconds, 0: for
         ever); ``max_attempts``: the deaths after which the job is taken but not run (0: no
-        bound). See :data:`TAKE`."""
+        bound); ``device``: the taker's, refused while out of service ('' for no check). See :data:`TAKE`."""
         task_id = record.task_id
         value = record.to_json()
         reply = self._take(
             keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id),
-                  keys.fence(task_id), keys.fenced(task_id)],
+                  keys.fence(task_id), keys.fenced(task_id), keys.DEVICE_STATE if device else ""],
             args=[value, ttl_ms, task_id, started.value if started else "", started.expires_s if started else 0,
-                  replace, dead, max_attempts, keep_s],
+                  replace, dead, max_attempts, keep_s, device],
         )
         status = Took(bytes_to_str(reply[0]))
+        if status is Took.OUT:
+            return TakeReply(status, out=bytes_to_str(reply[1]))
         if status in (Took.HELD, Took.EXPIRED):
             return TakeReply(status, holder=bytes_to_str(reply[1]))
         if status is Took.LOST:

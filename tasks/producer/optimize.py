@@ -59,7 +59,7 @@ from ..core.records import Entry, EntryStatus
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, serving_devices
 from .handle import JobHandle, Summary
 from .reader import Meta, state_of
 from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
@@ -254,7 +254,7 @@ def start_study(
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
-    chosen = select_devices(devices, live)
+    chosen = serving_devices(connections.redis, devices, live)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]

@@ -44,7 +44,7 @@ from ..core.priority import Level
 from ..core.queues import sweep_queue
 from ..core.records import SweepRecord, parse_pack
 from .connections import Connections, default_app
-from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, select_devices
+from .fanout import ALL, JobLike, JobSpec, check_jobs, check_kwargs, live_devices, prioritized, serving_devices
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
 from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
@@ -325,7 +325,7 @@ def sweep(
     if name is not None and not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
     live = live_devices(client=connections)
-    chosen = select_devices(devices, live)
+    chosen = serving_devices(connections.redis, devices, live)
     groups = trial_groups(chosen, live, group, specs[0] if specs else JobSpec.of(job))
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]

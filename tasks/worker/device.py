@@ -60,6 +60,7 @@ from .modes import RunModes
 from .mps import MpsServer
 from .preemption import Preemption
 from .reaper import Reaper
+from .service import ServiceWatch
 from .siblings import Siblings
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
@@ -339,6 +340,8 @@ class DeviceWorker:
     gate: GroupGate = field(default_factory=GroupGate)
     #: Says when a running job must make way for higher-level work; None: never.
     preemption: Preemption | None = None
+    #: The device's service state (drained, quarantined): None, always in service.
+    service: ServiceWatch | None = None
     #: When the worker was asked to stop (monotonic), for running jobs' stop timeout; None
     #: while it runs.
     stopping_since: float | None = None

@@ -59,7 +59,7 @@ from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
 from . import accounting, progress
 from .device import DeviceWorker
 from .launch import Launch
-from .lease import deaths_kept_s
+from .lease import OutOfService, deaths_kept_s
 from .slots import Slot
 from .supervisor import Ended
 
@@ -172,6 +172,8 @@ def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options
             attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
+        except OutOfService as exc:
+            hand_back(worker, task, f"its device is {exc}")
         return _execute(worker, task, job, kwargs, options, attempt)
 
 
@@ -271,6 +273,20 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
         logger.warning("could not count the preemption of job %s: %s", job_id, exc)
     raise task.retry(countdown=0, max_retries=None,
                      headers={**headers, PREEMPTIONS_HEADER: count, FRONT_HEADER: True})
+
+
+def hand_back(worker: DeviceWorker, task: Task, why: str) -> NoReturn:
+    """Send a job's message back to the front of its queue, not run here (its device went out of
+    service: :mod:`tasks.worker.service`): no attempt spent, no death counted, its lease (if it
+    held one) released first; the device's consumer stops taking, so another device takes it.
+
+    Raises:
+        celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
+    """
+    job_id = str(task.request.id)
+    logger.info("job %s on %s goes back to its queue: %s", job_id, worker.device, why)
+    worker.leases.release(job_id)
+    raise task.retry(countdown=0, max_retries=None, headers={**dict(task.request.headers or {}), FRONT_HEADER: True})
 
 
 def preemptions_of(request: Any) -> int:
@@ -383,6 +399,11 @@ class JobWatch:
             return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.worker.config.preempt_grace_s,
                            level=waiting, message=f"{where} ({self.level.value}) made way for {waiting.value} work "
                                                   f"waiting for the device; it goes back to its queue and runs again")
+        service = self.worker.service
+        if self.preemptible and service is not None and service.hand_back_now:
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.worker.config.preempt_grace_s,
+                           message=f"{where}: its device was drained now ({service.state.reason}); it goes back "
+                                   "to its queue and runs again elsewhere")
         if worker_state.should_stop is not None or worker_state.should_terminate is not None:
             self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
@@ -397,7 +418,7 @@ class JobWatch:
         if stop.reason is StopReason.FENCED:
             self._fenced.set()
             logger.error("%s", stop.message)
-        elif stop.reason is StopReason.PREEMPT:
+        elif stop.reason is StopReason.PREEMPT and stop.level is not None:
             # One job per waiting message, across the fleet: the claim decides which one.
             preemption = self.worker.preemption
             if preemption is None or preemption.claim(self.job_id, self.level, self.started) is None:
