@@ -124,3 +124,52 @@ def test_a_device_out_of_service_counts_as_missing(client):
     with pytest.raises(UnknownDevice, match="device 'cpu7'.*known devices: cpu1"):
         drain(client, "cpu7", "x")
     assert [row["device"] for row in listing(client)] == ["cpu1"]
+
+
+def _clear_blackhole_state(client) -> None:  # type: ignore[no-untyped-def]
+    for device in ("cpu0", "cpu1"):
+        write_state(client, DeviceState(device=device))
+        client.delete(keys.fast_failures(device), keys.fast_failure_errors(device))
+
+
+def _runs(marker: Path) -> dict[str, list[str]]:
+    return {path.name: path.read_text().split() for path in marker.iterdir()}
+
+
+@pytest.mark.timeout(120)
+def test_a_black_hole_is_quarantined_after_k_fast_failures_and_every_trial_ends_ok(fleet, app, tmp_path):
+    from tasks.core.defaults import BLACKHOLE_K
+
+    client = connect(fleet.redis_url)
+    _clear_blackhole_state(client)
+    trials = [{"marker": str(tmp_path), "bad_device": "cpu1", "seconds": 0.02, "score": float(i)} for i in range(60)]
+    try:
+        entries = tasks.sweep("blackhole", trials, devices="cpu0,cpu1", app=app).get(timeout=100)
+        assert [entry["error"] for entry in entries] == [None] * len(trials)
+        assert {entry["device"] for entry in entries} == {"cpu0"}
+        state = read_state(client, "cpu1")
+        assert (state.state, state.by) == ("quarantined", "fleet")
+        assert "black hole" in state.reason and "RuntimeError: device cpu1 fails every job" in state.reason
+        runs = _runs(tmp_path)
+        failed_on_cpu1 = [job for job, devices in runs.items() if "cpu1" in devices]
+        # Quarantined at its K-th different failing job (a job it had already taken then may fail too).
+        assert BLACKHOLE_K <= len(failed_on_cpu1) <= BLACKHOLE_K + 2
+        assert all(devices.count("cpu1") <= 1 for devices in runs.values()), "a job ran twice on the black hole"
+        assert not set(runs) & set(client.hkeys(keys.DEAD_LETTERS)), "a trial was dead-lettered"
+    finally:
+        _clear_blackhole_state(client)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_failing_everywhere_is_its_own_fault_and_quarantines_nothing(fleet, app, tmp_path):
+    client = connect(fleet.redis_url)
+    _clear_blackhole_state(client)
+    trials = [{"marker": str(tmp_path), "bad_device": "*", "score": float(i)} for i in range(8)]
+    try:
+        entries = tasks.sweep("blackhole", trials, devices="cpu0,cpu1", app=app).get(timeout=100)
+        assert [entry["error"]["type"] for entry in entries] == ["RuntimeError"] * len(trials)
+        assert out_of_service(client, ["cpu0", "cpu1"]) == {}
+        # Each ran at most twice (its first fast failure on a device is given back once).
+        assert all(1 <= len(devices) <= 2 for devices in _runs(tmp_path).values())
+    finally:
+        _clear_blackhole_state(client)

@@ -56,7 +56,7 @@ from ..core.queues import key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, progress
+from . import accounting, blackhole, progress
 from .device import DeviceWorker
 from .launch import Launch
 from .lease import OutOfService, deaths_kept_s
@@ -246,6 +246,13 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
             # The same message (id, chord, options) back on the queue: it runs again later.
             run.idle(done=False)
             raise task.retry(countdown=GIVE_WAY_S, max_retries=None)
+        case Outcome.ERROR if blackhole.judged(worker, ended, run.options, task.request, time.time() - run.started) and \
+                blackhole.decide(worker, task.request, ended):
+            # Its first fast failure on this device, from a shared queue: not stored, back to the
+            # end of its queue, no attempt spent (tasks.worker.blackhole).
+            run.idle(done=False)
+            worker.leases.release(run.job_id)
+            raise task.retry(countdown=0, max_retries=None)
         case Outcome.OK | Outcome.ERROR | Outcome.CANCELLED | Outcome.PEER_LOST:
             return run.end(ended=ended)
         case _:
