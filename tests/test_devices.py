@@ -18,6 +18,8 @@ from tasks.core.jobcount import JOBS_ERROR, JOBS_OK
 from tasks.core.records import LeaseRecord
 from tasks.core.registry import connect
 from tasks.ops.devices_admin import drain, listing, undrain
+from tasks.ops.exporter import FleetCollector, fleet_snapshot
+from tasks.ops.status import health_text
 from tasks.producer.fanout import select_devices
 
 from .conftest import cli_env, wait_for
@@ -51,6 +53,14 @@ def test_a_drained_device_takes_no_job_of_a_busy_sweep_and_comes_back_on_undrain
         assert len(entries) == len(trials) and all(entry["error"] is None for entry in entries)
         assert _done(client, "cpu1") == done_when_drained, "a drained device took a trial"
         assert live_ok(client, "cpu1"), "a drained device keeps its heartbeat"
+        # status's health column and the exporter's gauge say so.
+        health = fleet_snapshot(client)["devices"]["cpu1"]["health"]
+        assert (health["state"], health["reason"], health["by"]) == ("drained", "test: maintenance", "tester")
+        assert "drained" in health_text(health) and "tester" in health_text(health)
+        gauges = {tuple(sample.labels.values()): sample.value for family in FleetCollector(fleet.redis_url).collect()
+                  if family.name == "devicefleet_device_state" for sample in family.samples}
+        assert gauges[("cpu1", "cpu", "drained")] == 1 and gauges[("cpu1", "cpu", "ok")] == 0
+        assert gauges[("cpu0", "cpu", "ok")] == 1
         # A fan-out treats it as missing: refused before anything is sent, naming why.
         with pytest.raises(DeviceUnavailable, match=r"cpu1 \(drained: test: maintenance, by tester\)"):
             tasks.fan_out("noop", devices="cpu1", app=app)

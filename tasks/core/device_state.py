@@ -16,7 +16,7 @@ Every reader and writer goes through this module; the hash's layout is nowhere e
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -25,6 +25,8 @@ from . import keys
 
 #: The states a device can be in; ``ok`` is stored as no field at all.
 Health = Literal["ok", "suspect", "drained", "quarantined"]
+#: Every state, ``ok`` first (the exporter's gauge has one series per state).
+STATES: tuple[str, ...] = get_args(Health)
 #: The states in which a device takes no new work.
 OUT_OF_SERVICE: frozenset[str] = frozenset({"suspect", "drained", "quarantined"})
 
@@ -64,7 +66,11 @@ def read_state(client: redis.Redis, device: str) -> DeviceState:
 
 def read_states(client: redis.Redis) -> dict[str, DeviceState]:
     """Every device that is out of service (or was marked), by name."""
-    raw = client.hgetall(keys.DEVICE_STATE)
+    return parse_states(client.hgetall(keys.DEVICE_STATE))
+
+
+def parse_states(raw: dict[Any, Any]) -> dict[str, DeviceState]:
+    """The states of an ``HGETALL`` of ``keys.DEVICE_STATE`` (read in a caller's pipeline)."""
     out: dict[str, DeviceState] = {}
     for name, value in raw.items():
         device = name.decode() if isinstance(name, bytes) else name
