@@ -113,6 +113,12 @@ class JobTask(Task):  # type: ignore[misc]
     Request = "tasks.worker.runner:JobRequest"
     #: The lease's take script stores STARTED (LeaseKeeper.hold), in the same round trip.
     track_started = False
+    #: A job's message goes back to its queue by ``task.retry`` only when it was not run to its
+    #: end (preempted, given way, unpacked, handed back by a device out of service, a black hole's
+    #: first fast failure): never a failure, so never bounded. (``retry(max_retries=None)`` means
+    #: the task's bound, Celery's default 3: a job handed back a 4th time failed as
+    #: MaxRetriesExceededError.)
+    max_retries = None
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
         return execute(self.device_worker, self, self.job, kwargs)
@@ -293,6 +299,8 @@ def hand_back(worker: DeviceWorker, task: Task, why: str) -> NoReturn:
     job_id = str(task.request.id)
     logger.info("job %s on %s goes back to its queue: %s", job_id, worker.device, why)
     worker.leases.release(job_id)
+    if worker.service is not None:
+        worker.service.wake()  # stop the consumer now: the next message would come back here
     raise task.retry(countdown=0, max_retries=None, headers={**dict(task.request.headers or {}), FRONT_HEADER: True})
 
 
