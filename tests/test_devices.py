@@ -183,3 +183,16 @@ def test_a_job_failing_everywhere_is_its_own_fault_and_quarantines_nothing(fleet
         assert all(1 <= len(devices) <= 2 for devices in _runs(tmp_path).values())
     finally:
         _clear_blackhole_state(client)
+
+
+@pytest.mark.timeout(90)
+def test_undraining_a_hardware_drain_runs_the_probe_job_first(fleet, app):
+    client = connect(fleet.redis_url)
+    try:
+        write_state(client, DeviceState(device="cpu1", state="drained", reason="Xid 79", by="health", hardware=True,
+                                        since=redis_now(client)))
+        before = _done(client, "cpu1")
+        assert undrain(client, "cpu1", app=app).in_service
+        assert _done(client, "cpu1") == before + 1, "the probe job did not run on cpu1"
+    finally:
+        write_state(client, DeviceState(device="cpu1"))
