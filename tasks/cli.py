@@ -656,6 +656,74 @@ def status(as_json: bool, watch: bool, interval: float, print_url: bool, redis_u
             signal.signal(signal.SIGINT, previous)
 
 
+# -- devicefleet device drain | undrain | list (issue 50; the logic: tasks/ops/devices_admin.py) ---
+
+
+@cli.group()
+def device() -> None:
+    """Take a device out of service and back (drain, undrain), or list the devices' states."""
+
+
+@device.command("drain")
+@click.argument("name")
+@click.option("--reason", required=True, help="Why (shown by `device list` and `status`).")
+@click.option("--now", is_flag=True, help="Hand its running jobs back to their queue now instead of letting them finish.")
+@click.option("--redis-url", help="Fleet (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def device_drain(name: str, reason: str, now: bool, redis_url: str | None) -> None:
+    """Take device NAME out of service: it takes no new job, keeps its heartbeat; fan-outs skip it."""
+    from .core.errors import UnknownDevice
+    from .core.registry import reading
+    from .ops.devices_admin import drain
+
+    with reading(_settings(redis_url=redis_url).resolve_redis_url()) as client:
+        try:
+            state = drain(client, name, reason, now=now)
+        except UnknownDevice as exc:
+            _fail(exc, EXIT_CONFIG)
+    click.echo(f"{name} drained by {state.by}: {reason}" + (" (running jobs handed back)" if now else ""))
+
+
+@device.command("undrain")
+@click.argument("name")
+@click.option("--redis-url", help="Fleet (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def device_undrain(name: str, redis_url: str | None) -> None:
+    """Put device NAME back in service (after a probe job, if it was drained for a hardware error)."""
+    from .core.errors import UnknownDevice
+    from .core.registry import reading
+    from .ops.devices_admin import undrain
+
+    settings = _settings(redis_url=redis_url)
+    with reading(settings.resolve_redis_url()) as client:
+        try:
+            state = undrain(client, name, app=_producer_app(settings))
+        except UnknownDevice as exc:
+            _fail(exc, EXIT_CONFIG)
+    if not state.in_service:
+        _fail(FleetError(f"{name} stays {state.state}: {state.reason}"))
+    click.echo(f"{name} is back in service")
+
+
+@device.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the devices as JSON.")
+@click.option("--redis-url", help="Fleet (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def device_list(as_json: bool, redis_url: str | None) -> None:
+    """Every known device's service state: ok, drained, quarantined or suspect, why, since, by whom."""
+    from .core.registry import reading
+    from .ops.devices_admin import listing
+    from .ops.status import table as fit_table
+
+    with reading(_settings(redis_url=redis_url).resolve_redis_url()) as client:
+        rows = listing(client)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = fit_table(f"{len(rows)} device(s)", ["device", "live", "state", "reason", "since", "by"])
+    for row in rows:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["since"])) if row["since"] else ""
+        table.add_row(row["device"], "yes" if row["live"] else "no", row["state"], row["reason"], since, row["by"])
+    console.print(table)
+
+
 def _watch_frames(frame: Callable[[], Any], first: Any, interval: float) -> None:
     """``status --watch`` off a terminal (a file, a pipe): a frame every ``interval`` seconds,
     each after a line with the time, flushed as it is printed (as ``watch``-like tools do);

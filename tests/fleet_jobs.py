@@ -675,3 +675,26 @@ def remember(ctx: JobContext, params: RememberParams) -> dict[str, Any]:
     seen = list(_KEPT)
     _KEPT.append(params.value)
     return {"pid": os.getpid(), "seen": seen}
+
+class BlackHoleParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    #: A folder where each run appends its device to ``<marker>/<job id>``: the tests count runs.
+    marker: str
+    #: The device that fails every job at once (a black hole); ``"*"``: every device does.
+    bad_device: str
+    seconds: float = 0.0
+    score: float = 0.0
+
+
+@job("blackhole", params=BlackHoleParams)
+def blackhole(ctx: JobContext, params: BlackHoleParams) -> dict[str, Any]:
+    """Fail at once on ``bad_device`` (RuntimeError), else sleep ``seconds`` and return ``score``."""
+    import time
+    from pathlib import Path
+
+    with open(Path(params.marker) / ctx.job_id, "a") as handle:
+        handle.write(f"{ctx.device}\n")
+    if params.bad_device in (ctx.device, "*"):
+        raise RuntimeError(f"device {ctx.device} fails every job")
+    time.sleep(params.seconds)
+    return {"score": params.score, "device": ctx.device}

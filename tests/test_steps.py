@@ -51,10 +51,13 @@ def test_the_app_adds_every_worker_step_and_each_starts_after_what_it_uses():
         steps.HealthStep: [steps.RegistryStep.name],
         steps.ReaperStep: [steps.RegistryStep.name],
         steps.PreemptionStep: [steps.SlotsStep.name, steps.RegistryStep.name],
+        # Out of service, the consumer takes nothing from the jobs' first BRPOP on.
+        steps.ServiceStep: [steps.RegistryStep.name],
         # Stopped before the heartbeat, the lease keeper and the reaper: a job finishing within its
         # stop timeout is stored with its lease while they still run.
         steps.JobsStep: [steps.LeaseStep.name, steps.ReaperStep.name, steps.RegistryStep.name,
-                         steps.JobProcessesStep.name, steps.PreemptionStep.name, steps.HealthStep.name],
+                         steps.JobProcessesStep.name, steps.PreemptionStep.name, steps.HealthStep.name,
+                         steps.ServiceStep.name],
         steps.StopHandlersStep: [steps.JobsStep.name],
         # Stopped before the jobs step drains: a single job still waiting at a closed gate goes
         # back to its queue, none starts on a device held for a group.

@@ -178,6 +178,28 @@ HEALTH_POLL_S = 10.0
 #: process is ended: short, its GPU is gone (or going) and its work is handed elsewhere.
 HEALTH_STOP_GRACE_S = 1.0
 
+# -- A device's service state: drain, quarantine (tasks.worker.service, issue 50) ----------------
+
+#: How often a device worker reads its device's state (``devicefleet device drain``): a drain is
+#: obeyed within this (the take script refuses a job at once; this stops the consumer).
+DEVICE_STATE_CHECK_S = 0.5
+#: A job that fails within this many seconds of run time is a *fast* failure, the mark of a black
+#: hole (a device that fails every job at once): a job's own bug usually fails as fast, which is
+#: why one device's fast failures count only while other devices end the same work.
+BLACKHOLE_FAST_S = 2.0
+#: Distinct jobs that must fail fast on one device, none of them failing on another device, before
+#: the fleet quarantines it. 3: one or two fast failures are what a buggy trial or two does; three
+#: different jobs in a row failing fast on one device while no job fails on two devices is already
+#: unlikely from the jobs, and a sweep loses at most 3 runs (none of them an attempt) before the
+#: device stops taking work (issue 50's 50 ms device is out after ~150 ms of failures).
+BLACKHOLE_K = 3
+#: How long a device's window of recent fast failures (and a job's record of the devices it failed
+#: on) is kept: fast failures further apart than this are not one black hole.
+BLACKHOLE_WINDOW_S = 300
+#: How long ``devicefleet device undrain`` waits for its probe job on a device drained for a
+#: hardware error (a healthy device answers in well under a second; a GPU's first job loads CUDA).
+UNDRAIN_PROBE_TIMEOUT_S = 60.0
+
 # -- A job process ----------------------------------------------------------------------------
 
 #: Progress reports closer together than this are folded into the next one (a few updates a

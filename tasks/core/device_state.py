@@ -16,7 +16,7 @@ Every reader and writer goes through this module; the hash's layout is nowhere e
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -25,6 +25,8 @@ from . import keys
 
 #: The states a device can be in; ``ok`` is stored as no field at all.
 Health = Literal["ok", "suspect", "drained", "quarantined"]
+#: Every state, ``ok`` first (the exporter's gauge has one series per state).
+STATES: tuple[str, ...] = get_args(Health)
 #: The states in which a device takes no new work.
 OUT_OF_SERVICE: frozenset[str] = frozenset({"suspect", "drained", "quarantined"})
 
@@ -42,6 +44,9 @@ class DeviceState(BaseModel):
     by: str = ""
     #: The state came from a hardware event: un-draining runs a short probe first.
     hardware: bool = False
+    #: Drained ``--now``: its running jobs go back to their queue at once (no attempt spent)
+    #: instead of finishing.
+    now: bool = False
 
     @property
     def in_service(self) -> bool:
@@ -61,7 +66,11 @@ def read_state(client: redis.Redis, device: str) -> DeviceState:
 
 def read_states(client: redis.Redis) -> dict[str, DeviceState]:
     """Every device that is out of service (or was marked), by name."""
-    raw = client.hgetall(keys.DEVICE_STATE)
+    return parse_states(client.hgetall(keys.DEVICE_STATE))
+
+
+def parse_states(raw: dict[Any, Any]) -> dict[str, DeviceState]:
+    """The states of an ``HGETALL`` of ``keys.DEVICE_STATE`` (read in a caller's pipeline)."""
     out: dict[str, DeviceState] = {}
     for name, value in raw.items():
         device = name.decode() if isinstance(name, bytes) else name
@@ -75,6 +84,30 @@ def write_state(client: redis.Redis, state: DeviceState) -> None:
         client.hdel(keys.DEVICE_STATE, state.device)
     else:
         client.hset(keys.DEVICE_STATE, state.device, state.model_dump_json())
+
+
+def out_of_service(client: redis.Redis, devices: list[str]) -> dict[str, DeviceState]:
+    """Of ``devices``, those out of service now, by name (one ``HMGET``)."""
+    if not devices:
+        return {}
+    raw = client.hmget(keys.DEVICE_STATE, devices)
+    states = (_parse(device, value) for device, value in zip(devices, raw, strict=True) if value is not None)
+    return {state.device: state for state in states if not state.in_service}
+
+
+#: Lua: ``out_of_service(key, device)``, the state (a string) of ``device`` when it takes no new
+#: work, else false; ``key`` is ``keys.DEVICE_STATE``. For the scripts that decide whether a job
+#: may start (:data:`tasks.core.jobstate.TAKE`): the check costs no round trip of its own.
+LUA_OUT_OF_SERVICE = """
+local out_of_service = function(key, device)
+  if key == '' or device == '' then return false end
+  local raw = redis.call('hget', key, device)
+  if not raw then return false end
+  local ok, state = pcall(cjson.decode, raw)
+  if ok and type(state) == 'table' and (OUT_STATES) then return state.state end
+  return false
+end
+""".replace("OUT_STATES", " or ".join(f"state.state == '{name}'" for name in sorted(OUT_OF_SERVICE)))
 
 
 def redis_now(client: redis.Redis) -> float:

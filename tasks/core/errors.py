@@ -129,6 +129,16 @@ class DeviceUnavailable(FanOutError, LookupError):
         )
 
 
+class UnknownDevice(ConfigError, LookupError):
+    """An operator named a device the fleet does not know, or one not in the state asked for
+    (``devicefleet device drain | undrain``)."""
+
+    def __init__(self, device: str, known: list[str], why: str, choices: str = "known devices") -> None:
+        self.device = device
+        self.known = known
+        super().__init__(f"device {device!r}: {why}; {choices}: {', '.join(known) if known else 'none'}")
+
+
 class GroupUnavailable(FanOutError, LookupError):
     """No live host can give a device group what it asks (k devices of one kind); nothing was sent."""
 

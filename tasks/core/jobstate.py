@@ -63,6 +63,8 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from . import keys
+from .defaults import BLACKHOLE_WINDOW_S
+from .device_state import LUA_OUT_OF_SERVICE
 from .fairshare import USAGE_LUA
 from .jobcount import JobCount
 from .records import LeaseRecord
@@ -114,9 +116,13 @@ end
 #: owner is dead or late to renew), ``{'changed'}`` (another lease replaced the one we read; a
 #: lease gone altogether, which a reaper gave back, is taken without counting the death again),
 #: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
-#: times: do not run it, end it) or ``{'ok'}`` (taken).
-TAKE = LUA_STATE_FUNCTIONS + """
+#: times: do not run it, end it) or ``{'ok'}`` (taken). KEYS[7] ``keys.DEVICE_STATE`` and ARGV[10]
+#: the taker's device ('' for neither): a device out of service takes nothing
+#: (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
+TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + """
 if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
+local out = out_of_service(KEYS[7] or '', ARGV[10] or '')
+if out then return {'out', out} end
 local lease = redis.call('get', KEYS[2])
 local dead = ARGV[7]
 if ARGV[6] == '' then
@@ -177,7 +183,10 @@ return 1
 #: lease value ('' if none), the task id, the count ('' if none: :meth:`JobCount.script_arg`,
 #: whose fields are :data:`tasks.core.jobcount.SCRIPT_FIELDS`), the message's delivery tag ('' if none), '1' when every finished state is final (a devicefleet job: SUCCESS, FAILURE,
 #: REVOKED), '' when only SUCCESS is (Celery's own rule, for every other task), the attempt's
-#: fencing token ('' for none). Returns 1 if stored, 0 if a final state was there already
+#: fencing token ('' for none), ARGV[9] :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`; KEYS[12]
+#: ``keys.fast_failures(device)`` (a job ended ok empties it), KEYS[13] ``keys.queue_ok(queue)`` of
+#: the shared queue the job came from ('' for none: where that queue's jobs end ok, by device).
+#: Returns 1 if stored, 0 if a final state was there already
 #: (nothing stored or counted; the lease is released and the message acknowledged all the same),
 #: -1 if the token is older than the job's (a newer attempt holds the job: nothing is written
 #: but the device's ``writes_refused`` count).
@@ -213,8 +222,73 @@ if ARGV[5] ~= '' then
   redis.call('zadd', KEYS[6], count.finished, ARGV[4])
   redis.call('zremrangebyscore', KEYS[6], '-inf', count.keep_after)
   add_usage(KEYS[10], KEYS[11], count.share, count.wait)
+  if count.outcome == 'jobs_ok' then
+    -- A black hole's evidence (FAILED_FAST): the device ends jobs ok, so it is none; and, for a
+    -- shared queue's job, it is where that queue's jobs succeed.
+    redis.call('del', KEYS[12])
+    if KEYS[13] ~= '' then
+      redis.call('hset', KEYS[13], count.device, count.finished)
+      redis.call('expire', KEYS[13], ARGV[9])
+    end
+  end
 end
 return 1
+"""
+
+#: A job failed fast (within ``BLACKHOLE_FAST_S`` of run time) on a device: the fleet decides,
+#: where it decides a job's end, whether the device is a black hole and what becomes of the job
+#: (the rule and K: docs/guides/devices.md, :data:`~tasks.core.defaults.BLACKHOLE_K`). KEYS:
+#: ``keys.fast_failures(device)``, ``keys.failed_on(task_id)``, ``keys.DEVICE_STATE``,
+#: ``keys.queue_ok(queue)`` of the shared queue it came from (its kind's, ``fleet``, a sweep's),
+#: ``keys.fast_failure_errors(device)``; ARGV: task id, device, its error (one line), K, the window
+#: in seconds, now (epoch seconds), the prefix of ``keys.fast_failures``.
+#:
+#: - failed on two devices: the job's fault; it is evidence against neither (taken out of every
+#:   device's window) -> ``{'store', ''}``;
+#: - else it joins the device's window of different jobs failed fast; at K of them, while another
+#:   device ended a job of the same queue ok since the first of them, and the device in service, it is
+#:   quarantined (``keys.DEVICE_STATE``, ``by`` fleet) with the jobs and their errors as reason;
+#: - the job: its first fast failure on this device -> ``{'again',
+#:   reason}``: not stored, back to its queue, no attempt spent (another device runs it, or this
+#:   one once more: a second failure here is stored); else ``{'store', reason}``. ``reason``: the
+#:   quarantine's, when this failure made it ('' otherwise).
+FAILED_FAST = """
+local device, job, now, window = ARGV[2], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[5])
+local before = redis.call('hexists', KEYS[2], device) == 1
+redis.call('hset', KEYS[2], device, ARGV[3])
+redis.call('expire', KEYS[2], window)
+local devices = redis.call('hkeys', KEYS[2])
+if #devices >= 2 then
+  for _, other in ipairs(devices) do redis.call('zrem', ARGV[7] .. other, job) end
+  return {'store', ''}
+end
+redis.call('zadd', KEYS[1], now, job)
+redis.call('zremrangebyscore', KEYS[1], '-inf', now - window)
+redis.call('expire', KEYS[1], window)
+redis.call('hset', KEYS[5], job, ARGV[3])
+redis.call('expire', KEYS[5], window)
+local reason = ''
+local jobs = redis.call('zrange', KEYS[1], 0, -1, 'withscores')
+if #jobs / 2 >= tonumber(ARGV[4]) and redis.call('hexists', KEYS[3], device) == 0 then
+  local first = tonumber(jobs[2])
+  local elsewhere = nil
+  local last_ok = redis.call('hgetall', KEYS[4])  -- where the same queue's jobs ended ok lately
+  for i = 1, #last_ok, 2 do
+    if last_ok[i] ~= device and tonumber(last_ok[i + 1]) >= first then elsewhere = last_ok[i] end
+  end
+  if elsewhere then
+    local evidence = {}
+    for i = 1, #jobs, 2 do
+      evidence[#evidence + 1] = jobs[i] .. ' (' .. (redis.call('hget', KEYS[5], jobs[i]) or '?') .. ')'
+    end
+    reason = 'black hole: ' .. (#jobs / 2) .. ' different jobs failed fast here while ' .. elsewhere ..
+      ' ended jobs ok: ' .. table.concat(evidence, '; ')
+    redis.call('hset', KEYS[3], device, cjson.encode({device = device, state = 'quarantined', reason = reason,
+      since = now, by = 'fleet', hardware = false, now = false}))
+  end
+end
+if not before then return {'again', reason} end
+return {'store', reason}
 """
 
 
@@ -340,6 +414,8 @@ class Took(str, Enum):
     EXPIRED = "expired"
     #: The lease we meant to replace was replaced by another meanwhile.
     CHANGED = "changed"
+    #: The taker's device is out of service (drained, quarantined, suspect): nothing taken.
+    OUT = "out"
 
 
 @dataclass(frozen=True)
@@ -352,6 +428,8 @@ class TakeReply:
     attempt: Attempt | None = None
     holder: str | None = None
     lost_to: tuple[str, ...] = ()
+    #: With :attr:`Took.OUT`: the device's state.
+    out: str = ""
 
 
 @dataclass(frozen=True)
@@ -391,6 +469,18 @@ class JobEnd:
     attempt: Attempt | None = None
     count: JobCount | None = None
     ack: MessageAck | None = None
+    #: The shared queue the job came from ('' for its device's own, or none): the store records
+    #: where that queue's jobs end ok (a black hole's evidence: :data:`FAILED_FAST`).
+    shared_queue: str = ""
+
+
+@dataclass(frozen=True)
+class FastFailure:
+    """What :data:`FAILED_FAST` decided: the job goes back to its queue (``again``) or its failure
+    is stored; ``quarantined``: the reason of the device's quarantine this failure made ('' none)."""
+
+    again: bool
+    quarantined: str = ""
 
 
 class Stored(str, Enum):
@@ -457,9 +547,10 @@ class JobState:
         self._reaped = client.register_script(REAPED)
         self._fenced = client.register_script(FENCED)
         self._progress = client.register_script(PROGRESS)
+        self._failed_fast = client.register_script(FAILED_FAST)
 
     def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
-             dead: str = "", max_attempts: int = 0, keep_s: int = 0) -> TakeReply:
+             dead: str = "", max_attempts: int = 0, keep_s: int = 0, device: str = "") -> TakeReply:
         """Take the lease of ``record.task_id`` as ``record`` for ``ttl_ms`` and, with
         ``started``, store the job's STARTED state, unless the job's result is stored.
 
@@ -467,16 +558,18 @@ class JobState:
         value or, when that key has expired, the value recorded in ``keys.LEASES``); ``dead``:
         the dead owner of that lease, whose death is counted (kept ``keep_s`` seconds, 0: for
         ever); ``max_attempts``: the deaths after which the job is taken but not run (0: no
-        bound). See :data:`TAKE`."""
+        bound); ``device``: the taker's, refused while out of service ('' for no check). See :data:`TAKE`."""
         task_id = record.task_id
         value = record.to_json()
         reply = self._take(
             keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id),
-                  keys.fence(task_id), keys.fenced(task_id)],
+                  keys.fence(task_id), keys.fenced(task_id), keys.DEVICE_STATE if device else ""],
             args=[value, ttl_ms, task_id, started.value if started else "", started.expires_s if started else 0,
-                  replace, dead, max_attempts, keep_s],
+                  replace, dead, max_attempts, keep_s, device],
         )
         status = Took(bytes_to_str(reply[0]))
+        if status is Took.OUT:
+            return TakeReply(status, out=bytes_to_str(reply[1]))
         if status in (Took.HELD, Took.EXPIRED):
             return TakeReply(status, holder=bytes_to_str(reply[1]))
         if status is Took.LOST:
@@ -513,16 +606,28 @@ class JobState:
         stored = self._store(
             keys=[meta.key, keys.lease(task_id), keys.LEASES, keys.stats(device), keys.STATS_DEVICES,
                   keys.finished(device), ack.unacked_key if ack else "", ack.unacked_index_key if ack else "",
-                  keys.fence(task_id), keys.USAGE, keys.USER_SECONDS],
+                  keys.fence(task_id), keys.USAGE, keys.USER_SECONDS, keys.fast_failures(device),
+                  keys.queue_ok(end.shared_queue) if end.shared_queue else ""],
             args=[meta.value, meta.expires_s, end.attempt.lease if end.attempt else "", task_id,
                   count.script_arg() if count is not None else "", ack.delivery_tag if ack else "",
-                  "1" if final else "", end.attempt.token if end.attempt else ""],
+                  "1" if final else "", end.attempt.token if end.attempt else "", BLACKHOLE_WINDOW_S],
         )
         if int(stored) < 0:
             return Stored.FENCED
         if ack is not None:
             acked_in_redis(ack.delivery_tag)
         return Stored.STORED if int(stored) else Stored.FINAL_THERE
+
+    def failed_fast(self, task_id: str, device: str, error: str, *, queue: str, now: float, k: int,
+                    window_s: int) -> FastFailure:
+        """Job ``task_id`` of shared queue ``queue`` failed fast on ``device`` with ``error``
+        (:data:`FAILED_FAST`): whether its failure is stored or it goes back to its queue, and
+        the quarantine of the device this failure made, if it did."""
+        reply = self._failed_fast(
+            keys=[keys.fast_failures(device), keys.failed_on(task_id), keys.DEVICE_STATE, keys.queue_ok(queue),
+                  keys.fast_failure_errors(device)],
+            args=[task_id, device, error, k, window_s, now, keys.FAST_FAILURES_PREFIX])
+        return FastFailure(again=bytes_to_str(reply[0]) == "again", quarantined=bytes_to_str(reply[1]))
 
     def lease_tokens(self, task_ids: list[str]) -> list[int | None]:
         """The fencing token of each job's lease now (``None``: no lease: it expired, was

@@ -35,6 +35,34 @@ DEVICE_STATE = f"{PREFIX}device-state"
 #: (:mod:`tasks.worker.health`), no TTL; the exporter's ``devicefleet_device_xid_total``.
 XID_COUNTS = f"{PREFIX}xid-counts"
 
+#: Prefix of :func:`fast_failures` (the failed-fast script names other devices' windows by it).
+FAST_FAILURES_PREFIX = f"{PREFIX}fast-failures:"
+
+
+def queue_ok(queue: str) -> str:
+    """Hash ``{device: epoch seconds}``: when each device last ended ok a job of shared queue
+    ``queue`` (the store script), the "succeeds elsewhere" of a black hole's evidence
+    (:data:`tasks.core.jobstate.FAILED_FAST`). TTL: :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`."""
+    return f"{PREFIX}queue-ok:{queue}"
+
+
+def fast_failures(device: str) -> str:
+    """Sorted set ``{task id: when}`` of the different jobs that failed fast on ``device`` lately
+    (:data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`), none of them on another device; emptied by a
+    job that ends ok there. TTL: the window."""
+    return f"{FAST_FAILURES_PREFIX}{device}"
+
+
+def fast_failure_errors(device: str) -> str:
+    """Hash ``{task id: its error}`` beside :func:`fast_failures`: the evidence a quarantine names."""
+    return f"{PREFIX}fast-failure-errors:{device}"
+
+
+def failed_on(task_id: str) -> str:
+    """Hash ``{device: error}`` of the devices job ``task_id`` failed fast on (two: the job's fault).
+    TTL: the window."""
+    return f"{PREFIX}failed-on:{task_id}"
+
 
 # -- leases (tasks.worker.lease, .reaper) ----------------------------------------------------------
 

@@ -148,6 +148,21 @@ _POPPED_LOCK = threading.Lock()
 _ACKED_IN_REDIS: set[str] = set()
 _ACKED_LOCK = threading.Lock()
 
+#: Set while this process takes messages from its queues (every process, unless a device worker
+#: whose device is out of service cleared it: :mod:`tasks.worker.service`). Cleared, the next
+#: BRPOP is not sent: the queues' waiting jobs stay for the other devices; the control channel
+#: (pidbox) is read as before. Per process, as the consumer's channel is.
+CONSUMING = threading.Event()
+CONSUMING.set()
+
+
+def consume(on: bool) -> None:
+    """Take messages from the queues (``on``) or not (a device out of service)."""
+    if on:
+        CONSUMING.set()
+    else:
+        CONSUMING.clear()
+
 
 def acked_in_redis(delivery_tag: str) -> None:
     """The message ``delivery_tag`` is out of the unacked hash and index already (the result
@@ -341,7 +356,7 @@ class HardenedChannel(_ChannelBase):
         if timeout is None:
             timeout = self.brpop_timeout
         queues = self._queue_cycle.consume(len(self.active_queues))
-        if not queues:
+        if not queues or not CONSUMING.is_set():  # none, or out of service: the poll times out idle
             return
         with self.conn_or_acquire() as client:
             users = self._user_order.users(client)

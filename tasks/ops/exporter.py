@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from ..core import keys
 from ..core.defaults import RATE_WINDOW_S, WAIT_BUCKETS_S
+from ..core.device_state import STATES, DeviceState, parse_states
 from ..core.fairshare import known_users, read_usage, read_user_seconds, read_wait_times
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
@@ -106,7 +107,9 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         latest report), ``slots`` (each slot's ``index``, ``busy``, ``progress``,
         ``memory_bytes``, ``budget_bytes``), ``memory_kind``, ``jobs_ok``,
         ``jobs_error``, ``jobs_total``, ``busy_seconds``, ``samples``, ``jobs_per_s`` (last
-        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``, ``jobs_preempted``. Also
+        minute), ``samples_per_s``, ``data_wait_fraction``, ``gpu_memory_bytes``, ``jobs_fenced``, ``writes_refused``, ``jobs_preempted``, ``health`` (its service state: ``state`` ok, drained,
+        quarantined or suspect, ``reason``, ``since``, ``by``, ``hardware``, ``now``:
+        :class:`~tasks.core.device_state.DeviceState`). Also
         ``"dead_letters"``: how many jobs are kept as dead letters; ``"users"``: ``{user:
         {"usage_s", "device_seconds": {level: s}}}`` (usage decayed to now, the fair share's;
         device-seconds ever, by level); ``"wait_times"``: ``{level: {"le:<bound>", "count", "sum"}}``,
@@ -122,7 +125,9 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         pipe.hgetall(keys.stats(device))
         pipe.zcount(keys.finished(device), now - RATE_WINDOW_S, "+inf")
     pipe.hlen(keys.DEAD_LETTERS)
+    pipe.hgetall(keys.DEVICE_STATE)
     replies = pipe.execute()
+    health = parse_states(replies.pop())
     dead_letters = int(replies.pop())
     out: dict[str, dict[str, Any]] = {}
     for i, device in enumerate(devices):
@@ -150,6 +155,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "jobs_fenced": stats.jobs_fenced,
             "writes_refused": stats.writes_refused,
             "jobs_preempted": stats.jobs_preempted,
+            "health": health.get(device, DeviceState(device=device)).model_dump(exclude={"device"}),
         }
     queues = {}
     users = known_users(client)
@@ -256,6 +262,13 @@ class FleetCollector(Collector):
                 wait.add_metric(lv, d["data_wait_fraction"])
             if d["gpu_memory_bytes"] is not None:
                 gpu.add_metric(lv, d["gpu_memory_bytes"])
+        # Issue 50: one series per state, 1 for the device's (Xid counts: the health service's).
+        health = GaugeMetricFamily("devicefleet_device_state",
+                                   "1 for the device's service state (ok, suspect, drained, quarantined), else 0",
+                                   labels=[*labels, "state"])
+        for device, d in snap["devices"].items():
+            for state in STATES:
+                health.add_metric([device, str(d["kind"]), state], 1 if d["health"]["state"] == state else 0)
         depth = GaugeMetricFamily("devicefleet_queue_length", "Messages waiting in each queue",
                                   labels=["queue"])
         age = GaugeMetricFamily("devicefleet_queue_oldest_age_seconds",
@@ -296,7 +309,7 @@ class FleetCollector(Collector):
                 xids.add_metric([device, str(xid)], count)
         yield xids
         yield from (jobs, busy_s, fenced, preempted, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
-                    wait, gpu, depth, age, dead)
+                    wait, gpu, depth, age, dead, health)
 
     def close(self) -> None:
         self._client.close()

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from ..core.defaults import STATUS_WAITING_ROWS
@@ -95,6 +96,15 @@ def _state(device: dict[str, Any], now: float) -> str:
     return f"[yellow]busy[/]: {_job_text(busy, device.get('progress'), now)}"
 
 
+def health_text(health: dict[str, Any] | None) -> str:
+    """``ok``, or ``drained: fan noise (alice, 12:03:04)``: a device's service state, why, by whom, since."""
+    if not health or health.get("state", "ok") == "ok":
+        return "ok"
+    since = time.strftime("%H:%M:%S", time.localtime(float(health.get("since") or 0)))
+    return (f"[red]{health['state']}[/]: {escape(str(health.get('reason') or '-'))} "
+            f"({escape(str(health.get('by') or '?'))}, {since})")
+
+
 def _mib(value: Any) -> str:
     return "-" if value is None else f"{float(value) / 2**20:,.0f}"
 
@@ -160,7 +170,7 @@ def render(rep: dict[str, Any]) -> Group:
     # GPU memory only on a fleet with a GPU: the column would be all dashes on a CPU host.
     gpus = any(dev.get("gpu_memory_bytes") is not None for dev in rep["devices"].values())
     devices = table(f"{live} live device(s)",
-                    ["device", "state", "ok", "errors", "jobs/s", "samples/s", "data wait"]
+                    ["device", "state", "health", "ok", "errors", "jobs/s", "samples/s", "data wait"]
                     + (["GPU MiB"] if gpus else []) + ["cores"],
                     right=("ok", "errors", "jobs/s", "samples/s", "data wait", "GPU MiB"))
     seen: list[str] = []
@@ -170,7 +180,7 @@ def render(rep: dict[str, Any]) -> Group:
         rec = rep["workers"].get(name, {})
         gpu = dev.get("gpu_memory_bytes")
         devices.add_row(
-            name, _state(dev, now), str(dev["jobs_ok"]), str(dev["jobs_error"]), f"{dev['jobs_per_s']:.2f}",
+            name, _state(dev, now), health_text(dev.get("health")), str(dev["jobs_ok"]), str(dev["jobs_error"]), f"{dev['jobs_per_s']:.2f}",
             _num(dev.get("samples_per_s"), "{:,.0f}"), _num(dev.get("data_wait_fraction"), "{:.0%}"),
             *(["-" if gpu is None else f"{gpu / 2**20:,.0f}"] if gpus else []),
             ",".join(str(c) for c in rec.get("cores", [])) or "-",

@@ -43,7 +43,7 @@ from ..core import keys
 from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
-from ..core.device_state import read_states
+from ..core.device_state import DeviceState, out_of_service, read_states
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.group_reservation import release_unclaimed, reserve_at_send
@@ -179,32 +179,41 @@ def _default_app() -> Celery:
     return default_app()
 
 
-def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
+def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord],
+                   out: Mapping[str, DeviceState] | None = None) -> list[str]:
     """Resolve ``"all"``, a kind (``"cpu"``, ``"gpu"``), names, or a comma list to device names.
+    A device in ``out`` (out of service: drained, quarantined, suspect) counts as missing: a
+    kind or ``"all"`` leaves it out, a name of it fails as a device that is not there does.
 
     Raises:
-        DeviceUnavailable: a named device, or every device of a kind, has no live worker.
+        DeviceUnavailable: a named device, or every device of a kind, has no live worker in service.
         ConfigError: ``devices`` names nothing.
     """
     wanted = devices.split(",") if isinstance(devices, str) else list(devices)
     wanted = [name.strip() for name in wanted if name and name.strip()]
     if not wanted:
         raise ConfigError(f"devices={devices!r} names no device; use 'all', 'cpu', 'gpu' or names")
+    out = out or {}
+    serving = {device: record for device, record in live.items() if device not in out}
     chosen: list[str] = []
     missing: list[str] = []
     for name in wanted:
         if name == ALL or name in (kind.value for kind in DeviceKind):
-            matches = [d for d, rec in live.items() if name == ALL or rec.kind == name]
+            matches = [d for d, rec in serving.items() if name == ALL or rec.kind == name]
             if not matches:
-                missing.append(f"{name} (no live {'worker' if name == ALL else name + ' worker'})")
+                missing.append(f"{name} (no live {'worker' if name == ALL else name + ' worker'}"
+                               f"{' in service' if out else ''})")
             chosen.extend(m for m in sorted(matches) if m not in chosen)
+        elif name in out:
+            state = out[name]
+            missing.append(f"{name} ({state.state}: {state.reason or 'no reason given'}, by {state.by or '?'})")
         elif name in live:
             if name not in chosen:
                 chosen.append(name)
         else:
             missing.append(name)
     if missing:
-        raise DeviceUnavailable(missing, live)
+        raise DeviceUnavailable(missing, serving)
     return chosen
 
 
@@ -233,6 +242,11 @@ def placed(chosen: Sequence[str], live: Mapping[str, WorkerRecord], spec: JobSpe
         return list(chosen)
     out = [device for device, state in read_states(client).items() if not state.in_service]
     return place(chosen, live, constraints, out)
+
+
+def serving_devices(client: redis.Redis, devices: str | Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
+    """:func:`select_devices` with the devices out of service now read from ``client`` (one ``HMGET``)."""
+    return select_devices(devices, live, out_of_service(client, list(live)))
 
 
 def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) -> None:
@@ -474,7 +488,7 @@ def fan_out(
         plan = {device: constrained(prioritized(job, priority, user), constraints) for device, job in jobs.items()}
         live = live_devices(client=client)
         # raises DeviceUnavailable before anything is sent
-        select_devices([device for key in jobs for device in key_devices(key)], live)
+        serving_devices(client.redis, [device for key in jobs for device in key_devices(key)], live)
         _check_named(plan, live, client.redis)
         whys = {key: f"{key}: named by the caller" for key in plan if GROUP_SEPARATOR in key}
         for key in whys:
@@ -483,7 +497,7 @@ def fan_out(
         spec = constrained(prioritized(JobSpec.of(jobs, kwargs, options), priority, user),  # type: ignore[arg-type]
                            constraints)
         live = live_devices(client=client)
-        chosen = placed(select_devices(devices, live), live, spec, client.redis)
+        chosen = placed(serving_devices(client.redis, devices, live), live, spec, client.redis)
         whys = {}
         if group is not None:
             whys = {choice.key: choice.why for choice in choose_groups(chosen, live, check_group_size(group))}

@@ -79,7 +79,7 @@ from .fanout import (
     live_devices,
     placed,
     prioritized,
-    select_devices,
+    serving_devices,
 )
 from .handle import JobHandle, Summary
 from .packing import Packing, packed_spec, plan_study_packing
@@ -285,7 +285,7 @@ def start_study(
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
-    chosen = placed(select_devices(devices, live), live, base, connections.redis)
+    chosen = placed(serving_devices(connections.redis, devices, live), live, base, connections.redis)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]

@@ -54,7 +54,7 @@ from .fanout import (
     live_devices,
     placed,
     prioritized,
-    select_devices,
+    serving_devices,
 )
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
@@ -342,7 +342,7 @@ def sweep(
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
     live = live_devices(client=connections)
     base = specs[0] if specs else constrained(JobSpec.of(job), constraints)
-    chosen = placed(select_devices(devices, live), live, base, connections.redis)
+    chosen = placed(serving_devices(connections.redis, devices, live), live, base, connections.redis)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]

@@ -28,6 +28,8 @@ from ..core.jobcount import JobCount
 from ..core.jobstate import JobEnd, MessageAck
 from ..core.keys import OPTIONS_HEADER, SENT_AT_HEADER
 from ..core.priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
+from ..core.queue_lists import split_level
+from ..core.queues import device_queue
 from ..core.transport import stored_ack_keys
 from .device import DeviceWorker
 
@@ -65,7 +67,19 @@ def job_end(
                      gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}),
                      share=share_arg(user, level, busy, finished),
                      wait=wait_arg(level, started - sent_at if sent_at is not None else None))
-    return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
+    return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request),
+                  shared_queue=shared_queue(request, worker.device.name))
+
+
+def shared_queue(request: Any, device: str) -> str:
+    """The queue the job of ``request`` came from when other devices consume it too (its kind's,
+    ``fleet``, a sweep's), without its level; '' for the device's own queue (a job sent to the
+    device by name) or none."""
+    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    if not isinstance(queue, str) or not queue:
+        return ""
+    name = split_level(queue)[0]
+    return "" if name == device_queue(device) else name
 
 
 def _sender(request: Any) -> tuple[str | None, Level, float | None]:

@@ -61,6 +61,7 @@ from .modes import RunModes
 from .mps import MpsServer
 from .preemption import Preemption
 from .reaper import Reaper
+from .service import ServiceWatch
 from .siblings import Siblings
 from .slots import GiB, Slots, plan_slots
 from .supervisor import ProcessPolicy, Supervisor
@@ -346,6 +347,9 @@ class DeviceWorker:
     #: The GPU's health service (:mod:`tasks.worker.health`): a job stops once its device
     #: failed; None: the device has none (a CPU device).
     health: HealthService | None = None
+
+    #: The device's service state (drained, quarantined): None, always in service.
+    service: ServiceWatch | None = None
     #: When the worker was asked to stop (monotonic), for running jobs' stop timeout; None
     #: while it runs.
     stopping_since: float | None = None

@@ -97,6 +97,13 @@ class Take(str, Enum):
     #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease. It was released;
     #: the message goes back to its queue, the job is not started.
     UNCONFIRMED = "unconfirmed"
+    #: This device is out of service (drained, quarantined, suspect: :mod:`tasks.core.device_state`):
+    #: nothing taken; the message goes back to its queue for another device, no attempt spent.
+    OUT_OF_SERVICE = "out of service"
+
+
+class OutOfService(Exception):
+    """The take refused the job: its device is out of service (its state is the message)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class Taken:
     outcome: Take
     lost_to: tuple[str, ...] = ()
     attempt: Attempt | None = None
+    #: With :attr:`Take.OUT_OF_SERVICE`: the device's state.
+    out: str = ""
 
 
 def parse_lease(raw: str | bytes | None) -> LeaseRecord | None:
@@ -237,9 +246,11 @@ class LeaseKeeper(PeriodicThread):
 
         def call(expect: str, dead: str) -> TakeReply:
             return self._jobs.take(record, self._ttl_ms, started=started, replace=expect, dead=dead,
-                                   max_attempts=max_attempts or 0, keep_s=keep_s)
+                                   max_attempts=max_attempts or 0, keep_s=keep_s, device=self.device)
 
         reply = call("", "")
+        if reply.status is Took.OUT:
+            return Taken(Take.OUT_OF_SERVICE, out=reply.out)
         if reply.status in (Took.HELD, Took.EXPIRED):
             raw = reply.holder or ""
             holder = parse_lease(raw)
@@ -418,6 +429,7 @@ class LeaseKeeper(PeriodicThread):
                 the message goes back to its queue (kombu's ``restore_by_tag`` on whichever
                 primary the channel reaches: on a new one, where the message still is, it
                 is given back to its queue), the job is not started.
+            OutOfService: the device is out of service: nothing taken, the block does not run.
             WorkerLost: the job took its worker down ``max_attempts`` times; it is recorded in
                 ``keys.DEAD_LETTERS``, its lease is held (to go with its stored failure) and the
                 block does not run.
@@ -436,6 +448,8 @@ class LeaseKeeper(PeriodicThread):
                           max_attempts=bound, keep_s=deaths_kept_s(task.app))
         if taken.outcome is Take.LOST:
             raise self._lost(task_id, resend, taken.lost_to, bound)
+        if taken.outcome is Take.OUT_OF_SERVICE:
+            raise OutOfService(taken.out)
         if taken.outcome is Take.UNCONFIRMED:
             raise Reject(f"job {task_id}: no replica confirmed its lease", requeue=True)
         if taken.outcome is not Take.TAKEN or taken.attempt is None:

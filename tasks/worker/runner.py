@@ -57,10 +57,10 @@ from ..core.queues import device_queue, key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, progress
+from . import accounting, blackhole, progress
 from .device import DeviceWorker
 from .launch import Launch
-from .lease import deaths_kept_s
+from .lease import OutOfService, deaths_kept_s
 from .slots import Slot
 from .supervisor import Ended
 
@@ -114,6 +114,12 @@ class JobTask(Task):  # type: ignore[misc]
     Request = "tasks.worker.runner:JobRequest"
     #: The lease's take script stores STARTED (LeaseKeeper.hold), in the same round trip.
     track_started = False
+    #: A job's message goes back to its queue by ``task.retry`` only when it was not run to its
+    #: end (preempted, given way, unpacked, handed back by a device out of service, a black hole's
+    #: first fast failure): never a failure, so never bounded. (``retry(max_retries=None)`` means
+    #: the task's bound, Celery's default 3: a job handed back a 4th time failed as
+    #: MaxRetriesExceededError.)
+    max_retries = None
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
         return execute(self.device_worker, self, self.job, kwargs)
@@ -210,6 +216,8 @@ def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options
             attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
+        except OutOfService as exc:
+            hand_back(worker, task, f"its device is {exc}")
         return _execute(worker, task, job, kwargs, options, attempt)
 
 
@@ -295,6 +303,13 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
                            ended.error.message if ended.error is not None else "its device failed")
             worker.leases.release(run.job_id)
             raise task.retry(countdown=0, max_retries=None)
+        case Outcome.ERROR if blackhole.judged(worker, ended, run.options, task.request, time.time() - run.started) and \
+                blackhole.decide(worker, task.request, ended):
+            # Its first fast failure on this device, from a shared queue: not stored, back to the
+            # end of its queue, no attempt spent (tasks.worker.blackhole).
+            run.idle(done=False)
+            worker.leases.release(run.job_id)
+            raise task.retry(countdown=0, max_retries=None)
         case Outcome.OK | Outcome.ERROR | Outcome.CANCELLED | Outcome.PEER_LOST:
             return run.end(ended=ended)
         case _:
@@ -329,6 +344,22 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
         logger.warning("could not count the preemption of job %s: %s", job_id, exc)
     raise task.retry(countdown=0, max_retries=None,
                      headers={**headers, PREEMPTIONS_HEADER: count, FRONT_HEADER: True})
+
+
+def hand_back(worker: DeviceWorker, task: Task, why: str) -> NoReturn:
+    """Send a job's message back to the front of its queue, not run here (its device went out of
+    service: :mod:`tasks.worker.service`): no attempt spent, no death counted, its lease (if it
+    held one) released first; the device's consumer stops taking, so another device takes it.
+
+    Raises:
+        celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
+    """
+    job_id = str(task.request.id)
+    logger.info("job %s on %s goes back to its queue: %s", job_id, worker.device, why)
+    worker.leases.release(job_id)
+    if worker.service is not None:
+        worker.service.wake()  # stop the consumer now: the next message would come back here
+    raise task.retry(countdown=0, max_retries=None, headers={**dict(task.request.headers or {}), FRONT_HEADER: True})
 
 
 def preemptions_of(request: Any) -> int:
@@ -445,6 +476,11 @@ class JobWatch:
             return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.worker.config.preempt_grace_s,
                            level=waiting, message=f"{where} ({self.level.value}) made way for {waiting.value} work "
                                                   f"waiting for the device; it goes back to its queue and runs again")
+        service = self.worker.service
+        if self.preemptible and service is not None and service.hand_back_now:
+            return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.worker.config.preempt_grace_s,
+                           message=f"{where}: its device was drained now ({service.state.reason}); it goes back "
+                                   "to its queue and runs again elsewhere")
         if worker_state.should_stop is not None or worker_state.should_terminate is not None:
             self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
@@ -459,7 +495,7 @@ class JobWatch:
         if stop.reason is StopReason.FENCED:
             self._fenced.set()
             logger.error("%s", stop.message)
-        elif stop.reason is StopReason.PREEMPT:
+        elif stop.reason is StopReason.PREEMPT and stop.level is not None:
             # One job per waiting message, across the fleet: the claim decides which one.
             preemption = self.worker.preemption
             if preemption is None or preemption.claim(self.job_id, self.level, self.started) is None:

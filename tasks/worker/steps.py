@@ -23,6 +23,8 @@ services it uses), starts them in that order and stops them in reverse::
     PreemptionStep      the preemption watch                  look for higher-level    stop looking
                                                               work while jobs run
     ReaperStep          the reaper                            reap                     stop reaping
+    ServiceStep         the watch of the device's state       read it: out of service, stop reading it
+                                                              the consumer takes none
     JobsStep            the DeviceWorker of all the above;    -                        a running job gets its
                         the job tasks, given it; the                                   stop timeout (terminate:
                         device's queues; one job per slot                              no wait)
@@ -69,6 +71,7 @@ from .lease import LeaseKeeper
 from .preemption import Preemption, consumed_lists
 from .reaper import Reaper
 from .runner import JobTask, collect
+from .service import ServiceWatch
 from .shutdown import install_stop_handlers
 
 logger = logging.getLogger(__name__)
@@ -309,6 +312,26 @@ class ReaperStep(bootsteps.StartStopStep):
     terminate = stop
 
 
+class ServiceStep(bootsteps.StartStopStep):
+    """The device's service state, obeyed: out of service (drained, quarantined, suspect), the
+    consumer takes nothing (:mod:`tasks.worker.service`)."""
+
+    label = "Service"
+    requires = (RegistryStep,)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.watch = ServiceWatch(built(parent, RegistryStep).client, built(parent, DeviceStep).setup.device.name)
+
+    def start(self, parent: Any) -> None:
+        self.watch.start()
+
+    def stop(self, parent: Any) -> None:
+        self.watch.stop()
+
+    terminate = stop
+
+
 class JobsStep(bootsteps.StartStopStep):
     """The device's jobs as the Celery tasks ``devicefleet.<job>``, each given the worker's
     services (:class:`~tasks.worker.device.DeviceWorker`), with the collect step; exactly the
@@ -316,7 +339,7 @@ class JobsStep(bootsteps.StartStopStep):
     gets its stop timeout (:meth:`~tasks.worker.device.DeviceWorker.drain`)."""
 
     label = "Jobs"
-    requires = (LeaseStep, ReaperStep, PreemptionStep, HealthStep)
+    requires = (LeaseStep, ReaperStep, PreemptionStep, HealthStep, ServiceStep)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
@@ -326,6 +349,7 @@ class JobsStep(bootsteps.StartStopStep):
             slots=built(parent, SlotsStep).slots, client=registry.client, heartbeat=registry.heartbeat,
             leases=built(parent, LeaseStep).leases, reaper=built(parent, ReaperStep).reaper,
             preemption=built(parent, PreemptionStep).preemption, health=built(parent, HealthStep).health,
+            service=built(parent, ServiceStep).watch,
         )
         # Celery's components hang their state on the worker (w.pool, w.timer): so does this one
         # (the consumer answers a job outside the allowlist with it).

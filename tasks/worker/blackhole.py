@@ -1,0 +1,63 @@
+"""Black holes (issue 50 item 2): a device on which different jobs fail fast while they succeed
+elsewhere is quarantined, and the jobs it failed go back to their shared queue, no attempt spent.
+
+The decision is one script call where the fleet decides a job's end
+(:data:`tasks.core.jobstate.FAILED_FAST`, beside the store script, which records each device's
+last job ended ok and clears its window): it runs for a job that failed within
+:data:`~tasks.core.defaults.BLACKHOLE_FAST_S` of run time, before Celery stores anything, so a
+job it sends back to its queue has no failure stored and no chord counts it. A job that fails
+fast on two different devices is the job's fault: its failure is stored, as any job's, and no
+device is blamed. Not judged: a device group's or a gang's job, a pack's member (their device
+is not one alone), a job run in process (no message to send back), a job sent to the device by
+name (it could not have run elsewhere: there is nothing to compare).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from ..core.defaults import BLACKHOLE_FAST_S, BLACKHOLE_K, BLACKHOLE_WINDOW_S
+from ..core.jobstate import JobState
+from ..core.records import JobOptions
+from ..core.wire import Outcome
+from .accounting import shared_queue
+from .device import DeviceWorker
+from .supervisor import Ended
+
+logger = logging.getLogger(__name__)
+
+#: How much of a job's error a quarantine's reason keeps, per job.
+ERROR_CHARS = 160
+
+
+def judged(worker: DeviceWorker, ended: Ended, options: JobOptions | None, request: Any, run_s: float) -> bool:
+    """Whether this ending is a fast failure the black-hole rule looks at: of a job from a shared
+    queue (one sent to this device by name could not have run elsewhere: no comparison)."""
+    return (ended.outcome is Outcome.ERROR and run_s < BLACKHOLE_FAST_S and request.id is not None
+            and options is not None and options.group is None and options.gang is None and options.pack is None
+            and shared_queue(request, worker.device.name) != "")
+
+
+def decide(worker: DeviceWorker, request: Any, ended: Ended) -> bool:
+    """Record this fast failure (:data:`~tasks.core.jobstate.FAILED_FAST`); True when the job goes
+    back to its queue instead of its failure being stored. A Redis error stores the failure."""
+    device = worker.device.name
+    error = ended.error
+    text = f"{error.type}: {error.message}" if error is not None else "failed"
+    text = " ".join(text.split())[:ERROR_CHARS]
+    try:
+        decision = JobState(worker.client).failed_fast(
+            str(request.id), device, text, queue=shared_queue(request, device), now=time.time(),
+            k=BLACKHOLE_K, window_s=BLACKHOLE_WINDOW_S)
+    except redis.RedisError as exc:  # the job's end is stored as it came: nothing blamed
+        logger.warning("%s: could not record the fast failure of job %s: %s", device, request.id, exc)
+        return False
+    if decision.quarantined:
+        logger.error("%s quarantined by the fleet: %s", device, decision.quarantined)
+        if worker.service is not None:
+            worker.service.wake()  # stop taking work now, not at the next read
+    return decision.again
