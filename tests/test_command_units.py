@@ -132,6 +132,23 @@ def test_a_missing_workdir_or_program_is_named_with_its_key_and_fix_and_refused_
         check_command(CommandParams(argv=["sh"]), "cpu0", None)
 
 
+def test_a_home_workdir_is_the_workers_home_and_deploy_refuses_it(tmp_path, monkeypatch):
+    """'Your own script' allows ~/fleet-scripts (issue 51): a folder a fresh machine can have."""
+    from tasks.ops.deploy import command_paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    policy = CommandPolicy(programs=["sh"], workdirs=["~/fleet-scripts"])
+    assert policy.rules().missing_workdirs == [str(tmp_path / "fleet-scripts")]
+    (tmp_path / "fleet-scripts").mkdir()
+    rules = policy.rules()
+    assert rules.workdirs == [str(tmp_path / "fleet-scripts")] and rules.problems("cpu0") == []
+    assert resolve_command(CommandParams(argv=["sh"]), "cpu0", rules)[1] == tmp_path / "fleet-scripts"
+    with pytest.raises(ConfigError, match="'~/fleet-scripts': under systemd"):
+        command_paths(policy)
+    with pytest.raises(ValueError, match="not an absolute path"):
+        CommandPolicy(programs=["sh"], workdirs=["fleet-scripts"])
+
+
 def test_an_os_error_reads_without_a_repr(tmp_path):
     from tasks.jobproc.command import os_error_text
     try:

@@ -152,8 +152,8 @@ class CommandPolicy(BaseModel):
     #: Programs a command may start: absolute paths, or names looked up on the worker's PATH
     #: when it starts. An interpreter (``python``, ``bash``) runs whatever script it is given.
     programs: list[str] = Field(default_factory=list)
-    #: Folders (absolute) a command may run in, with everything below them; the first is the
-    #: default working directory.
+    #: Folders (absolute, or ``~/...``: below the worker's home, for ``devicefleet up``) a command
+    #: may run in, with everything below them; the first is the default working directory.
     workdirs: list[str] = Field(default_factory=list)
 
     @field_validator("programs")
@@ -168,9 +168,14 @@ class CommandPolicy(BaseModel):
     @classmethod
     def _workdirs(cls, workdirs: list[str]) -> list[str]:
         for folder in workdirs:
-            if not os.path.isabs(folder):
-                raise ValueError(f"commands.workdirs: {folder!r} is not an absolute path")
+            if not (os.path.isabs(folder) or folder == "~" or folder.startswith("~/")):
+                raise ValueError(f"commands.workdirs: {folder!r} is not an absolute path (nor ~/...)")
         return workdirs
+
+    def home_workdirs(self) -> list[str]:
+        """The workdirs given as ``~/...``: the worker's home is where it runs, not where its
+        config was written (under systemd, the service's: ``devicefleet deploy`` refuses them)."""
+        return [folder for folder in self.workdirs if folder.startswith("~")]
 
     @model_validator(mode="after")
     def _both(self) -> CommandPolicy:
@@ -195,7 +200,7 @@ class CommandPolicy(BaseModel):
                 missing.append(program)
             else:
                 programs[program] = os.path.abspath(found)
-        workdirs = [os.path.realpath(d) for d in self.workdirs]
+        workdirs = [os.path.realpath(os.path.expanduser(d)) for d in self.workdirs]
         return CommandRules(programs=programs, workdirs=workdirs, missing=missing,
                             missing_workdirs=[d for d in workdirs if not os.path.isdir(d)], config=config)
 
