@@ -886,6 +886,11 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
             ",".join(str(c) for c in rec.cores),
         )
     console.print(table)
+    # What a worker found wrong in its [commands] when it started (it logged them too): said
+    # where the user looks, not only in the worker's log.
+    for device, rec in live.items():
+        for problem in rec.commands.problems(device) if rec.commands is not None else []:
+            err_console.print(f"[yellow]Warning:[/] {escape(problem)}", highlight=False)
 
 
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:
