@@ -4,10 +4,11 @@ Settings precedence: command-line options, then ``DEVICEFLEET_*`` variables, the
 This is the only module that configures logging handlers.
 
 Errors: a devicefleet error that ends a command is one line on stderr, ``Error: ...`` (click's
-prefix, which its own usage errors print), and exit status 1 (:data:`EXIT_FAILED`); 2
-(:data:`EXIT_CONFIG`) where the command is refused before it does anything (bad settings or
-command-line values, as click's usage errors); 3 (:data:`EXIT_FLEET_LOST`) where the fleet went
-away under a waiting producer.
+prefix, which its own usage errors print). Exit statuses (one rule, :func:`tasks.core.errors.exit_status`):
+2 (:data:`EXIT_CONFIG`) refused before anything was sent (a bad value on the command line or in
+the kwargs, an unknown job or device, a group that cannot form, a command not allowed; click's
+usage errors too); 1 (:data:`EXIT_FAILED`) a job failed (or the command failed otherwise); 3
+(``EXIT_FLEET_LOST``) the fleet went away under a waiting producer, or there is none to reach.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ from .core.defaults import (
 from .core.errors import (
     EXIT_CONFIG,
     EXIT_FAILED,
-    EXIT_FLEET_LOST,
     EXIT_INTERRUPTED,
     DeviceFleetError,
     FleetError,
-    FleetLost,
+    exit_status,
     start_exit_status,
 )
 from .core.records import DistBackend, Entry, WorkerRecord
@@ -103,14 +103,14 @@ class _StopWhileStarting(Exception):
 
 class _Commands(click.Group):
     """The ``devicefleet`` group: a devicefleet error that ends one of its commands is one line
-    (:func:`_fail`), exit status :data:`EXIT_FLEET_LOST` for a fleet that went away, else
-    :data:`EXIT_FAILED`. A command refused at its edge fails there, with :data:`EXIT_CONFIG`."""
+    (:func:`_fail`), its exit status by :func:`~tasks.core.errors.exit_status`: 2 refused before
+    anything was sent, 3 the fleet lost or not there, else 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except DeviceFleetError as exc:
-            _fail(exc, EXIT_FLEET_LOST if isinstance(exc, FleetLost) else EXIT_FAILED)
+            _fail(exc, exit_status(exc))
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -351,8 +351,9 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         max_attempts: int | None, per_slot: bool, distributed: bool, group: int | None, backend: str | None,
         max_restarts: int | None, join_timeout: float | None, priority: str, user: str | None,
         require: tuple[str, ...], redis_url: str | None) -> None:
-    """Fan JOB out to DEVICES and print {device: entry}. Exits 1 if any device failed, 3 if the
-    fleet went away before every device reported, 130 after Ctrl-C (which cancels the fan-out).
+    """Fan JOB out to DEVICES and print {device: entry}. Exits 2 if refused before anything was
+    sent (a bad value), 1 if any device failed, 3 if the fleet went away before every device
+    reported (or there is none), 130 after Ctrl-C (which cancels the fan-out).
 
     Or run a program: devicefleet run --devices cpu -- python train.py --lr 0.1. Its output is
     printed as it comes, each line after its device ([cpu0]; on stderr with --json), and kept
@@ -982,6 +983,11 @@ def _print_status(live: dict[str, WorkerRecord]) -> None:
             ",".join(str(c) for c in rec.cores),
         )
     console.print(table)
+    # What a worker found wrong in its [commands] when it started (it logged them too): said
+    # where the user looks, not only in the worker's log.
+    for device, rec in live.items():
+        for problem in rec.commands.problems(device) if rec.commands is not None else []:
+            err_console.print(f"[yellow]Warning:[/] {escape(problem)}", highlight=False)
 
 
 def _print_results(results: dict[str, dict[str, Any]], as_json: bool) -> None:

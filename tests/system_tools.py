@@ -37,7 +37,9 @@ def unavailable(reason: str) -> None:
     """Skip (locally) or fail (under ``.ci/run``) for ``reason``: what this machine lacks."""
     if required():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: CI must run this test)", pytrace=False)
-    pytest.skip(reason)
+    # Reported at the test that skipped, not at this line (as pytest reports a skipif mark or a
+    # fixture's skip): `-ra` then names the test.
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def tool(name: str, package: str) -> str:

@@ -86,7 +86,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
         assert table.returncode == 0 and "cpu1" in table.stdout and "ok" in table.stdout
 
         missing = subprocess.run([*CLI, "run", "probe", "--devices", "gpu0"], env=env, capture_output=True, text=True, timeout=60)
-        assert missing.returncode == 1 and "gpu0" in missing.stderr and "cpu0" in missing.stderr
+        assert missing.returncode == 2 and "gpu0" in missing.stderr and "cpu0" in missing.stderr  # refused: nothing sent
 
         bad = subprocess.run([*CLI, "run", "probe", "--kwargs", "{not json"], env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "--kwargs" in bad.stderr and "not JSON" in bad.stderr
@@ -94,7 +94,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
         # A typo in --kwargs: refused from the workers' published schema, nothing sent, one line.
         typo = subprocess.run([*CLI, "run", "train", "--devices", "cpu0", "--kwargs", '{"epoch": 3}'], env=env,
                               capture_output=True, text=True, timeout=60)
-        assert typo.returncode == 1 and typo.stdout == ""
+        assert typo.returncode == 2 and typo.stdout == ""
         assert typo.stderr.strip().splitlines() == [
             "Error: train: unexpected argument 'epoch' (3); did you mean 'epochs'?"]
 
@@ -118,7 +118,7 @@ def test_up_run_status_and_clean_stop(tmp_path):
         assert not any(_pid_alive(pid) for pid in pids)
         assert not fleet_file.exists()
         after = subprocess.run([*CLI, "status"], env=env, capture_output=True, text=True)
-        assert after.returncode == 1 and "devicefleet up" in after.stderr
+        assert after.returncode == 3 and "devicefleet up" in after.stderr  # no fleet to reach
     finally:
         for process in (waiting, up):
             if process is not None and process.poll() is None:
@@ -390,7 +390,7 @@ def test_an_error_written_to_a_pipe_is_one_whole_line(tmp_path):
     state_dir = tmp_path / "a-state-folder-whose-path-is-long-enough-to-cross-the-eightieth-column"
     proc = subprocess.run([*CLI, "status"], env=cli_env(DEVICEFLEET_STATE_DIR=str(state_dir)),
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 3  # no fleet to reach
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and len(errors[0]) > 80, proc.stderr
     assert str(state_dir) in errors[0] and "devicefleet up" in errors[0], proc.stderr

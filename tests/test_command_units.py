@@ -103,6 +103,60 @@ def test_programs_resolve_on_the_workers_path_and_a_symlink_to_an_allowed_one_is
         check_command(CommandParams(argv=["tool"]), "cpu0", None)
 
 
+def test_a_missing_workdir_or_program_is_named_with_its_key_and_fix_and_refused_before_sending(tmp_path):
+    """Issue 51: the worker's rules say which configured folder or program is not on its host; the
+    producer refuses a command they concern with that reason, not the worker's "could not be started"."""
+    gone = tmp_path / "srv" / "projects"
+    rules = CommandPolicy(programs=["sh", "no-such-program-51"], workdirs=[str(gone), str(tmp_path)]).rules(
+        config="/etc/w/cpu.toml")
+    assert rules.missing == ["no-such-program-51"] and rules.missing_workdirs == [str(gone)]
+    problems = rules.problems("cpu0")
+    assert len(problems) == 2 and all("/etc/w/cpu.toml [commands]" in p for p in problems)
+    assert "commands.workdirs" in problems[1] and f"mkdir -p {gone}" in problems[1]
+    for refused in (lambda: check_command(CommandParams(argv=["sh"]), "cpu0", rules),
+                    lambda: resolve_command(CommandParams(argv=["sh"]), "cpu0", rules)):
+        with pytest.raises(CommandRefused, match=rf"commands.workdirs folder {gone} does not exist on cpu0") as exc:
+            refused()
+        assert "PosixPath" not in str(exc.value) and "could not be started" not in str(exc.value)
+    # A workdir that exists still runs; a folder below one that does not is refused too.
+    check_command(CommandParams(argv=["sh"], cwd=str(tmp_path)), "cpu0", rules)
+    with pytest.raises(CommandRefused, match=f"{gone} does not exist"):
+        check_command(CommandParams(argv=["sh"], cwd="sub"), "cpu0", rules)
+    with pytest.raises(CommandRefused, match="'no-such-program-51' was not found on cpu0's PATH .* /etc/w/cpu.toml"):
+        check_command(CommandParams(argv=["no-such-program-51"], cwd=str(tmp_path)), "cpu0", rules)
+    # Nothing found at all: still the reason, not "runs no commands".
+    none_found = CommandPolicy(programs=["no-such-program-51"], workdirs=[str(tmp_path)]).rules()
+    with pytest.raises(CommandRefused, match="was not found on cpu0's PATH"):
+        check_command(CommandParams(argv=["no-such-program-51"]), "cpu0", none_found)
+    with pytest.raises(CommandRefused, match=r"uncomment \[commands\] in worker_configs/cpu.toml"):
+        check_command(CommandParams(argv=["sh"]), "cpu0", None)
+
+
+def test_a_home_workdir_is_the_workers_home_and_deploy_refuses_it(tmp_path, monkeypatch):
+    """'Your own script' allows ~/fleet-scripts (issue 51): a folder a fresh machine can have."""
+    from tasks.ops.deploy import command_paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    policy = CommandPolicy(programs=["sh"], workdirs=["~/fleet-scripts"])
+    assert policy.rules().missing_workdirs == [str(tmp_path / "fleet-scripts")]
+    (tmp_path / "fleet-scripts").mkdir()
+    rules = policy.rules()
+    assert rules.workdirs == [str(tmp_path / "fleet-scripts")] and rules.problems("cpu0") == []
+    assert resolve_command(CommandParams(argv=["sh"]), "cpu0", rules)[1] == tmp_path / "fleet-scripts"
+    with pytest.raises(ConfigError, match="'~/fleet-scripts': under systemd"):
+        command_paths(policy)
+    with pytest.raises(ValueError, match="not an absolute path"):
+        CommandPolicy(programs=["sh"], workdirs=["fleet-scripts"])
+
+
+def test_an_os_error_reads_without_a_repr(tmp_path):
+    from tasks.jobproc.command import os_error_text
+    try:
+        (tmp_path / "gone").read_text()
+    except OSError as exc:
+        assert os_error_text(exc) == f"No such file or directory: {tmp_path / 'gone'}"
+
+
 def test_the_log_sink_keeps_every_byte_splits_lines_across_reads_and_keeps_the_tail(tmp_path):
     batches: list[list[list[str]]] = []
     sink = LogSink(tmp_path, batches.append)

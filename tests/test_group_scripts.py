@@ -31,6 +31,11 @@ def command_logs(stdout: str) -> str:
     return "\n".join(f"--- {log}:\n{log.read_text(errors='replace')[-20000:]}" for log in logs if log.exists()) or "(no log)"
 
 
+def failure(stdout: str, stderr: str) -> str:
+    """What a failed run printed and its commands' own logs, as one message."""
+    return f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}\ncommand logs:\n{command_logs(stdout)}"
+
+
 @pytest.mark.parametrize(("argv", "world"), [
     # No --nprocs: one process per core of its affinity, the group's devices' cores (one each on
     # a 2-core host: a world of 2).
@@ -42,11 +47,14 @@ def test_a_launcher_script_runs_unchanged_on_a_group_over_both_devices(argv: lis
     live = tasks.live_devices(app)
     cores = sorted({*live["cpu0"].cores, *live["cpu1"].cores})
     world_size = len(cores) if world == "cores" else world
+    # PYTHONFAULTHANDLER: a rank that aborts (issue 51) dumps every thread's Python stack into the log.
     result = CliRunner().invoke(cli, ["run", "--devices", "cpu", "--group", "2", "--json", "--timeout", "140",
-                                      "--redis-url", fleet.redis_url, "--", *argv])
-    assert result.exit_code == 0, (result.stdout, result.stderr, command_logs(result.stdout))
+                                      "--env", "PYTHONFAULTHANDLER=1", "--redis-url", fleet.redis_url, "--", *argv])
+    # A str message: pytest prints it whole (a tuple's repr is cut at 240 characters, which hid the
+    # cause of issue 51's abort).
+    assert result.exit_code == 0, failure(result.stdout, result.stderr)
     entry = json.loads(result.stdout)["cpu0+cpu1"]
-    assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", (entry, command_logs(result.stdout))
+    assert entry["status"] == "ok" and entry["device"] == "cpu0+cpu1", failure(result.stdout, result.stderr)
     assert entry["output"]["command"]["exit_code"] == 0
     # The script's own line, printed by rank 0 as it came, after the group's name (on stderr with --json).
     lines = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[cpu0+cpu1] {")]

@@ -252,7 +252,7 @@ def test_cli_sweep_and_optimize_rank_by_the_objective_and_ctrl_c_cancels(fleet, 
 
     bad = subprocess.run([*CLI, "sweep", "counted", "--grid", '{"score": 1}'], env=env, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode == 1 and "grid axis 'score'" in bad.stderr
+    assert bad.returncode == 2 and "grid axis 'score'" in bad.stderr  # refused: nothing sent
 
     (tmp_path / "long").mkdir()
     long = subprocess.Popen([*CLI, "sweep", "counted", "--grid", '{"score": [1, 2, 3, 4]}', "--json", "--kwargs",

@@ -38,3 +38,22 @@ def test_not_root_fails_when_ci_requires_it(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(system_tools.os, "geteuid", lambda: 1000)
     with pytest.raises(pytest.fail.Exception, match=r"the rig needs root \(DEVICEFLEET_REQUIRE_SYSTEM_TOOLS=1"):
         system_tools.root("the rig")
+
+
+def test_a_skip_is_reported_at_the_test_that_skipped_not_at_the_helper(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`-ra` names the test that skipped (issue 51), as for a skipif mark, not tests/system_tools.py."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "test_inner.py").write_text(
+        "from tests import system_tools\n\n\ndef test_needs_a_tool():\n"
+        "    system_tools.tool('no-such-tool-xyz', 'xyz-pkg')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop(system_tools.REQUIRE_ENV, None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "-c", os.devnull,
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and "test_inner.py:4" in skipped[0] and "system_tools" not in skipped[0], proc.stdout

@@ -152,8 +152,8 @@ class CommandPolicy(BaseModel):
     #: Programs a command may start: absolute paths, or names looked up on the worker's PATH
     #: when it starts. An interpreter (``python``, ``bash``) runs whatever script it is given.
     programs: list[str] = Field(default_factory=list)
-    #: Folders (absolute) a command may run in, with everything below them; the first is the
-    #: default working directory.
+    #: Folders (absolute, or ``~/...``: below the worker's home, for ``devicefleet up``) a command
+    #: may run in, with everything below them; the first is the default working directory.
     workdirs: list[str] = Field(default_factory=list)
 
     @field_validator("programs")
@@ -168,9 +168,14 @@ class CommandPolicy(BaseModel):
     @classmethod
     def _workdirs(cls, workdirs: list[str]) -> list[str]:
         for folder in workdirs:
-            if not os.path.isabs(folder):
-                raise ValueError(f"commands.workdirs: {folder!r} is not an absolute path")
+            if not (os.path.isabs(folder) or folder == "~" or folder.startswith("~/")):
+                raise ValueError(f"commands.workdirs: {folder!r} is not an absolute path (nor ~/...)")
         return workdirs
+
+    def home_workdirs(self) -> list[str]:
+        """The workdirs given as ``~/...``: the worker's home is where it runs, not where its
+        config was written (under systemd, the service's: ``devicefleet deploy`` refuses them)."""
+        return [folder for folder in self.workdirs if folder.startswith("~")]
 
     @model_validator(mode="after")
     def _both(self) -> CommandPolicy:
@@ -183,9 +188,10 @@ class CommandPolicy(BaseModel):
     def enabled(self) -> bool:
         return bool(self.programs)
 
-    def rules(self, path: str | None = None) -> CommandRules:
+    def rules(self, path: str | None = None, config: str | None = None) -> CommandRules:
         """The policy with each program resolved on ``path`` (default: this process's PATH);
-        a program that is not found is left out (``missing``)."""
+        a program that is not found is left out (``missing``), a workdir that is not a folder
+        here is kept and named in ``missing_workdirs``. ``config``: the file it was read from."""
         programs: dict[str, str] = {}
         missing: list[str] = []
         for program in self.programs:
@@ -194,8 +200,9 @@ class CommandPolicy(BaseModel):
                 missing.append(program)
             else:
                 programs[program] = os.path.abspath(found)
-        return CommandRules(programs=programs, workdirs=[os.path.realpath(d) for d in self.workdirs],
-                            missing=missing)
+        workdirs = [os.path.realpath(os.path.expanduser(d)) for d in self.workdirs]
+        return CommandRules(programs=programs, workdirs=workdirs, missing=missing,
+                            missing_workdirs=[d for d in workdirs if not os.path.isdir(d)], config=config)
 
 
 class CommandRules(BaseModel):
@@ -209,9 +216,25 @@ class CommandRules(BaseModel):
     workdirs: list[str]
     #: Configured programs that were not found.
     missing: list[str] = Field(default_factory=list)
+    #: Workdirs (resolved) that were not folders when the worker started.
+    missing_workdirs: list[str] = Field(default_factory=list)
+    #: The worker config file the rules came from (None: not known, an older worker).
+    config: str | None = None
 
     def allowed_text(self) -> str:
         return ", ".join(self.programs) or "none"
+
+    def where(self, device: str) -> str:
+        """The file to edit to change these rules, as a message names it."""
+        return f"{self.config} [commands]" if self.config else f"{config_hint(device)} [commands]"
+
+    def problems(self, device: str) -> list[str]:
+        """What in the rules cannot work on the worker's host, each naming the key and the fix
+        (the worker logs them when it starts; the producer refuses a command they concern)."""
+        found = [f"commands.programs {program!r} is not found on {device}'s PATH: install it, or give its "
+                 f"absolute path in {self.where(device)}" for program in self.missing]
+        found += [_missing_workdir(folder, device, self) for folder in self.missing_workdirs]
+        return found
 
     def named(self, program: str) -> str | None:
         """The allowed program the bare name ``program`` names: as configured, or by its file's
@@ -239,14 +262,54 @@ class CommandRules(BaseModel):
         if not any(folder == d or folder.startswith(d.rstrip("/") + "/") for d in self.workdirs):
             raise CommandRefused(
                 f"working directory {cwd!r} ({folder}) is outside the folders {device}'s worker config "
-                f"allows (commands.workdirs: {', '.join(self.workdirs)})")
+                f"allows (commands.workdirs: {', '.join(self.workdirs)}; {self.where(device)})")
         return Path(folder)
+
+    def existing_directory(self, cwd: str | None, device: str) -> Path:
+        """:meth:`working_directory`, which must be a folder on this host.
+
+        Raises:
+            CommandRefused: it is not allowed, or it does not exist (the message names the
+                workdir key and the fix).
+        """
+        folder = self.working_directory(cwd, device)
+        if not folder.is_dir():
+            raise CommandRefused(_missing_workdir(str(folder), device, self))
+        return folder
+
+
+def config_hint(device: str) -> str:
+    """The worker config files of ``device`` (``cpu0``: ``worker_configs/cpu0.toml`` or ``cpu.toml``)."""
+    kind = re.sub(r"\d+$", "", device.rsplit("@", 1)[0])
+    return f"worker_configs/{kind}.toml (or its own {device}.toml; under systemd in /etc/devicefleet/)"
+
+
+def _missing_workdir(folder: str, device: str, rules: CommandRules) -> str:
+    if folder in rules.missing_workdirs or not rules.workdirs or folder == rules.workdirs[0]:
+        return (f"commands.workdirs folder {folder} does not exist on {device}'s host: create it "
+                f"(mkdir -p {folder}) and put your scripts there, or name a folder you have in "
+                f"{rules.where(device)}, then restart the worker")
+    return f"working directory {folder} does not exist on {device}'s host: create it, or give another --cwd"
 
 
 def _refused_program(program: str, device: str, rules: CommandRules) -> CommandRefused:
     return CommandRefused(
         f"program {program!r} is not allowed on {device}: its worker config's commands.programs allows "
-        f"{rules.allowed_text()}; add it there (worker_configs/<kind>.toml, [commands]) to run it")
+        f"{rules.allowed_text()}; add it there ({rules.where(device)}) and restart the worker to run it")
+
+
+def _no_commands(device: str) -> CommandRefused:
+    return CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs; "
+                          f"uncomment [commands] in {config_hint(device)} and restart the worker")
+
+
+def _missing_program(program: str, device: str, rules: CommandRules) -> CommandRefused | None:
+    """The refusal of a bare ``program`` that is configured but was not found when the worker started."""
+    if program in rules.missing and rules.named(program) is None:
+        return CommandRefused(f"commands.programs {program!r} was not found on {device}'s PATH when its worker "
+                              f"started: install it, or give its absolute path in {rules.where(device)}, "
+                              "then restart the worker")
+    return None
 
 
 def check_command(params: CommandParams, device: str, rules: CommandRules | None) -> None:
@@ -257,14 +320,17 @@ def check_command(params: CommandParams, device: str, rules: CommandRules | None
         CommandRefused: the device runs no commands, or not this program or folder.
         InvalidJobArguments: a placeholder names no parameter.
     """
-    if rules is None or not rules.programs:
-        raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
+    if rules is None or not (rules.programs or rules.missing):
+        raise _no_commands(device)
     params.formatted_argv()
     program = params.argv[0]
     known = rules.allows(program) if os.path.isabs(program) else rules.named(program) is not None
     if not known:
-        raise _refused_program(program, device, rules)
-    rules.working_directory(params.cwd, device)
+        raise _missing_program(program, device, rules) or _refused_program(program, device, rules)
+    folder = str(rules.working_directory(params.cwd, device))
+    gone = next((d for d in rules.missing_workdirs if folder == d or folder.startswith(d.rstrip("/") + "/")), None)
+    if gone is not None:
+        raise CommandRefused(_missing_workdir(gone, device, rules))
 
 
 def resolve_command(params: CommandParams, device: str, rules: CommandRules | None) -> tuple[list[str], Path]:
@@ -278,7 +344,7 @@ def resolve_command(params: CommandParams, device: str, rules: CommandRules | No
         InvalidJobArguments: a placeholder names no parameter.
     """
     if rules is None or not rules.programs:
-        raise CommandRefused(f"{device} runs no commands: its worker config has no [commands] programs")
+        raise _no_commands(device)
     argv = params.formatted_argv()
     program = argv[0]
     if os.path.isabs(program):
@@ -288,5 +354,5 @@ def resolve_command(params: CommandParams, device: str, rules: CommandRules | No
     else:
         found = rules.named(program)
     if found is None or not os.path.exists(found):
-        raise _refused_program(program, device, rules)
-    return [found, *argv[1:]], rules.working_directory(params.cwd, device)
+        raise _missing_program(program, device, rules) or _refused_program(program, device, rules)
+    return [found, *argv[1:]], rules.existing_directory(params.cwd, device)

@@ -121,11 +121,15 @@ class DeviceUnavailable(FanOutError, LookupError):
     def __init__(self, missing: Iterable[str], live: Iterable[str]) -> None:
         self.missing = sorted(missing)
         self.live = sorted(live)
-        live_text = ", ".join(self.live) if self.live else "none"
+        if self.live:  # a fleet runs: `up` already started a worker for each device its host has
+            fix = (f"The fleet runs and has no worker for it: start one on a host that has "
+                   f"{self.missing[0].split(' ')[0]} (`devicefleet worker NAME` there), or ask for live devices "
+                   f"only (--devices {','.join(self.live)})")
+        else:
+            fix = "Start the workers (`devicefleet up`, or `devicefleet worker NAME`)"
         super().__init__(
-            f"no live worker for device(s) {', '.join(self.missing)}; live devices: {live_text}. "
-            "Start the missing workers (`devicefleet up`, or `devicefleet worker NAME`) "
-            "or ask for live devices only."
+            f"no live worker for device(s) {', '.join(self.missing)}; live devices: "
+            f"{', '.join(self.live) or 'none'}. {fix}."
         )
 
 
@@ -195,7 +199,7 @@ class InvalidJobArguments(JobError, ValueError):
     Raised by the producer (``fan_out``, ``sweep``, ``optimize``, ``devicefleet run``) before
     anything is sent, from the params schema the workers publish: one line naming the job (and a
     sweep's trial), each bad field with its value and a close name, e.g. ``train: unexpected
-    argument 'epoch' (3); did you mean 'epochs'?``; the CLI exits 1. Else (a plain Celery
+    argument 'epoch' (3); did you mean 'epochs'?``; the CLI exits 2 (:data:`EXIT_CONFIG`). Else (a plain Celery
     producer, a worker that publishes no schema) the job process raises it: the entry's error.
     """
 
@@ -310,3 +314,23 @@ class Preempted(ControlFlow):
 class PeerLost(ControlFlow):
     """A rank's gang lost a peer (its collective failed, or the gang moved to a later
     generation meanwhile): the rank runs again with the gang's next generation."""
+
+
+# --- issue 51: one exit-code rule for every command -------------------------------------------
+
+#: Errors raised before anything was sent (a producer's refusal at its edge): a bad value on the
+#: command line or in Python, an unknown job or device, a group that cannot form, a command its
+#: device does not allow, a sweep that clashes. A command ended by one exits :data:`EXIT_CONFIG`.
+REFUSALS: tuple[type[DeviceFleetError], ...] = (
+    ConfigError, UnknownJob, InvalidJobArguments, CommandRefused, DeviceUnavailable, GroupUnavailable,
+    SweepConflict,
+)
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command ended by ``exc``: :data:`EXIT_CONFIG` for a refusal before
+    anything was sent (:data:`REFUSALS`), :data:`EXIT_FLEET_LOST` for a fleet that went away or
+    is not there (:class:`FleetLost`, :class:`NoFleetError`), else :data:`EXIT_FAILED`."""
+    if isinstance(exc, (FleetLost, NoFleetError)):
+        return EXIT_FLEET_LOST
+    return EXIT_CONFIG if isinstance(exc, REFUSALS) else EXIT_FAILED

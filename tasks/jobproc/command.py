@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from typing import Any
 
 from ..core.commands import COMMAND_JOB, CommandParams, CommandRules, resolve_command
 from ..core.defaults import COMMAND_DESCENDANTS_GRACE_S, COMMAND_STOP_MARGIN_S
-from ..core.errors import CommandFailed, DeviceFleetError, JobCancelled
+from ..core.errors import CommandFailed, CommandRefused, DeviceFleetError, JobCancelled
 from ..core.job import JobContext, JobDefinition
 from ..core.wire import ProcessSpec
 from .command_output import EventReader, LogSink, events_pipe
@@ -105,8 +106,11 @@ class CommandJob:
             logger.info("%s: running %s in %s", self.spec.device, " ".join(argv), cwd)
             try:
                 ended = run.wait()
-            except OSError as exc:  # not executable, a bad interpreter line
-                raise CommandFailed(f"{argv[0]} could not be started on {self.spec.device}: {exc}",
+            except OSError as exc:  # not executable, a bad interpreter line, the folder gone since
+                if not cwd.is_dir():
+                    raise CommandRefused(f"working directory {cwd} does not exist on {self.spec.device}'s host "
+                                         "(it went away after the command was checked): create it again") from None
+                raise CommandFailed(f"{argv[0]} could not be started on {self.spec.device}: {os_error_text(exc)}",
                                     command={"argv": argv, "exit_code": None, "signal": None, "tail": [],
                                              "log": str(ctx.artifacts_dir)}) from None
         seconds = time.monotonic() - run.started
@@ -135,6 +139,13 @@ def stop_error(ctx: JobContext) -> DeviceFleetError | None:
     if ctx.interruption is not None:
         return ctx.interruption()
     return JobCancelled(f"job {ctx.job_id} on {ctx.device} was cancelled")
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError as a person reads it: its reason and the file it concerns as plain text
+    (``str(exc)`` shows a path as ``PosixPath('...')``)."""
+    reason = exc.strerror or type(exc).__name__
+    return f"{reason}: {os.fspath(exc.filename)}" if exc.filename is not None else reason
 
 
 def _signal_name(signum: int | None) -> str | None:

@@ -491,6 +491,9 @@ def command_paths(policy: CommandPolicy, bound_code: Iterable[Path] = ()) -> Com
     """
     if not policy.enabled:
         return None
+    if policy.home_workdirs():
+        raise ConfigError(f"commands.workdirs {policy.home_workdirs()[0]!r}: under systemd a worker's home is the "
+                          "service's, not yours; give the folder's absolute path in the worker config's [commands]")
     bound = set(bound_code)
     read_write: list[Path] = []
     binds: list[Path] = []

@@ -46,7 +46,7 @@ from ..core.records import SlotRecord, Visibility, WorkerRecord
 from ..core.registry import read_worker
 from ..core.settings import Settings
 from ..core.wire import DeviceView, ProcessSpec
-from ..core.worker_config import WorkerConfig, load_worker_config
+from ..core.worker_config import WorkerConfig, config_file, load_worker_config
 from .gang import route_address
 from .group import GroupGate
 from .group_host import GroupHostLink, inherited_listener
@@ -169,10 +169,9 @@ class DeviceSetup:
         when it allows none."""
         if not self.config.commands.enabled:
             return None
-        rules = self.config.commands.rules()
-        if rules.missing:
-            logger.warning("%s: commands.programs %s not found on PATH; commands cannot run them",
-                           self.device, ", ".join(rules.missing))
+        rules = self.config.commands.rules(config=str(config_file(self.settings.worker_configs_path, self.device)))
+        for problem in rules.problems(str(self.device)):  # the producer refuses what they concern
+            logger.warning("%s", problem)
         logger.info("%s: commands may run %s in %s", self.device,
                     ", ".join(f"{k} ({v})" for k, v in rules.programs.items()) or "nothing",
                     ", ".join(rules.workdirs))
