@@ -59,8 +59,7 @@ from celery import bootsteps, signals
 from ..core.devices import DeviceKind
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
-from ..core.queue_lists import leveled, split_level
-from ..core.queues import device_queue
+from ..core.queue_lists import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
@@ -206,8 +205,10 @@ class HealthStep(bootsteps.StartStopStep):
 
     def start(self, parent: Any) -> None:
         if self.health is not None:
-            device = built(parent, DeviceStep).setup.device.name
-            self.health.on_failed = lambda verdict: stop_shared_queues(parent.consumer, device)
+            # The drain it wrote is obeyed as any drain is, by the service watch (one owner of
+            # whether the device consumes): woken now rather than at its next read.
+            watch = built(parent, ServiceStep).watch
+            self.health.on_failed = lambda verdict: watch.wake()
             self.health.start()
 
     def stop(self, parent: Any) -> None:
@@ -215,24 +216,6 @@ class HealthStep(bootsteps.StartStopStep):
             self.health.stop()
 
     terminate = stop
-
-
-def stop_shared_queues(consumer: Any, device: str) -> None:
-    """Stop taking messages from every queue ``device`` shares with others (its kind's, the
-    fleet's, a sweep's), at every level, keeping its own (``device.<name>``: a job sent to it by
-    name gets its ``DeviceFailed`` entry at once). Called from any thread: the consumer's loop
-    cancels them (Celery's ``cancel_consumer`` does the same)."""
-    own = device_queue(device)
-
-    def cancel() -> None:
-        for queue in list(consumer.app.amqp.queues.consume_from or consumer.app.amqp.queues):
-            if split_level(queue)[0] != own:
-                consumer.cancel_task_queue(queue)
-
-    if consumer.hub is not None:
-        consumer.hub.call_soon(cancel)
-    else:  # no event loop (a solo pool's blocking consumer): the next drain sees the change
-        cancel()
 
 
 class LeaseStep(bootsteps.StartStopStep):
