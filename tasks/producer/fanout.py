@@ -55,6 +55,7 @@ from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import job_schemas, live_workers
 from ..core.validation import describe_validation_error
+from ..core.users import owned_task_id
 from .connections import Connections, default_app
 from .handle import JobHandle
 from .listener import RECHECK_S
@@ -132,9 +133,11 @@ class JobSpec(BaseModel):
         with its options (the user filled in: :func:`sender_of`). Flower shows the level and the
         user as the task's args (a job takes kwargs only)."""
         options = self.options if self.options.user else self.options.model_copy(update={"user": sender_of(app)})
+        # A user's job: a task id of theirs, so its result is a key only they read (tasks.core.users).
+        owned = {"task_id": owned_task_id(options.user)} if options.user and sends_as_user(app) else {}
         return app.signature(task_name(self.name), kwargs=self.kwargs, queue=level_queue(queue, options.priority),
                              headers={OPTIONS_HEADER: options.to_dict()},
-                             argsrepr=f"priority={options.priority.value} user={options.user}")
+                             argsrepr=f"priority={options.priority.value} user={options.user}", **owned)
 
 
 JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
@@ -154,6 +157,12 @@ def prioritized(job: JobLike, priority: Level | str | None = None, user: str | N
     if user is not None:
         update["user"] = check_user(user)
     return spec.model_copy(update={"options": spec.options.model_copy(update=update)}) if update else spec
+
+
+def sends_as_user(app: Celery) -> bool:
+    """Whether ``app`` sends with a user's credentials (:mod:`tasks.core.users`)."""
+    settings = getattr(app, "fleet_settings", None)
+    return settings is not None and settings.user_credentials is not None
 
 
 def sender_of(app: Celery) -> str:
@@ -475,7 +484,9 @@ def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
     # The collect step at the jobs' highest level: an urgent fan-out is not collected behind
     # normal work.
     level = min((spec.level for spec in plan.values()), key=lambda lvl: lvl.rank, default=Level.NORMAL)
-    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=level_queue(QueueName.FLEET.value, level))
+    owned = {"task_id": owned_task_id(sender_of(app))} if sends_as_user(app) else {}  # its result: the user's
+    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=level_queue(QueueName.FLEET.value, level),
+                         **owned)
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))
     return result
