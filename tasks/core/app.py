@@ -21,9 +21,9 @@ from kombu import Queue
 
 from .defaults import BACKEND_HEALTH_CHECK_INTERVAL_S, BACKEND_MAX_RETRIES, REDIS_OUTAGE_RETRY_POLICY
 from .errors import NoFleetError
+from .keys import OPTIONS_HEADER, SIGNATURE_HEADER
 from .queues import QueueName
 from .sentinel import Replication, SentinelURL, is_sentinel
-from .keys import OPTIONS_HEADER, SIGNATURE_HEADER
 from .settings import Settings, check_sender
 from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
 from .users import denial, job_signature, owned_task_id

@@ -142,7 +142,7 @@ _STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases"
 #: broadcast), no MONITOR, CONFIG, ACL or FLUSH.
 _READ_COMMANDS = ("get", "mget", "exists", "ttl", "pttl", "type", "strlen", "smembers", "sismember",
                   "smismember", "scard", "hget", "hgetall", "hkeys", "hvals", "hlen", "hmget", "hexists",
-                  "llen", "zrange", "zrangebyscore", "zcard", "zcount", "zscore", "xrange", "xrevrange",
+                  "llen", "scan", "zrange", "zrangebyscore", "zcard", "zcount", "zscore", "xrange", "xrevrange",
                   "xread", "xlen")
 _CONNECTION_COMMANDS = ("ping", "hello", "auth", "select", "echo", "time", "info", "client|setname",
                         "client|id", "subscribe", "unsubscribe", "script|load",

@@ -54,8 +54,8 @@ from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import job_schemas, live_workers
-from ..core.validation import describe_validation_error
 from ..core.users import owned_task_id
+from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
 from .handle import JobHandle
 from .listener import RECHECK_S
