@@ -44,7 +44,7 @@ from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
-from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
+from ..core.errors import ConfigError, CredentialsError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
@@ -332,6 +332,11 @@ class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
         next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
         Their entries say ``cancelled``; :meth:`get` still returns every device. A device group
         whose leader has not taken it yet lets the devices it reserved go at once."""
+        if sends_as_user(self.app):
+            raise CredentialsError(
+                f"fan-out {self.id} was sent with user {sender_of(self.app)!r}'s credentials, which cannot cancel "
+                "yet: Celery's cancel is a broadcast every worker obeys whoever sends it, so users are denied it; "
+                "the fleet's admin cancels (docs/explanation/security.md)")
         pending = [self._task_ids[d] for d, state in self.states().items() if state not in READY_STATES]
         if pending:
             self.app.control.revoke(pending)
