@@ -141,7 +141,7 @@ def _queued(admin: Any) -> int:
 
 def test_alice_runs_her_job_and_only_she_reads_its_result(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
-    alice, bob = _app_of(files, "alice", tmp_path), _app_of(files, "bob", tmp_path)
+    alice = _app_of(files, "alice", tmp_path)
     handle = fan_out("noop", ["cpu0"], app=alice)
     assert handle.get(timeout=60)["cpu0"]["status"] == "ok"
     task_id = handle.task_ids["cpu0"]
@@ -211,3 +211,16 @@ def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):
     assert "user 'carol'" in status.stderr and "devicefleet user add carol" in status.stderr
     with pytest.raises(CredentialsError, match="devicefleet user add carol"):
         fan_out("noop", ["cpu0"], app=create_app(make_settings(tmp_path / "c", credentials=carol)))
+
+
+def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(acl_fleet):
+    fleet, admin, files = acl_fleet
+    from tasks.core.users import restore_acl_users
+
+    admin.execute_command("ACL", "DELUSER", "alice")  # as a Redis restarted from its data has none
+    alice_client = connect(read_credentials(files["alice"]).redis_url)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        alice_client.ping()
+    assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
+    assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
+    alice_client.close()

@@ -63,6 +63,9 @@ class FleetUser(_Record):
     team: str | None = Field(default=None, pattern=USER_PATTERN)
     signing_key: str = Field(min_length=32)
     added_at: float
+    #: SHA-256 of the user's Redis password (hex): their ACL user is made again from it
+    #: (``#<hash>``) on a Redis that restarted without it (:func:`restore_acl_users`).
+    password_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
 class Credentials(_Record):
@@ -149,7 +152,12 @@ _CONNECTION_COMMANDS = ("ping", "hello", "auth", "select", "echo", "time", "info
                         "script|exists", "multi", "exec", "discard", "watch", "unwatch", "readonly")
 
 
-def acl_rules(user: str, password: str) -> list[str]:
+def password_hash(password: str) -> str:
+    """What Redis keeps of a password (``ACL SETUSER u #<hash>`` sets it from this)."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def acl_rules(user: str, password: str | None = None, *, hashed: str | None = None) -> list[str]:
     """The Redis ACL rules (``ACL SETUSER <user> <rules...>``, Redis >= 7.0) of fleet user ``user``.
 
     Root: the read commands over the fleet's status keys and her own results, progress and logs,
@@ -163,7 +171,8 @@ def acl_rules(user: str, password: str) -> list[str]:
     """
     sep = USER_SEPARATOR
     own_lists = [f"~{prefix}*{sep}{user}" for prefix in _QUEUE_PREFIXES]
-    rules = ["reset", "on", f">{password}", "resetchannels", "-@all",
+    secret = f">{password}" if password is not None else f"#{hashed}"
+    rules = ["reset", "on", secret, "resetchannels", "-@all",
              *(f"+{c}" for c in (*_CONNECTION_COMMANDS, *_READ_COMMANDS)), "+lpush", "+set", "+del",
              "+expire", "+pexpire", "+sadd",
              *(f"%R~{PREFIX}{key}" for key in _STATUS_KEYS),
@@ -175,6 +184,29 @@ def acl_rules(user: str, password: str) -> list[str]:
              "(+evalsha +eval +evalsha_ro +eval_ro ~*)",
              f"(+hsetnx ~{PREFIX}users)"]
     return rules
+
+
+def restore_acl_users(client: Any) -> list[str]:
+    """Make again, from :data:`~tasks.core.keys.FLEET_USERS`, the ACL user of each fleet user the
+    Redis lacks (a Redis restarted from its data keeps the fleet's keys, not its ACL users), with
+    the same password (from its hash) and rules; the users made again. Run by each worker as it
+    joins, with the fleet's own password. One read (``HGETALL``) on a fleet with no users."""
+    records = client.hgetall(FLEET_USERS)
+    if not records:
+        return []
+    have = {_text(name) for name in client.execute_command("ACL", "USERS")}
+    made = []
+    for name, raw in records.items():
+        user = _text(name)
+        try:
+            record = FleetUser.model_validate_json(raw)
+        except ValidationError:
+            continue
+        if user in have or record.password_sha256 is None:
+            continue
+        client.execute_command("ACL", "SETUSER", user, *acl_rules(user, hashed=record.password_sha256))
+        made.append(user)
+    return made
 
 
 class UserKeys:

@@ -4,8 +4,9 @@ Run with the fleet's own password (the admin's: the local fleet file, or ``DEVIC
 with the ``default`` user's password). ``add`` makes the user's Redis ACL user and signing key
 (:mod:`tasks.core.users`) and writes their credentials file; ``remove`` deletes both (Redis closes
 the user's open connections at once); ``list`` shows who is there. The fleet keeps its users in
-Redis (:data:`~tasks.core.keys.FLEET_USERS`, persisted with the rest) and :func:`restore_users`
-makes their ACL users again on a Redis that lost them (a restart of a Redis without an ACL file).
+Redis (:data:`~tasks.core.keys.FLEET_USERS`, persisted with the rest); each worker, as it joins,
+makes their ACL users again on a Redis that lost them (a restart: ACL users are not in Redis's
+data), from their password's hash (:func:`tasks.core.users.restore_acl_users`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..core.defaults import ACL_MIN_REDIS
 from ..core.errors import ConfigError, CredentialsError
 from ..core.keys import FLEET_USERS
 from ..core.priority import check_user
-from ..core.users import Credentials, FleetUser, acl_rules, new_secret, write_credentials
+from ..core.users import Credentials, FleetUser, acl_rules, new_secret, password_hash, write_credentials
 
 #: The Redis ACL users that are never a fleet user's (the admin's own, and Redis's).
 RESERVED_USERS = frozenset({"default"})
@@ -82,7 +83,7 @@ def add_user(client: Any, admin_url: str, user: str, *, team: str | None = None,
                           "add them on a fleet with one Redis (redis:// or rediss://)")
     check_acl_support(client)
     password, signing_key = new_secret(), new_secret()
-    record = FleetUser(team=team, signing_key=signing_key, added_at=time.time())
+    record = FleetUser(team=team, signing_key=signing_key, added_at=time.time(), password_sha256=password_hash(password))
     try:
         client.execute_command("ACL", "SETUSER", user, *acl_rules(user, password))
     except redis.exceptions.NoPermissionError:
@@ -115,14 +116,3 @@ def list_users(client: Any) -> list[UserInfo]:
         record = FleetUser.model_validate_json(raw)
         out.append(UserInfo(user=user, team=record.team, added_at=record.added_at, acl_user=user in acl))
     return out
-
-
-def restore_users(client: Any) -> list[str]:
-    """Make again the ACL user of each fleet user Redis lacks (a restarted Redis keeps the
-    fleet's keys, not its ACL users): with a new password, which their old credentials do not
-    have, so they ask for new credentials. The users whose ACL user was made again."""
-    acl = {name.decode() if isinstance(name, bytes) else str(name) for name in client.execute_command("ACL", "USERS")}
-    lost = [u.user for u in list_users(client) if u.user not in acl]
-    for user in lost:  # off until re-added: the password is not kept anywhere
-        client.execute_command("ACL", "SETUSER", user, "reset", "off")
-    return lost

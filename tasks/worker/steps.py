@@ -57,6 +57,7 @@ from ..core.job import COLLECT_TASK, task_name
 from ..core.queue_lists import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
+from ..core.users import restore_acl_users
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
 from .group import GroupKeeper
 from .heartbeat import Heartbeat
@@ -167,6 +168,9 @@ class RegistryStep(bootsteps.StartStopStep):
         with refusing(parent):
             check_sentinels(self.url)
             check_unique(self.client, setup)
+        restored = restore_acl_users(self.client)  # a restarted Redis lost the users' ACL users
+        if restored:
+            logger.warning("made again the Redis ACL users of %s (Redis restarted)", ", ".join(restored))
         heartbeat = self.heartbeat
         heartbeat.start()
         supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids)
