@@ -23,18 +23,21 @@ from tasks.core.keys import FLEET_USERS
 from tasks.core.registry import connect
 from tasks.core.settings import check_sender
 from tasks.core.users import (
+    CancelRequest,
     Credentials,
     FleetUser,
     UserKeys,
+    cancel_request,
     denial,
     job_signature,
     new_secret,
     read_credentials,
     write_credentials,
 )
+from tasks.worker.cancels import CancelRelay
 from tasks.ops.users import add_user, check_acl_support, list_users, remove_user
 
-from .conftest import cli_env, make_settings, test_env, worker_configs
+from .conftest import cli_env, make_settings, test_env, wait_for, worker_configs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -189,10 +192,27 @@ def test_bob_cannot_cancel_alices_job_or_purge_a_queue(acl_fleet, tmp_path):
         bob.control.revoke("00000000-0000-0000-0000-000000000000~alice")
     with pytest.raises(Exception, match="NOPERM|no permissions"):
         bob.control.purge()
-    handle = fan_out("noop", ["cpu0"], app=bob)
-    with pytest.raises(CredentialsError, match="cannot cancel yet"):
-        handle.cancel()
-    assert handle.get(timeout=60)["cpu0"]["status"] == "ok"
+    # A forged request to cancel alice's job, pushed by bob (the one list he may push to): dropped.
+    relay = CancelRelay(admin, fleet.app(), 1.0)
+    forged = CancelRequest(task_id="x~alice", user="alice", signature=job_signature(new_secret(), "x~alice", "alice"))
+    stolen = cancel_request(read_credentials(files["bob"]), "x~alice")  # bob's own signature, alice's job
+    assert relay.relay([forged.to_json(), stolen.to_json(), "junk"]) == []
+
+
+def test_alice_cancels_her_own_job(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    alice, admin_app = _app_of(files, "alice", tmp_path), fleet.app()
+    release = tmp_path / "release"
+    blocker = fan_out(("hold", {"release_file": str(release), "steps": 1}), ["cpu0"], app=admin_app)
+    wait_for(lambda: blocker.states()["cpu0"] in ("STARTED", "PROGRESS"), 60, "the device to be busy")
+    handle = fan_out("noop", ["cpu0"], app=alice)  # waits behind the blocker
+    handle.cancel()  # her signed request: a worker's relay checks it and sends the revoke
+    task_id = handle.task_ids["cpu0"]
+    wait_for(lambda: any(task_id in ids for ids in (admin_app.control.inspect(timeout=1).revoked() or {}).values()),
+             30, "the revoke of alice's job to reach the worker")
+    release.touch()
+    assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert handle.get(timeout=60)["cpu0"]["status"] == "cancelled"
 
 
 def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):

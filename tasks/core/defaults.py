@@ -380,3 +380,7 @@ ACL_MIN_REDIS = (7, 0)
 #: How long a worker keeps the users' signing keys it read before it reads them again (a user
 #: added since is read at once, on the first job that names them).
 USER_KEYS_REFRESH_S = 30.0
+#: How often a worker's cancel relay looks for users' cancel requests (only on a fleet with
+#: users: one read of their count every USER_KEYS_REFRESH_S otherwise), and the most it takes at once.
+CANCEL_RELAY_INTERVAL_S = 1.0
+CANCEL_RELAY_BATCH = 100

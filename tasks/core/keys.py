@@ -264,3 +264,7 @@ FLEET_USERS = "devicefleet-admin:users"
 #: Header of a job sent with a user's credentials: ``HMAC-SHA256(user's key, "<task id> <user>")``
 #: in hex, which the worker checks before it counts or runs the job as that user.
 SIGNATURE_HEADER = "devicefleet_signature"
+#: List of the cancel requests of users (:class:`tasks.core.users.CancelRequest`, JSON): a user
+#: may only push to it (``LPUSH``); a worker's cancel relay pops them, checks each is signed by the
+#: user whose job it names, and sends Celery's revoke with the fleet's own credentials.
+CANCEL_REQUESTS = f"{PREFIX}cancel-requests"

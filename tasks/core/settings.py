@@ -127,6 +127,7 @@ class Settings(BaseSettings):
     credentials: Path | None = None
 
     _credentials: Credentials | None = PrivateAttr(default=None)
+    _credentials_read: bool = PrivateAttr(default=False)
 
     @field_validator("redis_url")
     @classmethod
@@ -197,14 +198,13 @@ class Settings(BaseSettings):
         Raises:
             CredentialsError: the named file is missing or is not a credentials file.
         """
-        if self._credentials is None:
+        if not self._credentials_read:  # once: a producer asks at each job it sends
             path = self.credentials
             if path is None and not self.redis_url:
                 default = default_credentials_path()
                 path = default if default.is_file() else None
-            if path is None:
-                return None
-            self._credentials = read_credentials(path)
+            self._credentials = read_credentials(path) if path is not None else None
+            self._credentials_read = True
         return self._credentials
 
     @property

@@ -24,7 +24,9 @@ wherever it goes.
 
 Cancelling: Celery's revoke is a broadcast on the pidbox channel, which cannot tell senders apart
 (a worker obeys any revoke). Users are denied it (and ``mark_as_revoked``, a write of another
-user's result key); a user's own cancel is not there yet (see docs/explanation/security.md).
+user's result key). A user cancels their own job with a signed :class:`CancelRequest` pushed to
+:data:`~tasks.core.keys.CANCEL_REQUESTS`; a worker's relay (:mod:`tasks.worker.cancels`) checks
+it names a job of theirs and sends the revoke with the fleet's own credentials.
 
 With no user added, nothing here applies: the embedded single-user ``up`` and every fleet before
 issue 49 keep today's behaviour (one password, the OS user's name, no signature).
@@ -45,7 +47,7 @@ from pydantic import Field, ValidationError
 
 from .defaults import USER_KEYS_REFRESH_S
 from .errors import CredentialsError
-from .keys import FLEET_USERS, PREFIX
+from .keys import CANCEL_REQUESTS, FLEET_USERS, PREFIX
 from .priority import USER_PATTERN
 from .queue_lists import USER_SEPARATOR
 from .queues import DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX, QueueName
@@ -181,7 +183,7 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
              *(f"%R~{prefix}*" for prefix in _QUEUE_PREFIXES),
              *own_lists, "~celery-taskset-meta-*", "~_kombu.binding*",
              f"&celery-task-meta-*{sep}{user}",
-             "(+evalsha +eval +evalsha_ro +eval_ro ~*)",
+             "(+evalsha +eval +evalsha_ro +eval_ro ~*)", f"(+lpush ~{CANCEL_REQUESTS})",
              f"(+hsetnx ~{PREFIX}users)"]
     return rules
 
@@ -228,6 +230,30 @@ class UserKeys:
                 continue  # a record this version cannot read: its user's jobs are refused
         self._keys, self._read_at = keys, time.monotonic()
 
+    def _fresh(self, client: Any) -> None:
+        if self._read_at is None or time.monotonic() - self._read_at >= self.refresh_s:
+            self._read(client)
+
+    def any(self, client: Any) -> bool:
+        """Whether the fleet has users (as of the last read)."""
+        self._fresh(client)
+        return bool(self._keys)
+
+    def check_cancel(self, client: Any, request: CancelRequest) -> str | None:
+        """Why ``request`` may not cancel its job (``None``: it may): it must be signed by its user,
+        and name a job of theirs (a task id that ends in ``~<user>``: :func:`owned_task_id`)."""
+        self._fresh(client)
+        if request.user not in self._keys:
+            self._read(client)
+        key = self._keys.get(request.user)
+        if key is None:
+            return f"user {request.user!r} is not a user of the fleet"
+        if not hmac.compare_digest(request.signature, cancel_signature(key, request.task_id, request.user)):
+            return f"the request is not signed with {request.user}'s key"
+        if not request.task_id.endswith(f"{USER_SEPARATOR}{request.user}"):
+            return f"job {request.task_id} is not {request.user}'s"
+        return None
+
     def check(self, client: Any, task_id: str, user: str | None, signature: Any) -> str | None:
         """Why the job ``task_id`` may not run as ``user`` (``None``: it may).
 
@@ -236,9 +262,7 @@ class UserKeys:
         name a user the fleet knows; a job that names no user, or a user the fleet does not know,
         unsigned, is the admin's (who holds the fleet's password) and runs as it says.
         """
-        now = time.monotonic()
-        if self._read_at is None or now - self._read_at >= self.refresh_s:
-            self._read(client)
+        self._fresh(client)
         if user is not None and user not in self._keys and signature is not None:
             self._read(client)  # added since the last read
         if not self._keys or user is None and signature is None:
@@ -254,6 +278,25 @@ class UserKeys:
             return (f"the job names user {user!r} but was not sent with {user}'s credentials: a user's "
                     f"jobs are sent with their own credentials file (`devicefleet user add {user}`)")
         return None
+
+
+class CancelRequest(_Record):
+    """A user's request to cancel their job (:data:`~tasks.core.keys.CANCEL_REQUESTS`)."""
+
+    task_id: str = Field(min_length=1, max_length=200)
+    user: str = Field(pattern=USER_PATTERN)
+    signature: str
+
+
+def cancel_signature(signing_key: str, task_id: str, user: str) -> str:
+    """The signature of ``user``'s request to cancel their job ``task_id``."""
+    return job_signature(signing_key, f"cancel {task_id}", user)
+
+
+def cancel_request(credentials: Credentials, task_id: str) -> CancelRequest:
+    """The request, signed, to cancel job ``task_id`` of the credentials' user."""
+    return CancelRequest(task_id=task_id, user=credentials.user,
+                         signature=cancel_signature(credentials.signing_key, task_id, credentials.user))
 
 
 def _text(value: Any) -> str:

@@ -44,17 +44,17 @@ from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.devices import DeviceKind
-from ..core.errors import ConfigError, CredentialsError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
+from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
-from ..core.keys import OPTIONS_HEADER
+from ..core.keys import CANCEL_REQUESTS, OPTIONS_HEADER
 from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import job_schemas, live_workers
-from ..core.users import owned_task_id
+from ..core.users import cancel_request, owned_task_id
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
 from .handle import JobHandle
@@ -163,6 +163,17 @@ def sends_as_user(app: Celery) -> bool:
     """Whether ``app`` sends with a user's credentials (:mod:`tasks.core.users`)."""
     settings = getattr(app, "fleet_settings", None)
     return settings is not None and settings.user_credentials is not None
+
+
+def revoke(app: Celery, client: Any, task_ids: list[str]) -> None:
+    """Cancel jobs ``task_ids``: Celery's revoke, or, sent with a user's credentials (which are
+    denied Celery's control broadcast), the user's signed requests that a worker checks and sends
+    on (:mod:`tasks.worker.cancels`)."""
+    credentials = getattr(app, "fleet_settings", None) and app.fleet_settings.user_credentials  # type: ignore[attr-defined]
+    if not credentials:
+        app.control.revoke(task_ids)
+        return
+    client.lpush(CANCEL_REQUESTS, *(cancel_request(credentials, task_id).to_json() for task_id in task_ids))
 
 
 def sender_of(app: Celery) -> str:
@@ -332,14 +343,9 @@ class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
         next ``ctx.progress()`` call (cooperative: a job that never reports runs to its end).
         Their entries say ``cancelled``; :meth:`get` still returns every device. A device group
         whose leader has not taken it yet lets the devices it reserved go at once."""
-        if sends_as_user(self.app):
-            raise CredentialsError(
-                f"fan-out {self.id} was sent with user {sender_of(self.app)!r}'s credentials, which cannot cancel "
-                "yet: Celery's cancel is a broadcast every worker obeys whoever sends it, so users are denied it; "
-                "the fleet's admin cancels (docs/explanation/security.md)")
         pending = [self._task_ids[d] for d, state in self.states().items() if state not in READY_STATES]
         if pending:
-            self.app.control.revoke(pending)
+            revoke(self.app, self.connections.redis, pending)
             logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
             groups = [spec.options.group for key, spec in self.plan.items() if self._task_ids[key] in pending]
             _release_unclaimed(self.connections.redis, [g for g in groups if g is not None])
