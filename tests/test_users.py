@@ -34,8 +34,8 @@ from tasks.core.users import (
     read_credentials,
     write_credentials,
 )
-from tasks.worker.cancels import CancelRelay
 from tasks.ops.users import add_user, check_acl_support, list_users, remove_user
+from tasks.worker.cancels import CancelRelay
 
 from .conftest import cli_env, make_settings, test_env, wait_for, worker_configs
 
