@@ -44,6 +44,7 @@ from .core.errors import (
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_INTERRUPTED,
+    ConfigError,
     DeviceFleetError,
     FleetError,
     exit_status,
@@ -111,6 +112,22 @@ class _Commands(click.Group):
             return super().invoke(ctx)
         except DeviceFleetError as exc:
             _fail(exc, exit_status(exc))
+        except Exception as exc:  # Redis refused a user's credentials or command: one line
+            from .core.users import denial
+
+            refused = denial(exc, _credentials_user())
+            if refused is None:
+                raise
+            _fail(refused, exit_status(refused))
+
+
+def _credentials_user() -> str | None:
+    """The user of the credentials this command runs with, if any (for an error's message)."""
+    try:
+        credentials = Settings.load().user_credentials
+    except DeviceFleetError:
+        return None
+    return credentials.user if credentials is not None else None
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -881,6 +898,74 @@ def tensorboard(logdir: Path | None, port: int) -> None:
     err_console.print(f"TensorBoard on http://127.0.0.1:{port}/ (logs: {logdir}); Ctrl-C stops", highlight=False)
     sys.stderr.flush()
     os.execv(argv[0], argv)  # TensorBoard takes over this process: Ctrl-C and SIGTERM reach it
+
+
+# -- users (issue 49: tasks.ops.users) -----------------------------------------------------------
+
+
+@cli.group()
+def user() -> None:
+    """The fleet's users, each with credentials of their own (run by the fleet's admin)."""
+
+
+@user.command("add")
+@click.argument("name")
+@click.option("--team", default=None, help="The team (a named set of users) the user is in.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the credentials file (mode 0600). Default: ./credentials-NAME.json.")
+def user_add(name: str, team: str | None, output: Path | None) -> None:
+    """Add user NAME (new credentials if NAME exists: the old ones stop working)."""
+    from .core.registry import connect
+    from .ops.users import add_user
+
+    settings = _settings()
+    output = output or Path(f"credentials-{name}.json")
+    url = settings.resolve_redis_url()
+    client = connect(url)
+    try:
+        credentials = add_user(client, url, name, team=team, output=output)
+    finally:
+        client.close()
+    console.print(f"added user {credentials.user}" + (f" (team {team})" if team else "")
+                  + f"; credentials in {output} (mode 0600). Give them the file: their producer finds it at "
+                  f"~/.config/devicefleet/credentials.json, or with DEVICEFLEET_CREDENTIALS=<file>.", highlight=False)
+
+
+@user.command("remove")
+@click.argument("name")
+def user_remove(name: str) -> None:
+    """Remove user NAME: their credentials stop working at once."""
+    from .core.registry import connect
+    from .ops.users import remove_user
+
+    client = connect(_settings().resolve_redis_url())
+    try:
+        removed = remove_user(client, name)
+    finally:
+        client.close()
+    if not removed:
+        _fail(ConfigError(f"no user {name!r} on this fleet: `devicefleet user list` shows who is"), EXIT_CONFIG)
+    console.print(f"removed user {name}", highlight=False)
+
+
+@user.command("list")
+def user_list() -> None:
+    """The fleet's users: name, team, when added."""
+    from .core.registry import connect
+    from .ops.users import list_users
+
+    client = connect(_settings().resolve_redis_url())
+    try:
+        users = list_users(client)
+    finally:
+        client.close()
+    if not users:
+        console.print("no users: every job is sent with the fleet's own password (`devicefleet user add NAME`)",
+                      highlight=False)
+    for info in users:
+        added = time.strftime("%Y-%m-%d %H:%M", time.gmtime(info.added_at))
+        state = "" if info.acl_user else "  (no Redis user: `devicefleet user add` it again)"
+        console.print(f"{info.user}\tteam={info.team or '-'}\tadded {added} UTC{state}", highlight=False)
 
 
 # -- bench -------------------------------------------------------------------------------------

@@ -21,10 +21,12 @@ from kombu import Queue
 
 from .defaults import BACKEND_HEALTH_CHECK_INTERVAL_S, BACKEND_MAX_RETRIES, REDIS_OUTAGE_RETRY_POLICY
 from .errors import NoFleetError
+from .keys import OPTIONS_HEADER, SIGNATURE_HEADER
 from .queues import QueueName
 from .sentinel import Replication, SentinelURL, is_sentinel
-from .settings import Settings
+from .settings import Settings, check_sender
 from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
+from .users import denial, job_signature, owned_task_id
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +197,30 @@ class FleetCelery(Celery):
         if self._fleet_settings is None:
             self._fleet_settings = Settings.load()
         return self._fleet_settings
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, countdown: Any = None,
+                  eta: Any = None, task_id: str | None = None, **options: Any) -> Any:
+        """Celery's, but a job this app sends with a user's credentials (:mod:`tasks.core.users`)
+        gets a task id of that user's (``<uuid>~alice``: its result is a key only she reads) and
+        their signature, which the worker checks before it runs or counts the job as theirs.
+
+        Raises:
+            CredentialsError: the job names another user than the credentials'.
+        """
+        headers = options.get("headers")
+        job_options = headers.get(OPTIONS_HEADER) if isinstance(headers, dict) else None
+        credentials = self.fleet_settings.user_credentials if isinstance(job_options, dict) else None
+        if credentials is not None and isinstance(job_options, dict) and isinstance(headers, dict):
+            user = check_sender(credentials, job_options.get("user"))
+            task_id = task_id or owned_task_id(user)
+            options["headers"] = {**headers, SIGNATURE_HEADER: job_signature(credentials.signing_key, task_id, user)}
+        try:
+            return super().send_task(name, args, kwargs, countdown, eta, task_id, **options)
+        except Exception as exc:
+            refused = denial(exc, credentials.user if credentials is not None else None)
+            if refused is None:
+                raise
+            raise refused from None
 
     def _get_backend(self) -> Any:
         # Celery makes a result backend per thread: the app keeps track of them for close().

@@ -427,3 +427,16 @@ LOADER_HANDOFF_TIMEOUT_S = 10.0
 HOGWILD_POLL_S = 0.2
 #: How long a ``hogwild`` training process has after SIGTERM before SIGKILL when the job ends it.
 HOGWILD_STOP_GRACE_S = 2.0
+
+# -- users and their credentials (issue 49) ---------------------------------------------------------
+
+#: The oldest Redis a fleet's per-user credentials work on: ACL selectors and read-only key
+#: patterns (``%R~``), which keep a user's read of the fleet's status from being a write.
+ACL_MIN_REDIS = (7, 0)
+#: How long a worker keeps the users' signing keys it read before it reads them again (a user
+#: added since is read at once, on the first job that names them).
+USER_KEYS_REFRESH_S = 30.0
+#: How often a worker's cancel relay looks for users' cancel requests (only on a fleet with
+#: users: one read of their count every USER_KEYS_REFRESH_S otherwise), and the most it takes at once.
+CANCEL_RELAY_INTERVAL_S = 1.0
+CANCEL_RELAY_BATCH = 100

@@ -10,7 +10,8 @@ The tree, by area::
     │   ├── NoFleetError          nothing to connect to
     │   ├── FleetLost             the fleet went away while a producer waited on it
     │   ├── FlowerError           Flower, started with the fleet
-    │   └── DeviceVisibilityError a worker cannot see the device it owns
+    │   ├── DeviceVisibilityError a worker cannot see the device it owns
+    │   └── CredentialsError      a user's credentials are wrong, missing, revoked or not enough
     ├── FanOutError               dispatching and collecting jobs
     │   ├── DeviceUnavailable     a requested device has no live worker
     │   ├── GroupUnavailable      no live host has the devices a group asks for
@@ -31,7 +32,8 @@ The tree, by area::
         ├── JobTimeout            the job ran past its time limit and was ended
         ├── WorkerLost            the job's workers died with it too often: not run again
         ├── WorkerStopped         the worker stopped and the job did not end within its stop timeout
-        └── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
+        ├── JobCancelled          the producer cancelled it (``handle.cancel()``, a pruned trial)
+        └── UserNotVerified       the job names a user whose credentials did not send it
 
 Control flow, apart (as dramatiq keeps its ``Retry`` and ``Skip``): raised and caught inside the
 worker wing to steer a distributed job's rank, never reported in an entry::
@@ -87,6 +89,11 @@ class FleetLost(FleetError):
 
 class DeviceVisibilityError(FleetError):
     """A worker cannot see the device it is meant to own."""
+
+
+class CredentialsError(FleetError, PermissionError):
+    """A user's credentials are wrong, missing or revoked, name an unknown user, or do not allow
+    what was asked (another user's job or result, a purge); the message says what to do."""
 
 
 class FlowerError(FleetError):
@@ -289,6 +296,11 @@ class DeviceFailed(JobError):
     without spending an attempt; a job sent to that device by name ends with this error."""
 
 
+class UserNotVerified(JobError, PermissionError):
+    """The job names a user (``options.user``) but was not signed with that user's credentials
+    (:mod:`tasks.core.users`): it is refused, never run or counted as theirs."""
+
+
 class ControlFlow(DeviceFleetError):
     """Not a failure: the worker wing steers a distributed job's rank with these (see the
     module's docstring); they never reach an entry or a producer."""
@@ -323,7 +335,7 @@ class PeerLost(ControlFlow):
 #: device does not allow, a sweep that clashes. A command ended by one exits :data:`EXIT_CONFIG`.
 REFUSALS: tuple[type[DeviceFleetError], ...] = (
     ConfigError, UnknownJob, InvalidJobArguments, CommandRefused, DeviceUnavailable, GroupUnavailable,
-    SweepConflict,
+    SweepConflict, PlacementUnavailable, CredentialsError,
 )
 
 

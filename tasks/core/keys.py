@@ -283,3 +283,19 @@ PREEMPTIONS_HEADER = "devicefleet_preemptions"
 FRONT_HEADER = "devicefleet_front"
 #: Key of the error entry inside a failed job's stored exception (tasks.core.backend).
 ENTRY_FIELD = "devicefleet_entry"
+
+
+# -- users and their credentials (tasks.core.users; issue 49) -----------------------------------
+
+#: Hash ``{user: FleetUser JSON}`` of the users a fleet admin added (``devicefleet user add``),
+#: with the key each one's producer signs its jobs with. Outside :data:`PREFIX` on purpose: a
+#: user's read-only pattern over the fleet's keys (``%R~devicefleet:*`` parts) never reaches it;
+#: only the admin (default) user, the workers, reads it.
+FLEET_USERS = "devicefleet-admin:users"
+#: Header of a job sent with a user's credentials: ``HMAC-SHA256(user's key, "<task id> <user>")``
+#: in hex, which the worker checks before it counts or runs the job as that user.
+SIGNATURE_HEADER = "devicefleet_signature"
+#: List of the cancel requests of users (:class:`tasks.core.users.CancelRequest`, JSON): a user
+#: may only push to it (``LPUSH``); a worker's cancel relay pops them, checks each is signed by the
+#: user whose job it names, and sends Celery's revoke with the fleet's own credentials.
+CANCEL_REQUESTS = f"{PREFIX}cancel-requests"

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import redis
 from kombu.utils.encoding import bytes_to_str
@@ -23,6 +24,7 @@ from .errors import FleetError
 from .records import WorkerRecord
 from .sentinel import SentinelURL, is_sentinel
 from .settings import redact_url
+from .users import denial
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -67,6 +69,9 @@ def reading(url: str) -> Iterator[redis.Redis]:
     try:
         yield client
     except Exception as exc:  # redis-py's errors, said plainly
+        refused = denial(exc, urlsplit(url).username or None)  # a user's wrong or revoked credentials
+        if refused is not None:
+            raise refused from None
         raise FleetError(f"cannot read the fleet at {redact_url(url)}: {exc}") from exc
     finally:
         client.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .defaults import (
@@ -26,11 +26,12 @@ from .defaults import (
     RESULT_EXPIRES_S,
 )
 from .devices import Device, DeviceNames, pid_alive
-from .errors import ConfigError, NoFleetError
+from .errors import ConfigError, CredentialsError, NoFleetError
 from .priority import check_user, os_user
 from .records import FleetFile
 from .sentinel import Replication, SentinelURL, is_loopback, is_sentinel
 from .sentinel import redact as redact_sentinel_url
+from .users import Credentials, default_credentials_path, read_credentials
 from .validation import describe_validation_error
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,13 @@ class Settings(BaseSettings):
     #: The user the jobs this process sends are counted to (``devicefleet status``, the
     #: exporter), unless a call names another. Default: the OS user.
     user: str | None = None
+    #: A user's credentials file (``devicefleet user add``): the producer connects as that user
+    #: and its jobs are theirs. Default: ``~/.config/devicefleet/credentials.json`` if it exists
+    #: and ``redis_url`` is unset (a worker, given the fleet's URL, never takes a user's file).
+    credentials: Path | None = None
+
+    _credentials: Credentials | None = PrivateAttr(default=None)
+    _credentials_read: bool = PrivateAttr(default=False)
 
     @field_validator("redis_url")
     @classmethod
@@ -183,8 +191,33 @@ class Settings(BaseSettings):
         return Device.named(name, self.device_names, self.device_host or socket.gethostname())
 
     @property
+    def user_credentials(self) -> Credentials | None:
+        """The user's credentials these settings send with (read once), or None: the fleet's own
+        password, as the admin and a single-user ``up`` send.
+
+        Raises:
+            CredentialsError: the named file is missing or is not a credentials file.
+        """
+        if not self._credentials_read:  # once: a producer asks at each job it sends
+            path = self.credentials
+            if path is None and not self.redis_url:
+                default = default_credentials_path()
+                path = default if default.is_file() else None
+            self._credentials = read_credentials(path) if path is not None else None
+            self._credentials_read = True
+        return self._credentials
+
+    @property
     def sender(self) -> str:
-        """The user of the jobs sent with these settings: ``user``, else the OS user."""
+        """The user of the jobs sent with these settings: the credentials' user, else ``user``,
+        else the OS user.
+
+        Raises:
+            CredentialsError: ``user`` names someone other than the credentials' user.
+        """
+        credentials = self.user_credentials
+        if credentials is not None:
+            return check_sender(credentials, self.user)
         return self.user or os_user()
 
     # -- derived paths -------------------------------------------------------------------------
@@ -223,6 +256,9 @@ class Settings(BaseSettings):
         """
         if self.redis_url:
             return self.redis_url
+        credentials = self.user_credentials
+        if credentials is not None:
+            return credentials.redis_url
         info = read_fleet_file(self.fleet_file)
         if info is not None:
             return info.redis_url
@@ -239,6 +275,21 @@ class Settings(BaseSettings):
         if replicas is None:
             replicas = 1 if is_sentinel(url) else 0
         return Replication(replicas=replicas, timeout_ms=self.redis_wait_timeout_ms)
+
+
+def check_sender(credentials: Credentials, user: str | None) -> str:
+    """The user a job sent with ``credentials`` is sent as: theirs; ``user`` (a ``--user``,
+    ``user=`` or ``DEVICEFLEET_USER``) may only name the same user.
+
+    Raises:
+        CredentialsError: ``user`` names another user.
+    """
+    if user is not None and user != credentials.user:
+        raise CredentialsError(
+            f"user {user!r} is not the user of these credentials ({credentials.user!r}): a job is "
+            f"sent as the user whose credentials send it; drop the user name, or send with {user}'s "
+            f"credentials (`devicefleet user add {user}` on the fleet's admin host)")
+    return credentials.user
 
 
 def check_redis_auth(url: str) -> None:

