@@ -192,6 +192,15 @@ GANG_ALIVE_TTL_MS = 3_000
 #: A rank that gave its device up to an older gang (wait-die) comes back after this long.
 GIVE_WAY_S = 0.5
 
+# -- Caps (tasks.core.caps) --------------------------------------------------------------------------
+
+#: Seconds a job refused by its user's (or team's) cap waits before its message is taken again.
+CAP_RETRY_S = 0.5
+#: Grants kept in the cap audit list (``keys.CAP_AUDIT``): the newest, the rest trimmed.
+CAP_AUDIT_KEEP = 10000
+#: The device kinds a cap may name.
+CAP_KINDS = ("cpu", "gpu")
+
 # -- Packed trials (tasks.worker.pack) ------------------------------------------------------
 
 #: The most trials one pack may hold (``tasks.sweep(..., pack=K)``), and what ``pack="auto"``

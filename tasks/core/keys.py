@@ -231,6 +231,17 @@ USAGE = f"{PREFIX}usage"
 USER_SECONDS = f"{PREFIX}user-seconds"
 
 
+# -- caps on the devices a user or team holds at once (tasks.core.caps) -------------------------
+
+#: Hash ``{"user:<name>" | "team:<name>": Cap JSON}``: each cap an admin set (``devicefleet cap
+#: set``), read by the take script (:data:`tasks.core.jobstate.TAKE`) at each lease it hands out.
+CAPS = f"{PREFIX}caps"
+#: List of the take script's grants to a capped user or team, oldest first: each a
+#: :class:`tasks.core.caps.CapGrant` JSON with the count that grant made (audited, not sampled);
+#: trimmed to :data:`tasks.core.defaults.CAP_AUDIT_KEEP`.
+CAP_AUDIT = f"{PREFIX}cap-audit"
+
+
 def wait_times(level: str) -> str:
     """Hash of the wait-time histogram of ``level`` (from a job's send to its start): ``le:<bound>``
     (jobs whose wait fell in that bucket, ``le:+Inf`` past the last), ``count``, ``sum``."""

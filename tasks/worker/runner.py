@@ -169,7 +169,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
 def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
     with ExitStack() as held:
         try:
-            attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
+            attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts,
+                                                                     user=options.user))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
         return _execute(worker, task, job, kwargs, options, attempt)

@@ -1,0 +1,147 @@
+"""Caps on the devices a user or team holds at once (tasks.core.caps): the rule as pure logic, the
+take script's check on a Redis of the module's own, then two capped users on the session fleet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks import sweep
+from tasks.core import keys
+from tasks.core.caps import (
+    Cap,
+    CapUse,
+    blocking,
+    cap_uses,
+    parse_limits,
+    read_audit,
+    read_cap_uses,
+    remove_cap,
+    set_cap,
+    set_team,
+)
+from tasks.core.errors import CapError
+from tasks.core.jobstate import JobState, Took
+from tasks.core.records import LeaseRecord
+from tasks.core.registry import connect
+
+# -- the rule: pure logic ------------------------------------------------------------------------
+
+
+def _lease(task_id: str, device: str, user: str | None) -> LeaseRecord:
+    return LeaseRecord(device=device, worker=f"w-{device}", pid=1, host="h", task_id=task_id, since=0.0, user=user)
+
+
+def test_a_cap_names_known_kinds_and_whole_counts_and_says_which_value_is_wrong():
+    assert parse_limits(["gpu=4", "cpu=0"]) == {"gpu": 4, "cpu": 0}
+    with pytest.raises(CapError, match=r"unknown device kind 'tpu' in 'tpu=2'.*cpu, gpu"):
+        parse_limits(["tpu=2"])
+    with pytest.raises(CapError, match=r"'gpu=-1': the devices must be a whole number"):
+        parse_limits(["gpu=-1"])
+    with pytest.raises(CapError, match=r"'gpu' is not kind=devices"):
+        parse_limits(["gpu"])
+
+
+def test_what_a_user_and_a_team_hold_is_counted_from_the_leases_by_kind():
+    caps = {"user:ann": Cap(limits={"cpu": 1}), "team:ml": Cap(limits={"cpu": 3, "gpu": 1}, borrow=True,
+                                                               members=["ann", "ben"])}
+    leases = [_lease("a", "cpu0", "ann"), _lease("b", "cpu1@h2", "ben"), _lease("c", "gpu0", "cy"),
+              _lease("d", "cpu2", None)]
+    uses = {(use.subject, use.kind): use for use in cap_uses(caps, leases)}
+    assert uses["user:ann", "cpu"].held == 1 and uses["user:ann", "cpu"].at_cap
+    assert uses["team:ml", "cpu"].held == 2 and not uses["team:ml", "cpu"].at_cap
+    assert uses["team:ml", "gpu"].held == 0
+    assert uses["user:ann", "cpu"].line() == "ann: 1/1 cpu (cap), borrowing off"
+    assert uses["team:ml", "cpu"].line() == "team ml: 2/3 cpu, borrowing on"
+    assert blocking(caps, list(uses.values()), "ann", "cpu") == [uses["user:ann", "cpu"]]
+    assert blocking(caps, list(uses.values()), "ben", "cpu") == []
+    assert CapUse("user:x", "gpu", 4, 4, False).line() == "x: 4/4 gpu (cap), borrowing off"
+
+
+# -- the take script's check ----------------------------------------------------------------------
+
+
+def _take(jobs: JobState, task_id: str, device: str, user: str | None) -> Took:
+    return jobs.take(_lease(task_id, device, user), 10_000).status
+
+
+def test_the_take_refuses_a_lease_over_a_cap_and_audits_each_grant(client):
+    jobs = JobState(client)
+    set_cap(client, {"cpu": 1}, user="ann")
+    assert _take(jobs, "a1", "cpu0", "ann") is Took.OK
+    reply = jobs.take(_lease("a2", "cpu1", "ann"), 10_000)
+    assert reply.status is Took.CAPPED and reply.capped == "ann: 1/1 cpu (cap), borrowing off"
+    assert client.hget(keys.LEASES, "a2") is None and client.get(keys.lease("a2")) is None  # nothing written
+    assert _take(jobs, "b1", "cpu1", "ben") is Took.OK  # ben has no cap
+    assert _take(jobs, "g1", "gpu0", "ann") is Took.OK  # ann's cap names cpu only
+    # Her lease released: the next one is hers.
+    client.delete(keys.lease("a1"))
+    client.hdel(keys.LEASES, "a1")
+    assert _take(jobs, "a2", "cpu1", "ann") is Took.OK
+    audit = read_audit(client)
+    assert [(grant.task_id, grant.count, grant.limit, grant.borrowed) for grant in audit] == [
+        ("a1", 1, 1, False), ("a2", 1, 1, False)]
+    assert audit[0].subject == "user:ann" and audit[0].kind == "cpu" and audit[0].device == "cpu0"
+
+
+def test_a_dead_workers_expired_lease_stops_counting_when_its_key_expires(client):
+    jobs = JobState(client)
+    set_cap(client, {"cpu": 1}, user="ann")
+    assert _take(jobs, "a1", "cpu0", "ann") is Took.OK
+    assert _take(jobs, "a2", "cpu1", "ann") is Took.CAPPED
+    client.delete(keys.lease("a1"))  # its worker was SIGKILLed: the key expires, its record waits for the reaper
+    assert client.hget(keys.LEASES, "a1") is not None
+    assert _take(jobs, "a2", "cpu1", "ann") is Took.OK
+    _, uses = read_cap_uses(client)
+    assert [(use.subject, use.held) for use in uses] == [("user:ann", 1)]
+
+
+def test_over_a_borrowing_cap_the_lease_is_taken_as_borrowed(client):
+    jobs = JobState(client)
+    set_team(client, "ml", ["ann", "ben"])
+    set_cap(client, {"cpu": 1}, team="ml", borrow=True)
+    first = jobs.take(_lease("a1", "cpu0", "ann"), 10_000)
+    second = jobs.take(_lease("b1", "cpu1", "ben"), 10_000)
+    assert first.status is Took.OK and not first.borrowed
+    assert second.status is Took.OK and second.borrowed and second.attempt is not None
+    stored = client.get(keys.lease("b1"))
+    assert stored == second.attempt.lease and json.loads(stored)["borrowed"] is True
+    assert JobState(client).renew(second.attempt, 10_000, restore=True)  # the attempt names what is stored
+    assert [(grant.count, grant.borrowed) for grant in read_audit(client)] == [(1, False), (2, True)]
+
+
+def test_a_cap_for_an_unknown_team_or_no_cap_says_what_to_do(client):
+    with pytest.raises(CapError, match=r"unknown team 'ml'; name its users first: devicefleet cap team ml"):
+        set_cap(client, {"gpu": 2}, team="ml")
+    with pytest.raises(CapError, match=r"user 'zed' has no cap"):
+        remove_cap(client, user="zed")
+
+
+# -- two capped users on the session fleet ---------------------------------------------------------
+
+TRIALS = 20
+TRIAL_S = 0.2
+
+
+@pytest.mark.timeout(180)
+def test_two_users_capped_at_one_cpu_never_hold_two_at_once(fleet, app, tmp_path):
+    client = connect(fleet.redis_url)
+    users = ("cap-ann", "cap-ben")
+    for user in users:
+        set_cap(client, {"cpu": 1}, user=user)
+    try:
+        kwargs = {"marker": str(tmp_path), "seconds": TRIAL_S}
+        handles = [sweep("counted", [{"score": float(i)} for i in range(TRIALS)], devices=["cpu0", "cpu1"],
+                         kwargs=kwargs, priority="batch", user=user, app=app) for user in users]
+        results = [handle.get(timeout=150) for handle in handles]
+    finally:
+        for user in users:
+            remove_cap(client, user=user)
+    assert all(len(entries) == TRIALS and {e["status"] for e in entries} == {"ok"} for entries in results)
+    grants = [grant for grant in read_audit(client) if grant.user in users]
+    # Every grant the take script made, with the count it made: never two at once.
+    assert {grant.user for grant in grants} == set(users)
+    assert len(grants) >= 2 * TRIALS
+    assert max(grant.count for grant in grants) == 1
+    assert not any(grant.borrowed for grant in grants)
