@@ -4,10 +4,12 @@ take script's check on a Redis of the module's own, then two capped users on the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tasks import sweep
+from tasks import fan_out, sweep, waiting
 from tasks.core import keys
 from tasks.core.caps import (
     Cap,
@@ -21,10 +23,14 @@ from tasks.core.caps import (
     set_cap,
     set_team,
 )
-from tasks.core.errors import CapError
+from tasks.core.errors import CapError, ConfigError
 from tasks.core.jobstate import JobState, Took
 from tasks.core.records import LeaseRecord
 from tasks.core.registry import connect
+from tasks.ops.exporter import FleetCollector
+from tasks.ops.status import report
+from tasks.ops.usage import parse_since, read_fleet_usage, usage_from
+from tests.conftest import cli_env, wait_for
 
 # -- the rule: pure logic ------------------------------------------------------------------------
 
@@ -57,6 +63,19 @@ def test_what_a_user_and_a_team_hold_is_counted_from_the_leases_by_kind():
     assert blocking(caps, list(uses.values()), "ann", "cpu") == [uses["user:ann", "cpu"]]
     assert blocking(caps, list(uses.values()), "ben", "cpu") == []
     assert CapUse("user:x", "gpu", 4, 4, False).line() == "x: 4/4 gpu (cap), borrowing off"
+
+
+def test_usage_sums_each_users_and_teams_hours_since_a_time():
+    hours = {"7200 ann cpu held": 100.0, "7200 ann cpu busy": 25.0, "10800 ann cpu held": 50.0,
+             "3600 ann cpu held": 1000.0, "10800 ben gpu held": 30.0, "bad": 1.0}
+    rows = {(row.name, row.kind): row for row in usage_from(hours, {"ml": ["ann", "ben"]}, since=7300.0)}
+    assert rows["ann", "cpu"].held_s == 150.0 and rows["ann", "cpu"].busy_s == 25.0  # the 3600 hour ended before
+    assert rows["ann", "cpu"].busy_fraction == pytest.approx(25 / 150) and rows["ann", "cpu"].idle_s == 125.0
+    assert rows["ben", "gpu"].busy_fraction is None and rows["ben", "gpu"].idle_s is None  # not measured
+    assert rows["team ml", "cpu"].held_s == 150.0 and rows["team ml", "gpu"].held_s == 30.0
+    assert parse_since("7d") == 7 * 86400 and parse_since("1.5h") == 5400
+    with pytest.raises(ConfigError, match=r"--since '7x'"):
+        parse_since("7x")
 
 
 # -- the take script's check ----------------------------------------------------------------------
@@ -145,3 +164,36 @@ def test_two_users_capped_at_one_cpu_never_hold_two_at_once(fleet, app, tmp_path
     assert len(grants) >= 2 * TRIALS
     assert max(grant.count for grant in grants) == 1
     assert not any(grant.borrowed for grant in grants)
+    # What each used: their trials sleep, so their CPU device was held mostly idle.
+    used = {row.name: row for row in read_fleet_usage(client) if row.kind == "cpu"}
+    for user in users:
+        assert used[user].held_s >= TRIALS * TRIAL_S
+        assert used[user].busy_fraction is not None and used[user].busy_fraction < 0.5
+        assert used[user].idle_s is not None and used[user].idle_s > used[user].held_s / 2
+    shown = subprocess.run([sys.executable, "-m", "tasks", "usage", "--since", "1h"], capture_output=True, text=True,
+                           env=cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url), timeout=60)
+    assert shown.returncode == 0 and f"{users[0]}: " in shown.stdout and "held idle" in shown.stdout, shown
+
+
+@pytest.mark.timeout(120)
+def test_a_job_held_back_by_its_cap_says_why_everywhere_and_runs_once_the_cap_goes(fleet, app):
+    client = connect(fleet.redis_url)
+    user = "cap-cy"
+    set_cap(client, {"cpu": 0}, user=user)
+    try:
+        handle = fan_out("noop", ["cpu0"], user=user, app=app)
+        line = f"{user}: 0/0 cpu (cap), borrowing off"
+        held = wait_for(lambda: [job for job in waiting(app=app) if job.user == user and job.reason.startswith(line)],
+                        30, "the capped job listed as waiting for its cap")
+        assert held[0].job == "noop"
+        assert any(cap["line"] == line for cap in report(fleet.redis_url)["caps"])
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for metric in FleetCollector(fleet.redis_url).collect() for s in metric.samples}
+        assert samples[("devicefleet_cap_reached", (("kind", "cpu"), ("reason", line), ("subject", user)))] == 1
+        listed = subprocess.run([sys.executable, "-m", "tasks", "cap", "list"], capture_output=True, text=True,
+                                env=cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url), timeout=60)
+        assert listed.returncode == 0 and line in listed.stdout, listed
+    finally:
+        remove_cap(client, user=user)
+    entry = handle.get(timeout=60)["cpu0"]
+    assert entry["status"] == "ok", entry

@@ -83,6 +83,12 @@ local add_usage = function(usage_key, seconds_key, share, wait)
     end
     redis.call('hset', usage_key, share.user, string.format('%.17g %.6f', value, stamp))
     redis.call('hincrbyfloat', seconds_key, share.level .. ':' .. share.user, share.seconds)
+    if share.hours then
+      local field = string.format('%d', math.floor(tonumber(share.at) / 3600) * 3600) .. ' ' .. share.user
+        .. ' ' .. share.kind
+      redis.call('hincrbyfloat', share.hours, field .. ' held', share.seconds)
+      if share.busy then redis.call('hincrbyfloat', share.hours, field .. ' busy', share.busy) end
+    end
   end
   if wait.key then
     redis.call('hincrby', wait.key, wait.bucket, 1)
@@ -159,13 +165,21 @@ class UserOrder:
         return self._users
 
 
-def share_arg(user: str | None, level: Level, seconds: float, at: float) -> dict[str, str]:
+def share_arg(user: str | None, level: Level, seconds: float, at: float, *, kind: str | None = None,
+              busy_s: float | None = None) -> dict[str, str]:
     """What :data:`USAGE_LUA` adds for a job of ``user`` at ``level`` that ran ``seconds`` and
-    ended at ``at`` (epoch seconds); empty when the job names no user."""
+    ended at ``at`` (epoch seconds); empty when the job names no user. With the device's
+    ``kind``, its hour's held seconds too (``keys.USAGE_HOURS``), and ``busy_s`` (the seconds its
+    process kept the device busy, where measured: at most ``seconds``) its busy seconds."""
     if not user:
         return {}
-    return {"user": user, "level": level.value, "seconds": repr(float(seconds)), "at": repr(float(at)),
-            "half_life": repr(float(FAIRSHARE_HALF_LIFE_S))}
+    share = {"user": user, "level": level.value, "seconds": repr(float(seconds)), "at": repr(float(at)),
+             "half_life": repr(float(FAIRSHARE_HALF_LIFE_S))}
+    if kind:
+        share.update(hours=keys.USAGE_HOURS, kind=kind)
+        if busy_s is not None:
+            share["busy"] = repr(min(float(seconds), max(0.0, float(busy_s))))
+    return share
 
 
 def wait_bucket(seconds: float) -> str:

@@ -113,6 +113,10 @@ class JobTask(Task):  # type: ignore[misc]
     Request = "tasks.worker.runner:JobRequest"
     #: The lease's take script stores STARTED (LeaseKeeper.hold), in the same round trip.
     track_started = False
+    #: A job's message goes back to its queue only by the worker's own retries (given way,
+    #: unpacked, preempted, held back by its cap), each of which may come any number of times:
+    #: Celery's ``retry(max_retries=None)`` means the task's bound (3 by default), so none here.
+    max_retries = None
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
         return execute(self.device_worker, self, self.job, kwargs)
@@ -471,6 +475,7 @@ class JobRun:
             metrics={JobMetric(name): value for name, value in result.metrics.items()} if result is not None else None,
             gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None,
             shared_by=ended.shared_by if ended is not None else 1,
+            busy_s=ended.busy_s if ended is not None else None,
         ))
         group_spec = self.options.group if self.options is not None else None
         entry = Entry.make(device=group_spec.name if group_spec is not None else self.worker.device.name,
