@@ -21,6 +21,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.caps import kind_of
 from ..core.errors import ConfigError
 from ..core.fairshare import share_arg, wait_arg
 from ..core.job import JobMetric
@@ -63,11 +64,11 @@ def job_end(
     """
     user, level, sent_at = _sender(request)
     busy = max(0.0, finished - started) / max(1, shared_by)
+    kind = kind_of(worker.device.name)
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
                      busy_seconds=busy, last_finished_at=finished,
                      gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}),
-                     share=share_arg(user, level, busy, finished, kind=worker.device.kind.value,
-                                     busy_s=busy_s if worker.device.kind.value == "cpu" else None),
+                     share=share_arg(user, level, busy, finished, kind=kind, busy_s=busy_s if kind == "cpu" else None),
                      wait=wait_arg(level, started - sent_at if sent_at is not None else None))
     return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request))
 
