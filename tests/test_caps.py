@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from datetime import datetime
 
 import pytest
 
@@ -23,6 +25,7 @@ from tasks.core.caps import (
     set_cap,
     set_team,
 )
+from tasks.core.defaults import PREEMPT_GRACE_S
 from tasks.core.errors import CapError, ConfigError
 from tasks.core.jobstate import JobState, Took
 from tasks.core.records import LeaseRecord
@@ -197,3 +200,39 @@ def test_a_job_held_back_by_its_cap_says_why_everywhere_and_runs_once_the_cap_go
         remove_cap(client, user=user)
     entry = handle.get(timeout=60)["cpu0"]
     assert entry["status"] == "ok", entry
+
+
+@pytest.mark.timeout(180)
+def test_borrowed_work_gives_its_device_back_to_a_user_under_its_cap(fleet, app, tmp_path):
+    client = connect(fleet.redis_url)
+    ann, ben = "bw-ann", "bw-ben"
+    for user in (ann, ben):
+        set_cap(client, {"cpu": 1}, user=user, borrow=True)
+    try:
+        # The workers' reads name a user's lists from their next refresh on: ben's first job teaches them his.
+        assert fan_out("noop", ["cpu0", "cpu1"], user=ben, app=app).get(timeout=60)["cpu1"]["status"] == "ok"
+        # Ben is idle: ann, capped at one CPU, runs on both, the second borrowed.
+        hers = fan_out("counted", ["cpu0", "cpu1"], kwargs={"marker": str(tmp_path), "seconds": 8.0, "steps": 80},
+                       user=ann, app=app)
+        wait_for(lambda: len([g for g in read_audit(client) if g.user == ann]) >= 2, 60, "ann's second grant")
+        grants = [g for g in read_audit(client) if g.user == ann]
+        assert [g.borrowed for g in grants[:2]] == [False, True] and grants[1].count == 2
+        lent = grants[1]
+
+        def ran_a_while() -> bool:  # past preempt_min_run_s: it reported 30 of its 80 steps (3 s)
+            raw = client.get(keys.progress(lent.task_id))
+            return raw is not None and json.loads(raw).get("step", 0) >= 30
+
+        wait_for(ran_a_while, 60, "ann's borrowed job to run 3 s")
+        sent = time.time()
+        his = fan_out("noop", [lent.device], user=ben, app=app).get(timeout=60)[lent.device]
+        assert his["status"] == "ok", his
+        back_after = datetime.fromisoformat(his["started_at"]).timestamp() - sent
+        print(f"ben got {lent.device} back {back_after:.2f} s after sending (preempt_grace_s {PREEMPT_GRACE_S:g})")
+        assert back_after <= PREEMPT_GRACE_S + 1.0
+        entries = hers.get(timeout=120)
+        assert {e["status"] for e in entries.values()} == {"ok"}, entries
+        assert entries[lent.device]["preemptions"] == 1
+    finally:
+        for user in (ann, ben):
+            remove_cap(client, user=user)

@@ -321,6 +321,12 @@ class LeaseKeeper(PeriodicThread):
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
 
+    def borrowed(self, task_id: str) -> bool:
+        """Whether this process holds ``task_id``'s lease as borrowed work (over its user's cap)."""
+        with self._lock:
+            attempt = self._held.get(task_id)
+        return attempt is not None and attempt.borrowed
+
     def finishing(self, task_id: str) -> Attempt | None:
         """Hand ``task_id``'s attempt to the store of its result, whose script releases its lease
         (``None`` if this process holds none). Renewal goes on until :meth:`settle`, but never
