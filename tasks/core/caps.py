@@ -130,8 +130,7 @@ def parse_limits(items: list[str]) -> dict[str, int]:
         if not sep:
             raise CapError(f"cap: {item!r} is not kind=devices; write e.g. gpu=4")
         if kind not in CAP_KINDS:
-            raise CapError(f"cap: unknown device kind {kind!r} in {item!r}; a cap names one of "
-                           f"{', '.join(CAP_KINDS)} (e.g. gpu=4)")
+            raise CapError(f"cap: unknown device kind {kind!r} in {item!r}; use {' or '.join(CAP_KINDS)}, e.g. gpu=4")
         if not re.fullmatch(r"\d{1,6}", count):
             raise CapError(f"cap: {item!r}: the devices must be a whole number of 0 or more (e.g. {kind}=4)")
         limits[kind] = int(count)
