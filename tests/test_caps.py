@@ -119,6 +119,19 @@ def test_a_dead_workers_expired_lease_stops_counting_when_its_key_expires(client
     assert [(use.subject, use.held) for use in uses] == [("user:ann", 1)]
 
 
+def test_after_a_redis_restart_the_count_comes_back_with_the_leases_the_workers_restore(client):
+    jobs = JobState(client)
+    set_cap(client, {"cpu": 1}, user="ann")
+    attempt = jobs.take(_lease("a1", "cpu0", "ann"), 10_000).attempt
+    assert attempt is not None
+    client.delete(keys.lease("a1"), keys.LEASES)  # a restart that lost the leases (no persistence of them)
+    assert _take(jobs, "a2", "cpu1", "ann") is Took.OK  # nothing counts now: a2 takes the one device
+    client.delete(keys.lease("a2"), keys.LEASES)
+    assert jobs.renew(attempt, 10_000, restore=True)  # the lease keeper writes its lease again
+    assert _take(jobs, "a3", "cpu1", "ann") is Took.CAPPED
+    assert [(use.subject, use.held) for use in read_cap_uses(client)[1]] == [("user:ann", 1)]
+
+
 def test_over_a_borrowing_cap_the_lease_is_taken_as_borrowed(client):
     jobs = JobState(client)
     set_team(client, "ml", ["ann", "ben"])
