@@ -76,6 +76,8 @@ def test_usage_sums_each_users_and_teams_hours_since_a_time():
     assert rows["ann", "cpu"].busy_fraction == pytest.approx(25 / 150) and rows["ann", "cpu"].idle_s == 125.0
     assert rows["ben", "gpu"].busy_fraction is None and rows["ben", "gpu"].idle_s is None  # not measured
     assert rows["team ml", "cpu"].held_s == 150.0 and rows["team ml", "gpu"].held_s == 30.0
+    totals = {"ann cpu held": 9.0, "ann cpu busy": 3.0, "7200 ann cpu held": 1.0}
+    assert [(row.name, row.held_s, row.busy_s) for row in usage_from(totals, {}, since=None)] == [("ann", 9.0, 3.0)]
     assert parse_since("7d") == 7 * 86400 and parse_since("1.5h") == 5400
     with pytest.raises(ConfigError, match=r"--since '7x'"):
         parse_since("7x")

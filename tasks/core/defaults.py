@@ -200,6 +200,8 @@ CAP_RETRY_S = 0.5
 CAP_AUDIT_KEEP = 10000
 #: The device kinds a cap may name.
 CAP_KINDS = ("cpu", "gpu")
+#: Days the hourly usage figures are kept (``devicefleet usage --since``; its totals are kept for ever).
+USAGE_KEEP_DAYS = 400
 
 # -- Packed trials (tasks.worker.pack) ------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """``devicefleet usage``: what each user, and each team, held of the fleet and how busy they kept it.
 
-Read from the hourly figures the store script adds at each job's end, in the call it makes
-anyway (``keys.USAGE_HOURS``, :data:`tasks.core.fairshare.USAGE_LUA`, beside the fair share's
-``keys.USAGE`` and ``keys.USER_SECONDS``): per hour a job ended in, its user and its device's
-kind, the device-seconds held (its run, a pack member's share of it) and, where measured, the
+Read from the figures the store script adds at each job's end, in the call it makes anyway
+(:data:`tasks.core.fairshare.USAGE_LUA`, beside the fair share's ``keys.USAGE`` and
+``keys.USER_SECONDS``): per user and device kind, ever (``keys.USAGE_TOTALS``) and per hour a job
+ended in (``keys.usage_day``, one hash a day, kept
+:data:`~tasks.core.defaults.USAGE_KEEP_DAYS` days), the device-seconds held (its run, a pack member's share of it) and, where measured, the
 device-seconds it kept the device busy. On a CPU device busy is its job process's CPU seconds
 (and its reaped children's) over the cores it ran on, measured by the worker; on a GPU it is not
 measured yet (``busy`` is ``None`` there: no figure rather than a wrong one). Held idle is held
@@ -23,6 +24,7 @@ from kombu.utils.encoding import bytes_to_str
 
 from ..core import keys
 from ..core.caps import TEAM_PREFIX, read_caps
+from ..core.defaults import USAGE_KEEP_DAYS
 from ..core.errors import ConfigError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -68,16 +70,21 @@ class Usage:
                 "held_idle_hours": None if self.idle_s is None else self.idle_s / 3600}
 
 
-def usage_from(hours: dict[str, float], teams: dict[str, list[str]], since: float) -> list[Usage]:
-    """Each user's, then each team's, :class:`Usage` per kind from ``keys.USAGE_HOURS``'s fields
-    (``"<hour> <user> <kind> held|busy"``) of the hours that end after ``since`` (pure)."""
+def usage_from(hours: dict[str, float], teams: dict[str, list[str]], since: float | None) -> list[Usage]:
+    """Each user's, then each team's, :class:`Usage` per kind from the fields of ``keys.usage_day``
+    hashes (``"<hour> <user> <kind> held|busy"``) of the hours that end after ``since``, or,
+    with ``since`` None, from ``keys.USAGE_TOTALS``'s (``"<user> <kind> held|busy"``) (pure)."""
     held: dict[tuple[str, str], float] = defaultdict(float)
     busy: dict[tuple[str, str], float] = {}
     for field, seconds in hours.items():
         parts = field.split(" ")
-        if len(parts) != 4 or not parts[0].isdigit() or int(parts[0]) + 3600 <= since:
+        if since is not None:
+            if len(parts) != 4 or not parts[0].isdigit() or int(parts[0]) + 3600 <= since:
+                continue
+            parts = parts[1:]
+        if len(parts) != 3:
             continue
-        _hour, user, kind, what = parts
+        user, kind, what = parts
         if what == "held":
             held[user, kind] += seconds
         elif what == "busy":
@@ -94,9 +101,17 @@ def usage_from(hours: dict[str, float], teams: dict[str, list[str]], since: floa
     return rows
 
 
-def read_usage_hours(client: redis.Redis) -> dict[str, float]:
-    """``keys.USAGE_HOURS`` as ``{field: seconds}`` (one ``HGETALL``)."""
-    return {bytes_to_str(field): float(value) for field, value in client.hgetall(keys.USAGE_HOURS).items()}
+def read_usage_hours(client: redis.Redis, since: float | None, now: float) -> dict[str, float]:
+    """The fields of the days' hashes from ``since`` to ``now`` (one pipelined ``HGETALL`` a
+    day), or of ``keys.USAGE_TOTALS`` with ``since`` None (one ``HGETALL``)."""
+    if since is None:
+        return {bytes_to_str(f): float(v) for f, v in client.hgetall(keys.USAGE_TOTALS).items()}
+    first = max(int(since // 86400), int(now // 86400) - USAGE_KEEP_DAYS)
+    with client.pipeline(transaction=False) as pipe:
+        for day in range(first, int(now // 86400) + 1):
+            pipe.hgetall(keys.usage_day(day))
+        days = pipe.execute()
+    return {bytes_to_str(f): float(v) for fields in days for f, v in fields.items()}
 
 
 def read_teams(client: redis.Redis) -> dict[str, list[str]]:
@@ -108,7 +123,8 @@ def read_teams(client: redis.Redis) -> dict[str, list[str]]:
 def read_fleet_usage(client: redis.Redis, since_s: float | None = None, now: float | None = None) -> list[Usage]:
     """What each user and team held over the last ``since_s`` seconds (None: ever)."""
     now = time.time() if now is None else now
-    return usage_from(read_usage_hours(client), read_teams(client), now - since_s if since_s is not None else 0.0)
+    since = now - since_s if since_s is not None else None
+    return usage_from(read_usage_hours(client, since, now), read_teams(client), since)
 
 
 def usage_lines(rows: list[Usage]) -> list[str]:
