@@ -874,6 +874,111 @@ def exporter(port: int, redis_url: str | None) -> None:
     served.stop()
 
 
+# -- cap, usage (tasks.core.caps, tasks.ops.usage) ----------------------------------------------
+
+
+@cli.group()
+def cap() -> None:
+    """Caps on the devices of each kind a user or team holds at once (fleet-wide, live)."""
+
+
+def _cap_client(redis_url: str | None) -> Any:
+    from .core.registry import reading
+
+    return reading(_settings(redis_url=redis_url).resolve_redis_url())
+
+
+@cap.command("set")
+@click.argument("args", nargs=-1, required=True, metavar="[USER] KIND=DEVICES...")
+@click.option("--team", help="Cap this team (named with `devicefleet cap team`) instead of a user.")
+@click.option("--borrow/--no-borrow", default=False, show_default=True,
+              help="Over the cap, run on devices no one else wants, as preemptible work.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def cap_set(args: tuple[str, ...], team: str | None, borrow: bool, redis_url: str | None) -> None:
+    """Set USER's (or --team's) cap, e.g. `devicefleet cap set alice gpu=4 --borrow`."""
+    from .core.caps import parse_limits, set_cap
+
+    user, items = (None, list(args)) if team is not None else (args[0], list(args[1:]))
+    try:
+        limits = parse_limits(items)
+    except DeviceFleetError as exc:  # refused before anything is written
+        _fail(exc, EXIT_CONFIG)
+    with _cap_client(redis_url) as client:
+        set_cap(client, limits, user=user, team=team, borrow=borrow)
+    name = f"team {team}" if team is not None else user
+    for kind, limit in limits.items():
+        click.echo(f"{name}: at most {limit} {kind} at once, borrowing {'on' if borrow else 'off'}")
+
+
+@cap.command("team")
+@click.argument("team")
+@click.argument("users", nargs=-1, required=True)
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def cap_team(team: str, users: tuple[str, ...], redis_url: str | None) -> None:
+    """Name TEAM's USERS (a team's cap counts their devices together)."""
+    from .core.caps import set_team
+
+    with _cap_client(redis_url) as client:
+        cap_record = set_team(client, team, list(users))
+    click.echo(f"team {team}: {', '.join(cap_record.members or [])}")
+
+
+@cap.command("remove")
+@click.argument("user", required=False)
+@click.option("--team", help="Remove this team and its cap instead.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def cap_remove(user: str | None, team: str | None, redis_url: str | None) -> None:
+    """Remove USER's cap (or --team with its cap)."""
+    from .core.caps import remove_cap
+
+    with _cap_client(redis_url) as client:
+        remove_cap(client, user=user, team=team)
+
+
+@cap.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the caps and what each holds as JSON.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def cap_list(as_json: bool, redis_url: str | None) -> None:
+    """Each cap and what it holds now: `alice: 4/4 gpu (cap), borrowing off`."""
+    from .core.caps import read_cap_uses
+
+    with _cap_client(redis_url) as client:
+        caps, uses = read_cap_uses(client)
+    if as_json:
+        click.echo(json.dumps({"caps": {subject: c.to_dict() for subject, c in caps.items()},
+                               "held": [{"subject": u.subject, "kind": u.kind, "held": u.held, "limit": u.limit,
+                                         "borrow": u.borrow, "line": u.line()} for u in uses]}, indent=2))
+        return
+    for use in uses:
+        click.echo(use.line())
+    for subject, c in caps.items():
+        if c.members is not None:
+            click.echo(f"team {subject.removeprefix('team:')}: {', '.join(c.members)}")
+    if not caps:
+        click.echo("no caps set (devicefleet cap set USER KIND=DEVICES)")
+
+
+@cli.command()
+@click.option("--since", default=None, metavar="AGE", help="Only the last AGE, e.g. 7d, 12h (default: ever).")
+@click.option("--json", "as_json", is_flag=True, help="Print each row as JSON.")
+@click.option("--redis-url", help="Fleet to use (default: DEVICEFLEET_REDIS_URL, else the local fleet).")
+def usage(since: str | None, as_json: bool, redis_url: str | None) -> None:
+    """Per user and team: device-hours held, the device's busy fraction while held, held idle."""
+    from .ops.usage import parse_since, read_fleet_usage, usage_lines
+
+    try:
+        since_s = parse_since(since) if since is not None else None
+    except DeviceFleetError as exc:
+        _fail(exc, EXIT_CONFIG)
+    with _cap_client(redis_url) as client:
+        rows = read_fleet_usage(client, since_s)
+    if as_json:
+        click.echo(json.dumps([row.to_dict() for row in rows], indent=2))
+        return
+    for line in usage_lines(rows) or ["no jobs counted" + (f" in the last {since}" if since else "")]:
+        click.echo(line)
+
+
 # -- tensorboard -------------------------------------------------------------------------------
 
 

@@ -244,6 +244,17 @@ GIVE_WAY_S = 0.5
 #: changed or left while it waited.
 PLACEMENT_HAND_BACKS = 120
 
+# -- Caps (tasks.core.caps) --------------------------------------------------------------------------
+
+#: Seconds a job refused by its user's (or team's) cap waits before its message is taken again.
+CAP_RETRY_S = 0.5
+#: Grants kept in the cap audit list (``keys.CAP_AUDIT``): the newest, the rest trimmed.
+CAP_AUDIT_KEEP = 10000
+#: The device kinds a cap may name.
+CAP_KINDS = ("cpu", "gpu")
+#: Days the hourly usage figures are kept (``devicefleet usage --since``; its totals are kept for ever).
+USAGE_KEEP_DAYS = 400
+
 # -- Packed trials (tasks.worker.pack) ------------------------------------------------------
 
 #: The most trials one pack may hold (``tasks.sweep(..., pack=K)``), and what ``pack="auto"``

@@ -70,6 +70,11 @@ class MissingExtra(ConfigError, ImportError):
     """An optional package a feature needs is not installed; the message says how to add it."""
 
 
+class CapError(ConfigError):
+    """A cap (``devicefleet cap``, :mod:`tasks.core.caps`) names an unknown device kind, user or
+    team, or a bad value; the message names it and says what to do."""
+
+
 class FleetError(DeviceFleetError):
     """Starting, stopping or finding a fleet failed."""
 

@@ -44,7 +44,7 @@ from typing import Any
 import redis
 
 from . import keys
-from .defaults import FAIRSHARE_HALF_LIFE_S, FAIRSHARE_REFRESH_S, WAIT_BUCKETS_S
+from .defaults import FAIRSHARE_HALF_LIFE_S, FAIRSHARE_REFRESH_S, USAGE_KEEP_DAYS, WAIT_BUCKETS_S
 from .priority import Level
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,19 @@ local add_usage = function(usage_key, seconds_key, share, wait)
     end
     redis.call('hset', usage_key, share.user, string.format('%.17g %.6f', value, stamp))
     redis.call('hincrbyfloat', seconds_key, share.level .. ':' .. share.user, share.seconds)
+    if share.totals then
+      local at = tonumber(share.at)
+      local day = share.days .. string.format('%d', math.floor(at / 86400))
+      local who = share.user .. ' ' .. share.kind
+      local hour = string.format('%d', math.floor(at / 3600) * 3600) .. ' ' .. who
+      redis.call('hincrbyfloat', share.totals, who .. ' held', share.seconds)
+      redis.call('hincrbyfloat', day, hour .. ' held', share.seconds)
+      if share.busy then
+        redis.call('hincrbyfloat', share.totals, who .. ' busy', share.busy)
+        redis.call('hincrbyfloat', day, hour .. ' busy', share.busy)
+      end
+      redis.call('expire', day, share.keep)
+    end
   end
   if wait.key then
     redis.call('hincrby', wait.key, wait.bucket, 1)
@@ -159,13 +172,23 @@ class UserOrder:
         return self._users
 
 
-def share_arg(user: str | None, level: Level, seconds: float, at: float) -> dict[str, str]:
+def share_arg(user: str | None, level: Level, seconds: float, at: float, *, kind: str | None = None,
+              busy_s: float | None = None) -> dict[str, str]:
     """What :data:`USAGE_LUA` adds for a job of ``user`` at ``level`` that ran ``seconds`` and
-    ended at ``at`` (epoch seconds); empty when the job names no user."""
+    ended at ``at`` (epoch seconds); empty when the job names no user. With the device's
+    ``kind``, its held seconds by kind too, ever (``keys.USAGE_TOTALS``) and in its hour
+    (``keys.usage_day``), and ``busy_s`` (the seconds its process kept the device busy, where
+    measured: at most ``seconds``) its busy seconds."""
     if not user:
         return {}
-    return {"user": user, "level": level.value, "seconds": repr(float(seconds)), "at": repr(float(at)),
-            "half_life": repr(float(FAIRSHARE_HALF_LIFE_S))}
+    share = {"user": user, "level": level.value, "seconds": repr(float(seconds)), "at": repr(float(at)),
+             "half_life": repr(float(FAIRSHARE_HALF_LIFE_S))}
+    if kind:
+        share.update(totals=keys.USAGE_TOTALS, days=keys.usage_day(""), kind=kind,
+                     keep=str(USAGE_KEEP_DAYS * 86400))
+        if busy_s is not None:
+            share["busy"] = repr(min(float(seconds), max(0.0, float(busy_s))))
+    return share
 
 
 def wait_bucket(seconds: float) -> str:

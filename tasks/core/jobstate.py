@@ -63,7 +63,8 @@ import redis
 from kombu.utils.encoding import bytes_to_str
 
 from . import keys
-from .defaults import BLACKHOLE_WINDOW_S
+from .caps import CAP_LUA
+from .defaults import BLACKHOLE_WINDOW_S, CAP_AUDIT_KEEP
 from .device_state import LUA_OUT_OF_SERVICE
 from .fairshare import USAGE_LUA
 from .jobcount import JobCount
@@ -116,12 +117,19 @@ end
 #: owner is dead or late to renew), ``{'changed'}`` (another lease replaced the one we read; a
 #: lease gone altogether, which a reaper gave back, is taken without counting the death again),
 #: ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker down ``max_attempts``
-#: times: do not run it, end it) or ``{'ok'}`` (taken). KEYS[7] ``keys.DEVICE_STATE`` and ARGV[10]
-#: the taker's device ('' for neither): a device out of service takes nothing
-#: (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
-TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + """
+#: times: do not run it, end it) or ``{'ok'}`` (taken).
+#:
+#: Caps (:mod:`tasks.core.caps`): KEYS[7] ``keys.CAPS``, KEYS[8] ``keys.CAP_AUDIT``; ARGV[10]
+#: the job's user ('' for none: no cap applies), ARGV[11] the device, ARGV[12] the lease keys'
+#: prefix, ARGV[13] the audit entries kept. A job whose user (or team) holds its cap of the
+#: device's kind, counted from the live leases, is refused: ``{'capped', reason}`` (nothing
+#: written); over a cap that borrows it is taken as borrowed (its lease's ``borrowed`` true; the
+#: reply's last element 1). Each grant to a capped user or team is appended to the audit list.
+#: KEYS[9] ``keys.DEVICE_STATE`` and ARGV[14] the taker's device ('' for neither): a device out of
+#: service takes nothing (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
+TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + CAP_LUA + """
 if KEYS[1] ~= '' and finished(KEYS[1]) then return {'finished'} end
-local out = out_of_service(KEYS[7] or '', ARGV[10] or '')
+local out = out_of_service(KEYS[9] or '', ARGV[14] or '')
 if out then return {'out', out} end
 local lease = redis.call('get', KEYS[2])
 local dead = ARGV[7]
@@ -136,6 +144,11 @@ else
   -- (this copy may be the one it gave back): the job is free, and the death counted once.
   if not current then dead = '' end
 end
+local cap_kind = kind_of(ARGV[11])
+local rules = cap_rules(KEYS[7], ARGV[10], cap_kind)
+cap_count(rules, KEYS[3], ARGV[12], cap_kind, ARGV[3])
+local refused, borrowed = cap_refused(rules, cap_kind)
+if refused then return {'capped', refused} end
 if dead ~= '' and redis.call('sismember', KEYS[6], dead) == 0 then
   redis.call('rpush', KEYS[4], dead)
   if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[4], ARGV[9]) end
@@ -143,14 +156,17 @@ end
 local token = redis.call('incr', KEYS[5])
 if tonumber(ARGV[9]) > 0 then redis.call('expire', KEYS[5], ARGV[9]) end
 local value = stamp_lease(ARGV[1], token)
+if borrowed then value = (string.gsub(value, '"borrowed":false}$', '"borrowed":true}', 1)) end
 redis.call('set', KEYS[2], value, 'PX', ARGV[2])
 redis.call('hset', KEYS[3], ARGV[3], value)
+cap_audit(rules, KEYS[8], ARGV[13], ARGV[3], ARGV[10], cap_kind, ARGV[11], borrowed)
+local lent = borrowed and 1 or 0
 local bound = tonumber(ARGV[8])
 if bound > 0 and redis.call('llen', KEYS[4]) >= bound then
-  return {'lost', redis.call('lrange', KEYS[4], 0, -1), token}
+  return {'lost', redis.call('lrange', KEYS[4], 0, -1), token, lent}
 end
 if ARGV[4] ~= '' then store(KEYS[1], stamp_meta(ARGV[4], token), ARGV[5]) end
-return {'ok', token}
+return {'ok', token, lent}
 """
 #: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, TTL ms, task id, '1'
 #: to restore a lost lease, our token. Renew our lease (or restore it after a Redis restart lost
@@ -397,6 +413,9 @@ class Attempt:
     #: The attempt's fencing token: issued by the take, it only grows per job; the scripts that
     #: store, release or publish refuse a token older than the job's current one.
     token: int = 0
+    #: Taken over its user's cap, as borrowed work (:mod:`tasks.core.caps`): preemptible by any
+    #: work that waits for its device.
+    borrowed: bool = False
 
 
 class Took(str, Enum):
@@ -416,6 +435,8 @@ class Took(str, Enum):
     CHANGED = "changed"
     #: The taker's device is out of service (drained, quarantined, suspect): nothing taken.
     OUT = "out"
+    #: Its user (or team) holds its cap of the device's kind: not taken (:mod:`tasks.core.caps`).
+    CAPPED = "capped"
 
 
 @dataclass(frozen=True)
@@ -430,6 +451,10 @@ class TakeReply:
     lost_to: tuple[str, ...] = ()
     #: With :attr:`Took.OUT`: the device's state.
     out: str = ""
+    #: With :attr:`Took.CAPPED`, why: ``alice: 1/1 cpu (cap), borrowing off``.
+    capped: str | None = None
+    #: With :attr:`Took.OK` and :attr:`Took.LOST`: taken over its user's cap, as borrowed work.
+    borrowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -563,22 +588,25 @@ class JobState:
         value = record.to_json()
         reply = self._take(
             keys=[started.key if started else "", keys.lease(task_id), keys.LEASES, keys.worker_deaths(task_id),
-                  keys.fence(task_id), keys.fenced(task_id), keys.DEVICE_STATE if device else ""],
+                  keys.fence(task_id), keys.fenced(task_id), keys.CAPS, keys.CAP_AUDIT,
+                  keys.DEVICE_STATE if device else ""],
             args=[value, ttl_ms, task_id, started.value if started else "", started.expires_s if started else 0,
-                  replace, dead, max_attempts, keep_s, device],
+                  replace, dead, max_attempts, keep_s, record.user or "", record.device, keys.lease(""),
+                  CAP_AUDIT_KEEP, device],
         )
         status = Took(bytes_to_str(reply[0]))
         if status is Took.OUT:
             return TakeReply(status, out=bytes_to_str(reply[1]))
         if status in (Took.HELD, Took.EXPIRED):
             return TakeReply(status, holder=bytes_to_str(reply[1]))
-        if status is Took.LOST:
-            token = int(reply[2])
-            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(value, token), token),
-                             lost_to=tuple(bytes_to_str(name) for name in reply[1]))
-        if status is Took.OK:
-            token = int(reply[1])
-            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(value, token), token))
+        if status is Took.CAPPED:
+            return TakeReply(status, capped=bytes_to_str(reply[1]))
+        if status in (Took.OK, Took.LOST):
+            token, borrowed = int(reply[-2]), bool(int(reply[-1]))
+            held = record.model_copy(update={"borrowed": True}).to_json() if borrowed else value
+            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(held, token), token, borrowed),
+                             lost_to=tuple(bytes_to_str(name) for name in reply[1]) if status is Took.LOST else (),
+                             borrowed=borrowed)
         return TakeReply(status)
 
     def renew(self, attempt: Attempt, ttl_ms: int, *, restore: bool) -> bool:

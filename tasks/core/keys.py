@@ -262,6 +262,31 @@ USAGE = f"{PREFIX}usage"
 USER_SECONDS = f"{PREFIX}user-seconds"
 
 
+# -- caps on the devices a user or team holds at once (tasks.core.caps) -------------------------
+
+#: Hash ``{"user:<name>" | "team:<name>": Cap JSON}``: each cap an admin set (``devicefleet cap
+#: set``), read by the take script (:data:`tasks.core.jobstate.TAKE`) at each lease it hands out.
+CAPS = f"{PREFIX}caps"
+#: Hash ``{"<user> <kind> held|busy": seconds}``: the device-seconds each user's jobs held devices
+#: of a kind, and kept them busy (where measured), ever (Prometheus). Written by the store script
+#: at each job's end (:data:`tasks.core.fairshare.USAGE_LUA`); read by :mod:`tasks.ops.usage`.
+USAGE_TOTALS = f"{PREFIX}usage-totals"
+
+
+def usage_day(day: int | str) -> str:
+    """Hash ``{"<hour> <user> <kind> held|busy": seconds}`` of the jobs that ended on ``day``
+    (epoch seconds // 86400; ``""``: the prefix the store script adds the day to), by the hour
+    they ended in (epoch seconds, a multiple of 3600): ``devicefleet usage --since``. Kept
+    :data:`tasks.core.defaults.USAGE_KEEP_DAYS` days."""
+    return f"{PREFIX}usage-day:{day}"
+
+
+#: List of the take script's grants to a capped user or team, oldest first: each a
+#: :class:`tasks.core.caps.CapGrant` JSON with the count that grant made (audited, not sampled);
+#: trimmed to :data:`tasks.core.defaults.CAP_AUDIT_KEEP`.
+CAP_AUDIT = f"{PREFIX}cap-audit"
+
+
 def wait_times(level: str) -> str:
     """Hash of the wait-time histogram of ``level`` (from a job's send to its start): ``le:<bound>``
     (jobs whose wait fell in that bucket, ``le:+Inf`` past the last), ``count``, ``sum``."""

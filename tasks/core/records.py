@@ -450,6 +450,12 @@ class LeaseRecord(_Record):
     delivery_tag: str | None = None
     since: float
     resend: ResendRecord | None = None
+    #: The user the job runs for (``None``: none named): what a cap counts
+    #: (:mod:`tasks.core.caps`), with the device's kind.
+    user: str | None = None
+    #: Whether the take script granted it over its user's cap, as borrowed work (a cap with
+    #: ``borrow``). Last, so that the script finds it at the end of the JSON to mark it.
+    borrowed: bool = False
 
 
 class DeadLetter(_Record):

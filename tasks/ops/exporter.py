@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..core import keys
+from ..core.caps import read_cap_uses
 from ..core.defaults import RATE_WINDOW_S, WAIT_BUCKETS_S
 from ..core.device_state import STATES, DeviceState, parse_states
 from ..core.fairshare import known_users, read_usage, read_user_seconds, read_wait_times
@@ -46,6 +47,7 @@ from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
 from ..core.xids import read_xid_counts
+from .usage import read_fleet_usage
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,12 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         {"usage_s", "device_seconds": {level: s}}}`` (usage decayed to now, the fair share's;
         device-seconds ever, by level); ``"wait_times"``: ``{level: {"le:<bound>", "count", "sum"}}``,
         each level's histogram of waits from send to start; ``"xids"``: ``{device: {xid: count}}``,
-        the Xid events each GPU's health service saw.
+        the Xid events each GPU's health service saw;
+        ``"caps"``: each cap set, per kind it
+        names (``subject``, ``name``, ``kind``, ``held`` now, ``limit``, ``borrow``, ``at_cap``,
+        ``line``: ``alice: 4/4 gpu (cap), borrowing off``; :mod:`tasks.core.caps`); ``"usage"``: each
+        user's and team's device-seconds held and kept busy (``None``: not measured), per kind,
+        ever (:mod:`tasks.ops.usage`).
     """
     now = time.time() if now is None else now
     live = live_workers(client)
@@ -164,7 +171,13 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
         queues[name] = {"depth": depth, "oldest_age_s": age}
     usage = read_usage(client, now)
     user_seconds = read_user_seconds(client)
+    _caps, uses = read_cap_uses(client)
+    used = read_fleet_usage(client, now=now)
     return {"at": now, "devices": out, "queues": queues, "dead_letters": dead_letters,
+            "caps": [{"subject": use.subject, "name": use.name, "kind": use.kind, "held": use.held,
+                      "limit": use.limit, "borrow": use.borrow, "at_cap": use.at_cap, "line": use.line()}
+                     for use in uses],
+            "usage": [{"name": row.name, "kind": row.kind, "held_s": row.held_s, "busy_s": row.busy_s} for row in used],
             "users": {user: {"usage_s": usage.get(user, 0.0),
                              "device_seconds": {level: s for (u, level), s in user_seconds.items() if u == user}}
                       for user in sorted(set(users) | set(usage) | {u for u, _ in user_seconds})},
@@ -298,6 +311,8 @@ class FleetCollector(Collector):
             buckets.append(("+Inf", fields["count"]))
             waits.add_metric([level], buckets, fields.get("sum", 0.0))
         yield from (user_s, usage, waits)
+        yield from self._caps(snap["caps"])
+        yield from self._usage(snap["usage"])
         dead = GaugeMetricFamily("devicefleet_dead_letters",
                                  "Jobs given up after taking their worker down max_attempts times "
                                  "(kept until forgotten: tasks.forget_dead_letter)")
@@ -310,6 +325,43 @@ class FleetCollector(Collector):
         yield xids
         yield from (jobs, busy_s, fenced, preempted, samples, online, busy, slots, slot_busy, slot_memory, slot_budget, rate, sps,
                     wait, gpu, depth, age, dead, health)
+
+    @staticmethod
+    def _caps(caps: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Each cap, its devices held now, and the one-line reason of a cap that holds work back."""
+        labels = ["subject", "kind"]
+        limit = GaugeMetricFamily("devicefleet_cap_devices", "Devices of a kind a user or team may hold at once",
+                                  labels=labels)
+        held = GaugeMetricFamily("devicefleet_cap_held_devices", "Devices of a kind a capped user or team holds now",
+                                 labels=labels)
+        reached = GaugeMetricFamily("devicefleet_cap_reached",
+                                    "1 while a user or team holds its cap of a kind; reason: the one-line why",
+                                    labels=[*labels, "reason"])
+        for cap in caps:
+            limit.add_metric([cap["name"], cap["kind"]], cap["limit"])
+            held.add_metric([cap["name"], cap["kind"]], cap["held"])
+            if cap["at_cap"]:
+                reached.add_metric([cap["name"], cap["kind"], cap["line"]], 1)
+        yield from (limit, held, reached)
+
+    @staticmethod
+    def _usage(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Each user's and team's device-seconds held, kept busy and held idle, by kind
+        (``devicefleet usage``, ever; busy and idle where measured: CPU devices)."""
+        labels = ["name", "kind"]
+        held = CounterMetricFamily("devicefleet_held_device_seconds",
+                                   "Device-seconds each user's (or team's) jobs held devices of a kind", labels=labels)
+        busy = CounterMetricFamily("devicefleet_busy_device_seconds",
+                                   "Device-seconds they kept those devices busy (CPU devices: the job process's "
+                                   "CPU seconds over its cores)", labels=labels)
+        idle = CounterMetricFamily("devicefleet_held_idle_device_seconds",
+                                   "Device-seconds they held devices idle (held less busy; CPU devices)", labels=labels)
+        for row in rows:
+            held.add_metric([row["name"], row["kind"]], row["held_s"])
+            if row["busy_s"] is not None:
+                busy.add_metric([row["name"], row["kind"]], row["busy_s"])
+                idle.add_metric([row["name"], row["kind"]], max(0.0, row["held_s"] - row["busy_s"]))
+        yield from (held, busy, idle)
 
     def close(self) -> None:
         self._client.close()

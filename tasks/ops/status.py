@@ -42,7 +42,8 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     ``{level: {user: n}}``; ``fair_share`` each user's usage and share, least first: the order a
     free device serves them in within a level (:func:`tasks.producer.waiting.read_fair_share`); ``dead_letters`` the jobs given up after taking their worker down
     (as JSON, oldest first); ``groups`` the device groups that reserved devices, waiting or
-    running, and what a waiting one waits for (:func:`tasks.core.groups.read_groups`).
+    running, and what a waiting one waits for (:func:`tasks.core.groups.read_groups`); ``caps``
+    each cap set and what it holds now (``line``: ``alice: 4/4 gpu (cap), borrowing off``).
 
     Raises:
         FleetError: Redis cannot be read.
@@ -68,6 +69,7 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "fair_share": fair_share,
         "dead_letters": [letter.to_dict() for letter in letters],
         "groups": groups,
+        "caps": snap["caps"],
     }
 
 
@@ -146,6 +148,12 @@ def waiting_part(rep: dict[str, Any]) -> list[Any]:
             + ([served] if share else []))
 
 
+def caps_part(rep: dict[str, Any]) -> list[str]:
+    """One line per cap set and kind it names (nothing when none is set)."""
+    caps = rep.get("caps") or []
+    return ["", "caps: " + "; ".join(cap["line"] for cap in caps)] if caps else []
+
+
 def _num(value: float | None, fmt: str = "{:.3g}") -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -199,7 +207,7 @@ def render(rep: dict[str, Any]) -> Group:
             continue  # an empty urgent or batch list: the normal one stands for its queue
         age = q.get("oldest_age_s")
         queues.add_row(name, str(q["depth"]), "-" if age is None else f"{age:.1f}s")
-    parts: list[Any] = [devices, *slot_rows, *seen, "", queues, *waiting_part(rep)]
+    parts: list[Any] = [devices, *slot_rows, *seen, "", queues, *waiting_part(rep), *caps_part(rep)]
     if rep.get("groups"):
         parts.extend(["", group_table(rep["groups"], now)])
     letters = rep.get("dead_letters") or []

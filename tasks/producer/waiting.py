@@ -15,14 +15,16 @@ one more than the number of messages a device that consumes its list would take 
 (every list it takes first, all of them, and the messages ahead in its own), on the device
 where that number is least. The lists of one level take turns (:class:`tasks.core.transport.LevelCycle`):
 the other lists of its level are counted as if all came first, so the position is an upper
-bound. Its ``reason`` says what it waits for: the jobs ahead (by level),
+bound. Its ``reason`` says what it waits for: its user's (or team's) cap when it holds it
+(``alice: 4/4 gpu (cap), borrowing off``, :mod:`tasks.core.caps`), the jobs ahead (by level),
 and what the devices that could take it run now. A fan-out's collect steps are bookkeeping:
 counted ahead, never listed.
 
 Within a level a free device serves users by their usage (:mod:`tasks.core.fairshare`):
 :func:`read_fair_share` gives each user's usage and share, in that order.
 
-Reads only: one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
+Reads only: one ``HGETALL`` of the caps (and, when some are set, of the leases, with one
+pipelined ``EXISTS`` per lease), one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
 messages per non-empty list (the next ones to start), one ``SCAN`` for sweep lists.
 """
 
@@ -38,6 +40,7 @@ from celery import Celery
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..core import keys
+from ..core.caps import blocking, kind_of, read_cap_uses
 from ..core.defaults import WAITING_READ_LIMIT
 from ..core.fairshare import known_users, order_users, read_usage
 from ..core.job import COLLECT_TASK, TASK_PREFIX
@@ -123,6 +126,7 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
     names = sorted({name for order in orders.values() for name in order})
     depths = dict(zip(names, count_waiting(client, names), strict=True))
     busy_text = {device: _busy_text(record) for device, record in live.items()}
+    caps, uses = read_cap_uses(client)
     jobs: list[WaitingJob] = []
     for name in (n for n in names if depths[n]):
         consumers = [device for device, order in orders.items() if name in order]
@@ -137,12 +141,17 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
                 [d for d in consumers if options.constraints.matches(live[d])]
             ahead = min((_ahead(orders[d], name, depths, ahead_here) for d in able or consumers),
                         key=lambda pair: pair[0])
+            user = options.user
+            capped = [use.line() for kind in sorted({kind_of(d) for d in able or consumers})
+                      for use in blocking(caps, uses, user, kind)]
             reason = _reason(ahead, split_level(name)[1], able, busy_text)
             asked = options.constraints.describe() if options.constraints is not None else None
+            if asked:
+                reason = f"it asks for a device with {asked}: {reason}"
             jobs.append(WaitingJob(
                 job_id=message["id"], job=message["job"], level=options.priority,
-                user=options.user, queue=split_user(name)[0], devices=able, position=ahead[0] + 1,
-                reason=f"it asks for a device with {asked}: {reason}" if asked else reason,
+                user=user, queue=split_user(name)[0], devices=able, position=ahead[0] + 1,
+                reason="; ".join([*capped, reason] if reason else capped),
                 sent_at=message["sent_at"], constraints=asked,
             ))
     jobs.sort(key=lambda job: (job.level.rank, job.position, job.queue, job.user or ""))

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.caps import kind_of
 from ..core.errors import ConfigError
 from ..core.fairshare import share_arg, wait_arg
 from ..core.job import JobMetric
@@ -47,6 +48,7 @@ def job_end(
     metrics: Mapping[JobMetric, float] | None = None,
     gpu_memory_bytes: int | None = None,
     shared_by: int = 1,
+    busy_s: float | None = None,
 ) -> JobEnd:
     """The end of the job whose task request is ``request`` on ``worker``: the attempt this
     process holds for it (handed to the store, which releases its lease), its count, and its
@@ -59,13 +61,16 @@ def job_end(
         metrics: the job's declared metrics: counters are added, gauges kept as ``last_<name>``.
         shared_by: how many jobs shared its slot the whole time (a pack's members): its busy
             seconds, and its user's device-seconds for fair share, are its share of the time.
+        busy_s: seconds its job process kept its cores busy (measured on CPU devices): its
+            user's busy time in ``devicefleet usage`` (:mod:`tasks.ops.usage`).
     """
     user, level, sent_at = _sender(request)
     busy = max(0.0, finished - started) / max(1, shared_by)
+    kind = kind_of(worker.device.name)
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
                      busy_seconds=busy, last_finished_at=finished,
                      gpu_memory_bytes=gpu_memory_bytes, metrics=dict(metrics or {}),
-                     share=share_arg(user, level, busy, finished),
+                     share=share_arg(user, level, busy, finished, kind=kind, busy_s=busy_s if kind == "cpu" else None),
                      wait=wait_arg(level, started - sent_at if sent_at is not None else None))
     return JobEnd(attempt=worker.leases.finishing(str(request.id)), count=count, ack=message_ack(app, request),
                   shared_queue=shared_queue(request, worker.device.name))

@@ -64,6 +64,7 @@ from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
 
 from ..core import keys
+from ..core.defaults import CAP_RETRY_S
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
@@ -100,6 +101,9 @@ class Take(str, Enum):
     #: This device is out of service (drained, quarantined, suspect: :mod:`tasks.core.device_state`):
     #: nothing taken; the message goes back to its queue for another device, no attempt spent.
     OUT_OF_SERVICE = "out of service"
+    #: Its user (or team) holds its cap of this device's kind (:mod:`tasks.core.caps`): not
+    #: taken; the message goes back to its queue and is taken again later.
+    CAPPED = "capped"
 
 
 class OutOfService(Exception):
@@ -117,6 +121,8 @@ class Taken:
     attempt: Attempt | None = None
     #: With :attr:`Take.OUT_OF_SERVICE`: the device's state.
     out: str = ""
+    #: With :attr:`Take.CAPPED`: why (``alice: 1/1 cpu (cap), borrowing off``).
+    capped: str | None = None
 
 
 def parse_lease(raw: str | bytes | None) -> LeaseRecord | None:
@@ -228,7 +234,7 @@ class LeaseKeeper(PeriodicThread):
 
     def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
              started: StateMeta | None = None, max_attempts: int | None = None,
-             keep_s: int = DEATHS_KEPT_S) -> Taken:
+             keep_s: int = DEATHS_KEPT_S, user: str | None = None) -> Taken:
         """Take the lease of ``task_id`` and, with ``started``, store the job's STARTED state:
         one script call, which first checks that the job's result is not stored yet.
 
@@ -238,11 +244,13 @@ class LeaseKeeper(PeriodicThread):
         (``None``: no bound) is not to be run: its lease is taken all the same (a copy arriving
         meanwhile is dropped; the store of its failure releases it) and the outcome is
         :attr:`Take.LOST`. ``resend`` is what the reaper needs to send the job again when its
-        message is no longer in Redis.
+        message is no longer in Redis. ``user``: whom the job runs for, whose cap the take
+        script checks (:mod:`tasks.core.caps`: :attr:`Take.CAPPED` when it is held).
         """
         sent = time.monotonic()
         record = LeaseRecord(device=self.device, worker=self.worker, pid=os.getpid(), host=host_name(),
-                             task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend)
+                             task_id=task_id, delivery_tag=delivery_tag, since=time.time(), resend=resend,
+                             user=user)
 
         def call(expect: str, dead: str) -> TakeReply:
             return self._jobs.take(record, self._ttl_ms, started=started, replace=expect, dead=dead,
@@ -276,6 +284,9 @@ class LeaseKeeper(PeriodicThread):
             # count its owner's death twice (nor once more after the reaper did).
             reply = call(raw, dead)
         attempt = reply.attempt
+        if reply.status is Took.CAPPED:
+            logger.info("job %s waits for its cap (%s): back to its queue", task_id, reply.capped)
+            return Taken(Take.CAPPED, capped=reply.capped)
         if reply.status is Took.FINISHED:
             logger.warning("job %s has already finished; not running this copy", task_id)
             return Taken(Take.FINISHED)
@@ -320,6 +331,12 @@ class LeaseKeeper(PeriodicThread):
                                task_id, attempt.token)
         except redis.RedisError as exc:  # the reaper finds an owner that is alive: no harm
             logger.warning("could not release the lease of job %s: %s", task_id, exc)
+
+    def borrowed(self, task_id: str) -> bool:
+        """Whether this process holds ``task_id``'s lease as borrowed work (over its user's cap)."""
+        with self._lock:
+            attempt = self._held.get(task_id)
+        return attempt is not None and attempt.borrowed
 
     def finishing(self, task_id: str) -> Attempt | None:
         """Hand ``task_id``'s attempt to the store of its result, whose script releases its lease
@@ -400,7 +417,7 @@ class LeaseKeeper(PeriodicThread):
             self.release(task_id)
 
     @contextmanager
-    def hold(self, task: Any, max_attempts: int | None = None) -> Iterator[Attempt]:
+    def hold(self, task: Any, max_attempts: int | None = None, user: str | None = None) -> Iterator[Attempt]:
         """Take ``task``'s lease and store its STARTED state (one round trip) for the block, and
         keep the lease until the job's result is stored.
 
@@ -419,12 +436,15 @@ class LeaseKeeper(PeriodicThread):
         is Celery's STARTED meta, made by the task's result backend, stored by the take script.
 
         ``max_attempts`` is the job's bound on runs that take their worker down (default: the
-        :class:`~tasks.core.records.JobOptions` default).
+        :class:`~tasks.core.records.JobOptions` default); ``user`` whom it runs for (its cap).
 
         Raises:
             celery.exceptions.Ignore: another live worker runs this job now, or it has already
                 finished (its result is stored); this copy is acknowledged and dropped, with
                 no result stored.
+            celery.exceptions.Retry: its user (or team) holds its cap of this device's kind
+                (:attr:`Take.CAPPED`): the message goes back to its queue, to be taken again
+                :data:`~tasks.core.defaults.CAP_RETRY_S` later; nothing was written.
             celery.exceptions.Reject: no replica confirmed the lease (:attr:`Take.UNCONFIRMED`):
                 the message goes back to its queue (kombu's ``restore_by_tag`` on whichever
                 primary the channel reaches: on a new one, where the message still is, it
@@ -445,7 +465,9 @@ class LeaseKeeper(PeriodicThread):
         )
         bound = max_attempts if max_attempts is not None else JobOptions().max_attempts
         taken = self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task),
-                          max_attempts=bound, keep_s=deaths_kept_s(task.app))
+                          max_attempts=bound, keep_s=deaths_kept_s(task.app), user=user)
+        if taken.outcome is Take.CAPPED:
+            raise task.retry(countdown=CAP_RETRY_S, max_retries=None)
         if taken.outcome is Take.LOST:
             raise self._lost(task_id, resend, taken.lost_to, bound)
         if taken.outcome is Take.OUT_OF_SERVICE:

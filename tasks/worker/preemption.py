@@ -49,11 +49,12 @@ from typing import Any
 import redis
 
 from ..core import keys
+from ..core.caps import blocking, read_cap_uses
 from ..core.defaults import PREEMPT_CHECK_S, PREEMPT_CLAIM_HOLD_S, PREEMPT_GRACE_S
 from ..core.fairshare import known_users
 from ..core.periodic import PeriodicThread
 from ..core.priority import Level
-from ..core.queue_lists import count_waiting, leveled, lists_beside, split_level
+from ..core.queue_lists import count_waiting, leveled, lists_beside, split_level, split_user, user_lists
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +145,26 @@ class Preemption(PeriodicThread):
         self._look = 0
         #: One more per job started: a look sent before a job started does not count for it.
         self._generation = 0
+        #: job id -> (user, device kind) of the running jobs taken over their user's cap, as
+        #: borrowed work (:mod:`tasks.core.caps`): any work of another user under its cap takes
+        #: their device back, whatever its level.
+        self._borrowed: dict[str, tuple[str, str]] = {}
+        #: The lists holding such work (that look), highest level first, with their levels.
+        self._lender_lists: list[tuple[Level, str]] = []
+        self._lender_count = 0
 
-    def running(self, job_id: str, level: Level) -> None:
-        """A preemptible job at ``level`` starts: look at once (an earlier look is stale)."""
+    def running(self, job_id: str, level: Level, borrowed: tuple[str, str] | None = None) -> None:
+        """A preemptible job at ``level`` starts: look at once (an earlier look is stale).
+        ``borrowed``: its ``(user, device kind)`` when it runs over its user's cap, as
+        borrowed work, which any waiting work of another user under its cap takes back."""
         with self._lock:
             self._running[job_id] = level
             self._waiting = None
+            self._lender_lists, self._lender_count = [], 0
             self._generation += 1
-        if level.rank > 0:
+            if borrowed is not None:
+                self._borrowed[job_id] = borrowed
+        if level.rank > 0 or borrowed is not None:
             self.wake()
 
     def done(self, job_id: str) -> None:
@@ -159,6 +172,7 @@ class Preemption(PeriodicThread):
         it freed to take the message it was made for (or a job of this worker asked next)."""
         with self._lock:
             self._running.pop(job_id, None)
+            self._borrowed.pop(job_id, None)
             self._refused.pop(job_id, None)
             claimed = self._making_way.pop(job_id, None)
             if claimed is not None:
@@ -180,12 +194,16 @@ class Preemption(PeriodicThread):
             return self._outranked(job_id, level, started)
 
     def _outranked(self, job_id: str, level: Level, started: float) -> Level | None:
-        waiting = self._waiting
-        if waiting is None or waiting.rank >= level.rank:
-            return None
+        if job_id in self._borrowed and self._lender_lists:
+            waiting: Level | None = self._lender_lists[0][0]
+            count = self._lender_count
+        else:
+            waiting, count = self._waiting, self._waiting_count
+            if waiting is None or waiting.rank >= level.rank:
+                return None
         if time.monotonic() - started < self.min_run_s:
             return None
-        if job_id in self._making_way or len(self._making_way) >= self._waiting_count:
+        if job_id in self._making_way or len(self._making_way) >= count:
             return None
         if self._refused.get(job_id) == self._look:
             return None
@@ -199,7 +217,10 @@ class Preemption(PeriodicThread):
         with self._lock:
             if self._outranked(job_id, level, started) is None:
                 return None
-            lists = [name for above, name in self._waiting_lists if above.rank < level.rank]
+            if job_id in self._borrowed and self._lender_lists:
+                lists = [name for _, name in self._lender_lists]
+            else:
+                lists = [name for above, name in self._waiting_lists if above.rank < level.rank]
             expired = time.monotonic() - self._hold_s
             held = [self._held[name][0] if name in self._held and self._held[name][1] > expired else ""
                     for name in lists]
@@ -225,12 +246,19 @@ class Preemption(PeriodicThread):
             busy = len(self._running)
             lowest = max((level.rank for level in self._running.values()), default=0)
             generation = self._generation
-        if lowest == 0 or busy < self._slots:
-            # Nothing below the top level, or a slot is free (or runs a job that is not
-            # preemptible): a free slot takes the waiting work itself.
+            borrowed = dict(self._borrowed)
+        if busy < self._slots or (lowest == 0 and not borrowed):
+            # Nothing below the top level (nor borrowed), or a slot is free (or runs a job that
+            # is not preemptible): a free slot takes the waiting work itself.
             self._waiting = None
+            self._lender_lists, self._lender_count = [], 0
             return
         users = known_users(self._client)  # each user's list beside each queue list (tasks.core.fairshare)
+        if borrowed:
+            self._look_for_lenders(users, borrowed, generation)
+        if lowest == 0:
+            self._waiting = None
+            return
         above = sorted(((level, listed) for name in self._lists() if (level := split_level(name)[1]).rank < lowest
                         for listed in lists_beside(name, users)),
                        key=lambda pair: pair[0].rank)
@@ -248,3 +276,28 @@ class Preemption(PeriodicThread):
                 self._look += 1
             expired = time.monotonic() - self._hold_s
             self._held = {name: held for name, held in self._held.items() if held[1] > expired}
+
+    def _look_for_lenders(self, users: list[str], borrowed: dict[str, tuple[str, str]], generation: int) -> None:
+        """Find the work, at any level, of users other than the borrowers that their caps let run
+        on this device (the lists of this worker's queues it waits in): what takes a borrowed
+        job's device back. Reads the caps and the live leases only while a borrowed job runs."""
+        borrowers = {user for user, _ in borrowed.values()}
+        kind = next(iter(borrowed.values()))[1]
+        others = [user for user in users if user not in borrowers]
+        candidates = sorted(((split_level(name)[1], listed) for name in self._lists()
+                             for listed in user_lists(name, others)), key=lambda pair: pair[0].rank)
+        lengths = count_waiting(self._client, [name for _, name in candidates]) if candidates else []
+        found = [(level, name) for (level, name), length in zip(candidates, lengths, strict=True) if length]
+        if found:
+            caps, uses = read_cap_uses(self._client)
+            found = [(level, name) for level, name in found if not blocking(caps, uses, split_user(name)[1], kind)]
+        count = sum(int(length) for (_, name), length in zip(candidates, lengths, strict=True)
+                    if any(name == kept for _, kept in found))
+        with self._lock:
+            if generation != self._generation:
+                return
+            if found and not self._lender_lists:
+                logger.info("work of a user under its cap waits for this device: borrowed work makes way")
+            self._lender_lists, self._lender_count = found, count
+            if found:
+                self._look += 1

@@ -45,7 +45,14 @@ from pydantic import ValidationError
 
 from ..core import errors
 from ..core.backend import attach_entry
-from ..core.defaults import GIVE_WAY_S, HEALTH_STOP_GRACE_S, HEARTBEAT_COALESCE_S, MEMORY_WRITE_S, PLACEMENT_HAND_BACKS
+from ..core.defaults import (
+    CAP_RETRY_S,
+    GIVE_WAY_S,
+    HEALTH_STOP_GRACE_S,
+    HEARTBEAT_COALESCE_S,
+    MEMORY_WRITE_S,
+    PLACEMENT_HAND_BACKS,
+)
 from ..core.errors import DeviceMismatch, InvalidJobArguments, JobCancelled, OutOfMemory, UserNotVerified, WorkerLost
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
@@ -115,10 +122,10 @@ class JobTask(Task):  # type: ignore[misc]
     #: The lease's take script stores STARTED (LeaseKeeper.hold), in the same round trip.
     track_started = False
     #: A job's message goes back to its queue by ``task.retry`` only when it was not run to its
-    #: end (preempted, given way, unpacked, handed back by a device out of service, a black hole's
-    #: first fast failure): never a failure, so never bounded. (``retry(max_retries=None)`` means
-    #: the task's bound, Celery's default 3: a job handed back a 4th time failed as
-    #: MaxRetriesExceededError.)
+    #: end (preempted, given way, unpacked, held back by its cap, handed back by a device out of
+    #: service, a black hole's first fast failure): never a failure, so never bounded.
+    #: (``retry(max_retries=None)`` means the task's bound, Celery's default 3: a job handed back
+    #: a 4th time failed as MaxRetriesExceededError.)
     max_retries = None
 
     def run(self, **kwargs: Any) -> dict[str, Any]:
@@ -232,7 +239,8 @@ def _mismatch(worker: DeviceWorker, task: Task, options: JobOptions) -> DeviceMi
 def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
     with ExitStack() as held:
         try:
-            attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts))
+            attempt = held.enter_context(worker.leases.hold(task, max_attempts=options.max_attempts,
+                                                                     user=options.user))
         except WorkerLost as exc:  # only the lease's refusal, never a job's own error of that name
             return JobRun(worker, task, job).end(failed=exc)
         except OutOfService as exc:
@@ -264,7 +272,9 @@ def _run(worker: DeviceWorker, task: Task, run: JobRun, watch: JobWatch, launch:
     options = launch.options
     preemption = worker.preemption if watch.preemptible else None
     if preemption is not None:
-        preemption.running(run.job_id, options.priority)
+        lent = watch.attempt is not None and watch.attempt.borrowed and options.user is not None
+        preemption.running(run.job_id, options.priority,
+                           borrowed=(str(options.user), worker.device.kind.value) if lent else None)
     try:
         ended = worker.modes.of(options).run(launch)
     finally:
@@ -296,7 +306,8 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
         case Outcome.PREEMPTED:
             # It made way (or was ended for it after its grace): back to its queue, not a failure.
             run.idle(done=False)
-            requeue_preempted(worker, task, run.job_id, ended.stop.level if ended.stop is not None else None)
+            requeue_preempted(worker, task, run.job_id, ended.stop.level if ended.stop is not None else None,
+                              borrowed=worker.leases.borrowed(run.job_id))
         case Outcome.UNPACK:
             # Its pack could not finish it (the pack's process died): back to its queue at once,
             # to run alone, so a trial that kills its process kills only itself the next time.
@@ -342,12 +353,16 @@ def sent_by_name(request: Any, device: str) -> bool:
     return isinstance(queue, str) and split_level(queue)[0] == device_queue(device)
 
 
-def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level | None) -> NoReturn:
+def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Level | None,
+                      borrowed: bool = False) -> NoReturn:
     """Send a preempted job's message back to its queue (:mod:`tasks.worker.preemption`): the
     same id, kwargs, options and chord, its count of preemptions one more, at the front of its
     level's list (:data:`~tasks.core.keys.FRONT_HEADER`), so it keeps its place among its level:
     it runs before the work of its level sent after it. Its lease is released first (no death
-    counted: it was not lost), so the worker that takes it next takes it at once.
+    counted: it was not lost), so the worker that takes it next takes it at once. A job that ran
+    ``borrowed`` (over its user's cap, :mod:`tasks.core.caps`) made way for work of its own
+    level, which its user's list could come before (users go least usage first): it comes back
+    :data:`~tasks.core.defaults.CAP_RETRY_S` later, at the back, so the freed slot takes that work.
 
     Raises:
         celery.exceptions.Retry: always; Celery acknowledges this message and stores no end.
@@ -361,6 +376,8 @@ def requeue_preempted(worker: DeviceWorker, task: Task, job_id: str, level: Leve
         count_preemption(worker.client, worker.device.name)
     except redis.RedisError as exc:  # a figure only: the job goes back all the same
         logger.warning("could not count the preemption of job %s: %s", job_id, exc)
+    if borrowed:
+        raise task.retry(countdown=CAP_RETRY_S, max_retries=None, headers={**headers, PREEMPTIONS_HEADER: count})
     raise task.retry(countdown=0, max_retries=None,
                      headers={**headers, PREEMPTIONS_HEADER: count, FRONT_HEADER: True})
 
@@ -421,7 +438,10 @@ class JobWatch:
         # Not a group's job (its devices would have to stop as a whole), nor a job run in process
         # without a message to send back. A gang's rank is: its gang stops as a whole
         # (tasks.worker.gang.GangWatch tells every rank).
-        self.preemptible = preemptible and options.preemptible and options.group is None and attempt is not None
+        # Work taken over its user's cap (borrowed) is always preemptible: that is its terms.
+        borrowed = attempt is not None and attempt.borrowed
+        self.preemptible = preemptible and (options.preemptible or borrowed) and options.group is None \
+            and attempt is not None
         self.started = time.monotonic()
         self._reports: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._relay: threading.Thread | None = None
@@ -587,6 +607,7 @@ class JobRun:
             metrics={JobMetric(name): value for name, value in result.metrics.items()} if result is not None else None,
             gpu_memory_bytes=result.gpu_memory_bytes if result is not None else None,
             shared_by=ended.shared_by if ended is not None else 1,
+            busy_s=ended.busy_s if ended is not None else None,
         ))
         group_spec = self.options.group if self.options is not None else None
         entry = Entry.make(device=group_spec.name if group_spec is not None else self.worker.device.name,

@@ -197,6 +197,9 @@ class Ended:
     #: How many jobs ran at once in its process and slot (a pack's members): each counts
     #: 1/``shared_by`` of the time for the device's busy seconds and its user's fair share.
     shared_by: int = 1
+    #: Seconds the job kept its cores busy (its process's CPU seconds over its cores), measured
+    #: by the worker; None where not measured (its process died, a pack, a group apart).
+    busy_s: float | None = None
 
     @property
     def crashed(self) -> bool:
@@ -347,7 +350,9 @@ class Supervisor:
             # A group's slot carries its budget: the sum of its devices' (tasks.core.groups).
             if slot.budget_bytes is not None and self.meter is not None:
                 budget = _Budget(slot, self.meter)
+        cpu_before = _cpu_seconds(process.pid)
         ended = _Run(process, job, watch, self.policy.cancel_grace_s, budget).wait()
+        ended = _with_busy(ended, cpu_before, _cpu_seconds(process.pid), len(job.cores or self.spec.cores))
         retire = ended.retired or self._retire_reason(process, ended.finished)
         if retire is None and job.devices is not None and _has_children(process.pid):
             # A group's job may have started processes over all its devices (a launcher's, or
@@ -558,6 +563,23 @@ class Supervisor:
             elif failure is None:
                 self._changed()
             backoff = RESPAWN_BACKOFF_S[0] if failure is None else min(RESPAWN_BACKOFF_S[1], backoff * 2)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` and its reaped children used so far (None: it is gone)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system + times.children_user + times.children_system)
+
+
+def _with_busy(ended: Ended, before: float | None, after: float | None, cores: int) -> Ended:
+    """``ended`` with the seconds its job kept its cores busy (CPU seconds over the cores it
+    ran on): what ``devicefleet usage`` says of a CPU device (:mod:`tasks.ops.usage`)."""
+    if before is None or after is None or after < before:
+        return ended
+    return dataclasses.replace(ended, busy_s=(after - before) / max(1, cores))
 
 
 def _has_children(pid: int) -> bool:
