@@ -269,6 +269,25 @@ def serving_devices(client: redis.Redis, devices: str | Sequence[str], live: Map
     return select_devices(devices, live, out_of_service(client, list(live)))
 
 
+def serving_placed(client: redis.Redis, devices: str | Sequence[str], live: Mapping[str, WorkerRecord],
+                   spec: JobSpec) -> list[str]:
+    """The devices of ``devices`` that are in service (one ``HMGET``) and meet ``spec``'s
+    constraints: a device named outright but out of service is refused as missing, as by
+    :func:`serving_devices`; with constraints, the devices of ``all`` or a kind are placed among
+    all of them, so that a refusal names one out of service as such (:func:`tasks.core.placement.place`).
+
+    Raises:
+        DeviceUnavailable: a named device is not live or out of service.
+        PlacementUnavailable: no device meets the constraints (nothing was sent).
+    """
+    out = out_of_service(client, list(live))
+    serving = select_devices(devices, live, out)
+    constraints = spec.options.constraints
+    if constraints is None:
+        return serving
+    return place(select_devices(devices, live), live, constraints, out)
+
+
 def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) -> None:
     """Check each device's job against the jobs its worker advertises, before anything is sent.
 
@@ -517,7 +536,7 @@ def fan_out(
         spec = constrained(prioritized(JobSpec.of(jobs, kwargs, options), priority, user),  # type: ignore[arg-type]
                            constraints)
         live = live_devices(client=client)
-        chosen = placed(serving_devices(client.redis, devices, live), live, spec, client.redis)
+        chosen = serving_placed(client.redis, devices, live, spec)
         whys = {}
         if group is not None:
             whys = {choice.key: choice.why for choice in choose_groups(chosen, live, check_group_size(group))}

@@ -77,9 +77,8 @@ from .fanout import (
     check_kwargs,
     constrained,
     live_devices,
-    placed,
     prioritized,
-    serving_devices,
+    serving_placed,
 )
 from .handle import JobHandle, Summary
 from .packing import Packing, packed_spec, plan_study_packing
@@ -285,7 +284,7 @@ def start_study(
     if clash:
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
-    chosen = placed(serving_devices(connections.redis, devices, live), live, base, connections.redis)
+    chosen = serving_placed(connections.redis, devices, live, base)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]

@@ -52,9 +52,8 @@ from .fanout import (
     check_kwargs,
     constrained,
     live_devices,
-    placed,
     prioritized,
-    serving_devices,
+    serving_placed,
 )
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
@@ -342,7 +341,7 @@ def sweep(
         raise ConfigError(f"sweep name {name!r}: use letters, digits, '-', '_' and '.'")
     live = live_devices(client=connections)
     base = specs[0] if specs else constrained(JobSpec.of(job), constraints)
-    chosen = placed(serving_devices(connections.redis, devices, live), live, base, connections.redis)
+    chosen = serving_placed(connections.redis, devices, live, base)
     groups = trial_groups(chosen, live, group, base)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
