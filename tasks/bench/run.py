@@ -94,14 +94,18 @@ def run_bench(base: Settings, *, quick: bool = False, cpu_workers: int = 2,
         workdir = Path(tmp) / "commands"
         workdir.mkdir()
         commands.write_commands_table(configs, workdir)
+        slots_on_fleet = "slots" in chosen and slots.on_bench_fleet(quick, cpu_workers)
+        if slots_on_fleet:  # --quick on a CPU host: the slots section sweeps on this fleet's cpu0 and cpu1
+            slots.give_slots(configs, "cpu1", slots.QUICK_SLOTS)
         settings = base.model_copy(update={
             "redis_url": None, "state_dir": Path(tmp), "artifacts_dir": Path(tmp) / ARTIFACTS_SUBDIR,
             "worker_configs_dir": configs, "job_modules": modules,
         })
-        if chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
+        if slots_on_fleet or chosen - {"pipeline", "slots"}:  # groups: its start and wait figures (the Hogwild ones need none)
             with _timed(figures, "fleet"), Fleet(settings, cpu_workers=cpu_workers, stop_timeout=30).start() as fleet:
-                _measure_fleet(fleet, settings, chosen, quick, figures, workdir)
-        if "slots" in chosen:  # fleets of its own, one per slot count
+                _measure_fleet(fleet, settings, chosen - ({"slots"} if not slots_on_fleet else set()), quick,
+                               figures, workdir)
+        if "slots" in chosen and not slots_on_fleet:  # fleets of its own, one per slot count
             with _timed(figures, "slots"):
                 figures["slots"] = slots.measure(settings, quick=quick)
     if "pipeline" in chosen:
@@ -159,6 +163,9 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
         with _timed(figures, "group_start"):
             if (start_figures := group_start.measure(app, cpus, quick=quick)) is not None:
                 figures["group_start"] = start_figures  # joins the Hogwild figures in the groups section
+    if "slots" in chosen:  # --quick on a CPU host (slots.on_bench_fleet): before isolation's crashes
+        with _timed(figures, "slots"):
+            figures["slots"] = slots.measure(settings, quick=quick, app=app)
     if "isolation" in chosen:  # last: it crashes and kills job processes
         with _timed(figures, "isolation"):
             figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)

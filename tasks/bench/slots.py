@@ -4,9 +4,12 @@ The device is ``gpu0`` where torch sees a GPU, else ``cpu0``. For each slot coun
 starts a fleet of its own (one CPU worker with every core, and the GPU's worker on a GPU host)
 whose worker configs say ``slots = N``, runs the same sweep of small ``train`` trials on the
 device, and stops it; every count runs the same trials in the same run. ``--quick`` on a CPU
-host starts one fleet instead, with a CPU worker per count (``cpu0`` with one slot, ``cpu1``
-with the most), each with every core, and sweeps on one, then the other: the other worker idles
-meanwhile. That saves a fleet's start and stop (a smoke run, whose figures are not judged).
+host starts no fleet when given the bench's own (:func:`tasks.bench.run.run_bench` gives its
+``cpu1`` :data:`QUICK_SLOTS` slots, :func:`give_slots`): it sweeps on ``cpu0`` (one slot), then
+on ``cpu1``, each worker with its own cores as the bench's fleet has them; without that fleet it
+starts one, with a CPU worker per count (``cpu0`` with one slot, ``cpu1`` with the most), each
+with every core, and sweeps on one, then the other: the other worker idles meanwhile. Either
+saves fleets' starts and stops (a smoke run, whose figures are not judged).
 
 - ``trials_per_s_<N>``: trials per second with N slots;
 - ``trials_per_s_vs_one``: the most slots' rate over one slot's (the issue's figure);
@@ -58,6 +61,25 @@ def write_slot_configs(source: Path, dest: Path, slots: int, devices: dict[str, 
     return dest
 
 
+#: ``cpu1``'s slots in the bench's own fleet in ``--quick`` on a CPU host (the slots section's
+#: second count there).
+QUICK_SLOTS = 2
+
+
+def on_bench_fleet(quick: bool, cpu_workers: int) -> bool:
+    """Whether the section runs on the bench's own fleet (``--quick`` on a CPU host with two
+    CPU workers or more), whose ``cpu1`` then needs :data:`QUICK_SLOTS` slots (:func:`give_slots`)."""
+    import torch
+
+    return quick and cpu_workers >= 2 and not torch.cuda.is_available()
+
+
+def give_slots(folder: Path, device: str, slots: int) -> None:
+    """Give ``device`` a config file of its own in ``folder``: its config's copy with ``slots``."""
+    text = config_file(folder, Device.parse(device)).read_text()
+    (folder / f"{device}.toml").write_text(_with_slots(text, slots))
+
+
 def _trials(count: int, gpu: bool, quick: bool) -> list[dict[str, Any]]:
     """Small ``train`` trials: the MLP on digits, a learning rate and a seed each."""
     epochs = 1 if quick else (5 if gpu else 2)
@@ -107,15 +129,16 @@ def _sweep_rate(app: Celery, slots: int, device: str, trials: list[dict[str, Any
     return len(trials) / elapsed, busy
 
 
-def measure(base: Settings, *, quick: bool) -> dict[str, Any]:
+def measure(base: Settings, *, quick: bool, app: Celery | None = None) -> dict[str, Any]:
     """The slot figures of ``gpu0`` (on a GPU host) or ``cpu0`` (``device_<N>``: where N slots
-    ran: ``cpu<i>`` in ``--quick`` on a CPU host)."""
+    ran: ``cpu<i>`` in ``--quick`` on a CPU host). ``app``: the bench's running fleet, whose
+    ``cpu1`` has :data:`QUICK_SLOTS` slots, where :func:`on_bench_fleet` says so."""
     import torch
 
     gpu = torch.cuda.is_available()
     device = "gpu0" if gpu else "cpu0"
     cores = len(psutil.Process().cpu_affinity() or []) or (psutil.cpu_count() or 1)
-    most = 8 if gpu else max(2, min(cores, 8))
+    most = 8 if gpu else QUICK_SLOTS if app is not None else max(2, min(cores, 8))
     counts = sorted({1, 2, most} if quick else {1, 2, 4, most} if gpu else {1, most})
     trials = _trials(max(most * (1 if quick else 8), 8), gpu, quick)
     out: dict[str, Any] = {"device": device, "trials": len(trials), "slots": counts}
@@ -127,11 +150,15 @@ def measure(base: Settings, *, quick: bool) -> dict[str, Any]:
         logger.info("slots: %d on %s: %.2f trials/s, busy %s", slots, on, rate, busy)
 
     with tempfile.TemporaryDirectory(prefix="devicefleet-bench-slots-") as tmp:
-        if quick and not gpu:
+        def each_worker(on: Celery) -> None:  # cpu<i> has counts[i] slots
+            for index, slots in enumerate(counts):
+                record(slots, f"cpu{index}", *_sweep_rate(on, slots, f"cpu{index}", trials, gpu))
+
+        if app is not None:
+            each_worker(app)
+        elif quick and not gpu:
             with _fleet(base, Path(tmp), "quick", 1, gpu, per_worker=counts).start() as fleet:
-                app = fleet.app()
-                for index, slots in enumerate(counts):
-                    record(slots, f"cpu{index}", *_sweep_rate(app, slots, f"cpu{index}", trials, gpu))
+                each_worker(fleet.app())
         else:
             for slots in counts:
                 with _fleet(base, Path(tmp), str(slots), slots, gpu).start() as fleet:
