@@ -391,15 +391,16 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
         raise click.UsageError("--backend, --max-restarts and --join-timeout go with --distributed")
     app = _producer_app(settings)
     options = {"fallback": fallback, "time_limit_s": time_limit, "max_attempts": max_attempts}
-    handle = fan_out(target, devices, kwargs=kwargs,
-                     options={k: v for k, v in options.items() if v is not None} or None,
-                     distributed=gang, per_slot=per_slot, group=group, priority=priority,
-                     constraints=_constraints(require), app=app)
-    if is_command:
-        watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
-    else:
-        watch = (lambda: _watch_progress(handle, timeout)) if progress else None
-    results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch, settings)
+    with _interrupt_held() as pressed:  # a Ctrl-C before the wait's own handler cancels what was sent
+        handle = fan_out(target, devices, kwargs=kwargs,
+                         options={k: v for k, v in options.items() if v is not None} or None,
+                         distributed=gang, per_slot=per_slot, group=group, priority=priority,
+                         constraints=_constraints(require), app=app)
+        if is_command:
+            watch: Callable[[], None] | None = lambda: _print_logs(handle, timeout, as_json)  # noqa: E731
+        else:
+            watch = (lambda: _watch_progress(handle, timeout)) if progress else None
+        results, cancelled = _wait_or_cancel(handle, "the fan-out", timeout, watch, settings, pressed)
     _print_results(results, as_json)
     raise SystemExit(_exit_code(results.values(), cancelled))
 
@@ -418,17 +419,20 @@ def _exit_code(entries: Iterable[Mapping[str, Any]], cancelled: bool) -> int:
 
 
 def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], None] | None,
-                    settings: Settings) -> tuple[Any, bool]:
-    """``(handle.get(timeout), False)``, after ``watch()`` draws it; on Ctrl-C, says so, cancels
-    the handle and returns ``(what it collected, True)``.
+                    settings: Settings, interrupted: threading.Event | None = None) -> tuple[Any, bool]:
+    """``(handle.get(timeout), False)``, after ``watch()`` draws it; on Ctrl-C (or ``interrupted``
+    set: one came before this wait's handler, :func:`_interrupt_held`), says so, cancels the
+    handle and returns ``(what it collected, True)``.
 
     Raises:
         FleetLost: the fleet went away meanwhile (:mod:`tasks.ops.fleet_lost`).
     """
     from .ops.fleet_lost import watching_the_fleet
 
-    with _say_on_interrupt(what), watching_the_fleet(settings, what):
+    with _say_on_interrupt(what) as interrupt, watching_the_fleet(settings, what):
         try:
+            if interrupted is not None and interrupted.is_set():  # read once this handler is in place
+                interrupt()
             if watch is not None:
                 watch()
             return handle.get(timeout=timeout), False
@@ -438,9 +442,10 @@ def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], 
 
 
 @contextlib.contextmanager
-def _say_on_interrupt(what: str) -> Iterator[None]:
-    """Ctrl-C says that ``what`` is being cancelled, then raises KeyboardInterrupt as usual."""
-    def interrupted(signum: int, frame: Any) -> None:
+def _say_on_interrupt(what: str) -> Iterator[Callable[[], None]]:
+    """Ctrl-C says that ``what`` is being cancelled, then raises KeyboardInterrupt as usual;
+    yields that reaction, for a Ctrl-C that came earlier (:func:`_interrupt_held`)."""
+    def interrupted(signum: int = signal.SIGINT, frame: Any = None) -> None:
         err_console.print(f"[bold yellow]interrupted:[/] cancelling {what}: queued jobs never start, "
                           "running ones stop at their next ctx.progress() or are ended after the workers' "
                           "grace period (Ctrl-C again to stop waiting)", highlight=False)
@@ -449,7 +454,20 @@ def _say_on_interrupt(what: str) -> Iterator[None]:
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        yield
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[threading.Event]:
+    """While jobs are being sent, a Ctrl-C is held rather than raised (it would leave what was
+    already sent running, with no handle to cancel it by): the event says one came, and the
+    wait that follows cancels the handle at once (:func:`_wait_or_cancel`)."""
+    pressed = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.set())
+    try:
+        yield pressed
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -530,15 +548,17 @@ def sweep(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, trials_f
     settings = _settings(redis_url=redis_url, user=user)
     trials = _read_trials(trials_file) if trials_file else grid(_parse_json_option(grid_text or "", "--grid"))
     app = _producer_app(settings)
-    handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
-                         max_concurrent=max_concurrent, priority=priority, group=group,
-                         pack=_parse_pack(pack_text), kwargs=_parse_kwargs(kwargs_text),
-                         constraints=_constraints(require), app=app)
-    if pack_text is not None:
-        err_console.print(f"sweep {handle.id}: {handle.packing.reason}")
-    watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
-                                 timeout=timeout)) if err_console.is_terminal else None
-    entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch, settings)
+    with _interrupt_held() as pressed:  # a Ctrl-C before the wait's own handler cancels what was sent
+        handle = start_sweep(_job_or_command(job, env_pairs, cwd), trials, devices, name=name,
+                             max_concurrent=max_concurrent, priority=priority, group=group,
+                             pack=_parse_pack(pack_text), kwargs=_parse_kwargs(kwargs_text),
+                             constraints=_constraints(require), app=app)
+        if pack_text is not None:
+            err_console.print(f"sweep {handle.id}: {handle.packing.reason}")
+        watch = (lambda: watch_sweep(handle, err_console, objective=objective, direction=direction,
+                                     timeout=timeout)) if err_console.is_terminal else None
+        entries, cancelled = _wait_or_cancel(handle, f"sweep {handle.id}", timeout, watch, settings,
+                                             pressed)
     if as_json:
         click.echo(json.dumps({"sweep": handle.id, "trials": entries}, indent=2))
     else:

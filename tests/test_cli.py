@@ -394,3 +394,30 @@ def test_an_error_written_to_a_pipe_is_one_whole_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and len(errors[0]) > 80, proc.stderr
     assert str(state_dir) in errors[0] and "devicefleet up" in errors[0], proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_while_jobs_are_sent_cancels_them_once_the_handle_exists(tmp_path):
+    """Ctrl-C that lands while `run` or `sweep` is still sending (before its wait's own handler)
+    is held, not raised: the wait then cancels what was sent and the command exits 130, where
+    before the KeyboardInterrupt escaped (click's "Aborted!", exit 1) and left the jobs running."""
+    from tasks import cli
+
+    class Sent:  # the part of a fan-out's or sweep's handle the wait uses
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+        def get(self, timeout: float) -> dict:
+            assert self.cancelled, "the wait did not cancel what was sent"
+            return {"cpu0": {"status": "cancelled"}}
+
+    settings = Settings.load(redis_url="redis://:secret@127.0.0.1:1/0", state_dir=tmp_path)
+    with cli._interrupt_held() as pressed:
+        os.kill(os.getpid(), signal.SIGINT)  # while "sending"
+        assert pressed.wait(10)
+        handle = Sent()
+        results, cancelled = cli._wait_or_cancel(handle, "the fan-out", 60, None, settings, pressed)
+    assert cancelled and handle.cancelled and results == {"cpu0": {"status": "cancelled"}}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
