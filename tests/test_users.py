@@ -34,7 +34,7 @@ from tasks.core.users import (
     read_credentials,
     write_credentials,
 )
-from tasks.ops.users import add_user, check_acl_support, list_users, remove_user
+from tasks.ops.users import add_user, check_acl_support, list_users
 from tasks.worker.cancels import CancelRelay
 
 from .conftest import cli_env, make_settings, test_env, wait_for, worker_configs
@@ -224,7 +224,15 @@ def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):
     assert added.returncode == 0, added.stderr
     assert stat.S_IMODE(os.stat(carol).st_mode) == 0o600
     assert "carol" in [info.user for info in list_users(admin)]
-    assert remove_user(admin, "carol")
+    # The users guide's three commands (docs/guides/users.md, a block marked "Needs Redis 7"), as it shows them.
+    assert "added user carol (team ml); credentials in" in added.stdout
+    listed = subprocess.run([sys.executable, "-m", "tasks", "user", "list"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0 and ["carol", "team=ml", "added"] in [line.split()[:3] for line in listed.stdout.splitlines()]
+    removed = subprocess.run([sys.executable, "-m", "tasks", "user", "remove", "carol"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert removed.returncode == 0 and removed.stdout.strip() == "removed user carol", removed.stderr
+    assert "carol" not in [info.user for info in list_users(admin)]
     user_env = cli_env(DEVICEFLEET_CREDENTIALS=str(carol))
     status = subprocess.run([sys.executable, "-m", "tasks", "status"], env=user_env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 2 and "Traceback" not in status.stderr  # refused: the exit-code rule

@@ -31,10 +31,13 @@ from kombu.utils.encoding import bytes_to_str
 from pydantic import ConfigDict, Field, ValidationError
 
 from . import keys
-from .defaults import CAP_KINDS
+from .devices import DeviceKind
 from .errors import CapError
 from .priority import USER_PATTERN
 from .records import LeaseRecord, _Record
+
+#: The device kinds a cap may name.
+CAP_KINDS = tuple(kind.value for kind in DeviceKind)
 
 USER_PREFIX = "user:"
 TEAM_PREFIX = "team:"

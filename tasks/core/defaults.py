@@ -250,8 +250,6 @@ PLACEMENT_HAND_BACKS = 120
 CAP_RETRY_S = 0.5
 #: Grants kept in the cap audit list (``keys.CAP_AUDIT``): the newest, the rest trimmed.
 CAP_AUDIT_KEEP = 10000
-#: The device kinds a cap may name.
-CAP_KINDS = ("cpu", "gpu")
 #: Days the hourly usage figures are kept (``devicefleet usage --since``; its totals are kept for ever).
 USAGE_KEEP_DAYS = 400
 
