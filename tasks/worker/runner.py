@@ -187,12 +187,12 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
     if worker.health is not None and (failed := worker.health.failed) is not None:
-        # The device failed (its shared queues are no longer consumed): a job sent to it by
-        # name ends at once, one taken from a shared queue meanwhile goes back to it.
+        # The device failed (drained: its service watch stops the consumer): a job sent to it
+        # by name ends at once, one taken from a shared queue meanwhile goes back to it.
         if sent_by_name(task.request, worker.device.name):
             return JobRun(worker, task, job).end(failed=errors.DeviceFailed(
                 f"job {task.request.id} was not run: {worker.device} failed ({failed.reason}) and was drained"))
-        if worker.health.on_failed is not None:  # a queue added since (a sweep's): stop taking it too
+        if worker.health.on_failed is not None:  # the service watch, woken should it not have read the drain yet
             worker.health.on_failed(failed)
         raise task.retry(countdown=0, max_retries=None)
     if options.group is not None:  # its leader reserves the group's devices: it waits at no gate
