@@ -43,7 +43,7 @@ from ..core import keys
 from ..core.arguments import check_arguments
 from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
-from ..core.device_state import DeviceState, out_of_service, read_states
+from ..core.device_state import DeviceState, out_of_service
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
 from ..core.group_reservation import release_unclaimed, reserve_at_send
@@ -260,7 +260,7 @@ def placed(chosen: Sequence[str], live: Mapping[str, WorkerRecord], spec: JobSpe
     constraints = spec.options.constraints
     if constraints is None:
         return list(chosen)
-    out = [device for device, state in read_states(client).items() if not state.in_service]
+    out = out_of_service(client, list(live))
     return place(chosen, live, constraints, out)
 
 
