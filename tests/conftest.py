@@ -27,6 +27,11 @@ import pytest
 # require system tools is the tests' own, not a fleet setting).
 for _key in [k for k in os.environ if k.startswith("DEVICEFLEET_") and k != "DEVICEFLEET_REQUIRE_SYSTEM_TOOLS"]:
     del os.environ[_key]
+# Nor the terminal's size: the commands the tests run write to pipes, at their natural width,
+# unless a test asks for a width. (pytest-xdist sets COLUMNS=80 and LINES=24 in its workers,
+# which would make every command the suite runs lay its output out for an 80-column terminal.)
+for _key in ("COLUMNS", "LINES"):
+    os.environ.pop(_key, None)
 
 from tasks import Fleet, Settings  # noqa: E402
 from tasks.core.devices import count_gpus  # noqa: E402

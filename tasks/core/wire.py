@@ -331,6 +331,9 @@ class Finished(_Message):
     retire: str | None = None
     #: Set for a pack member (:class:`RunPack`); its ``retire`` retires the process after the pack.
     job_id: str | None = None
+    #: Seconds the job's own run took in its process, its process's start not counted (a
+    #: black hole's "fast failure" is judged on it); None where not measured (a pack's member).
+    run_s: float | None = None
 
 
 FromWorker = Annotated[ProcessSpec | RunJob | RunPack | StopJob | Proceed, Field(discriminator="kind")]

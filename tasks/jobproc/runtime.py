@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,8 @@ class _Ending:
     error: BaseException | None = None
     retire: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    #: When the job's run began in this process (its process's start and imports not counted).
+    started: float = field(default_factory=time.monotonic)
 
     def failed(self, exc: BaseException, outcome: Outcome = Outcome.ERROR) -> None:
         # Only its type and message are kept: its traceback's frames (and any exception it was
@@ -286,6 +289,6 @@ def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
         error=ErrorInfo.of(exc) if exc is not None else None,
         error_module=type(exc).__module__ if exc is not None else None,
         metrics=ending.metrics, gpu_memory_bytes=device.reserved_bytes, rss_bytes=rss_bytes(),
-        retire=ending.retire,
+        retire=ending.retire, run_s=time.monotonic() - ending.started,
     )
 

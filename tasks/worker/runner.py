@@ -333,7 +333,7 @@ def settle(worker: DeviceWorker, task: Task, run: JobRun, ended: Ended) -> dict[
                            ended.error.message if ended.error is not None else "its device failed")
             worker.leases.release(run.job_id)
             raise task.retry(countdown=0, max_retries=None)
-        case Outcome.ERROR if blackhole.judged(worker, ended, run.options, task.request, time.time() - run.started) and \
+        case Outcome.ERROR if blackhole.judged(worker, ended, run.options, task.request, run.run_s(ended)) and \
                 blackhole.decide(worker, task.request, ended):
             # Its first fast failure on this device, from a shared queue: not stored, back to the
             # end of its queue, no attempt spent (tasks.worker.blackhole).
@@ -568,6 +568,14 @@ class JobRun:
         if self.slot is not None:
             self.worker.heartbeat.update_slot(self.slot.index, busy=BusyInfo(
                 job=self.job.name, job_id=self.job_id, since=self.started), after_s=HEARTBEAT_COALESCE_S)
+
+    def run_s(self, ended: Ended) -> float:
+        """Seconds the job ran: its own process's measure (its process's start and imports not
+        counted, which a loaded host can stretch past any threshold), else since this run began
+        (its process died first)."""
+        if ended.finished is not None and ended.finished.run_s is not None:
+            return ended.finished.run_s
+        return time.time() - self.started
 
     def job_message(self, kwargs: Any, options: JobOptions, attempt: Attempt | None = None) -> RunJob:
         self.options = options
