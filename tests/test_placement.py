@@ -24,7 +24,7 @@ from tasks.core.queues import device_queue, sweep_queue
 from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
 from tasks.core.registry import connect, live_workers
 from tasks.ops.status import render, report
-from tasks.producer.fanout import JobSpec
+from tasks.producer.fanout import JobSpec, gang_spec
 
 from .conftest import FLEET_LABELS, cli_env, wait_for
 
@@ -259,6 +259,31 @@ def test_a_worker_never_runs_a_job_its_device_does_not_match(fleet, app):
     assert type(caught.value).__name__ == "DeviceMismatch"
     shared = [spec.signature(app, "cpu").apply_async() for _ in range(6)]
     assert {result.get(timeout=40)["device"] for result in shared} == {"cpu1"}
+
+
+@pytest.mark.timeout(60)
+def test_a_gang_rank_its_device_does_not_match_fails_its_gang_at_once(fleet, app):
+    # Ranks sent past the producer's check (as if cpu0 changed since): cpu0 refuses its rank and
+    # fails the gang, so cpu1's rank ends naming it, long before its 600 s join timeout.
+    client = connect(fleet.redis_url)
+    try:
+        live = live_workers(client)
+        spec = JobSpec.of("ranked", {"steps": 1}, {"constraints": RACK_B})
+        plan = {"cpu0": spec, "cpu1": spec}
+        gang = gang_spec(plan, live, {"join_timeout_s": 600}, seq=int(client.incr(keys.GANG_SEQ)))
+        ranked = spec.model_copy(update={"options": spec.options.model_copy(update={"gang": gang})})
+        sent = {device: ranked.signature(app, device_queue(device)).apply_async() for device in plan}
+        errors = {}
+        for device, result in sent.items():
+            with pytest.raises(Exception) as caught:  # noqa: PT011 (each rank's own type, checked below)
+                result.get(timeout=40)
+            errors[device] = (type(caught.value).__name__, str(caught.value))
+        assert errors["cpu0"][0] == "DeviceMismatch"
+        assert errors["cpu1"][0] == "GangFailed", errors
+        assert 'rank 0 on cpu0 was refused: cpu0 does not meet the job\'s constraints label.rack="b"' in errors["cpu1"][1]
+        assert client.ttl(keys.gang(gang.id)) > 0
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(60)

@@ -183,6 +183,8 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     if options.constraints is not None and task.request.id is not None:
         mismatch = _mismatch(worker, task, options)
         if mismatch is not None:
+            if options.gang is not None:  # its peers end now, naming it, not after their join timeout
+                worker.modes.gang.refuse(options.gang, str(mismatch))
             return JobRun(worker, task, job).end(failed=mismatch)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
