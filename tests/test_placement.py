@@ -18,13 +18,15 @@ import tasks
 from tasks.core import keys
 from tasks.core.device_state import DeviceState, write_state
 from tasks.core.errors import ConfigError, GroupUnavailable, PlacementUnavailable
+from tasks.core.groups import GroupChoice
 from tasks.core.placement import GIB, Constraints, parse_requirements, place
 from tasks.core.queue_lists import QueueLists
 from tasks.core.queues import device_queue, sweep_queue
 from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
 from tasks.core.registry import connect, live_workers
 from tasks.ops.status import render, report
-from tasks.producer.fanout import JobSpec, gang_spec
+from tasks.producer.connections import Connections
+from tasks.producer.fanout import JobSpec, gang_spec, group_job
 
 from .conftest import FLEET_LABELS, cli_env, wait_for
 
@@ -282,6 +284,24 @@ def test_a_gang_rank_its_device_does_not_match_fails_its_gang_at_once(fleet, app
         assert errors["cpu1"][0] == "GangFailed", errors
         assert 'rank 0 on cpu0 was refused: cpu0 does not meet the job\'s constraints label.rack="b"' in errors["cpu1"][1]
         assert client.ttl(keys.gang(gang.id)) > 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_whose_member_does_not_match_never_runs_and_lets_its_devices_go(fleet, app):
+    # A group sent past the producer's check (as if cpu1 changed since): its leader, cpu0, meets
+    # rack=a; its member cpu1 does not. The leader refuses it naming cpu1 and lets the devices go.
+    client = connect(fleet.redis_url)
+    try:
+        before = _reserved(client)
+        spec = JobSpec.of("group_probe", {}, {"constraints": {"labels": {"rack": "a"}}})
+        sent = group_job(spec, GroupChoice(["cpu0", "cpu1"], "test"), Connections.of(app), app)
+        result = sent.signature(app, device_queue("cpu0")).apply_async()
+        with pytest.raises(Exception, match='cpu1: label rack is "b", not "a"; it did not run') as caught:
+            result.get(timeout=40)
+        assert type(caught.value).__name__ == "DeviceMismatch"
+        assert _reserved(client) == before
     finally:
         client.close()
 
