@@ -713,9 +713,11 @@ def device_drain(name: str, reason: str, now: bool, redis_url: str | None) -> No
     from .core.registry import reading
     from .ops.devices_admin import drain
 
-    with reading(_settings(redis_url=redis_url).resolve_redis_url()) as client:
+    settings = _settings(redis_url=redis_url)
+    url = settings.resolve_redis_url()
+    with reading(url) as client:
         try:
-            state = drain(client, name, reason, now=now)
+            state = drain(client, name, reason, now=now, replication=settings.replication(url))
         except UnknownDevice as exc:
             _fail(exc, EXIT_CONFIG)
     click.echo(f"{name} drained by {state.by}: {reason}" + (" (running jobs handed back)" if now else ""))
@@ -731,9 +733,10 @@ def device_undrain(name: str, redis_url: str | None) -> None:
     from .ops.devices_admin import undrain
 
     settings = _settings(redis_url=redis_url)
-    with reading(settings.resolve_redis_url()) as client:
+    url = settings.resolve_redis_url()
+    with reading(url) as client:
         try:
-            state = undrain(client, name, app=_producer_app(settings))
+            state = undrain(client, name, app=_producer_app(settings), replication=settings.replication(url))
         except UnknownDevice as exc:
             _fail(exc, EXIT_CONFIG)
     if not state.in_service:

@@ -379,6 +379,9 @@ def test_status_and_run_tables_fit_80_columns_and_never_truncate(fleet):
     for header in ("device", "state", "errors", "jobs/s", "samples/s", "cores"):
         assert header in status.stdout, status.stdout
     assert "cpu0: cpu0@" in status.stdout and "CUDA_VISIBLE_DEVICES=-1" in status.stdout
+    # Each device's labels (the session fleet's FLEET_LABELS), as a constraint names them.
+    words = " ".join(status.stdout.split())  # the lines wrap at 80 columns
+    assert 'labels: rack="a"' in words and 'labels: nvlink=true, rack="b"' in words
     # The session fleet allows commands (tests/conftest.py): status names the programs (wrapped).
     assert "commands: " in status.stdout and "bash" in status.stdout.split("commands: ", 1)[1]
     assert "CUDA" in run.stdout and "visible" in run.stdout and run.stdout.count(" ok ") == 2

@@ -4,23 +4,29 @@ in process, then against the session fleet, whose CPU devices carry different la
 
 from __future__ import annotations
 
+import io
+import json
 import subprocess
 import sys
 import uuid
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 import tasks
 from tasks.core import keys
 from tasks.core.device_state import DeviceState, write_state
-from tasks.core.errors import ConfigError, PlacementUnavailable
+from tasks.core.errors import ConfigError, GroupUnavailable, PlacementUnavailable
+from tasks.core.groups import GroupChoice
 from tasks.core.placement import GIB, Constraints, parse_requirements, place
 from tasks.core.queue_lists import QueueLists
 from tasks.core.queues import device_queue, sweep_queue
 from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
 from tasks.core.registry import connect, live_workers
-from tasks.producer.fanout import JobSpec
+from tasks.ops.status import render, report
+from tasks.producer.connections import Connections
+from tasks.producer.fanout import JobSpec, gang_spec, group_job
 
 from .conftest import FLEET_LABELS, cli_env, wait_for
 
@@ -178,6 +184,72 @@ def test_an_impossible_constraint_is_refused_before_anything_is_sent(fleet, app)
         client.close()
 
 
+@pytest.mark.timeout(90)
+def test_a_constrained_gang_and_group_land_only_on_matching_devices(fleet, app):
+    # A gang over the cpu devices asking for nvlink: one rank, on cpu1 only.
+    gang = tasks.fan_out("ranked", "cpu", kwargs={"steps": 1}, distributed=True,
+                         constraints={"labels": {"nvlink": True}}, app=app)
+    rank = gang.plan["cpu1"].options
+    assert list(gang.plan) == ["cpu1"] and rank.gang is not None and rank.gang.devices == ["cpu1"]
+    assert rank.constraints == Constraints(labels={"nvlink": True})
+    entry = gang.get(timeout=60)["cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert entry["output"]["env"]["WORLD_SIZE"] == "1" and entry["output"]["sum"] == 1.0
+    # A group asking what both devices are: both, in one group, with the constraints its leader checks.
+    group = tasks.fan_out("group_probe", "cpu", group=2, constraints={"kind": "cpu"}, app=app)
+    assert list(group.plan) == ["cpu0+cpu1"] and group.plan["cpu0+cpu1"].options.constraints == Constraints(kind="cpu")
+    entry = group.get(timeout=60)["cpu0+cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert entry["output"]["devices"] == ["cpu0", "cpu1"]
+
+
+def _reserved(client: Any) -> int:
+    return sum(client.zcard(keys.group_reservations(device)) for device in FLEET_LABELS)
+
+
+@pytest.mark.timeout(60)
+def test_a_gang_or_group_no_set_of_devices_meets_is_refused_naming_the_constraint(fleet, app):
+    client = connect(fleet.redis_url)
+    queues = ["fleet", "cpu", device_queue("cpu0"), device_queue("cpu1")]
+    try:
+        before, reserved = _queued(client, queues), _reserved(client)
+        with pytest.raises(PlacementUnavailable, match='label.rack="c".*cpu0: label rack is "a", not "c"'):
+            tasks.fan_out("ranked", "cpu", distributed=True, constraints={"labels": {"rack": "c"}}, app=app)
+        # A gang that names its ranks: each must match.
+        with pytest.raises(PlacementUnavailable, match='cpu0: label rack is "a", not "b"'):
+            tasks.fan_out({"cpu0": "ranked", "cpu1": "ranked"}, distributed=True, constraints=RACK_B, app=app)
+        # A group of 2 where only cpu1 is rack=b: no set of devices makes it.
+        with pytest.raises(PlacementUnavailable) as caught:
+            tasks.fan_out("group_probe", "cpu", group=2, constraints=RACK_B, app=app)
+        message = str(caught.value)
+        assert 'label.rack="b" for a group of 2 devices of one kind on one host' in message
+        assert caught.value.closest == {
+            "cpu1": f"meets them; matching cpu devices on {tasks.live_devices(app)['cpu1'].host}: 1 of the 2 "
+                    "a group needs",
+            "cpu0": 'label rack is "a", not "b"'}
+        with pytest.raises(PlacementUnavailable, match='cpu0: label rack is "a", not "b"'):
+            tasks.fan_out({"cpu0+cpu1": "group_probe"}, constraints=RACK_B, app=app)
+        with pytest.raises(PlacementUnavailable, match="for a group of 2"):
+            tasks.sweep("group_probe", [{}], "cpu", group=2, constraints=RACK_B, app=app)
+        # Without constraints, a group no host can give is still GroupUnavailable.
+        with pytest.raises(GroupUnavailable):
+            tasks.fan_out("group_probe", "cpu1", group=2, app=app)
+        assert (_queued(client, queues), _reserved(client)) == (before, reserved)
+    finally:
+        client.close()
+
+
+def test_status_shows_each_devices_labels_in_its_table_and_json(fleet):
+    rep = report(fleet.redis_url)
+    assert {device: rep["devices"][device]["labels"] for device in FLEET_LABELS} == FLEET_LABELS
+    assert json.loads(json.dumps(rep))["devices"]["cpu1"]["labels"] == {"rack": "b", "nvlink": True}
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(render(rep))
+    lines = console.export_text().splitlines()
+    assert any('labels: rack="a"' in line for line in lines if line.startswith("cpu0: "))
+    assert any('labels: nvlink=true, rack="b"' in line for line in lines if line.startswith("cpu1: "))
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_never_runs_a_job_its_device_does_not_match(fleet, app):
     # Sent past the producer's check (as if cpu0 changed since): by name, an entry says why;
@@ -189,6 +261,49 @@ def test_a_worker_never_runs_a_job_its_device_does_not_match(fleet, app):
     assert type(caught.value).__name__ == "DeviceMismatch"
     shared = [spec.signature(app, "cpu").apply_async() for _ in range(6)]
     assert {result.get(timeout=40)["device"] for result in shared} == {"cpu1"}
+
+
+@pytest.mark.timeout(60)
+def test_a_gang_rank_its_device_does_not_match_fails_its_gang_at_once(fleet, app):
+    # Ranks sent past the producer's check (as if cpu0 changed since): cpu0 refuses its rank and
+    # fails the gang, so cpu1's rank ends naming it, long before its 600 s join timeout.
+    client = connect(fleet.redis_url)
+    try:
+        live = live_workers(client)
+        spec = JobSpec.of("ranked", {"steps": 1}, {"constraints": RACK_B})
+        plan = {"cpu0": spec, "cpu1": spec}
+        gang = gang_spec(plan, live, {"join_timeout_s": 600}, seq=int(client.incr(keys.GANG_SEQ)))
+        ranked = spec.model_copy(update={"options": spec.options.model_copy(update={"gang": gang})})
+        sent = {device: ranked.signature(app, device_queue(device)).apply_async() for device in plan}
+        errors = {}
+        for device, result in sent.items():
+            with pytest.raises(Exception) as caught:  # noqa: PT011 (each rank's own type, checked below)
+                result.get(timeout=40)
+            errors[device] = (type(caught.value).__name__, str(caught.value))
+        assert errors["cpu0"][0] == "DeviceMismatch"
+        assert errors["cpu1"][0] == "GangFailed", errors
+        assert 'rank 0 on cpu0 was refused: cpu0 does not meet the job\'s constraints label.rack="b"' in errors["cpu1"][1]
+        assert client.ttl(keys.gang(gang.id)) > 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_whose_member_does_not_match_never_runs_and_lets_its_devices_go(fleet, app):
+    # A group sent past the producer's check (as if cpu1 changed since): its leader, cpu0, meets
+    # rack=a; its member cpu1 does not. The leader refuses it naming cpu1 and lets the devices go.
+    client = connect(fleet.redis_url)
+    try:
+        before = _reserved(client)
+        spec = JobSpec.of("group_probe", {}, {"constraints": {"labels": {"rack": "a"}}})
+        sent = group_job(spec, GroupChoice(["cpu0", "cpu1"], "test"), Connections.of(app), app)
+        result = sent.signature(app, device_queue("cpu0")).apply_async()
+        with pytest.raises(Exception, match='cpu1: label rack is "b", not "a"; it did not run') as caught:
+            result.get(timeout=40)
+        assert type(caught.value).__name__ == "DeviceMismatch"
+        assert _reserved(client) == before
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(60)

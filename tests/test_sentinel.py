@@ -18,18 +18,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 
 import tasks
 from tasks import fan_out
 from tasks.core.app import SENTINEL_BACKEND, SENTINEL_TRANSPORT, celery_config, redis_url_of
-from tasks.core.errors import ConfigError, FleetError
+from tasks.core.device_state import DeviceState, read_state, write_state
+from tasks.core.errors import ConfigError, DeviceUnavailable, FleetError
+from tasks.core.queues import device_queue
 from tasks.core.registry import check_sentinels, connect
 from tasks.core.sentinel import SentinelURL, first_host, redact
 from tasks.core.settings import Settings, redact_url
 from tasks.core.transport import FleetConnection, SentinelTransport
+from tasks.ops.devices_admin import drain, undrain
 from tasks.ops.fleet import Fleet
 from tasks.ops.proc import free_port
+from tasks.producer.fanout import JobSpec
 from tests.conftest import TEST_JOB_MODULES, cli_env, make_settings, read_markers, supervised_fleet, wait_for
 from tests.sentinel_cluster import SentinelCluster, sentinel_cluster
 from tests.test_cli import CLI
@@ -169,7 +174,7 @@ def _runs(marker: Path, task_ids: list[str]) -> dict[str, int]:
 @pytest.mark.timeout(180)
 def test_a_primary_killed_mid_sweep_loses_nothing_and_rejoins_as_a_replica(cluster, sfleet, sapp, tmp_path):
     with _naming_tilts(cluster):
-        _primary_killed_mid_sweep(cluster, sapp, tmp_path)
+        _primary_killed_mid_sweep(cluster, sfleet, sapp, tmp_path)
     # Every reconnect went through the fleet's transport (FleetConnection), never kombu's own
     # Sentinel transport, which loses a message popped as the primary died.
     logs = "".join((sfleet.settings.state_dir / "logs" / f"{device}.log").read_text() for device in ("cpu0", "cpu1"))
@@ -188,7 +193,20 @@ def _naming_tilts(cluster: SentinelCluster) -> Iterator[None]:
         raise
 
 
-def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: Path) -> None:
+def _primary_killed_mid_sweep(cluster: SentinelCluster, sfleet: Fleet, sapp: Celery, tmp_path: Path) -> None:
+    client = connect(cluster.url)
+    try:
+        _killed_with_cpu0_drained(cluster, sfleet, sapp, tmp_path, client)
+    finally:
+        write_state(client, DeviceState(device="cpu0"))  # in service again for the module's other tests
+        client.close()
+
+
+def _killed_with_cpu0_drained(cluster: SentinelCluster, sfleet: Fleet, sapp: Celery, tmp_path: Path,
+                              client: redis.Redis) -> None:
+    """The failover mid-sweep, with cpu0 drained just before the kill (issue 50: a device's
+    state outlives a failover): the promoted replica has the drain, cpu0's worker keeps
+    refusing its queue through the rest of the sweep, and takes its queue again once undrained."""
     pids = {d: r.pid for d, r in tasks.live_devices(sapp).items()}
     assert sorted(pids) == ["cpu0", "cpu1"]
     trials = tmp_path / "trials"
@@ -199,6 +217,8 @@ def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: 
     in_flight = fan_out("sleepy", "cpu", kwargs={"seconds": 0.5, "marker": str(fanned)}, app=sapp)
     # Mid-sweep: some trials done, most still queued.
     wait_for(lambda: len(list(trials.iterdir())) >= TRIALS // 5, 60, "a fifth of the trials to run")
+    # Drained as `devicefleet device drain` does it: the state waits for a replica to have it.
+    drain(client, "cpu0", "test: failover", by="tester", replication=sfleet.settings.replication(cluster.url))
     old_port = cluster.primary_port()
     assert old_port is not None
     old = cluster.node_on(old_port)
@@ -211,12 +231,13 @@ def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: 
     watch.start()
 
     # New work, sent right after the kill: the publish and the result follow the promotion.
+    # cpu0 is drained on the new primary too: a fan-out over the cpu devices leaves it out.
     fresh = fan_out("echo", "cpu", kwargs={"value": "after"}, app=sapp)
     sent_s = time.monotonic() - killed
     # Awaited: the producer's asyncio client and pub/sub listener find the new primary too.
     got = asyncio.run(fresh.wait(timeout=60))
     first_job_s = time.monotonic() - killed
-    assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": "after", "cpu1": "after"}
+    assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu1": "after"}
     watch.join(30)
     assert promoted, "no replica promoted"
     promoted_s = promoted[0] - killed
@@ -224,12 +245,24 @@ def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: 
     assert new_port not in (old_port, None)
     assert cluster.role(cluster.node_on(new_port)) == "master"
 
+    # The drain outlived the failover, for the producers and for cpu0's worker: a job sent to
+    # its queue by name (past the producer's check) waits there through the rest of the sweep.
+    state = read_state(client, "cpu0")
+    assert (state.state, state.reason, state.by) == ("drained", "test: failover", "tester")
+    with pytest.raises(DeviceUnavailable, match=r"cpu0 \(drained: test: failover, by tester\)"):
+        fan_out("echo", "cpu0", app=sapp)
+    held = JobSpec.of("echo", {"value": "held"}).signature(sapp, device_queue("cpu0")).apply_async()
+
     # The killed primary comes back and the sentinels make it a replica of the new one.
     old.start(cluster.binary, sentinel=False)
 
     entries = handle.get(timeout=120)
     assert len(entries) == TRIALS
     assert {e["status"] for e in entries} == {"ok"}, [e for e in entries if e["status"] != "ok"][:3]
+    assert held.state == "PENDING", "drained cpu0 took a job after the failover"
+    # Back in service, cpu0's worker consumes again: the held job and its in-flight job run there.
+    undrain(client, "cpu0", replication=sfleet.settings.replication(cluster.url))
+    assert held.get(timeout=60)["device"] == "cpu0"
     assert {d: e["status"] for d, e in in_flight.get(timeout=60).items()} == {"cpu0": "ok", "cpu1": "ok"}
     runs = _runs(trials, handle.task_ids)
     assert all(n >= 1 for n in runs.values())
@@ -247,7 +280,7 @@ def _primary_killed_mid_sweep(cluster: SentinelCluster, sapp: Celery, tmp_path: 
     wait_for(lambda: cluster.role(old) == "slave", 60, "the old primary to rejoin as a replica")
     rejoined_s = time.monotonic() - killed
     # The handles unsubscribe when collected: now, while the sentinels run, not at exit.
-    del handle, in_flight, fresh
+    del handle, in_flight, fresh, held
     gc.collect()
     print(f"\nsentinel failover: replica promoted within {promoted_s:.1f} s of the kill; fan-out sent "
           f"{sent_s:.1f} s after the kill returned {first_job_s:.1f} s after it; trials run twice: {len(twice)} of {TRIALS}; "

@@ -9,6 +9,11 @@ is sent to it by name and must end ok within :data:`~tasks.core.defaults.UNDRAIN
 otherwise its former state comes back, with the probe's error added to its reason. While the
 probe runs (well under a second on a healthy device) the device may also take a waiting job of a
 shared queue: the probe proves the device runs a job, not that the job it took will succeed.
+
+On a fleet with replicas (Sentinel) a state written here waits for them, as the fleet's other
+writes that must outlive a failover do (:class:`~tasks.core.sentinel.Replication`, given as
+``replication``): a drain the primary took just before it died is on the promoted replica, so
+the device stays drained. One no replica had in time is logged as unconfirmed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ..core.device_state import DeviceState, read_state, read_states, redis_now,
 from ..core.errors import UnknownDevice
 from ..core.priority import os_user
 from ..core.registry import live_workers
+from ..core.sentinel import Replication
 
 #: The probe's job and kwargs: a tiny compute job on the device (a 64x64 matrix product loop for
 #: 50 ms), through the fleet's whole path (queue, worker, job process, device, result).
@@ -41,18 +47,27 @@ def _check_known(client: redis.Redis, device: str) -> None:
         raise UnknownDevice(device, known, "no live worker has it and it has no stored state")
 
 
-def drain(client: redis.Redis, device: str, reason: str, *, now: bool = False, by: str | None = None) -> DeviceState:
+def _store(client: redis.Redis, state: DeviceState, replication: Replication | None) -> None:
+    """Write ``state``, then wait for ``replication``'s replicas to have it (see the module)."""
+    write_state(client, state)
+    if replication is not None:
+        replication.wait(client, f"{state.device}'s state {state.state}")
+
+
+def drain(client: redis.Redis, device: str, reason: str, *, now: bool = False, by: str | None = None,
+          replication: Replication | None = None) -> DeviceState:
     """Take ``device`` out of service: its worker finishes its running jobs (``now``: hands them
-    back to their queue, no attempt spent) and takes nothing new; fan-outs treat it as missing."""
+    back to their queue, no attempt spent) and takes nothing new; fan-outs treat it as missing.
+    ``replication``: the replicas the state waits for (the fleet's: ``Settings.replication``)."""
     _check_known(client, device)
     state = DeviceState(device=device, state="drained", reason=reason, since=redis_now(client), by=by or os_user(),
                         now=now)
-    write_state(client, state)
+    _store(client, state, replication)
     return state
 
 
 def undrain(client: redis.Redis, device: str, *, by: str | None = None, app: Any = None,
-            timeout_s: float = UNDRAIN_PROBE_TIMEOUT_S) -> DeviceState:
+            timeout_s: float = UNDRAIN_PROBE_TIMEOUT_S, replication: Replication | None = None) -> DeviceState:
     """Put ``device`` back in service; after a hardware state, only once the probe passed (see
     the module). Returns its state now (``ok``, or its former state when the probe failed).
 
@@ -64,7 +79,7 @@ def undrain(client: redis.Redis, device: str, *, by: str | None = None, app: Any
     if former.in_service:
         out = sorted(name for name, state in read_states(client).items() if not state.in_service)
         raise UnknownDevice(device, out, "it is not out of service", choices="devices out of service")
-    write_state(client, DeviceState(device=device))
+    _store(client, DeviceState(device=device), replication)
     if not former.hardware:
         return read_state(client, device)
     problem = probe(device, app, timeout_s)
@@ -72,7 +87,7 @@ def undrain(client: redis.Redis, device: str, *, by: str | None = None, app: Any
         return read_state(client, device)
     failed = former.model_copy(update={"reason": f"{former.reason}; un-drain probe by {by or os_user()} failed: "
                                                  f"{problem}", "since": redis_now(client)})
-    write_state(client, failed)
+    _store(client, failed, replication)
     return failed
 
 

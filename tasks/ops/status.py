@@ -7,6 +7,7 @@ from the fleet file; :func:`render` draws it.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -44,6 +45,8 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
     (as JSON, oldest first); ``groups`` the device groups that reserved devices, waiting or
     running, and what a waiting one waits for (:func:`tasks.core.groups.read_groups`); ``caps``
     each cap set and what it holds now (``line``: ``alice: 4/4 gpu (cap), borrowing off``).
+    Each live device's entry in ``devices`` has its ``labels`` (its worker config's, what
+    placement's ``label.NAME`` constraints match: :mod:`tasks.core.placement`).
 
     Raises:
         FleetError: Redis cannot be read.
@@ -62,7 +65,8 @@ def report(url: str, fleet_info: FleetFile | None = None) -> dict[str, Any]:
         "metrics_url": fleet_info.metrics_url if fleet_info else None,
         "at": snap["at"],
         "workers": {device: record.to_dict() for device, record in live.items()},
-        "devices": snap["devices"],
+        "devices": {device: {**figures, "labels": live[device].labels} if device in live else figures
+                    for device, figures in snap["devices"].items()},
         "queues": snap["queues"],
         "waiting": [job.model_dump(mode="json") for job in waiting],
         "waiting_by_level": by_level_and_user(waiting),
@@ -105,6 +109,12 @@ def health_text(health: dict[str, Any] | None) -> str:
     since = time.strftime("%H:%M:%S", time.localtime(float(health.get("since") or 0)))
     return (f"[red]{health['state']}[/]: {escape(str(health.get('reason') or '-'))} "
             f"({escape(str(health.get('by') or '?'))}, {since})")
+
+
+def labels_text(labels: dict[str, Any] | None) -> str:
+    """``rack="a", nvlink=true``: a device's labels as a constraint names them (values in JSON,
+    so ``"1"`` and ``1`` differ as they do in matching); ``""`` without any."""
+    return ", ".join(f"{name}={json.dumps(value)}" for name, value in sorted((labels or {}).items()))
 
 
 def _mib(value: Any) -> str:
@@ -199,8 +209,11 @@ def render(rep: dict[str, Any]) -> Group:
             commands = rec.get("commands") or {}
             allowed = (f", commands: {', '.join(commands.get('programs') or {})} in "
                        f"{', '.join(commands.get('workdirs') or [])}") if commands.get("programs") else ""
+            labels = labels_text(rec.get("labels"))
+            labelled = f", labels: {escape(labels)}" if labels else ""
             seen.append(f"{name}: {dev.get('worker') or rec.get('worker')} pid {rec.get('pid')} (job processes "
-                        f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}{allowed}")
+                        f"{jobs}), CUDA_VISIBLE_DEVICES={rec.get('cuda_visible_devices')}, sees {sees}{labelled}"
+                        f"{allowed}")
     queues = table("queues", ["queue", "waiting", "oldest"], right=("waiting", "oldest"))
     for name, q in rep["queues"].items():
         if not q["depth"] and split_level(name)[1] is not DEFAULT_LEVEL:

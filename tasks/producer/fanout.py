@@ -45,12 +45,20 @@ from ..core.commands import COMMAND_JOB, check_command, command_params
 from ..core.defaults import GANG_SEND_WAIT_S, GROUP_CLAIM_TTL_S, RESULT_EXPIRES_S
 from ..core.device_state import DeviceState, out_of_service
 from ..core.devices import DeviceKind
-from ..core.errors import ConfigError, DeviceUnavailable, FanOutError, FanOutTimeout, UnknownJob
+from ..core.errors import (
+    ConfigError,
+    DeviceUnavailable,
+    FanOutError,
+    FanOutTimeout,
+    GroupUnavailable,
+    PlacementUnavailable,
+    UnknownJob,
+)
 from ..core.group_reservation import release_unclaimed, reserve_at_send
 from ..core.groups import GROUP_SEPARATOR, GroupChoice, check_group_size, check_named_group, choose_groups, key_devices
 from ..core.job import COLLECT_TASK, task_name
 from ..core.keys import CANCEL_REQUESTS, OPTIONS_HEADER
-from ..core.placement import Constraints, place
+from ..core.placement import CLOSEST_SHOWN, Constraints, place
 from ..core.priority import Level, check_user, os_user, parse_level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
@@ -286,6 +294,40 @@ def serving_placed(client: redis.Redis, devices: str | Sequence[str], live: Mapp
     if constraints is None:
         return serving
     return place(select_devices(devices, live), live, constraints, out)
+
+
+def placed_groups(chosen: Sequence[str], live: Mapping[str, WorkerRecord], size: int, spec: JobSpec,
+                  devices: str | Sequence[str]) -> list[GroupChoice]:
+    """The device groups of ``size`` among ``chosen`` (the devices :func:`serving_placed` kept of
+    ``devices``), as :func:`~tasks.core.groups.choose_groups` makes them. When ``spec`` has
+    constraints and its matching devices make no group, the refusal names the constraints and,
+    for each device of ``devices``, what it lacks, or that too few others of its kind on its
+    host match with it: a group's constraints hold for every device of it.
+
+    Raises:
+        GroupUnavailable: no host has ``size`` devices of one kind among ``chosen`` (no constraints).
+        PlacementUnavailable: the same, with constraints (nothing was sent).
+    """
+    constraints = spec.options.constraints
+    try:
+        return choose_groups(chosen, live, size)
+    except GroupUnavailable:
+        if constraints is None:
+            raise
+    placed_set = set(chosen)
+    unmet: dict[str, list[str]] = {}
+    for device in select_devices(devices, live):
+        record = live[device]
+        if device in placed_set:
+            peers = sum(1 for d in chosen if (live[d].host, live[d].kind) == (record.host, record.kind))
+            unmet[device] = [f"meets them; matching {record.kind} devices on {record.host}: {peers} of the {size} "
+                              "a group needs"]
+        else:
+            unmet[device] = constraints.unmet(record) or ["out of service"]
+    # The devices that match first (what the group lacks is their peers), then the nearest misses.
+    closest = sorted(unmet, key=lambda d: (d not in placed_set, len(unmet[d]), d))[:CLOSEST_SHOWN]
+    raise PlacementUnavailable(f"{constraints.describe()} for a group of {size} devices of one kind on one host",
+                               {device: "; ".join(unmet[device]) for device in closest}, len(unmet)) from None
 
 
 def check_jobs(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord]) -> None:
@@ -539,7 +581,8 @@ def fan_out(
         chosen = serving_placed(client.redis, devices, live, spec)
         whys = {}
         if group is not None:
-            whys = {choice.key: choice.why for choice in choose_groups(chosen, live, check_group_size(group))}
+            whys = {choice.key: choice.why for choice in placed_groups(chosen, live, check_group_size(group), spec,
+                                                                       devices)}
             chosen = list(whys)
         plan = {key: spec for key in chosen}
     check_jobs({device: spec for key, spec in plan.items() for device in key_devices(key)}, live)

@@ -285,7 +285,7 @@ def start_study(
         raise ConfigError(f"{', '.join(clash)} both in the space and in the fixed kwargs: keep one")
     live = live_devices(client=connections)
     chosen = serving_placed(connections.redis, devices, live, base)
-    groups = trial_groups(chosen, live, group, base)
+    groups = trial_groups(chosen, live, group, base, devices)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
     # A command's placeholders are filled from the space: check them with a value for each.

@@ -342,7 +342,7 @@ def sweep(
     live = live_devices(client=connections)
     base = specs[0] if specs else constrained(JobSpec.of(job), constraints)
     chosen = serving_placed(connections.redis, devices, live, base)
-    groups = trial_groups(chosen, live, group, base)
+    groups = trial_groups(chosen, live, group, base, devices)
     if groups is not None:
         chosen = [device for choice in groups for device in choice.devices]
         max_concurrent = max_concurrent if max_concurrent is not None else len(groups)

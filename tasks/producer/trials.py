@@ -44,13 +44,13 @@ from ..core.defaults import SWEEP_ATTACH_TIMEOUT_S
 from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError
-from ..core.groups import GroupChoice, check_group_size, choose_groups
+from ..core.groups import GroupChoice, check_group_size
 from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, sweep_queue
 from ..core.records import WorkerRecord
 from .connections import Connections
-from .fanout import JobSpec, group_job, live_devices
+from .fanout import JobSpec, group_job, live_devices, placed_groups
 from .reader import RUNNING_STATES, StateReader, device_of, entry_of
 
 __all__ = ["RUNNING_STATES", "TrialQueue", "entry_of", "queue_for", "trial_groups", "trial_task_id"]
@@ -82,17 +82,19 @@ def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord
 
 
 def trial_groups(chosen: Sequence[str], live: Mapping[str, WorkerRecord], group: int | None,
-                 spec: JobSpec) -> list[GroupChoice] | None:
+                 spec: JobSpec, devices: str | Sequence[str]) -> list[GroupChoice] | None:
     """The device groups a sweep's or a study's trials run on (``group=k``), chosen as a
     fan-out's are; None without ``group``.
 
     Raises:
         ConfigError: ``group`` is not a device count, or the job falls back to the cpu.
         GroupUnavailable: no live host has ``group`` devices of one kind among ``chosen``.
+        PlacementUnavailable: the same, when the job has constraints: they are named
+            (:func:`~tasks.producer.fanout.placed_groups`).
     """
     if group is None:
         return None
-    groups = choose_groups(chosen, live, check_group_size(group))
+    groups = placed_groups(chosen, live, check_group_size(group), spec, devices)
     if spec.options.fallback is not None or spec.options.gang is not None:
         raise ConfigError(f"group={group}: a device group's job cannot be a gang's rank or fall back "
                           "to the cpu (nothing was sent)")

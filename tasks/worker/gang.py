@@ -586,6 +586,17 @@ def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, exp
         return Ended.by_worker(GangFailed, str(exc), pid=0, retired=None)
 
 
+def refuse_rank(client: redis.Redis, spec: GangSpec, device: str, why: str, expires_s: int) -> str:
+    """Fail gang ``spec`` because ``device``'s worker will not run its rank (``why``: its device
+    does not meet the job's constraints, :func:`tasks.worker.runner.execute`): its peers end at
+    once naming it, rather than wait ``join_timeout_s`` for a rank that never joins. Returns the
+    reason the gang failed for (an earlier one wins)."""
+    rdv = Rendezvous(client, spec, device, host_name(), expires_s)
+    failed = rdv.fail(f"rank {rdv.rank} on {device} was refused: {why}")
+    client.expire(rdv.key, expires_s)  # failed before any rank joined: the hash lives as a joined one does
+    return failed
+
+
 def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
               run: Callable[[RunJob, Watch], Ended], preempt_grace_s: float = PREEMPT_GRACE_S) -> Ended:
     spec = rdv.spec

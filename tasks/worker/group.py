@@ -93,6 +93,7 @@ from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_NUDGE_TTL_MS, GROUP_POLL_
 from ..core.errors import GiveWay, NoJobProcess
 from ..core.groups import group_budget, group_cores, group_environment
 from ..core.periodic import PeriodicThread
+from ..core.placement import Constraints
 from ..core.priority import DEFAULT_LEVEL, Level, level_of, precedence
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
@@ -555,6 +556,24 @@ class Reservation:
         for device in self.spec.devices:
             group_reservation.nudge(pipe, device)
         pipe.execute()
+
+
+def refused_members(client: redis.Redis, spec: GroupSpec, leader: str, constraints: Constraints) -> str:
+    """Why devices of group ``spec`` other than its ``leader`` do not meet ``constraints``
+    (``cpu1: label rack is "b", not "a"``; ``""`` when each does): the producer placed the group
+    where they held, but a member may have changed since (restarted with other labels); its
+    leader checks its own device itself (:func:`tasks.worker.runner.execute`). A member with no
+    live record is left to the group's wait, as without constraints. When some do not, the
+    devices reserved for the group at send time are let go: it will not run."""
+    whys = []
+    for device in spec.devices:
+        record = read_worker(client, device) if device != leader else None
+        why = constraints.why_not(record) if record is not None else ""
+        if why:
+            whys.append(f"{device}: {why}")
+    if whys and spec.reservation is not None:
+        group_reservation.release_unclaimed(client, spec.devices, spec.reservation)
+    return "; ".join(whys)
 
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,

@@ -31,7 +31,7 @@ import redis
 
 from ..core.defaults import PACK_AUTO_MAX, PACK_JOIN_TIMEOUT_S
 from ..core.errors import NoJobProcess
-from ..core.records import JobOptions
+from ..core.records import GangSpec, JobOptions
 from ..core.wire import RunJob, RunPack
 from . import gang, group, owners
 from .group import GroupGate
@@ -93,6 +93,13 @@ class Gang:
                              launch.watch, lambda rank, watch: self.plain.in_process(rank, watch, launch.slot),
                              token=launch.token, level=launch.options.priority,
                              preempt_grace_s=self.preempt_grace_s)
+
+    def refuse(self, spec: GangSpec, why: str) -> None:
+        """This worker will not run its rank of ``spec`` (:func:`tasks.worker.gang.refuse_rank`)."""
+        try:
+            gang.refuse_rank(self.client, spec, self.device, why, self.expires_s)
+        except redis.RedisError as exc:  # its peers end at their join timeout instead
+            logger.warning("%s: could not fail gang %s for its refused rank: %s", self.device, spec.id, exc)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from ..core.queues import device_queue, key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
-from . import accounting, blackhole, progress
+from . import accounting, blackhole, group, progress
 from .device import DeviceWorker
 from .launch import Launch
 from .lease import OutOfService, deaths_kept_s
@@ -182,7 +182,11 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
         return JobRun(worker, task, job).end(failed=exc)
     if options.constraints is not None and task.request.id is not None:
         mismatch = _mismatch(worker, task, options)
+        if mismatch is None and options.group is not None:  # the group's other devices too
+            mismatch = _group_mismatch(worker, options)
         if mismatch is not None:
+            if options.gang is not None:  # its peers end now, naming it, not after their join timeout
+                worker.modes.gang.refuse(options.gang, str(mismatch))
             return JobRun(worker, task, job).end(failed=mismatch)
     if task.request.id is None:  # called in process, not from a message: nothing to lease
         return _execute(worker, task, job, kwargs, options)
@@ -234,6 +238,17 @@ def _mismatch(worker: DeviceWorker, task: Task, options: JobOptions) -> DeviceMi
     after = f" (handed back {handed_back} times: no matching device took it)" if handed_back else ""
     return DeviceMismatch(f"{worker.device.name} does not meet the job's constraints "
                           f"{options.constraints.describe()}: {why}; it did not run{after}")
+
+
+def _group_mismatch(worker: DeviceWorker, options: JobOptions) -> DeviceMismatch | None:
+    """None when each device of the job's group meets its constraints
+    (:func:`tasks.worker.group.refused_members`, which lets the group's devices go when not)."""
+    assert options.group is not None and options.constraints is not None
+    why = group.refused_members(worker.client, options.group, worker.device.name, options.constraints)
+    if not why:
+        return None
+    return DeviceMismatch(f"group {options.group.name}: not every device meets the job's constraints "
+                          f"{options.constraints.describe()}: {why}; it did not run")
 
 
 def _leased(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any, options: JobOptions) -> dict[str, Any]:
