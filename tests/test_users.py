@@ -252,3 +252,92 @@ def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(
     assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
     assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
     alice_client.close()
+
+
+# -- sweeps and studies under a user's credentials ---------------------------------------------
+
+
+def test_a_users_sweep_and_study_ids_are_hers_alone():
+    from tasks.core.users import owned_id, owner_suffix
+    from tasks.producer.trials import trial_task_id
+
+    assert owned_id("lr", None) == "lr" and owned_id("lr", "alice") == "lr.u-616c696365"
+    assert trial_task_id("lr", 0, "alice").endswith("~alice") and trial_task_id("lr", 0) == trial_task_id("lr", 0)
+    # No user's mark ends another's: user names may hold '.', '-' and '@'.
+    names = ["bob", "ob", "a.bob", "a-bob", "x@bob", "b"]
+    for one in names:
+        for other in names:
+            assert one == other or not owned_id("s", one).endswith(owner_suffix(other))
+
+
+def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
+    fleet, admin, files = acl_fleet
+    from tasks.core.users import owned_id, relay_request
+
+    alice, bob = read_credentials(files["alice"]), read_credentials(files["bob"])
+    keys = UserKeys()
+    hers = f"sweep.{owned_id('lr', 'alice')}"
+    assert keys.check_cancel(admin, relay_request(alice, "attach", hers, workers=("w",))) is None
+    assert keys.check_cancel(admin, relay_request(alice, "detach", f"{hers}:batch", workers=("w",))) is None
+    for request in (relay_request(bob, "attach", hers, workers=("w",)), relay_request(alice, "attach", "sweep.lr"),
+                    relay_request(alice, "attach", "cpu", workers=("w",))):
+        assert "is not the queue of a sweep or study of" in (keys.check_cancel(admin, request) or "")
+    tampered = relay_request(alice, "attach", hers, workers=("w",)).model_copy(update={"workers": ("w", "v")})
+    assert "not signed" in (keys.check_cancel(admin, tampered) or "")
+
+
+def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_path):
+    import tasks
+
+    fleet, admin, files = acl_fleet
+    alice = _app_of(files, "alice", tmp_path)
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    trials = [{"value": i} for i in range(3)]
+    # The whole fleet's queue, then a placed sweep: a queue of its own, attached through the relay.
+    for constraints in (None, {"kind": "cpu"}):
+        handle = tasks.sweep("echo", trials, ["cpu0"], name="mine", constraints=constraints, app=alice)
+        entries = handle.get(timeout=90)
+        assert [(e["status"], e["output"]["value"]) for e in entries] == [("ok", 0), ("ok", 1), ("ok", 2)]
+        assert handle.id.startswith("mine.u-") and all(t.endswith("~alice") for t in handle.task_ids)
+        for key in (f"celery-task-meta-{handle.task_ids[0]}", f"devicefleet:sweep:{handle.id}"):
+            assert admin.exists(key)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                bob_client.get(key)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # nor resume (write) her sweep
+            bob_client.sadd(f"devicefleet:sweep:{handle.id}:sent", 9)
+        admin.delete(f"devicefleet:sweep:{handle.id}", f"devicefleet:sweep:{handle.id}:sent")
+    # Cancelled behind the admin's job: no purge, the relay revokes and stores each trial's end.
+    release = tmp_path / "release"
+    blocker = fan_out(("hold", {"release_file": str(release), "steps": 1}), ["cpu0"], app=fleet.app())
+    wait_for(lambda: blocker.states()["cpu0"] in ("STARTED", "PROGRESS"), 60, "the device to be busy")
+    handle = tasks.sweep("echo", trials, ["cpu0"], constraints={"kind": "cpu"}, max_concurrent=2, app=alice)
+    # bob's request to cancel her trial is dropped by the relay (checked in one tick, as it runs).
+    relay = CancelRelay(admin, fleet.app(), 1.0)
+    assert relay.relay([cancel_request(read_credentials(files["bob"]), handle.task_ids[0], store=True).to_json()]) == []
+    handle.cancel()
+    release.touch()
+    assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert [e["status"] for e in handle.get(timeout=60)] == ["cancelled"] * 3
+    assert admin.llen(f"sweep.{handle.id}~alice") == 0
+    bob_client.close()
+
+
+def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
+    import tasks
+    from tasks.producer.optimize import journal_storage
+
+    optuna = pytest.importorskip("optuna")
+    fleet, admin, files = acl_fleet
+    alice, bob = _app_of(files, "alice", tmp_path), _app_of(files, "bob", tmp_path)
+    study = tasks.optimize("counted", {"score": [0.25, 0.5]}, 2, "score", kwargs={"marker": str(tmp_path)},
+                           name="hers", app=alice)
+    assert len(study.trials) == 2 and study.best_value in (0.25, 0.5)
+    assert all(trial.user_attrs["task_id"].endswith("~alice") for trial in study.trials)
+    assert optuna.load_study(study_name="hers", storage=journal_storage(alice)).best_value == study.best_value
+    assert admin.exists("devicefleet:optuna.u-616c696365:log_number")
+    with pytest.raises(KeyError):  # bob's journal is his own: hers is not in it
+        optuna.load_study(study_name="hers", storage=journal_storage(bob))
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        bob_client.get("devicefleet:optuna.u-616c696365:log_number")
+    bob_client.close()
