@@ -74,6 +74,29 @@ def test_a_job_that_names_a_user_runs_only_with_that_users_signature():
     assert client.reads <= 3  # read once, then again only for a signed job of a user it did not know
 
 
+def test_a_job_refused_for_the_user_it_names_is_counted_to_no_user(tmp_path):
+    from types import SimpleNamespace
+
+    from celery.app.task import Context
+
+    from tasks.core.keys import OPTIONS_HEADER, SIGNATURE_HEADER
+    from tasks.worker.accounting import job_end
+
+    worker = SimpleNamespace(leases=SimpleNamespace(finishing=lambda task_id: None), device=SimpleNamespace(name="cpu0"),
+                             nodename="cpu0@here", user_keys=UserKeys(), client=_Keys({"alice": KEY_A}))
+    app = create_app(make_settings(tmp_path, redis_url="redis://127.0.0.1:9/0"))  # never connected to
+
+    def counted_to(signature: str | None) -> str | None:
+        headers = {OPTIONS_HEADER: {"user": "alice"}, SIGNATURE_HEADER: signature}
+        end = job_end(worker, app, Context(id="t1", headers=headers), ok=False, started=1.0, finished=1.0)
+        assert end.count is not None
+        return end.count.share.get("user")
+
+    assert counted_to(job_signature(KEY_A, "t1", "alice")) == "alice"
+    assert counted_to(None) is None and counted_to(job_signature(KEY_B, "t1", "alice")) is None  # UserNotVerified's
+    app.close()
+
+
 def test_credentials_files_are_the_owners_only_and_a_bad_one_names_its_path(tmp_path):
     path = tmp_path / "conf" / "credentials.json"
     credentials = Credentials(user="alice", redis_url="redis://alice:pw@127.0.0.1:1/0", signing_key=KEY_A)
@@ -173,8 +196,10 @@ def test_bob_cannot_send_as_alice_and_nothing_he_sent_is_queued(acl_fleet, tmp_p
     assert _queued(admin) == before
     # A message that names alice without her signature (the admin's, here) is refused at the worker.
     admin_app = fleet.app()
+    usage = admin.hget("devicefleet:usage", "alice"), admin.hgetall("devicefleet:user-seconds")
     entry = fan_out("noop", ["cpu0"], app=admin_app, user="alice").get(timeout=60)["cpu0"]
     assert entry["status"] == "error" and entry["error"]["type"] == "UserNotVerified"
+    assert (admin.hget("devicefleet:usage", "alice"), admin.hgetall("devicefleet:user-seconds")) == usage  # not hers
     assert "was not sent with alice's credentials" in entry["error"]["message"]
 
 
@@ -341,3 +366,21 @@ def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
     with pytest.raises(redis.exceptions.NoPermissionError):
         bob_client.get("devicefleet:optuna.u-616c696365:log_number")
     bob_client.close()
+
+
+def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, tmp_path):
+    import json
+
+    fleet, admin, files = acl_fleet
+    env = cli_env(DEVICEFLEET_CREDENTIALS=str(files["alice"]))
+    swept = subprocess.run([sys.executable, "-m", "tasks", "sweep", "echo", "--grid", '{"value": [1, 2]}',
+                            "--devices", "cpu0", "--require", "kind=cpu", "--json"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+    out = json.loads(swept.stdout)
+    assert ".u-" in out["sweep"] and [t["output"]["value"] for t in out["trials"]] == [1, 2]
+    tuned = subprocess.run([sys.executable, "-m", "tasks", "optimize", "counted", "--space", '{"score": [0.5]}',
+                            "--trials", "1", "--objective", "score", "--kwargs", json.dumps({"marker": str(tmp_path)}),
+                            "--name", "cli-study", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert tuned.returncode == 0, tuned.stderr
+    assert json.loads(tuned.stdout)["best"]["value"] == 0.5
