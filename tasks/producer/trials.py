@@ -44,7 +44,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery
 
@@ -206,10 +206,10 @@ class TrialQueue:
         except Exception as exc:  # noqa: BLE001
             logger.debug("%s: cancel_consumer failed: %s", self.queue, exc)
 
-    def _relay(self, action: str, nodenames: list[str]) -> None:
+    def _relay(self, action: Literal["attach", "detach"], nodenames: list[str]) -> None:
         """Ask the workers' relay to do ``action`` (attach, detach) on the queue for ``nodenames``."""
         assert self.credentials is not None
-        request = relay_request(self.credentials, action, self.list, workers=tuple(nodenames))  # type: ignore[arg-type]
+        request = relay_request(self.credentials, action, self.list, workers=tuple(nodenames))
         self.connections.redis.lpush(CANCEL_REQUESTS, request.to_json())
 
     # -- sending -----------------------------------------------------------------------------
