@@ -347,6 +347,20 @@ def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_pa
     bob_client.close()
 
 
+def test_alices_packed_sweep_trains_her_trials_in_one_pack(acl_fleet, tmp_path):
+    import tasks
+
+    pytest.importorskip("torch")
+    fleet, admin, files = acl_fleet
+    alice = _app_of(files, "alice", tmp_path)
+    # Its own queue (attached through the relay); the leader takes its siblings from her list.
+    handle = tasks.sweep("packed", [{"seed": i, "epochs": 1} for i in range(3)], ["cpu0"], pack=3, app=alice)
+    entries = handle.get(timeout=120)
+    assert [e["status"] for e in entries] == ["ok"] * 3, [e["error"] for e in entries]
+    assert all(t.endswith("~alice") for t in handle.task_ids)
+    assert {e["output"]["packed"]["members"] for e in entries} == {3}
+
+
 def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
     import tasks
     from tasks.producer.optimize import journal_storage
