@@ -305,7 +305,8 @@ def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
     assert keys.check_cancel(admin, relay_request(alice, "attach", hers, workers=("w",))) is None
     assert keys.check_cancel(admin, relay_request(alice, "detach", f"{hers}:batch", workers=("w",))) is None
     for request in (relay_request(bob, "attach", hers, workers=("w",)), relay_request(alice, "attach", "sweep.lr"),
-                    relay_request(alice, "attach", "cpu", workers=("w",))):
+                    relay_request(alice, "attach", "cpu", workers=("w",)),
+                    relay_request(bob, "attach", f"sweep.{owned_id('lr', 'bob')}~alice", workers=("w",))):
         assert "is not the queue of a sweep or study of" in (keys.check_cancel(admin, request) or "")
     tampered = relay_request(alice, "attach", hers, workers=("w",)).model_copy(update={"workers": ("w", "v")})
     assert "not signed" in (keys.check_cancel(admin, tampered) or "")

@@ -285,8 +285,9 @@ class UserKeys:
             if not request.task_id.endswith(f"{USER_SEPARATOR}{request.user}"):
                 return f"job {request.task_id} is not {request.user}'s"
             return None
-        queue = split_level(request.task_id)[0]
-        if not (queue.startswith(SWEEP_QUEUE_PREFIX) and queue.endswith(owner_suffix(request.user))):
+        queue = split_level(request.task_id)[0]  # a level's list of the queue, never a user's list of it
+        if USER_SEPARATOR in request.task_id or not (
+                queue.startswith(SWEEP_QUEUE_PREFIX) and queue.endswith(owner_suffix(request.user))):
             return f"queue {request.task_id} is not the queue of a sweep or study of {request.user}'s"
         return None
 
