@@ -331,6 +331,9 @@ def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_pa
                 bob_client.get(key)
         with pytest.raises(redis.exceptions.NoPermissionError):  # nor resume (write) her sweep
             bob_client.sadd(f"devicefleet:sweep:{handle.id}:sent", 9)
+        # The same call resumes her sweep: its record and sent set are hers to read.
+        again = tasks.sweep("echo", trials, ["cpu0"], name="mine", constraints=constraints, app=alice)
+        assert again.task_ids == handle.task_ids and again.get(timeout=30) == entries
         admin.delete(f"devicefleet:sweep:{handle.id}", f"devicefleet:sweep:{handle.id}:sent")
     # Cancelled behind the admin's job: no purge, the relay revokes and stores each trial's end.
     release = tmp_path / "release"
