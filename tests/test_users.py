@@ -384,6 +384,11 @@ def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
     with pytest.raises(redis.exceptions.NoPermissionError):
         bob_client.get("devicefleet:optuna.u-616c696365:log_number")
     bob_client.close()
+    # Pruning revokes her trial through the relay: it stops at a ctx.progress() call, pruned.
+    pruned = tasks.optimize("counted", {"score": [0.1]}, 1, "score", name="pruned", app=alice,
+                            kwargs={"marker": str(tmp_path), "seconds": 3.0, "steps": 10},
+                            pruner=optuna.pruners.ThresholdPruner(lower=0.5, n_warmup_steps=2)).trials[0]
+    assert pruned.state == optuna.trial.TrialState.PRUNED and max(pruned.intermediate_values) < 10
 
 
 def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, tmp_path):
