@@ -74,6 +74,29 @@ def test_a_job_that_names_a_user_runs_only_with_that_users_signature():
     assert client.reads <= 3  # read once, then again only for a signed job of a user it did not know
 
 
+def test_a_job_refused_for_the_user_it_names_is_counted_to_no_user(tmp_path):
+    from types import SimpleNamespace
+
+    from celery.app.task import Context
+
+    from tasks.core.keys import OPTIONS_HEADER, SIGNATURE_HEADER
+    from tasks.worker.accounting import job_end
+
+    worker = SimpleNamespace(leases=SimpleNamespace(finishing=lambda task_id: None), device=SimpleNamespace(name="cpu0"),
+                             nodename="cpu0@here", user_keys=UserKeys(), client=_Keys({"alice": KEY_A}))
+    app = create_app(make_settings(tmp_path, redis_url="redis://127.0.0.1:9/0"))  # never connected to
+
+    def counted_to(signature: str | None) -> str | None:
+        headers = {OPTIONS_HEADER: {"user": "alice"}, SIGNATURE_HEADER: signature}
+        end = job_end(worker, app, Context(id="t1", headers=headers), ok=False, started=1.0, finished=1.0)
+        assert end.count is not None
+        return end.count.share.get("user")
+
+    assert counted_to(job_signature(KEY_A, "t1", "alice")) == "alice"
+    assert counted_to(None) is None and counted_to(job_signature(KEY_B, "t1", "alice")) is None  # UserNotVerified's
+    app.close()
+
+
 def test_credentials_files_are_the_owners_only_and_a_bad_one_names_its_path(tmp_path):
     path = tmp_path / "conf" / "credentials.json"
     credentials = Credentials(user="alice", redis_url="redis://alice:pw@127.0.0.1:1/0", signing_key=KEY_A)
@@ -173,8 +196,10 @@ def test_bob_cannot_send_as_alice_and_nothing_he_sent_is_queued(acl_fleet, tmp_p
     assert _queued(admin) == before
     # A message that names alice without her signature (the admin's, here) is refused at the worker.
     admin_app = fleet.app()
+    usage = admin.hget("devicefleet:usage", "alice"), admin.hgetall("devicefleet:user-seconds")
     entry = fan_out("noop", ["cpu0"], app=admin_app, user="alice").get(timeout=60)["cpu0"]
     assert entry["status"] == "error" and entry["error"]["type"] == "UserNotVerified"
+    assert (admin.hget("devicefleet:usage", "alice"), admin.hgetall("devicefleet:user-seconds")) == usage  # not hers
     assert "was not sent with alice's credentials" in entry["error"]["message"]
 
 
@@ -252,3 +277,133 @@ def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(
     assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
     assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
     alice_client.close()
+
+
+# -- sweeps and studies under a user's credentials ---------------------------------------------
+
+
+def test_a_users_sweep_and_study_ids_are_hers_alone():
+    from tasks.core.users import owned_id, owner_suffix
+    from tasks.producer.trials import trial_task_id
+
+    assert owned_id("lr", None) == "lr" and owned_id("lr", "alice") == "lr.u-616c696365"
+    assert trial_task_id("lr", 0, "alice").endswith("~alice") and trial_task_id("lr", 0) == trial_task_id("lr", 0)
+    # No user's mark ends another's: user names may hold '.', '-' and '@'.
+    names = ["bob", "ob", "a.bob", "a-bob", "x@bob", "b"]
+    for one in names:
+        for other in names:
+            assert one == other or not owned_id("s", one).endswith(owner_suffix(other))
+
+
+def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
+    fleet, admin, files = acl_fleet
+    from tasks.core.users import owned_id, relay_request
+
+    alice, bob = read_credentials(files["alice"]), read_credentials(files["bob"])
+    keys = UserKeys()
+    hers = f"sweep.{owned_id('lr', 'alice')}"
+    assert keys.check_cancel(admin, relay_request(alice, "attach", hers, workers=("w",))) is None
+    assert keys.check_cancel(admin, relay_request(alice, "detach", f"{hers}:batch", workers=("w",))) is None
+    for request in (relay_request(bob, "attach", hers, workers=("w",)), relay_request(alice, "attach", "sweep.lr"),
+                    relay_request(alice, "attach", "cpu", workers=("w",)),
+                    relay_request(bob, "attach", f"sweep.{owned_id('lr', 'bob')}~alice", workers=("w",))):
+        assert "is not the queue of a sweep or study of" in (keys.check_cancel(admin, request) or "")
+    tampered = relay_request(alice, "attach", hers, workers=("w",)).model_copy(update={"workers": ("w", "v")})
+    assert "not signed" in (keys.check_cancel(admin, tampered) or "")
+
+
+def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_path):
+    import tasks
+
+    fleet, admin, files = acl_fleet
+    alice = _app_of(files, "alice", tmp_path)
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    trials = [{"value": i} for i in range(3)]
+    # The whole fleet's queue, then a placed sweep: a queue of its own, attached through the relay.
+    for constraints in (None, {"kind": "cpu"}):
+        handle = tasks.sweep("echo", trials, ["cpu0"], name="mine", constraints=constraints, app=alice)
+        entries = handle.get(timeout=90)
+        assert [(e["status"], e["output"]["value"]) for e in entries] == [("ok", 0), ("ok", 1), ("ok", 2)]
+        assert handle.id.startswith("mine.u-") and all(t.endswith("~alice") for t in handle.task_ids)
+        for key in (f"celery-task-meta-{handle.task_ids[0]}", f"devicefleet:sweep:{handle.id}"):
+            assert admin.exists(key)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                bob_client.get(key)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # nor resume (write) her sweep
+            bob_client.sadd(f"devicefleet:sweep:{handle.id}:sent", 9)
+        # The same call resumes her sweep: its record and sent set are hers to read.
+        again = tasks.sweep("echo", trials, ["cpu0"], name="mine", constraints=constraints, app=alice)
+        assert again.task_ids == handle.task_ids and again.get(timeout=30) == entries
+        admin.delete(f"devicefleet:sweep:{handle.id}", f"devicefleet:sweep:{handle.id}:sent")
+    # Cancelled behind the admin's job: no purge, the relay revokes and stores each trial's end.
+    release = tmp_path / "release"
+    blocker = fan_out(("hold", {"release_file": str(release), "steps": 1}), ["cpu0"], app=fleet.app())
+    wait_for(lambda: blocker.states()["cpu0"] in ("STARTED", "PROGRESS"), 60, "the device to be busy")
+    handle = tasks.sweep("echo", trials, ["cpu0"], constraints={"kind": "cpu"}, max_concurrent=2, app=alice)
+    # bob's request to cancel her trial is dropped by the relay (checked in one tick, as it runs).
+    relay = CancelRelay(admin, fleet.app(), 1.0)
+    assert relay.relay([cancel_request(read_credentials(files["bob"]), handle.task_ids[0], store=True).to_json()]) == []
+    handle.cancel()
+    release.touch()
+    assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
+    assert [e["status"] for e in handle.get(timeout=60)] == ["cancelled"] * 3
+    assert admin.llen(f"sweep.{handle.id}~alice") == 0
+    bob_client.close()
+
+
+def test_alices_packed_sweep_trains_her_trials_in_one_pack(acl_fleet, tmp_path):
+    import tasks
+
+    pytest.importorskip("torch")
+    fleet, admin, files = acl_fleet
+    alice = _app_of(files, "alice", tmp_path)
+    # Its own queue (attached through the relay); the leader takes its siblings from her list.
+    handle = tasks.sweep("packed", [{"seed": i, "epochs": 1} for i in range(3)], ["cpu0"], pack=3, app=alice)
+    entries = handle.get(timeout=120)
+    assert [e["status"] for e in entries] == ["ok"] * 3, [e["error"] for e in entries]
+    assert all(t.endswith("~alice") for t in handle.task_ids)
+    assert {e["output"]["packed"]["members"] for e in entries} == {3}
+
+
+def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
+    import tasks
+    from tasks.producer.optimize import journal_storage
+
+    optuna = pytest.importorskip("optuna")
+    fleet, admin, files = acl_fleet
+    alice, bob = _app_of(files, "alice", tmp_path), _app_of(files, "bob", tmp_path)
+    study = tasks.optimize("counted", {"score": [0.25, 0.5]}, 2, "score", kwargs={"marker": str(tmp_path)},
+                           name="hers", app=alice)
+    assert len(study.trials) == 2 and study.best_value in (0.25, 0.5)
+    assert all(trial.user_attrs["task_id"].endswith("~alice") for trial in study.trials)
+    assert optuna.load_study(study_name="hers", storage=journal_storage(alice)).best_value == study.best_value
+    assert admin.exists("devicefleet:optuna.u-616c696365:log_number")
+    with pytest.raises(KeyError):  # bob's journal is his own: hers is not in it
+        optuna.load_study(study_name="hers", storage=journal_storage(bob))
+    bob_client = connect(read_credentials(files["bob"]).redis_url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        bob_client.get("devicefleet:optuna.u-616c696365:log_number")
+    bob_client.close()
+    # Pruning revokes her trial through the relay: it stops at a ctx.progress() call, pruned.
+    pruned = tasks.optimize("counted", {"score": [0.1]}, 1, "score", name="pruned", app=alice,
+                            kwargs={"marker": str(tmp_path), "seconds": 3.0, "steps": 10},
+                            pruner=optuna.pruners.ThresholdPruner(lower=0.5, n_warmup_steps=2)).trials[0]
+    assert pruned.state == optuna.trial.TrialState.PRUNED and max(pruned.intermediate_values) < 10
+
+
+def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, tmp_path):
+    import json
+
+    fleet, admin, files = acl_fleet
+    env = cli_env(DEVICEFLEET_CREDENTIALS=str(files["alice"]))
+    swept = subprocess.run([sys.executable, "-m", "tasks", "sweep", "echo", "--grid", '{"value": [1, 2]}',
+                            "--devices", "cpu0", "--require", "kind=cpu", "--json"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+    out = json.loads(swept.stdout)
+    assert ".u-" in out["sweep"] and [t["output"]["value"] for t in out["trials"]] == [1, 2]
+    tuned = subprocess.run([sys.executable, "-m", "tasks", "optimize", "counted", "--space", '{"score": [0.5]}',
+                            "--trials", "1", "--objective", "score", "--kwargs", json.dumps({"marker": str(tmp_path)}),
+                            "--name", "cli-study", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert tuned.returncode == 0, tuned.stderr
+    assert json.loads(tuned.stdout)["best"]["value"] == 0.5

@@ -41,15 +41,15 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
 from .defaults import USER_KEYS_REFRESH_S
 from .errors import CredentialsError
-from .keys import CANCEL_REQUESTS, FLEET_USERS, PREFIX
+from .keys import CANCEL_REQUESTS, FLEET_USERS, OPTUNA_PREFIX, PREFIX
 from .priority import USER_PATTERN
-from .queue_lists import USER_SEPARATOR
+from .queue_lists import USER_SEPARATOR, split_level
 from .queues import DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX, QueueName
 from .records import _Record
 
@@ -128,6 +128,32 @@ def owned_task_id(user: str) -> str:
     return f"{uuid.uuid4()}{USER_SEPARATOR}{user}"
 
 
+#: Between a sweep's or a study's name and its user's mark (:func:`owned_id`).
+OWNER_MARK = ".u-"
+
+
+def owner_suffix(user: str) -> str:
+    """What ends the id of every sweep and study of ``user`` (:func:`owned_id`): ``.u-<hex of
+    the name>``. Hex, because a user name may hold ``.``, ``-`` or ``@`` and the ``~`` of a task id
+    would read as a queue's user list in a queue name: no suffix of one user's is another's, so
+    the ACL patterns that end in it (:func:`acl_rules`) and the relay's check of an attach
+    (:meth:`UserKeys.check_cancel`) match that user's only."""
+    return f"{OWNER_MARK}{user.encode().hex()}"
+
+
+def owned_id(name: str, user: str | None) -> str:
+    """The id of ``user``'s sweep or study ``name`` (its record's keys, its own queue, its trial
+    ids, its Optuna journal): ``name`` and :func:`owner_suffix`; ``name`` itself for the admin
+    (``user`` None). Users' sweeps of one name are each their own."""
+    return name if user is None else f"{name}{owner_suffix(user)}"
+
+
+def optuna_prefix(user: str | None) -> str:
+    """The key prefix of the Optuna journal a producer keeps its studies in: the fleet's
+    (:data:`~tasks.core.keys.OPTUNA_PREFIX`), or, sent with ``user``'s credentials, that user's own."""
+    return OPTUNA_PREFIX if user is None else f"{OPTUNA_PREFIX}{owner_suffix(user)}"
+
+
 def job_signature(signing_key: str, task_id: str, user: str) -> str:
     """The signature of ``user``'s job ``task_id`` (:data:`~tasks.core.keys.SIGNATURE_HEADER`)."""
     return hmac.new(signing_key.encode(), f"{task_id} {user}".encode(), hashlib.sha256).hexdigest()
@@ -164,24 +190,27 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
 
     Root: the read commands over the fleet's status keys and her own results, progress and logs,
     read-only (``%R~``); her own queue lists (``cpu:batch~alice``), to push to; the chord state of
-    her fan-outs (``celery-taskset-meta-*``: Celery names it by a group id it makes itself) and
-    kombu's binding sets, which every publish declares. Selectors: a script call (``EVALSHA``)
+    her fan-outs (``celery-taskset-meta-*``: Celery names it by a group id it makes itself),
+    kombu's binding sets, which every publish declares, and her sweeps' records and Optuna journal
+    (keys that end in :func:`owner_suffix`). Selectors: a script call (``EVALSHA``)
     over any key, as every command a script runs is checked against these same rules (Redis 7),
     so a script can do no more than its caller (the publish script, the producer's read of the
     registry); and the publish script's ``HSETNX`` of her name in the users hash, the only write
     she may make to a fleet key. Channels: her results'.
     """
-    sep = USER_SEPARATOR
+    sep, mark = USER_SEPARATOR, owner_suffix(user)
     own_lists = [f"~{prefix}*{sep}{user}" for prefix in _QUEUE_PREFIXES]
+    # Her sweeps' records and sent sets, and her Optuna journal (tasks.producer.sweep, .optimize).
+    own_trials = [f"~{PREFIX}sweep:*{mark}", f"~{PREFIX}sweep:*{mark}:sent", f"~{optuna_prefix(user)}:*"]
     secret = f">{password}" if password is not None else f"#{hashed}"
     rules = ["reset", "on", secret, "resetchannels", "-@all",
              *(f"+{c}" for c in (*_CONNECTION_COMMANDS, *_READ_COMMANDS)), "+lpush", "+set", "+del",
-             "+expire", "+pexpire", "+sadd",
+             "+expire", "+pexpire", "+sadd", "+setnx", "+incr",
              *(f"%R~{PREFIX}{key}" for key in _STATUS_KEYS),
              f"%R~celery-task-meta-*{sep}{user}", f"%R~{PREFIX}progress:*{sep}{user}",
              f"%R~{PREFIX}log:*{sep}{user}", f"%R~{PREFIX}lease:*{sep}{user}",
              *(f"%R~{prefix}*" for prefix in _QUEUE_PREFIXES),
-             *own_lists, "~celery-taskset-meta-*", "~_kombu.binding*",
+             *own_lists, *own_trials, "~celery-taskset-meta-*", "~_kombu.binding*",
              f"&celery-task-meta-*{sep}{user}",
              "(+evalsha +eval +evalsha_ro +eval_ro ~*)", f"(+lpush ~{CANCEL_REQUESTS})",
              f"(+hsetnx ~{PREFIX}users)"]
@@ -240,18 +269,26 @@ class UserKeys:
         return bool(self._keys)
 
     def check_cancel(self, client: Any, request: CancelRequest) -> str | None:
-        """Why ``request`` may not cancel its job (``None``: it may): it must be signed by its user,
-        and name a job of theirs (a task id that ends in ``~<user>``: :func:`owned_task_id`)."""
+        """Why ``request`` may not be relayed (``None``: it may): it must be signed by its user,
+        and name a job of theirs (a task id that ends in ``~<user>``: :func:`owned_task_id`), or,
+        to attach or detach workers, the own queue of a sweep or study of theirs (a ``sweep.``
+        list whose id ends in :func:`owner_suffix`)."""
         self._fresh(client)
         if request.user not in self._keys:
             self._read(client)
         key = self._keys.get(request.user)
         if key is None:
             return f"user {request.user!r} is not a user of the fleet"
-        if not hmac.compare_digest(request.signature, cancel_signature(key, request.task_id, request.user)):
+        if not hmac.compare_digest(request.signature, relay_signature(key, request)):
             return f"the request is not signed with {request.user}'s key"
-        if not request.task_id.endswith(f"{USER_SEPARATOR}{request.user}"):
-            return f"job {request.task_id} is not {request.user}'s"
+        if request.action == "cancel":
+            if not request.task_id.endswith(f"{USER_SEPARATOR}{request.user}"):
+                return f"job {request.task_id} is not {request.user}'s"
+            return None
+        queue = split_level(request.task_id)[0]  # a level's list of the queue, never a user's list of it
+        if USER_SEPARATOR in request.task_id or not (
+                queue.startswith(SWEEP_QUEUE_PREFIX) and queue.endswith(owner_suffix(request.user))):
+            return f"queue {request.task_id} is not the queue of a sweep or study of {request.user}'s"
         return None
 
     def check(self, client: Any, task_id: str, user: str | None, signature: Any) -> str | None:
@@ -281,11 +318,30 @@ class UserKeys:
 
 
 class CancelRequest(_Record):
-    """A user's request to cancel their job (:data:`~tasks.core.keys.CANCEL_REQUESTS`)."""
+    """A user's request that a worker's relay acts for them with the fleet's credentials
+    (:data:`~tasks.core.keys.CANCEL_REQUESTS`, :mod:`tasks.worker.cancels`): ``cancel`` their job
+    ``task_id`` (Celery's revoke; with ``store``, its ``REVOKED`` result stored too unless it runs:
+    a sweep's trial that may never be taken), or ``attach`` / ``detach`` the workers ``workers``
+    to / from their sweep's own queue list ``task_id`` (Celery's ``add_consumer`` and
+    ``cancel_consumer``, broadcasts a user may not send)."""
 
-    task_id: str = Field(min_length=1, max_length=200)
+    task_id: str = Field(min_length=1, max_length=300)
     user: str = Field(pattern=USER_PATTERN)
     signature: str
+    action: Literal["cancel", "attach", "detach"] = "cancel"
+    store: bool = False
+    workers: tuple[str, ...] = ()
+
+
+def _relay_message(request: CancelRequest) -> str:
+    """What a relay request's signature is over: its action, target, and what it asks besides."""
+    return (f"{request.action} {request.task_id}" + (" store" if request.store else "")
+            + (f" to {','.join(request.workers)}" if request.workers else ""))
+
+
+def relay_signature(signing_key: str, request: CancelRequest) -> str:
+    """The signature ``request`` must carry: its user's, over :func:`_relay_message`."""
+    return job_signature(signing_key, _relay_message(request), request.user)
 
 
 def cancel_signature(signing_key: str, task_id: str, user: str) -> str:
@@ -293,10 +349,18 @@ def cancel_signature(signing_key: str, task_id: str, user: str) -> str:
     return job_signature(signing_key, f"cancel {task_id}", user)
 
 
-def cancel_request(credentials: Credentials, task_id: str) -> CancelRequest:
-    """The request, signed, to cancel job ``task_id`` of the credentials' user."""
-    return CancelRequest(task_id=task_id, user=credentials.user,
-                         signature=cancel_signature(credentials.signing_key, task_id, credentials.user))
+def cancel_request(credentials: Credentials, task_id: str, *, store: bool = False) -> CancelRequest:
+    """The request, signed, to cancel job ``task_id`` of the credentials' user (``store``: see
+    :class:`CancelRequest`)."""
+    return relay_request(credentials, "cancel", task_id, store=store)
+
+
+def relay_request(credentials: Credentials, action: Literal["cancel", "attach", "detach"], target: str, *,
+                  store: bool = False, workers: tuple[str, ...] = ()) -> CancelRequest:
+    """The credentials' user's request, signed, that a relay does ``action`` on ``target``."""
+    unsigned = CancelRequest(task_id=target, user=credentials.user, signature="", action=action, store=store,
+                             workers=workers)
+    return unsigned.model_copy(update={"signature": relay_signature(credentials.signing_key, unsigned)})
 
 
 def _text(value: Any) -> str:

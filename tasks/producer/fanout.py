@@ -64,7 +64,7 @@ from ..core.queue_lists import level_queue
 from ..core.queues import QueueName, device_queue, key_device, slot_key
 from ..core.records import DistBackend, DistributedOptions, GangSpec, GroupSpec, JobOptions, WorkerRecord
 from ..core.registry import job_schemas, live_workers
-from ..core.users import cancel_request, owned_task_id
+from ..core.users import Credentials, cancel_request, owned_task_id
 from ..core.validation import describe_validation_error
 from .connections import Connections, default_app
 from .handle import JobHandle
@@ -171,19 +171,25 @@ def prioritized(job: JobLike, priority: Level | str | None = None, user: str | N
 
 def sends_as_user(app: Celery) -> bool:
     """Whether ``app`` sends with a user's credentials (:mod:`tasks.core.users`)."""
+    return credentials_of(app) is not None
+
+
+def credentials_of(app: Celery) -> Credentials | None:
+    """The user's credentials ``app`` sends with, or None: the fleet's own password."""
     settings = getattr(app, "fleet_settings", None)
-    return settings is not None and settings.user_credentials is not None
+    return settings.user_credentials if settings is not None else None
 
 
-def revoke(app: Celery, client: Any, task_ids: list[str]) -> None:
+def revoke(app: Celery, client: Any, task_ids: list[str], *, store: bool = False) -> None:
     """Cancel jobs ``task_ids``: Celery's revoke, or, sent with a user's credentials (which are
     denied Celery's control broadcast), the user's signed requests that a worker checks and sends
-    on (:mod:`tasks.worker.cancels`)."""
-    credentials = getattr(app, "fleet_settings", None) and app.fleet_settings.user_credentials  # type: ignore[attr-defined]
-    if not credentials:
+    on (:mod:`tasks.worker.cancels`); with ``store``, the relay also stores ``REVOKED`` for those
+    that do not run (a sweep's queued trials: the user writes no result key)."""
+    credentials = credentials_of(app)
+    if credentials is None:
         app.control.revoke(task_ids)
         return
-    client.lpush(CANCEL_REQUESTS, *(cancel_request(credentials, task_id).to_json() for task_id in task_ids))
+    client.lpush(CANCEL_REQUESTS, *(cancel_request(credentials, task_id, store=store).to_json() for task_id in task_ids))
 
 
 def sender_of(app: Celery) -> str:

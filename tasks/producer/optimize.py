@@ -10,7 +10,8 @@
 
 The study is a real :class:`optuna.Study`, kept in the fleet's Redis by Optuna's own journal
 storage (``JournalRedisBackend`` on the fleet's client, :mod:`tasks.producer.journal`, keys under
-:data:`tasks.core.keys.OPTUNA_PREFIX`), so
+:data:`tasks.core.keys.OPTUNA_PREFIX`; a user's, with their credentials, under their own prefix:
+:func:`tasks.core.users.optuna_prefix`, and the study's queue and trial ids are theirs), so
 ``optuna.load_study(study_name=..., storage=tasks.producer.optimize.journal_storage(app))``,
 ``study.trials_dataframe()`` and optuna-dashboard read it. This producer asks Optuna for a
 trial's parameters, runs the trial as a job on the study's queue (:mod:`tasks.producer.trials`:
@@ -56,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from ..core import keys
 from ..core.app import redis_url_of
 from ..core.commands import COMMAND_JOB
 from ..core.defaults import PACK_AUTO_MAX
@@ -68,6 +68,7 @@ from ..core.queues import sweep_queue
 from ..core.records import Entry, EntryStatus, parse_pack
 from ..core.sentinel import Replication
 from ..core.transport import REPLICATION_OPTION
+from ..core.users import optuna_prefix, owned_id
 from .connections import Connections, default_app
 from .fanout import (
     ALL,
@@ -76,14 +77,16 @@ from .fanout import (
     check_jobs,
     check_kwargs,
     constrained,
+    credentials_of,
     live_devices,
     prioritized,
+    revoke,
     serving_placed,
 )
 from .handle import JobHandle, Summary
 from .packing import Packing, packed_spec, plan_study_packing
 from .reader import Meta, state_of
-from .trials import TrialQueue, entry_of, trial_groups, trial_task_id
+from .trials import TrialQueue, entry_of, trial_groups
 
 if TYPE_CHECKING:
     import optuna
@@ -112,13 +115,16 @@ def require_optuna() -> Any:
 
 
 def journal_storage(app: Celery) -> optuna.storages.JournalStorage:
-    """Optuna's journal storage in the fleet's Redis (what ``optuna.load_study`` takes)."""
+    """Optuna's journal storage in the fleet's Redis (what ``optuna.load_study`` takes): with a
+    user's credentials, that user's own journal (:func:`tasks.core.users.optuna_prefix`)."""
     optuna = require_optuna()
     from .journal import FleetJournalBackend
 
     with warnings.catch_warnings():  # the Redis journal backend is marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        backend = FleetJournalBackend(redis_url_of(app), prefix=keys.OPTUNA_PREFIX,
+        credentials = credentials_of(app)
+        prefix = optuna_prefix(credentials.user if credentials is not None else None)
+        backend = FleetJournalBackend(redis_url_of(app), prefix=prefix,
                                       replication=Replication.of(app.conf.get(REPLICATION_OPTION)))
     return optuna.storages.JournalStorage(backend)
 
@@ -308,7 +314,8 @@ def start_study(
         raise SweepConflict(f"study {study_name!r} is a study of job {owner!r}, not {base.name!r}: "
                             "give another name (nothing was sent)")
     study.set_user_attr(JOB_ATTR, base.name)
-    queue_id = f"optuna-{study_name}"
+    credentials = credentials_of(app)  # a user's study: its queue and trial ids are theirs
+    queue_id = owned_id(f"optuna-{study_name}", credentials.user if credentials is not None else None)
     # A packed study's queue holds only its trials: the worker that takes one pulls its siblings;
     # a placed one's too, so that only the matching devices (and none that joins later) take them.
     queue = TrialQueue(app, queue_id, chosen, live, queue=sweep_queue(queue_id) if packing.packed else None,
@@ -419,7 +426,7 @@ class _StudyRun:
                 self._count(frozen.state, frozen.user_attrs.get("device"))
             elif frozen.state == TrialState.RUNNING:
                 trial = self.optuna.trial.Trial(self.study, frozen._trial_id)
-                flight = _InFlight(trial, trial_task_id(self.queue.id, frozen.number),
+                flight = _InFlight(trial, self.queue.task_id(frozen.number),
                                    reported=set(frozen.intermediate_values))
                 self.in_flight[frozen.number] = flight
                 again.append((frozen.number, self._spec(frozen.params)))
@@ -458,7 +465,7 @@ class _StudyRun:
         asked = []
         while len(self.in_flight) < self.limit and self.progress.finished + len(self.in_flight) < self.n_trials:
             trial = self.study.ask(self.distributions)
-            self.in_flight[trial.number] = _InFlight(trial, trial_task_id(self.queue.id, trial.number))
+            self.in_flight[trial.number] = _InFlight(trial, self.queue.task_id(trial.number))
             asked.append((trial.number, self._spec(trial.params)))
         if asked:
             self.queue.send(asked)
@@ -513,7 +520,7 @@ class _StudyRun:
         if prune and flight.reported and flight.trial.should_prune():
             flight.pruning = True
             logger.info("study %s: pruning trial %d", self.study.study_name, flight.trial.number)
-            self.queue.app.control.revoke([flight.task_id])
+            revoke(self.queue.app, self.queue.connections.redis, [flight.task_id])
 
     def _finish(self, flight: _InFlight, entry: dict[str, Any]) -> None:
         TrialState = self.optuna.trial.TrialState

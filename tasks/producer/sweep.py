@@ -21,6 +21,11 @@ process (see :mod:`tasks.producer.trials`): ``tasks.sweep("train", trials, "cpu"
 
 ``handle.cancel()``: queued trials never start, running ones stop at their next
 ``ctx.progress()``; their entries say ``cancelled``.
+
+Sent with a user's credentials (:mod:`tasks.core.users`), a sweep is that user's: its id is its
+name with the user's mark (``lr.u-616c696365``: :func:`~tasks.core.users.owned_id`), so that its
+record, its queue and its trials' results are keys only they write or read, and the same name
+resumes their sweep, never another user's.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.placement import Constraints
 from ..core.priority import Level
 from ..core.records import SweepRecord, parse_pack
+from ..core.users import owned_id
 from .connections import Connections, default_app
 from .fanout import (
     ALL,
@@ -51,13 +57,14 @@ from .fanout import (
     check_jobs,
     check_kwargs,
     constrained,
+    credentials_of,
     live_devices,
     prioritized,
     serving_placed,
 )
 from .handle import JobHandle, Summary, summarize
 from .packing import Packing, packed_spec, plan_packing
-from .trials import TrialQueue, entry_of, queue_for, trial_groups, trial_task_id
+from .trials import TrialQueue, entry_of, queue_for, trial_groups
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +104,7 @@ class Sweep(JobHandle[int, list[dict[str, Any]]]):
         self.specs = specs
         self.queue = queue
         self.max_concurrent = max_concurrent
-        self.task_ids = [trial_task_id(record.sweep_id, i) for i in range(len(specs))]
+        self.task_ids = [queue.task_id(i) for i in range(len(specs))]
         self._jobs = dict(enumerate(self.task_ids))
         self._sent = sent
         self._cancelled = record.cancelled
@@ -221,9 +228,9 @@ class Sweep(JobHandle[int, list[dict[str, Any]]]):
         self.record = self.record.model_copy(update={"cancelled": True})
         _save(self.app, self.record, self.connections)
         self.queue.cancel([self.task_ids[i] for i in sorted(self._sent)], reason=f"sweep {self.id} cancelled")
-        for i in range(len(self.specs)):
-            if i not in self._sent:  # never sent: stored as cancelled so get() returns them
-                self.app.backend.mark_as_revoked(self.task_ids[i], reason=f"sweep {self.id} cancelled")
+        # Never sent: stored as cancelled so get() returns them.
+        self.queue.store_revoked([self.task_ids[i] for i in range(len(self.specs)) if i not in self._sent],
+                                 reason=f"sweep {self.id} cancelled")
         self.queue.detach()
         self._detached = True
 
@@ -352,7 +359,9 @@ def sweep(
                                          for device in chosen])
     packing = plan_packing(pack, specs, chosen, live, group)
     specs = [packed_spec(spec, packing) for spec in specs]
-    sweep_id = name or uuid.uuid4().hex
+    # A user's sweep: its keys, queue and trial ids are theirs (tasks.core.users.owned_id).
+    credentials = credentials_of(app)
+    sweep_id = owned_id(name or uuid.uuid4().hex, credentials.user if credentials is not None else None)
     # A packed sweep's queue holds only its trials: the worker that takes one pulls its siblings.
     queue_name = queue_for(sweep_id, chosen, live, own=packing.packed or base.options.constraints is not None)
     record = SweepRecord(sweep_id=sweep_id, job=specs[0].name if specs else JobSpec.of(job).name,

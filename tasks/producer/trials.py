@@ -28,6 +28,14 @@ What :mod:`tasks.producer.sweep` and :mod:`tasks.producer.optimize` share. A :cl
 - cancels: stores ``REVOKED`` for the trials that have not started (a worker that takes one
   drops it: the id is in its revoked set, and the lease finds the job finished), revokes the
   running ones (they stop at their next ``ctx.progress()``), and purges a sweep's own queue.
+
+Sent with a user's credentials (:mod:`tasks.core.users`), the same, in the user's own keys and
+through the workers' relay: the queue's id ends in the user's mark (:func:`~tasks.core.users.owned_id`,
+given by the sweep or the study), each trial's task id in ``~<user>`` (its result is a key only
+they read); the attach, detach and cancel that Celery's control channel does for the admin are
+the user's signed requests to the relay (:mod:`tasks.worker.cancels`), which stores ``REVOKED``
+for the trials that do not run; and a cancel empties the user's own list of the sweep's queue,
+not the queue (a user may not purge).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery
 
@@ -45,12 +53,14 @@ from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError
 from ..core.groups import GroupChoice, check_group_size
+from ..core.keys import CANCEL_REQUESTS
 from ..core.priority import DEFAULT_LEVEL, Level
-from ..core.queue_lists import level_queue
+from ..core.queue_lists import USER_SEPARATOR, level_queue, user_list
 from ..core.queues import QueueName, device_queue, sweep_queue
 from ..core.records import WorkerRecord
+from ..core.users import relay_request
 from .connections import Connections
-from .fanout import JobSpec, group_job, live_devices, placed_groups
+from .fanout import JobSpec, credentials_of, group_job, live_devices, placed_groups, revoke
 from .reader import RUNNING_STATES, StateReader, device_of, entry_of
 
 __all__ = ["RUNNING_STATES", "TrialQueue", "entry_of", "queue_for", "trial_groups", "trial_task_id"]
@@ -61,9 +71,12 @@ logger = logging.getLogger(__name__)
 TRIAL_NAMESPACE = uuid.UUID("5b0d2f57-29a4-4c53-9b39-d9f3b7b5a3c1")
 
 
-def trial_task_id(queue_id: str, trial: int) -> str:
-    """The Celery task id of trial ``trial`` of the queue ``queue_id`` (the same in every run)."""
-    return str(uuid.uuid5(TRIAL_NAMESPACE, f"{queue_id}/{trial}"))
+def trial_task_id(queue_id: str, trial: int, user: str | None = None) -> str:
+    """The Celery task id of trial ``trial`` of the queue ``queue_id`` (the same in every run),
+    ending in ``~<user>`` for a trial sent with ``user``'s credentials (its result is theirs:
+    :func:`tasks.core.users.owned_task_id`)."""
+    task_id = str(uuid.uuid5(TRIAL_NAMESPACE, f"{queue_id}/{trial}"))
+    return task_id if user is None else f"{task_id}{USER_SEPARATOR}{user}"
 
 
 def queue_for(queue_id: str, devices: list[str], live: Mapping[str, WorkerRecord], *, own: bool = False) -> str:
@@ -110,6 +123,8 @@ class TrialQueue:
                  groups: list[GroupChoice] | None = None, own: bool = False) -> None:
         self.app = app
         self.connections = connections or Connections.of(app)
+        #: The user's credentials the trials are sent with (None: the fleet's own password).
+        self.credentials = credentials_of(app)
         #: The trials' states and progress (kept once final).
         self.reader = StateReader(self.connections)
         self.id = queue_id
@@ -143,6 +158,10 @@ class TrialQueue:
         if not self.own:
             return
         nodenames = [record.worker for record in self._workers.values()]
+        self._refreshed = time.monotonic()
+        if self.credentials is not None:  # the relay asks them (no reply comes back to a user)
+            self._relay("attach", nodenames)
+            return
         replies = self.app.control.add_consumer(self.list, destination=nodenames, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
         answered = {name for reply in replies or [] for name in reply}
         silent = [d for d, record in self._workers.items() if record.worker not in answered]
@@ -170,7 +189,10 @@ class TrialQueue:
                 self._workers[device] = record
         if restarted:
             logger.info("%s: %s restarted; asking again to consume", self.queue, ", ".join(restarted))
-            self.app.control.add_consumer(self.list, destination=restarted, reply=False)
+            if self.credentials is not None:
+                self._relay("attach", restarted)
+            else:
+                self.app.control.add_consumer(self.list, destination=restarted, reply=False)
 
     def detach(self) -> None:
         """Let the workers stop consuming the sweep's own queue (best effort: an empty queue
@@ -178,19 +200,32 @@ class TrialQueue:
         if not self.own:
             return
         try:
-            self.app.control.cancel_consumer(self.list, destination=[r.worker for r in self._workers.values()],
-                                             reply=False)
+            nodenames = [r.worker for r in self._workers.values()]
+            if self.credentials is not None:
+                self._relay("detach", nodenames)
+            else:
+                self.app.control.cancel_consumer(self.list, destination=nodenames, reply=False)
         except Exception as exc:  # noqa: BLE001
             logger.debug("%s: cancel_consumer failed: %s", self.queue, exc)
 
+    def _relay(self, action: Literal["attach", "detach"], nodenames: list[str]) -> None:
+        """Ask the workers' relay to do ``action`` (attach, detach) on the queue for ``nodenames``."""
+        assert self.credentials is not None
+        request = relay_request(self.credentials, action, self.list, workers=tuple(nodenames))
+        self.connections.redis.lpush(CANCEL_REQUESTS, request.to_json())
+
     # -- sending -----------------------------------------------------------------------------
+
+    def task_id(self, trial: int) -> str:
+        """The task id of trial ``trial`` of this queue (:func:`trial_task_id`)."""
+        return trial_task_id(self.id, trial, self.credentials.user if self.credentials is not None else None)
 
     def send(self, trials: Iterable[tuple[int, JobSpec]]) -> list[int]:
         """Send each ``(trial, spec)`` to the queue under its trial task id; returns the trials."""
         sent: list[int] = []
         with self.app.producer_or_acquire() as producer:
             for trial, spec in trials:
-                task_id, queue = trial_task_id(self.id, trial), self.queue
+                task_id, queue = self.task_id(trial), self.queue
                 if self.groups is not None:
                     choice = self._next_group()
                     spec, queue = group_job(spec, choice, self.connections, self.app), device_queue(choice.devices[0])
@@ -233,16 +268,33 @@ class TrialQueue:
         """Queued trials never start; running ones stop at their next ``ctx.progress()``."""
         purged = 0
         if self.own:  # a shared queue holds other work: its trial messages are dropped when taken
-            with self.app.connection_for_write() as conn:
-                purged = conn.default_channel.queue_purge(self.list)
+            if self.credentials is not None:  # the user's own list of it: theirs to empty, the queue is not
+                purged = int(self.connections.redis.delete(user_list(self.list, self.credentials.user)))
+            else:
+                with self.app.connection_for_write() as conn:
+                    purged = conn.default_channel.queue_purge(self.list)
         metas = self.metas(task_ids)
         unfinished = [tid for tid in metas if not self.reader.is_final(tid)]
-        if unfinished:
+        if unfinished and self.credentials is not None:
+            # The relay revokes them and stores REVOKED for those that do not run.
+            revoke(self.app, self.connections.redis, unfinished, store=True)
+        elif unfinished:
             # A running trial's worker adds the ids to its revoked set; ctx.progress() sees it.
             self.app.control.revoke(unfinished)
-        for tid in unfinished:
-            meta = metas[tid]
-            if meta is None or meta.get("status") not in RUNNING_STATES:
-                self.app.backend.mark_as_revoked(tid, reason=reason)
+            for tid in unfinished:
+                meta = metas[tid]
+                if meta is None or meta.get("status") not in RUNNING_STATES:
+                    self.app.backend.mark_as_revoked(tid, reason=reason)
         logger.info("%s: cancelled (%s queued trials purged, %d unfinished revoked)", self.queue, purged,
                     len(unfinished))
+
+    def store_revoked(self, task_ids: list[str], reason: str) -> None:
+        """Store ``REVOKED`` for trials ``task_ids``, never sent (so that their entries say
+        ``cancelled``): with a user's credentials, through the relay."""
+        if not task_ids:
+            return
+        if self.credentials is not None:
+            revoke(self.app, self.connections.redis, task_ids, store=True)
+            return
+        for task_id in task_ids:
+            self.app.backend.mark_as_revoked(task_id, reason=reason)

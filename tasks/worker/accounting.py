@@ -27,7 +27,7 @@ from ..core.fairshare import share_arg, wait_arg
 from ..core.job import JobMetric
 from ..core.jobcount import JobCount
 from ..core.jobstate import JobEnd, MessageAck
-from ..core.keys import OPTIONS_HEADER, SENT_AT_HEADER
+from ..core.keys import OPTIONS_HEADER, SENT_AT_HEADER, SIGNATURE_HEADER
 from ..core.priority import DEFAULT_LEVEL, USER_PATTERN, Level, parse_level
 from ..core.queue_lists import split_level
 from ..core.queues import device_queue
@@ -65,6 +65,7 @@ def job_end(
             user's busy time in ``devicefleet usage`` (:mod:`tasks.ops.usage`).
     """
     user, level, sent_at = _sender(request)
+    user = _verified(worker, request, user)
     busy = max(0.0, finished - started) / max(1, shared_by)
     kind = kind_of(worker.device.name)
     count = JobCount(device=worker.device.name, ok=ok, worker=worker.nodename,
@@ -100,6 +101,18 @@ def _sender(request: Any) -> tuple[str | None, Level, float | None]:
     sent = headers.get(SENT_AT_HEADER)
     return (user if isinstance(user, str) and re.fullmatch(USER_PATTERN, user) else None, level,
             float(sent) if isinstance(sent, (int, float)) else None)
+
+
+def _verified(worker: DeviceWorker, request: Any, user: str | None) -> str | None:
+    """``user``, if the job of ``request`` was sent with their credentials (or the fleet has no
+    users: :meth:`tasks.core.users.UserKeys.check`), else None: a job refused because it names a
+    user who did not send it (``UserNotVerified``), or an unknown job that does, is counted to
+    no user. The worker's cached keys: no round trip per job."""
+    if user is None or request.id is None:
+        return user
+    headers = getattr(request, "headers", None) or {}
+    problem = worker.user_keys.check(worker.client, str(request.id), user, headers.get(SIGNATURE_HEADER))
+    return user if problem is None else None
 
 
 def message_ack(app: Celery, request: Any) -> MessageAck | None:

@@ -8,6 +8,12 @@ thread, on every worker of a fleet with users, pops the requests, keeps those si
 whose job they name (the job's task id ends in ``~<user>``), and sends the revoke with the
 fleet's own credentials; a refused request is logged and dropped. On a fleet with no users it
 does nothing but read, every :data:`~tasks.core.defaults.USER_KEYS_REFRESH_S`, that there are none.
+
+A user's sweep or study (:mod:`tasks.producer.trials`) asks the same way for what its producer
+does with Celery's control channel for the fleet's admin: its unsent trials stored ``REVOKED``
+(``store``: a user writes no result key), and the workers it chose asked to consume its own queue
+(``attach``) and let it go (``detach``), only a queue whose id ends in the user's mark
+(:func:`tasks.core.users.owner_suffix`): no user moves workers onto another's queue.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
 from pydantic import ValidationError
 
 from ..core import keys
 from ..core.defaults import CANCEL_RELAY_BATCH
+from ..core.job import PROGRESS_STATE
 from ..core.periodic import PeriodicThread
 from ..core.users import CancelRequest, UserKeys
 
@@ -45,8 +52,9 @@ class CancelRelay(PeriodicThread):
             self.relay(raw)
 
     def relay(self, raw: list[Any]) -> list[str]:
-        """Revoke the jobs that the requests ``raw`` may cancel; the task ids revoked."""
-        revoke = []
+        """Act on the requests ``raw`` that their users may make; the task ids revoked."""
+        revoke: list[str] = []
+        store: list[str] = []
         for item in raw:
             try:
                 request = CancelRequest.model_validate_json(item)
@@ -55,10 +63,34 @@ class CancelRelay(PeriodicThread):
                 continue
             problem = self._keys.check_cancel(self._client, request)
             if problem is not None:
-                logger.warning("refused %s's cancel of job %s: %s", request.user, request.task_id, problem)
+                logger.warning("refused %s's %s of %s: %s", request.user, request.action, request.task_id, problem)
                 continue
-            revoke.append(request.task_id)
+            if request.action == "cancel":
+                revoke.append(request.task_id)
+                if request.store:
+                    store.append(request.task_id)
+            else:
+                self._consume(request)
         if revoke:
             self._app.control.revoke(revoke)
             logger.info("cancelled for their users: %s", ", ".join(revoke))
+        if store:
+            self._store_revoked(store)
         return revoke
+
+    def _consume(self, request: CancelRequest) -> None:
+        """Ask ``request.workers`` to consume (``attach``) or let go (``detach``) its queue list."""
+        control = self._app.control
+        command = control.add_consumer if request.action == "attach" else control.cancel_consumer
+        command(request.task_id, destination=list(request.workers), reply=False)
+        logger.info("%s %s for %s: %s", request.action, request.task_id, request.user, ", ".join(request.workers))
+
+    def _store_revoked(self, task_ids: list[str]) -> None:
+        """Store ``REVOKED`` for each of ``task_ids`` that has no result yet and does not run, as a
+        sweep's producer does for its own trials with the fleet's credentials (a worker that takes
+        one later drops it: it is revoked)."""
+        backend = self._app.backend
+        for task_id in task_ids:
+            state = backend.get_task_meta(task_id).get("status")
+            if state not in states.READY_STATES and state not in (states.STARTED, PROGRESS_STATE):
+                backend.mark_as_revoked(task_id, reason=f"cancelled by its user ({task_id})")
