@@ -114,6 +114,40 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
     assert len({out["weights_digest"] for out in ends.values()}) == 4
 
 
+def test_a_freed_place_is_refilled_and_its_trial_trains_as_alone(tmp_path):
+    """A pack of 2 whose member is cancelled after its first epoch: the third trial takes its
+    place (its own seed, lr, step count and epochs) and ends where it ends alone; the member
+    that finished first ends at once, not when the refilled one does."""
+    torch.set_num_threads(1)
+    params = [TrainParams(epochs=2, lr=lr, seed=seed, num_workers=0) for lr, seed in [(3e-3, 0), (1e-2, 1), (5e-3, 2)]]
+    cancel = _ctx(tmp_path, "cancelled")
+    cancel.cancelled = lambda: True  # its first progress() raises JobCancelled
+    members = [Member(_ctx(tmp_path, "kept"), params[0], TRAIN_PACKING.data(params[0])),
+               Member(cancel, params[1], TRAIN_PACKING.data(params[1]))]
+    queue = [Member(_ctx(tmp_path, "third"), params[2], TRAIN_PACKING.data(params[2]))]
+    asked: list[int] = []
+
+    def refill(index: int) -> Member | None:
+        asked.append(index)
+        return queue.pop() if queue else None
+
+    ended: list[tuple[str, Any, Any]] = []
+    ends = train_pack(TRAIN_PACKING, members, "cpu",
+                      lambda i, out, err: ended.append((members[i].ctx.job_id if err else str(i), out, err)), refill)
+    assert asked[0] == 1 and ended[0][0] == "cancelled" and type(ended[0][2]).__name__ == "JobCancelled"
+    # "kept" finished at the end of epoch 2, while the third trial still had an epoch to go.
+    assert ended[1][0] == "0" and ended[1][1]["packed"] == {"members": 2, "index": 0}
+    assert sorted(ends) == [1]
+    third = ends[1]
+    assert third["packed"] == {"members": 2, "index": 1, "refilled": True, "pid": os.getpid()}
+    assert Path(third["checkpoint"]).parent == tmp_path / "third"
+    assert [h["epoch"] for h in third["history"]] == [1, 2]
+    for output, p in ((ended[1][1], params[0]), (third, params[2])):
+        alone = train(_ctx(tmp_path, f"alone{p.seed}"), p)
+        assert abs(output["accuracy"] - alone["accuracy"]) <= 0.01, (p.seed, output["accuracy"], alone["accuracy"])
+        assert output["loss"] == pytest.approx(alone["loss"], rel=1e-3)
+
+
 def test_a_packed_members_checkpoint_is_the_one_it_would_save_alone(tmp_path):
     """What a packed member saves (weights and Adam's moments) is what train saves alone, so a
     member that runs again unpacked resumes where the pack left it."""
