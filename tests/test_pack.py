@@ -105,7 +105,7 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
     for i, out in ends.items():
         assert abs(out["accuracy"] - alone[i]["accuracy"]) <= 0.01, (i, out["accuracy"], alone[i]["accuracy"])
         assert out["loss"] == pytest.approx(alone[i]["loss"], rel=1e-3)
-        assert out["packed"] == {"members": 4, "index": i}
+        assert out["packed"] == {"members": 4, "index": i, "pid": os.getpid()}
         assert len(out["history"]) == 2 and out["model"] == "mlp" and out["dataset"] == "digits"
         # Its own checkpoint, in its own folder, that loads into the model train builds.
         assert Path(out["checkpoint"]).parent == tmp_path / f"packed{i}"
@@ -136,10 +136,10 @@ def test_a_freed_place_is_refilled_and_its_trial_trains_as_alone(tmp_path):
                       lambda i, out, err: ended.append((members[i].ctx.job_id if err else str(i), out, err)), refill)
     assert asked[0] == 1 and ended[0][0] == "cancelled" and type(ended[0][2]).__name__ == "JobCancelled"
     # "kept" finished at the end of epoch 2, while the third trial still had an epoch to go.
-    assert ended[1][0] == "0" and ended[1][1]["packed"] == {"members": 2, "index": 0}
+    assert ended[1][0] == "0" and ended[1][1]["packed"] == {"members": 2, "index": 0, "pid": os.getpid()}
     assert sorted(ends) == [1]
     third = ends[1]
-    assert third["packed"] == {"members": 2, "index": 1, "refilled": True, "pid": os.getpid()}
+    assert third["packed"] == {"members": 2, "index": 1, "pid": os.getpid(), "refilled": True}
     assert Path(third["checkpoint"]).parent == tmp_path / "third"
     assert [h["epoch"] for h in third["history"]] == [1, 2]
     for output, p in ((ended[1][1], params[0]), (third, params[2])):
@@ -227,7 +227,7 @@ def test_run_pack_ends_each_member_alone(runtime):
     for name in ("ok0", "ok1"):
         assert finished[name].outcome is Outcome.OK
         output = finished[name].output
-        assert output is not None and output["packed"] == {"members": 4, "index": 0 if name == "ok0" else 3}
+        assert output is not None and output["packed"] == {"members": 4, "index": 0 if name == "ok0" else 3, "pid": os.getpid()}
         assert Path(str(output["checkpoint"])).parent.name == name
         assert finished[name].metrics["samples_per_s"] > 0
     assert finished["cancelled"].outcome is Outcome.CANCELLED

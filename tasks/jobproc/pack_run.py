@@ -102,7 +102,18 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
                 for seat in seated[fit:]:
                     finish(seat, None, PackTooLarge(too_large), Outcome.GIVE_WAY)
                 members, seated = members[:fit], seated[:fit]
-            _train(spec.torch_device, definition, members, seated, finish)
+            def refill(index: int) -> tuple[Member, _Seat] | None:
+                """The worker's next trial for free place ``index``, checked as the first were."""
+                while pack.refill and (job := channel.want_member(index)) is not None:
+                    seat = _seat(runtime, job, channel)
+                    seats.append(seat)
+                    assert definition is not None
+                    joined, _ = _members(runtime, definition, [seat], channel, finish)
+                    if joined:  # else it ended with its own error: ask for the next
+                        return joined[0], seat
+                return None
+
+            _train(spec.torch_device, definition, members, seated, finish, refill)
     except BaseException as exc:  # what fails the whole pack ends every member not yet ended
         for seat in seats:
             if not seat.ended:
@@ -164,16 +175,24 @@ def _members(runtime: JobRuntime, definition: JobDefinition, seats: list[_Seat],
 
 
 def _train(torch_device: str, definition: JobDefinition, members: list[Member], seated: list[_Seat],
-           finish: Any) -> None:
-    """Train the members; torch's out-of-memory becomes the fleet's, for every member not ended."""
+           finish: Any, refill: Any = None) -> None:
+    """Train the members; torch's out-of-memory becomes the fleet's, for every member not ended.
+    ``refill(index)`` gives the member and seat that take a freed place (None: no more)."""
     assert definition.pack is not None
     oom = _oom_error()
 
     def on_end(index: int, output: dict[str, Any] | None, error: BaseException | None) -> None:
         finish(seated[index], output, error)
 
+    def take(index: int) -> Member | None:
+        taken = refill(index) if refill is not None else None
+        if taken is None:
+            return None
+        seated[index] = taken[1]  # the place's endings are the newcomer's from now on
+        return taken[0]
+
     try:
-        outputs = train_pack(definition.pack, members, torch_device, on_end)
+        outputs = train_pack(definition.pack, members, torch_device, on_end, take if refill is not None else None)
     except oom as exc:
         figures = memory_figures(torch_device)
         raise OutOfMemory(f"a pack of {len(members)} trials of {definition.name!r} ran out of memory on "

@@ -359,6 +359,6 @@ def _output(packing: Packing, member: Member, state: dict[str, torch.Tensor], ac
         "checkpoint": str(checkpoint),
         "weights_digest": digest(cpu_state),
         "history": member.history,
-        # A member that took a freed place says so, and in which process (the pack's).
-        "packed": {"members": k, "index": index, **({"refilled": True, "pid": os.getpid()} if refilled else {})},
+        # The pack's process; a member that took a freed place says so.
+        "packed": {"members": k, "index": index, "pid": os.getpid(), **({"refilled": True} if refilled else {})},
     }
