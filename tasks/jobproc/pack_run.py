@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
+from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB, PACK_AUTO_MAX
 from ..core.errors import InvalidJobArguments, OutOfMemory, PackTooLarge
 from ..core.job import JobDefinition, Packing
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Outcome, Report, RunJob, RunPack
 from .channel import Channel
 from .oom import MiB, _oom_error, memory_figures, release_memory, settle_device
-from .packed import Member, bytes_per_member, train_pack
+from .packed import Member, bytes_per_member, choose_pack, probe_bytes, train_pack
 from .progress import ProgressThrottle
 from .registry import validate_kwargs
 from .runtime import JobRuntime, classify, context_of, gpu_memory_in_use, rss_bytes
@@ -94,14 +94,27 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
             # The first member's allocator limit: the slot's budget on a GPU (the worker sets none on
             # a CPU today: there an auto pack packs every member given).
             budget = first.allocator_limit_bytes
-            fit, need = fits(definition.pack, members[0], budget) if definition.pack is not None else (None, 0)
-            if fit is not None and fit < len(members):
+            assert definition.pack is not None
+            need, how = probe_bytes(definition.pack, members[0].params, members[0].data, spec.torch_device)
+            auto = first.options.get("pack") == "auto"
+            fit, why = choose_pack(len(members), need, budget, PACK_AUTO_MAX if auto else len(members))
+            if fit == 0:
+                refusal = PackTooLarge(
+                    f"a pack of {first.job!r} trials: {why} ({how}); a budget of at least {need / MiB:.1f} MiB fits "
+                    "one: run these trials without pack= or on a slot with more memory")
+                for seat in seated:
+                    finish(seat, None, refusal, Outcome.ERROR)
+                members, seated = [], []
+            elif fit < len(members):
                 too_large = (f"a pack of {len(pack.members)} trials of {first.job!r}: at most {fit} trials of this "
                              f"shape fit the slot's budget of {(budget or 0) / GiB:.2f} GiB (about {need / MiB:.1f} MiB "
-                             "each); this trial goes back to its queue and runs in a later pack")
+                             f"each, {how}); this trial goes back to its queue and runs in a later pack")
                 for seat in seated[fit:]:
                     finish(seat, None, PackTooLarge(too_large), Outcome.GIVE_WAY)
                 members, seated = members[:fit], seated[:fit]
+            for member in members:  # each trial's output says how its pack's size was chosen
+                member.chosen = f"pack='auto': {why} ({how})" if auto else None
+
             def refill(index: int) -> tuple[Member, _Seat] | None:
                 """The worker's next trial for free place ``index``, checked as the first were."""
                 while pack.refill and (job := channel.want_member(index)) is not None:
@@ -113,7 +126,8 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
                         return joined[0], seat
                 return None
 
-            _train(spec.torch_device, definition, members, seated, finish, refill)
+            if members:
+                _train(spec.torch_device, definition, members, seated, finish, refill)
     except BaseException as exc:  # what fails the whole pack ends every member not yet ended
         for seat in seats:
             if not seat.ended:

@@ -59,6 +59,8 @@ class Member:
     history: list[dict[str, float]] = field(default_factory=list)
     #: When its last checkpoint was saved (``time.monotonic()``).
     saved_at: float = field(default_factory=time.monotonic)
+    #: How its pack's size was chosen (``pack="auto"``), for its output; None: asked as ``pack=K``.
+    chosen: str | None = None
 
 
 #: ``refill(index) -> Member | None``: the next trial to take the free place ``index`` (None: no more).
@@ -98,6 +100,45 @@ def bytes_per_member(packing: Packing, params: Any, data: PackData) -> int:
         for hook in hooks:
             hook.remove()
     return 4 * weights + resident + 3 * activations * int(params.batch_size)
+
+
+def probe_bytes(packing: Packing, params: Any, data: PackData, torch_device: str) -> tuple[int, str]:
+    """The device memory one member needs, and how it was found: on a CUDA device ``measured``
+    by a short probe (its data resident, one Adam step of one batch, the allocator's peak over
+    what was allocated before); elsewhere (no allocator to ask) ``estimated``
+    (:func:`bytes_per_member`)."""
+    if not torch_device.startswith("cuda"):
+        return bytes_per_member(packing, params, data), "estimated"
+    device = torch.device(torch_device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(int(params.seed))
+    net = packing.model(params, data).to(device)
+    tensors = [t.to(device) for t in (data.x_train, data.y_train, data.x_test, data.y_test)]
+    optimizer = torch.optim.Adam(net.parameters(), lr=float(params.lr))
+    batch = int(params.batch_size)
+    loss = (packing.loss or torch.nn.functional.cross_entropy)(net(tensors[0][:batch]), tensors[1][:batch])
+    loss.backward()
+    optimizer.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del net, tensors, optimizer, loss
+    return max(1, int(peak)), "measured"
+
+
+def choose_pack(wanted: int, per_member: int, budget: int | None, cap: int) -> tuple[int, str]:
+    """How many of ``wanted`` trials one pack trains: ``min(budget // per_member, cap, wanted)``
+    (no budget: ``min(cap, wanted)``), and why, in words. 0 when not one member fits."""
+    if budget is None:
+        k = min(cap, wanted)
+        return k, f"{k} of {wanted} trials: no memory budget on this slot (at most {cap})"
+    fit = budget // max(1, per_member)
+    k = min(fit, cap, wanted)
+    limits = f"the slot's budget of {budget / 1024**2:.0f} MiB fits {fit} at about {per_member / 1024**2:.1f} MiB each"
+    if k == 0:
+        return 0, f"not one trial fits: {limits}"
+    return k, f"{k} of {wanted} trials: {limits} (at most {cap})"
 
 
 def train_pack(packing: Packing, members: list[Member], torch_device: str, on_end: OnEnd,
@@ -193,6 +234,8 @@ def train_pack(packing: Packing, members: list[Member], torch_device: str, on_en
         nonlocal refill
         for index in range(k):
             while refill is not None and not alive[index]:
+                if index in finished:  # the place's last member ends before a newcomer answers for it
+                    on_end(index, finished.pop(index), None)
                 member = refill(index)
                 if member is None:
                     refill = None
@@ -360,5 +403,6 @@ def _output(packing: Packing, member: Member, state: dict[str, torch.Tensor], ac
         "weights_digest": digest(cpu_state),
         "history": member.history,
         # The pack's process; a member that took a freed place says so.
-        "packed": {"members": k, "index": index, "pid": os.getpid(), **({"refilled": True} if refilled else {})},
+        "packed": {"members": k, "index": index, "pid": os.getpid(), **({"refilled": True} if refilled else {}),
+                   **({"chosen": member.chosen} if member.chosen is not None else {})},
     }
