@@ -35,7 +35,7 @@ from tasks.core.wire import (
 )
 from tasks.jobproc.channel import Channel
 from tasks.jobproc.pack_run import fits, run_pack
-from tasks.jobproc.packed import Member, train_pack
+from tasks.jobproc.packed import Member, choose_pack, probe_bytes, train_pack
 from tasks.jobproc.registry import JobRegistry
 from tasks.jobproc.runtime import JobRuntime, _Baseline
 from tasks.jobs.loader import build_loader
@@ -286,6 +286,29 @@ def test_run_pack_gives_way_past_the_budget(runtime):
     assert error is not None and error.type == "PackTooLarge" and "at most 2 trials" in error.message
 
 
+def test_choose_pack_takes_the_least_of_budget_cap_and_trials():
+    mib = 1024**2
+    assert choose_pack(10, 100 * mib, 1000 * mib, 256) == (
+        10, "10 of 10 trials: the slot's budget of 1000 MiB fits 10 at about 100.0 MiB each (at most 256)")
+    assert choose_pack(40, 100 * mib, 1000 * mib, 256)[0] == 10  # the budget decides
+    assert choose_pack(400, 1 * mib, 1000 * mib, 256)[0] == 256  # the cap decides
+    assert choose_pack(3, 1 * mib, 1000 * mib, 256)[0] == 3  # the trials decide
+    assert choose_pack(300, 1 * mib, None, 256) == (256, "256 of 300 trials: no memory budget on this slot (at most 256)")
+    k, why = choose_pack(4, 100 * mib, 50 * mib, 256)
+    assert k == 0 and why == "not one trial fits: the slot's budget of 50 MiB fits 0 at about 100.0 MiB each"
+
+
+def test_run_pack_where_not_one_member_fits_says_what_fits(runtime):
+    params = ToyParams()
+    need, how = probe_bytes(DEFINED["packtoy"].pack, params, _toy_data(params), "cpu")  # type: ignore[arg-type]
+    assert how == "estimated"
+    pack = RunPack(members=[_member(f"m{i}", {"seed": i}, "packtoy", allocator_limit_bytes=need // 2) for i in range(2)])
+    finished, _ = _run(runtime, pack)
+    for ending in finished.values():
+        assert ending.outcome is Outcome.ERROR and ending.error is not None and ending.error.type == "PackTooLarge"
+        assert "not one trial fits" in ending.error.message and "run these trials without pack=" in ending.error.message
+
+
 def test_hello_names_the_pack_key():
     infos = {info.name: info for info in JobRegistry(["tasks.jobs"]).infos()}
     assert infos["train"].pack == ["model", "hidden", "dataset", "epochs", "batch_size", "test_fraction"]
@@ -303,3 +326,13 @@ def test_packed_train_on_gpu_equals_each_trial_alone(tmp_path):
     for i, p in enumerate(params):
         alone = train(JobContext(device="gpu0", torch_device="cuda:0", job_id=f"a{i}", artifacts_dir=tmp_path / f"a{i}"), p)
         assert abs(ends[i]["accuracy"] - alone["accuracy"]) <= 0.01
+
+
+@pytest.mark.gpu
+def test_probe_measures_one_member_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    params = TrainParams(epochs=1, num_workers=0)
+    need, how = probe_bytes(TRAIN_PACKING, params, TRAIN_PACKING.data(params), "cuda:0")
+    weights = sum(p.numel() * 4 for p in build(params.model, 64, 10, params.hidden).parameters())
+    assert how == "measured" and need >= 4 * weights  # weights, grads and two moments at least

@@ -75,6 +75,14 @@ def test_a_freed_place_in_a_pack_takes_the_next_trial_of_the_queue(app, tmp_path
 
 
 @pytest.mark.timeout(300)
+def test_an_auto_pack_says_how_its_size_was_chosen(app):
+    entries = tasks.sweep("packed", [{"seed": i} for i in range(3)], "cpu1", pack="auto", app=app).get(timeout=240)
+    assert [e["status"] for e in entries] == ["ok"] * 3, [e["error"] for e in entries]
+    chosen = [e["output"]["packed"]["chosen"] for e in entries if e["output"]["packed"] is not None]
+    assert chosen and all(c.startswith("pack='auto': ") and "no memory budget on this slot" in c for c in chosen), chosen
+
+
+@pytest.mark.timeout(300)
 def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
     trials = [{"seed": i, "crash": i == 2} for i in range(4)]
     entries = tasks.sweep("packed", trials, "cpu1", pack=4, app=app).get(timeout=240)
