@@ -309,6 +309,19 @@ def test_run_pack_where_not_one_member_fits_says_what_fits(runtime):
         assert "not one trial fits" in ending.error.message and "run these trials without pack=" in ending.error.message
 
 
+def test_the_refill_messages_travel_each_one_way():
+    from pydantic import ValidationError
+
+    from tasks.core.wire import NewMember, WantMember, decode_from_worker
+
+    want = WantMember(index=3)
+    answer = NewMember(member=_member("next", {"seed": 9}))
+    assert decode_from_job_process(want.encode()) == want
+    assert decode_from_worker(answer.encode()) == answer and decode_from_worker(NewMember().encode()) == NewMember()
+    with pytest.raises(ValidationError):
+        decode_from_job_process(answer.encode())
+
+
 def test_hello_names_the_pack_key():
     infos = {info.name: info for info in JobRegistry(["tasks.jobs"]).infos()}
     assert infos["train"].pack == ["model", "hidden", "dataset", "epochs", "batch_size", "test_fraction"]
