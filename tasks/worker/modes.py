@@ -162,11 +162,14 @@ class Pack:
             while launch.siblings is not None and launch.siblings(room, 1) > 0:
                 joined = [m for m in room.wait_joined(PACK_JOIN_TIMEOUT_S) if m.message.job_id not in known]
                 known.update(m.message.job_id for m in joined)
+                if not joined:  # its lease was refused or it was cancelled: take the next
+                    continue
                 joined = _one_users(launch, room, joined)
-                if joined:  # else its lease was refused or it was cancelled: take the next
-                    logger.info("%s: job %s takes a freed place in job %s's pack", self.plain.device,
-                                joined[0].message.job_id, job_id)
-                    return joined[0].message, joined[0].watch
+                if not joined:  # another user's (back to its queue, alone): take no more, or it comes again
+                    return None
+                logger.info("%s: job %s takes a freed place in job %s's pack", self.plain.device,
+                            joined[0].message.job_id, job_id)
+                return joined[0].message, joined[0].watch
             return None
 
         logger.info("%s: job %s leads a pack of %d trials", self.plain.device, job_id, len(pack.members))
