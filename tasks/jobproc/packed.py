@@ -12,7 +12,9 @@ device; the losses and hit counts of every member are read back once per epoch.
 
 A member whose loss is not finite, or whose ``ctx.progress()`` raises (cancelled, pruned,
 preempted, out of time), is masked out: its updates are zeroed from then on and it ends at once
-(``on_end``) while the others go on.
+(``on_end``) while the others go on. Each member has its own Adam step count and epoch count,
+so a freed place (a member that ended, early or done) can take a new trial mid-pack
+(``refill``): its weights from its seed, its moments zero, its steps 0, its own epochs.
 
 A member saves what its job's own function resumes from (:attr:`Packing.checkpoint
 <tasks.core.job.Packing>`: ``train``'s ``resume.safetensors``) when its ``checkpoint_every_s``
