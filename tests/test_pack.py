@@ -349,3 +349,44 @@ def test_probe_measures_one_member_on_gpu():
     need, how = probe_bytes(TRAIN_PACKING, params, TRAIN_PACKING.data(params), "cuda:0")
     weights = sum(p.numel() * 4 for p in build(params.model, 64, 10, params.hidden).parameters())
     assert how == "measured" and need >= 4 * weights  # weights, grads and two moments at least
+
+
+class _Watch:
+    """A member's watch that gives the stop it is set to (the runner's JobWatch, in memory)."""
+
+    def __init__(self, stop: StopJob | None = None) -> None:
+        self.asked = stop
+
+    def stop(self) -> StopJob | None:
+        return self.asked
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        return stop
+
+
+class _Process:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def test_a_pack_whose_leader_ended_still_makes_way_as_a_whole():
+    """Members that took freed places outlive the leader; the leader's watch still says when the
+    slot must make way, and every open member is stopped; the ended leader's own cancel is not."""
+    from tasks.worker.supervisor import _PackRun
+
+    pack = RunPack(members=[_member("leader", {}), _member("kept", {})], refill=True)
+    process = _Process()
+    watches: dict[str, Any] = {"leader": _Watch(), "kept": _Watch(), "newcomer": _Watch()}
+    run = _PackRun(process, pack, watches, grace_s=5.0, budget=None, on_end=lambda *_: None)  # type: ignore[arg-type]
+    del run.open["leader"]  # its own trial ended (its Finished came)
+    run.open["newcomer"] = None  # a trial that took a freed place
+    watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.CANCEL, message="its own cancel")
+    assert run._ask_stops() is None and process.sent == []
+    watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.PREEMPT, message="urgent work")
+    assert run._ask_stops() is None
+    assert sorted((m.job_id, m.reason) for m in process.sent) == [("kept", StopReason.PREEMPT),
+                                                                   ("newcomer", StopReason.PREEMPT)]
+    assert "leader" not in run.open

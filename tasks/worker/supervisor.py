@@ -810,7 +810,10 @@ class _PackRun:
         """Ask each open member's watch for its stop and send it to that member alone (the
         leader's preemption or worker stop to every member); returns a stop whose grace ran out."""
         now = time.monotonic()
-        for job_id in list(self.open):
+        # The pack holds the leader's slot: once the leader's own trial has ended (members that
+        # took freed places train on), its watch is still asked whether the slot must make way.
+        leader_gone = self.leader not in self.open and any(sent is None for sent in self.open.values())
+        for job_id in list(self.open) + ([self.leader] if leader_gone else []):
             sent = self.open.get(job_id)
             if sent is not None:
                 if now - sent[1] > (sent[0].grace_s if sent[0].grace_s is not None else self.grace_s):
@@ -818,6 +821,8 @@ class _PackRun:
                 continue
             watch = self.watches[job_id]
             asked = watch.stop()
+            if job_id not in self.open and (asked is None or asked.reason not in (StopReason.PREEMPT, StopReason.SHUTDOWN)):
+                continue  # the ended leader's own stops (its cancel, its time limit) are nobody's now
             stop = watch.act_on(asked) if asked is not None else None
             if stop is None:
                 continue
