@@ -34,7 +34,7 @@ from tasks.core.wire import (
     decode_from_job_process,
 )
 from tasks.jobproc.channel import Channel
-from tasks.jobproc.pack_run import fits, run_pack
+from tasks.jobproc.pack_run import run_pack
 from tasks.jobproc.packed import Member, choose_pack, probe_bytes, train_pack
 from tasks.jobproc.registry import JobRegistry
 from tasks.jobproc.runtime import JobRuntime, _Baseline
@@ -276,8 +276,7 @@ def test_run_pack_of_a_job_that_does_not_pack(runtime):
 def test_run_pack_gives_way_past_the_budget(runtime):
     """Members past what fits the budget come back GIVE_WAY, saying how many fit; the rest run."""
     params = ToyParams()
-    _, need = fits(DEFINED["packtoy"].pack, Member(JobContext(device="cpu0", torch_device="cpu", job_id="x",  # type: ignore[arg-type]
-                                                             artifacts_dir=Path("/nonexistent")), params, _toy_data(params)), None)
+    need, _ = probe_bytes(DEFINED["packtoy"].pack, params, _toy_data(params), "cpu")  # type: ignore[arg-type]
     pack = RunPack(members=[_member(f"m{i}", {"seed": i}, "packtoy", allocator_limit_bytes=2 * need + need // 2)
                             for i in range(4)])
     finished, _ = _run(runtime, pack)

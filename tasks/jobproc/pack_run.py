@@ -19,12 +19,12 @@ from typing import Any
 
 from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB, PACK_AUTO_MAX
 from ..core.errors import InvalidJobArguments, OutOfMemory, PackTooLarge
-from ..core.job import JobDefinition, Packing
+from ..core.job import JobDefinition
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Outcome, Report, RunJob, RunPack
 from .channel import Channel
 from .oom import MiB, _oom_error, memory_figures, release_memory, settle_device
-from .packed import Member, bytes_per_member, choose_pack, probe_bytes, train_pack
+from .packed import Member, choose_pack, probe_bytes, train_pack
 from .progress import ProgressThrottle
 from .registry import validate_kwargs
 from .runtime import JobRuntime, classify, context_of, gpu_memory_in_use, rss_bytes
@@ -43,13 +43,6 @@ class _Seat:
     throttle: ProgressThrottle
     scalars: ScalarLog
     ended: bool = False
-
-
-def fits(packing: Packing, member: Member, budget: int | None) -> tuple[int | None, int]:
-    """How many members like ``member`` fit ``budget`` bytes (None: no budget, every one), and
-    the bytes one needs."""
-    need = bytes_per_member(packing, member.params, member.data)
-    return (None if budget is None else max(1, budget // max(1, need))), need
 
 
 def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
