@@ -617,6 +617,8 @@ class PackedParams(BaseModel):
     seed: int = 0
     #: Kill the job process while this trial's data is made (a trial that takes its pack down).
     crash: bool = False
+    #: Data that is all NaN: the trial's loss is not finite (a packed trial ends TrainingDiverged).
+    diverge: bool = False
 
 
 def _packed_data(params: PackedParams) -> Any:
@@ -629,6 +631,8 @@ def _packed_data(params: PackedParams) -> Any:
     generator = torch.Generator().manual_seed(params.seed)
     x = torch.randn(64, 4, generator=generator)
     y = (x.sum(dim=1) > 0).long()
+    if params.diverge:
+        x[:] = float("nan")
     return PackData(x_train=x[:48], y_train=y[:48], x_test=x[48:], y_test=y[48:])
 
 

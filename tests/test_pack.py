@@ -34,8 +34,8 @@ from tasks.core.wire import (
     decode_from_job_process,
 )
 from tasks.jobproc.channel import Channel
-from tasks.jobproc.pack_run import fits, run_pack
-from tasks.jobproc.packed import Member, train_pack
+from tasks.jobproc.pack_run import run_pack
+from tasks.jobproc.packed import Member, choose_pack, probe_bytes, train_pack
 from tasks.jobproc.registry import JobRegistry
 from tasks.jobproc.runtime import JobRuntime, _Baseline
 from tasks.jobs.loader import build_loader
@@ -105,13 +105,47 @@ def test_packed_train_equals_each_trial_alone(tmp_path):
     for i, out in ends.items():
         assert abs(out["accuracy"] - alone[i]["accuracy"]) <= 0.01, (i, out["accuracy"], alone[i]["accuracy"])
         assert out["loss"] == pytest.approx(alone[i]["loss"], rel=1e-3)
-        assert out["packed"] == {"members": 4, "index": i}
+        assert out["packed"] == {"members": 4, "index": i, "pid": os.getpid()}
         assert len(out["history"]) == 2 and out["model"] == "mlp" and out["dataset"] == "digits"
         # Its own checkpoint, in its own folder, that loads into the model train builds.
         assert Path(out["checkpoint"]).parent == tmp_path / f"packed{i}"
         net = build(params[i].model, 64, 10, params[i].hidden)
         net.load_state_dict(load_file(out["checkpoint"]))
     assert len({out["weights_digest"] for out in ends.values()}) == 4
+
+
+def test_a_freed_place_is_refilled_and_its_trial_trains_as_alone(tmp_path):
+    """A pack of 2 whose member is cancelled after its first epoch: the third trial takes its
+    place (its own seed, lr, step count and epochs) and ends where it ends alone; the member
+    that finished first ends at once, not when the refilled one does."""
+    torch.set_num_threads(1)
+    params = [TrainParams(epochs=2, lr=lr, seed=seed, num_workers=0) for lr, seed in [(3e-3, 0), (1e-2, 1), (5e-3, 2)]]
+    cancel = _ctx(tmp_path, "cancelled")
+    cancel.cancelled = lambda: True  # its first progress() raises JobCancelled
+    members = [Member(_ctx(tmp_path, "kept"), params[0], TRAIN_PACKING.data(params[0])),
+               Member(cancel, params[1], TRAIN_PACKING.data(params[1]))]
+    queue = [Member(_ctx(tmp_path, "third"), params[2], TRAIN_PACKING.data(params[2]))]
+    asked: list[int] = []
+
+    def refill(index: int) -> Member | None:
+        asked.append(index)
+        return queue.pop() if queue else None
+
+    ended: list[tuple[str, Any, Any]] = []
+    ends = train_pack(TRAIN_PACKING, members, "cpu",
+                      lambda i, out, err: ended.append((members[i].ctx.job_id if err else str(i), out, err)), refill)
+    assert asked[0] == 1 and ended[0][0] == "cancelled" and type(ended[0][2]).__name__ == "JobCancelled"
+    # "kept" finished at the end of epoch 2, while the third trial still had an epoch to go.
+    assert ended[1][0] == "0" and ended[1][1]["packed"] == {"members": 2, "index": 0, "pid": os.getpid()}
+    assert sorted(ends) == [1]
+    third = ends[1]
+    assert third["packed"] == {"members": 2, "index": 1, "pid": os.getpid(), "refilled": True}
+    assert Path(third["checkpoint"]).parent == tmp_path / "third"
+    assert [h["epoch"] for h in third["history"]] == [1, 2]
+    for output, p in ((ended[1][1], params[0]), (third, params[2])):
+        alone = train(_ctx(tmp_path, f"alone{p.seed}"), p)
+        assert abs(output["accuracy"] - alone["accuracy"]) <= 0.01, (p.seed, output["accuracy"], alone["accuracy"])
+        assert output["loss"] == pytest.approx(alone["loss"], rel=1e-3)
 
 
 def test_a_packed_members_checkpoint_is_the_one_it_would_save_alone(tmp_path):
@@ -193,7 +227,7 @@ def test_run_pack_ends_each_member_alone(runtime):
     for name in ("ok0", "ok1"):
         assert finished[name].outcome is Outcome.OK
         output = finished[name].output
-        assert output is not None and output["packed"] == {"members": 4, "index": 0 if name == "ok0" else 3}
+        assert output is not None and output["packed"] == {"members": 4, "index": 0 if name == "ok0" else 3, "pid": os.getpid()}
         assert Path(str(output["checkpoint"])).parent.name == name
         assert finished[name].metrics["samples_per_s"] > 0
     assert finished["cancelled"].outcome is Outcome.CANCELLED
@@ -242,14 +276,49 @@ def test_run_pack_of_a_job_that_does_not_pack(runtime):
 def test_run_pack_gives_way_past_the_budget(runtime):
     """Members past what fits the budget come back GIVE_WAY, saying how many fit; the rest run."""
     params = ToyParams()
-    _, need = fits(DEFINED["packtoy"].pack, Member(JobContext(device="cpu0", torch_device="cpu", job_id="x",  # type: ignore[arg-type]
-                                                             artifacts_dir=Path("/nonexistent")), params, _toy_data(params)), None)
+    need, _ = probe_bytes(DEFINED["packtoy"].pack, params, _toy_data(params), "cpu")  # type: ignore[arg-type]
     pack = RunPack(members=[_member(f"m{i}", {"seed": i}, "packtoy", allocator_limit_bytes=2 * need + need // 2)
                             for i in range(4)])
     finished, _ = _run(runtime, pack)
     assert [finished[f"m{i}"].outcome for i in range(4)] == [Outcome.OK, Outcome.OK, Outcome.GIVE_WAY, Outcome.GIVE_WAY]
     error = finished["m3"].error
     assert error is not None and error.type == "PackTooLarge" and "at most 2 trials" in error.message
+
+
+def test_choose_pack_takes_the_least_of_budget_cap_and_trials():
+    mib = 1024**2
+    assert choose_pack(10, 100 * mib, 1000 * mib, 256) == (
+        10, "10 of 10 trials: the slot's budget of 1000 MiB fits 10 at about 100.0 MiB each (at most 256)")
+    assert choose_pack(40, 100 * mib, 1000 * mib, 256)[0] == 10  # the budget decides
+    assert choose_pack(400, 1 * mib, 1000 * mib, 256)[0] == 256  # the cap decides
+    assert choose_pack(3, 1 * mib, 1000 * mib, 256)[0] == 3  # the trials decide
+    assert choose_pack(300, 1 * mib, None, 256) == (256, "256 of 300 trials: no memory budget on this slot (at most 256)")
+    k, why = choose_pack(4, 100 * mib, 50 * mib, 256)
+    assert k == 0 and why == "not one trial fits: the slot's budget of 50 MiB fits 0 at about 100.0 MiB each"
+
+
+def test_run_pack_where_not_one_member_fits_says_what_fits(runtime):
+    params = ToyParams()
+    need, how = probe_bytes(DEFINED["packtoy"].pack, params, _toy_data(params), "cpu")  # type: ignore[arg-type]
+    assert how == "estimated"
+    pack = RunPack(members=[_member(f"m{i}", {"seed": i}, "packtoy", allocator_limit_bytes=need // 2) for i in range(2)])
+    finished, _ = _run(runtime, pack)
+    for ending in finished.values():
+        assert ending.outcome is Outcome.ERROR and ending.error is not None and ending.error.type == "PackTooLarge"
+        assert "not one trial fits" in ending.error.message and "run these trials without pack=" in ending.error.message
+
+
+def test_the_refill_messages_travel_each_one_way():
+    from pydantic import ValidationError
+
+    from tasks.core.wire import NewMember, WantMember, decode_from_worker
+
+    want = WantMember(index=3)
+    answer = NewMember(member=_member("next", {"seed": 9}))
+    assert decode_from_job_process(want.encode()) == want
+    assert decode_from_worker(answer.encode()) == answer and decode_from_worker(NewMember().encode()) == NewMember()
+    with pytest.raises(ValidationError):
+        decode_from_job_process(answer.encode())
 
 
 def test_hello_names_the_pack_key():
@@ -269,3 +338,54 @@ def test_packed_train_on_gpu_equals_each_trial_alone(tmp_path):
     for i, p in enumerate(params):
         alone = train(JobContext(device="gpu0", torch_device="cuda:0", job_id=f"a{i}", artifacts_dir=tmp_path / f"a{i}"), p)
         assert abs(ends[i]["accuracy"] - alone["accuracy"]) <= 0.01
+
+
+@pytest.mark.gpu
+def test_probe_measures_one_member_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    params = TrainParams(epochs=1, num_workers=0)
+    need, how = probe_bytes(TRAIN_PACKING, params, TRAIN_PACKING.data(params), "cuda:0")
+    weights = sum(p.numel() * 4 for p in build(params.model, 64, 10, params.hidden).parameters())
+    assert how == "measured" and need >= 4 * weights  # weights, grads and two moments at least
+
+
+class _Watch:
+    """A member's watch that gives the stop it is set to (the runner's JobWatch, in memory)."""
+
+    def __init__(self, stop: StopJob | None = None) -> None:
+        self.asked = stop
+
+    def stop(self) -> StopJob | None:
+        return self.asked
+
+    def act_on(self, stop: StopJob) -> StopJob | None:
+        return stop
+
+
+class _Process:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+
+def test_a_pack_whose_leader_ended_still_makes_way_as_a_whole():
+    """Members that took freed places outlive the leader; the leader's watch still says when the
+    slot must make way, and every open member is stopped; the ended leader's own cancel is not."""
+    from tasks.worker.supervisor import _PackRun
+
+    pack = RunPack(members=[_member("leader", {}), _member("kept", {})], refill=True)
+    process = _Process()
+    watches: dict[str, Any] = {"leader": _Watch(), "kept": _Watch(), "newcomer": _Watch()}
+    run = _PackRun(process, pack, watches, grace_s=5.0, budget=None, on_end=lambda *_: None)  # type: ignore[arg-type]
+    del run.open["leader"]  # its own trial ended (its Finished came)
+    run.open["newcomer"] = None  # a trial that took a freed place
+    watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.CANCEL, message="its own cancel")
+    assert run._ask_stops() is None and process.sent == []
+    watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.PREEMPT, message="urgent work")
+    assert run._ask_stops() is None
+    assert sorted((m.job_id, m.reason) for m in process.sent) == [("kept", StopReason.PREEMPT),
+                                                                   ("newcomer", StopReason.PREEMPT)]
+    assert "leader" not in run.open

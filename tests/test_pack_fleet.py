@@ -49,6 +49,40 @@ def test_a_cancelled_member_leaves_its_pack_alone(app):
 
 
 @pytest.mark.timeout(300)
+def test_a_freed_place_in_a_pack_takes_the_next_trial_of_the_queue(app, tmp_path):
+    """A pack of 2 whose trial 1 diverges at its first epoch: trial 2 takes its place in the same
+    job process (its own message, lease and entry) and ends as it does alone."""
+    trials = [{"seed": 0, "epochs": 4}, {"seed": 1, "epochs": 4, "diverge": True}, {"seed": 2, "epochs": 4, "lr": 3e-2}]
+    entries = tasks.sweep("packed", trials, "cpu1", pack=2, app=app).get(timeout=240)
+    assert [e["status"] for e in entries] == ["ok", "error", "ok"], [e["error"] for e in entries]
+    assert entries[1]["error"]["type"] == "TrainingDiverged"
+    first, third = entries[0]["output"]["packed"], entries[2]["output"]["packed"]
+    assert first["members"] == 2 and "refilled" not in first
+    assert third == {"members": 2, "index": 1, "pid": first["pid"], "refilled": True}
+    # The same trial trained alone by the packed trainer (the job's own function batches in
+    # another order): its place's step count and moments started from zero.
+    from tasks.core.job import DEFINED, JobContext
+    from tasks.jobproc.packed import Member, train_pack
+
+    from .fleet_jobs import PackedParams, _packed_data
+
+    params = PackedParams(**trials[2])
+    ctx = JobContext(device="cpu1", torch_device="cpu", job_id="alone", artifacts_dir=tmp_path)
+    alone = train_pack(DEFINED["packed"].pack, [Member(ctx, params, _packed_data(params))], "cpu",  # type: ignore[arg-type]
+                       lambda i, out, err: None)
+    assert abs(entries[2]["output"]["accuracy"] - alone[0]["accuracy"]) <= 0.01
+    assert entries[2]["output"]["history"][-1]["loss"] == pytest.approx(alone[0]["history"][-1]["loss"], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_an_auto_pack_says_how_its_size_was_chosen(app):
+    entries = tasks.sweep("packed", [{"seed": i} for i in range(3)], "cpu1", pack="auto", app=app).get(timeout=240)
+    assert [e["status"] for e in entries] == ["ok"] * 3, [e["error"] for e in entries]
+    chosen = [e["output"]["packed"]["chosen"] for e in entries if e["output"]["packed"] is not None]
+    assert chosen and all(c.startswith("pack='auto': ") and "no memory budget on this slot" in c for c in chosen), chosen
+
+
+@pytest.mark.timeout(300)
 def test_a_pack_whose_process_dies_runs_its_unfinished_trials_again_alone(app):
     trials = [{"seed": i, "crash": i == 2} for i in range(4)]
     entries = tasks.sweep("packed", trials, "cpu1", pack=4, app=app).get(timeout=240)

@@ -262,6 +262,9 @@ PACK_AUTO_MAX = 256
 #: How long a pack's leader waits for the members it took to take their leases and join it;
 #: one still on its way then finds the pack gone and runs alone.
 PACK_JOIN_TIMEOUT_S = 10.0
+#: How long a pack's job process waits for the worker's answer when it asks for a trial to
+#: refill a freed place (the worker takes one from the queue and waits for it to join).
+PACK_REFILL_WAIT_S = 15.0
 #: A pack's leader goes on taking its queue's trials while they still arrive (a sweep publishes
 #: them in a burst, and the leader may take the first before the rest are there): until none
 #: came for PACK_GATHER_S, looking every PACK_GATHER_POLL_S, PACK_GATHER_MAX_S at most.

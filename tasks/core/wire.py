@@ -211,6 +211,25 @@ class RunPack(_Message):
 
     kind: Literal["pack"] = "pack"
     members: list[RunJob] = Field(min_length=1)
+    #: Whether a place a member frees may be refilled: the job process asks the worker for the
+    #: next waiting trial of the pack's queue (:class:`WantMember`, answered by :class:`NewMember`).
+    refill: bool = False
+
+
+class WantMember(_Message):
+    """A pack's place ``index`` is free: the job process asks the worker for the next waiting
+    trial of the pack's queue, and waits for the :class:`NewMember` answer."""
+
+    kind: Literal["want_member"] = "want_member"
+    index: int = Field(ge=0)
+
+
+class NewMember(_Message):
+    """The worker's answer to :class:`WantMember`: the trial that takes the place (its own
+    message, lease and watch, taken as the pack's first members were), or None: no more."""
+
+    kind: Literal["new_member"] = "new_member"
+    member: RunJob | None = None
 
 
 class StopJob(_Message):
@@ -336,22 +355,23 @@ class Finished(_Message):
     run_s: float | None = None
 
 
-FromWorker = Annotated[ProcessSpec | RunJob | RunPack | StopJob | Proceed, Field(discriminator="kind")]
-FromJobProcess = Annotated[Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished,
+FromWorker = Annotated[ProcessSpec | RunJob | RunPack | StopJob | Proceed | NewMember, Field(discriminator="kind")]
+FromJobProcess = Annotated[Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished | WantMember,
                            Field(discriminator="kind")]
 
 _FROM_WORKER: TypeAdapter[Any] = TypeAdapter(FromWorker)
 _FROM_JOB_PROCESS: TypeAdapter[Any] = TypeAdapter(FromJobProcess)
 
 
-def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | RunPack | StopJob | Proceed:
+def decode_from_worker(data: bytes) -> ProcessSpec | RunJob | RunPack | StopJob | Proceed | NewMember:
     """A message the worker sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: ProcessSpec | RunJob | RunPack | StopJob | Proceed = _FROM_WORKER.validate_json(data)
+    message: ProcessSpec | RunJob | RunPack | StopJob | Proceed | NewMember = _FROM_WORKER.validate_json(data)
     return message
 
 
-def decode_from_job_process(data: bytes) -> Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished:
+def decode_from_job_process(data: bytes) -> (Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished
+                                             | WantMember):
     """A message a job process sent. Raises pydantic's ``ValidationError`` if it is not one."""
-    message: Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished = \
+    message: Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished | WantMember = \
         _FROM_JOB_PROCESS.validate_json(data)
     return message

@@ -18,13 +18,14 @@ from multiprocessing.connection import Connection
 
 from pydantic import ValidationError
 
-from ..core.defaults import RANK_FAILED_ASK_S
+from ..core.defaults import PACK_REFILL_WAIT_S, RANK_FAILED_ASK_S
 from ..core.errors import DeviceFleetError, JobCancelled
 from ..core.wire import (
     STOPS,
     Finished,
     Hello,
     LogLines,
+    NewMember,
     Proceed,
     ProcessSpec,
     RankFailed,
@@ -35,12 +36,13 @@ from ..core.wire import (
     StopJob,
     StopReason,
     StoreOpened,
+    WantMember,
     decode_from_worker,
 )
 
 logger = logging.getLogger(__name__)
 
-ToWorker = Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished
+ToWorker = Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished | WantMember
 
 
 class Channel:
@@ -53,6 +55,8 @@ class Channel:
         #: The stops asked of the running job, or of the running pack's members, by job id.
         self._stops: dict[str, StopJob] = {}
         self._proceed = threading.Event()
+        #: The worker's answers to WantMember (one question at a time: the pack's thread asks).
+        self._new_members: queue.Queue[NewMember] = queue.Queue()
 
     def receive_first(self) -> bytes:
         """The first frame (the process spec), read before the reader thread starts."""
@@ -68,6 +72,16 @@ class Channel:
         self._proceed.clear()
         self.send(message)
         return self._proceed.wait(RANK_FAILED_ASK_S)
+
+    def want_member(self, index: int) -> RunJob | None:
+        """Ask the worker for a trial to take the pack's free place ``index``; the member it
+        sends, or None (no more, or no answer within :data:`~tasks.core.defaults.PACK_REFILL_WAIT_S`)."""
+        self.send(WantMember(index=index))
+        try:
+            return self._new_members.get(timeout=PACK_REFILL_WAIT_S).member
+        except queue.Empty:
+            logger.warning("no answer from the worker for a trial to refill place %d of the pack", index)
+            return None
 
     def start(self) -> None:
         threading.Thread(target=self._read, name="devicefleet-jobproc-reader", daemon=True).start()
@@ -108,7 +122,7 @@ class Channel:
                 continue
             self.deliver(message)
 
-    def deliver(self, message: ProcessSpec | RunJob | RunPack | StopJob | Proceed) -> None:
+    def deliver(self, message: ProcessSpec | RunJob | RunPack | StopJob | Proceed | NewMember) -> None:
         """Take one message from the worker (the reader thread's, or a test's)."""
         if isinstance(message, RunJob | RunPack):
             # A stop was for the run before (a rank runs again under the same job id in
@@ -120,6 +134,8 @@ class Channel:
             self._stops = {**self._stops, message.job_id: message}
         elif isinstance(message, Proceed):
             self._proceed.set()
+        elif isinstance(message, NewMember):
+            self._new_members.put(message)
 
     def _orphaned(self) -> None:
         """The worker closed the pipe or died: end this process group (the job process leads

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
+from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB, PACK_AUTO_MAX
 from ..core.errors import InvalidJobArguments, OutOfMemory, PackTooLarge
-from ..core.job import JobDefinition, Packing
+from ..core.job import JobDefinition
 from ..core.records import ErrorInfo
 from ..core.wire import Finished, Outcome, Report, RunJob, RunPack
 from .channel import Channel
 from .oom import MiB, _oom_error, memory_figures, release_memory, settle_device
-from .packed import Member, bytes_per_member, train_pack
+from .packed import Member, choose_pack, probe_bytes, train_pack
 from .progress import ProgressThrottle
 from .registry import validate_kwargs
 from .runtime import JobRuntime, classify, context_of, gpu_memory_in_use, rss_bytes
@@ -43,13 +43,6 @@ class _Seat:
     throttle: ProgressThrottle
     scalars: ScalarLog
     ended: bool = False
-
-
-def fits(packing: Packing, member: Member, budget: int | None) -> tuple[int | None, int]:
-    """How many members like ``member`` fit ``budget`` bytes (None: no budget, every one), and
-    the bytes one needs."""
-    need = bytes_per_member(packing, member.params, member.data)
-    return (None if budget is None else max(1, budget // max(1, need))), need
 
 
 def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
@@ -94,15 +87,40 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
             # The first member's allocator limit: the slot's budget on a GPU (the worker sets none on
             # a CPU today: there an auto pack packs every member given).
             budget = first.allocator_limit_bytes
-            fit, need = fits(definition.pack, members[0], budget) if definition.pack is not None else (None, 0)
-            if fit is not None and fit < len(members):
+            assert definition.pack is not None
+            need, how = probe_bytes(definition.pack, members[0].params, members[0].data, spec.torch_device)
+            auto = first.options.get("pack") == "auto"
+            fit, why = choose_pack(len(members), need, budget, PACK_AUTO_MAX if auto else len(members))
+            if fit == 0:
+                refusal = PackTooLarge(
+                    f"a pack of {first.job!r} trials: {why} ({how}); a budget of at least {need / MiB:.1f} MiB fits "
+                    "one: run these trials without pack= or on a slot with more memory")
+                for seat in seated:
+                    finish(seat, None, refusal, Outcome.ERROR)
+                members, seated = [], []
+            elif fit < len(members):
                 too_large = (f"a pack of {len(pack.members)} trials of {first.job!r}: at most {fit} trials of this "
                              f"shape fit the slot's budget of {(budget or 0) / GiB:.2f} GiB (about {need / MiB:.1f} MiB "
-                             "each); this trial goes back to its queue and runs in a later pack")
+                             f"each, {how}); this trial goes back to its queue and runs in a later pack")
                 for seat in seated[fit:]:
                     finish(seat, None, PackTooLarge(too_large), Outcome.GIVE_WAY)
                 members, seated = members[:fit], seated[:fit]
-            _train(spec.torch_device, definition, members, seated, finish)
+            for member in members:  # each trial's output says how its pack's size was chosen
+                member.chosen = f"pack='auto': {why} ({how})" if auto else None
+
+            def refill(index: int) -> tuple[Member, _Seat] | None:
+                """The worker's next trial for free place ``index``, checked as the first were."""
+                while pack.refill and (job := channel.want_member(index)) is not None:
+                    seat = _seat(runtime, job, channel)
+                    seats.append(seat)
+                    assert definition is not None
+                    joined, _ = _members(runtime, definition, [seat], channel, finish)
+                    if joined:  # else it ended with its own error: ask for the next
+                        return joined[0], seat
+                return None
+
+            if members:
+                _train(spec.torch_device, definition, members, seated, finish, refill)
     except BaseException as exc:  # what fails the whole pack ends every member not yet ended
         for seat in seats:
             if not seat.ended:
@@ -164,16 +182,24 @@ def _members(runtime: JobRuntime, definition: JobDefinition, seats: list[_Seat],
 
 
 def _train(torch_device: str, definition: JobDefinition, members: list[Member], seated: list[_Seat],
-           finish: Any) -> None:
-    """Train the members; torch's out-of-memory becomes the fleet's, for every member not ended."""
+           finish: Any, refill: Any = None) -> None:
+    """Train the members; torch's out-of-memory becomes the fleet's, for every member not ended.
+    ``refill(index)`` gives the member and seat that take a freed place (None: no more)."""
     assert definition.pack is not None
     oom = _oom_error()
 
     def on_end(index: int, output: dict[str, Any] | None, error: BaseException | None) -> None:
         finish(seated[index], output, error)
 
+    def take(index: int) -> Member | None:
+        taken = refill(index) if refill is not None else None
+        if taken is None:
+            return None
+        seated[index] = taken[1]  # the place's endings are the newcomer's from now on
+        return taken[0]
+
     try:
-        outputs = train_pack(definition.pack, members, torch_device, on_end)
+        outputs = train_pack(definition.pack, members, torch_device, on_end, take if refill is not None else None)
     except oom as exc:
         figures = memory_figures(torch_device)
         raise OutOfMemory(f"a pack of {len(members)} trials of {definition.name!r} ran out of memory on "

@@ -37,6 +37,7 @@ from ..core.wire import (
     Finished,
     Hello,
     LogLines,
+    NewMember,
     Proceed,
     ProcessSpec,
     RankFailed,
@@ -46,6 +47,7 @@ from ..core.wire import (
     RunPack,
     StopJob,
     StoreOpened,
+    WantMember,
     decode_from_job_process,
 )
 from .group_host import GroupHostGone, GroupHostLink, RemoteChild
@@ -152,7 +154,7 @@ class JobProcess:
                 self.kill("it did not say hello in time")
                 raise ProcessGone(f"{self.label}: not ready after {timeout:g} s; its output: {self.tail_text()}")
 
-    def send(self, message: RunJob | RunPack | StopJob | Proceed) -> None:
+    def send(self, message: RunJob | RunPack | StopJob | Proceed | NewMember) -> None:
         """Send ``message``; a process that has gone is found by the next :meth:`receive`."""
         if isinstance(message, RunJob | RunPack):
             self._tail.clear()
@@ -162,7 +164,8 @@ class JobProcess:
         except OSError as exc:
             logger.debug("%s: could not send %s: %s", self.label, message.kind, exc)
 
-    def receive(self, timeout: float) -> Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished | None:
+    def receive(self, timeout: float) -> (Hello | Refused | Report | LogLines | StoreOpened | RankFailed | Finished
+                                          | WantMember | None):
         """The next message, or None if none came within ``timeout``.
 
         Raises:

@@ -162,9 +162,26 @@ class Pack:
             else:
                 room.deliver(member, ended)
 
+        known = set(watches)
+
+        def refill() -> tuple[RunJob, Watch] | None:
+            """The next waiting trial of the pack's queue, taken and joined as the first were."""
+            while launch.siblings is not None and launch.siblings(room, 1) > 0:
+                joined = [m for m in room.wait_joined(PACK_JOIN_TIMEOUT_S) if m.message.job_id not in known]
+                known.update(m.message.job_id for m in joined)
+                if not joined:  # its lease was refused or it was cancelled: take the next
+                    continue
+                joined = _one_users(launch, room, joined)
+                if not joined:  # another user's (back to its queue, alone): take no more, or it comes again
+                    return None
+                logger.info("%s: job %s takes a freed place in job %s's pack", self.plain.device,
+                            joined[0].message.job_id, job_id)
+                return joined[0].message, joined[0].watch
+            return None
+
         logger.info("%s: job %s leads a pack of %d trials", self.plain.device, job_id, len(pack.members))
         try:
-            self.plain.supervisor.run_pack(pack, watches, launch.slot, on_end)
+            self.plain.supervisor.run_pack(pack, watches, launch.slot, on_end, refill)
         except NoJobProcess as exc:
             logger.error("%s: %s", self.plain.device, exc)
             return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)

@@ -13,7 +13,9 @@ one :class:`~tasks.core.wire.RunPack` (:meth:`tasks.worker.supervisor.Supervisor
 each member's :class:`~tasks.worker.supervisor.Ended` goes back to its own thread as soon as the
 job process ends it. A member the worker could not place in the pack (its pack's process died,
 the leader's run failed before the pack started) ends as :data:`~tasks.core.wire.Outcome.UNPACK`:
-its message goes back to its queue, to run alone.
+its message goes back to its queue, to run alone. A place a member frees is refilled: the job
+process asks for one more (:class:`~tasks.core.wire.WantMember`), and the leader takes the next
+waiting trial as it took the first ones (``Pack._lead``'s refill, :mod:`tasks.worker.modes`).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from ..core.wire import (
     Finished,
     Hello,
     LogLines,
+    NewMember,
     Outcome,
     Proceed,
     ProcessSpec,
@@ -74,12 +75,17 @@ from ..core.wire import (
     StopJob,
     StopReason,
     StoreOpened,
+    WantMember,
 )
 from . import memory, owners
 from .group_host import GroupHostLink
 from .jobprocess import JobProcess, ProcessGone
 from .memory import MemoryMeter
 from .slots import Slot
+
+#: ``refill() -> (message, watch) | None``: the next waiting trial of a pack's queue, taken,
+#: leased and watched as the pack's first members were; None: no more (:class:`_PackRun`).
+Refill = Callable[[], "tuple[RunJob, Watch] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +368,7 @@ class Supervisor:
         return ended if retire == ended.retired else dataclasses.replace(ended, retired=retire)
 
     def run_pack(self, pack: RunPack, watches: Mapping[str, Watch], slot: Slot,
-                 on_end: Callable[[str, Ended], None]) -> None:
+                 on_end: Callable[[str, Ended], None], refill: Refill | None = None) -> None:
         """Run ``pack`` (several trials of one job, trained at once: :mod:`tasks.worker.pack`)
         in one ready job process, in ``slot``, and watch each member with its own watch of
         ``watches``: its reports relayed, its own stop sent to it alone (the first member's
@@ -370,7 +376,9 @@ class Supervisor:
         and its ending handed to ``on_end(job_id, ended)`` as soon as the process ends it. Every
         member gets exactly one ending; those the pack could not finish (its process died, went
         past the slot's budget, or a member did not stop within its grace) end as
-        :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone.
+        :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone. With ``refill``, a place a
+        member frees is offered to the next trial ``refill()`` takes from the pack's queue (its
+        message and its watch; None: no more), watched and ended as the first members are.
 
         Raises:
             NoJobProcess: none became ready within the start timeout (no member was ended).
@@ -379,9 +387,9 @@ class Supervisor:
         first = self._in_slot(pack.members[0], slot, process)
         placed = {"slot": first.slot, "cores": first.cores, "torch_threads": first.torch_threads,
                   "allocator_limit_bytes": first.allocator_limit_bytes}
-        pack = RunPack(members=[member.model_copy(update=placed) for member in pack.members])
+        pack = RunPack(members=[member.model_copy(update=placed) for member in pack.members], refill=refill is not None)
         budget = _Budget(slot, self.meter) if slot.budget_bytes is not None and self.meter is not None else None
-        run = _PackRun(process, pack, watches, self.policy.cancel_grace_s, budget, on_end)
+        run = _PackRun(process, pack, dict(watches), self.policy.cancel_grace_s, budget, on_end, refill, placed)
         last, retire = run.wait()
         retire = retire or self._retire_reason(process, last)
         self._give_back(process, retire)
@@ -719,9 +727,13 @@ class _Run:
 class _PackRun:
     """One pack of trials in one process, from :class:`RunPack` to its last member's end."""
 
-    def __init__(self, process: JobProcess, pack: RunPack, watches: Mapping[str, Watch], grace_s: float,
-                 budget: _Budget | None, on_end: Callable[[str, Ended], None]) -> None:
+    def __init__(self, process: JobProcess, pack: RunPack, watches: dict[str, Watch], grace_s: float,
+                 budget: _Budget | None, on_end: Callable[[str, Ended], None], refill: Refill | None = None,
+                 placed: dict[str, Any] | None = None) -> None:
         self.process = process
+        self.refill = refill
+        #: The leader's slot, cores, threads and allocator limit: a refilled member's too.
+        self.placed = placed or {}
         self.pack = pack
         self.watches = watches
         self.grace_s = grace_s
@@ -762,6 +774,8 @@ class _PackRun:
                     watch.report(message.fields)
             elif isinstance(message, LogLines):
                 self.watches[self.leader].log(message.lines)
+            elif isinstance(message, WantMember):
+                self.process.send(NewMember(member=self._next_member()))
             if (late := self._ask_stops()) is not None:
                 self._kill_for(late)
                 return None, f"ended after {late.reason.value}"
@@ -773,6 +787,21 @@ class _PackRun:
                 return None, reason
         return last, retire
 
+    def _next_member(self) -> RunJob | None:
+        """The trial that takes a freed place: the next of the pack's queue, watched from now on;
+        None when the pack is making way (a preemption or stop asked of the whole pack)."""
+        if self.refill is None or any(sent is not None and sent[0].reason in (StopReason.PREEMPT, StopReason.SHUTDOWN)
+                                      for sent in self.open.values()):
+            return None
+        taken = self.refill()
+        if taken is None:
+            return None
+        job, watch = taken
+        job = job.model_copy(update=self.placed)
+        self.watches[job.job_id] = watch
+        self.open[job.job_id] = None
+        return job
+
     def _end(self, job_id: str, ended: Ended) -> None:
         # Every member held the slot for the pack's time: each counts its share of it.
         self.on_end(job_id, dataclasses.replace(ended, shared_by=len(self.pack.members)))
@@ -781,7 +810,10 @@ class _PackRun:
         """Ask each open member's watch for its stop and send it to that member alone (the
         leader's preemption or worker stop to every member); returns a stop whose grace ran out."""
         now = time.monotonic()
-        for job_id in list(self.open):
+        # The pack holds the leader's slot: once the leader's own trial has ended (members that
+        # took freed places train on), its watch is still asked whether the slot must make way.
+        leader_gone = self.leader not in self.open and any(sent is None for sent in self.open.values())
+        for job_id in list(self.open) + ([self.leader] if leader_gone else []):
             sent = self.open.get(job_id)
             if sent is not None:
                 if now - sent[1] > (sent[0].grace_s if sent[0].grace_s is not None else self.grace_s):
@@ -789,6 +821,8 @@ class _PackRun:
                 continue
             watch = self.watches[job_id]
             asked = watch.stop()
+            if job_id not in self.open and (asked is None or asked.reason not in (StopReason.PREEMPT, StopReason.SHUTDOWN)):
+                continue  # the ended leader's own stops (its cancel, its time limit) are nobody's now
             stop = watch.act_on(asked) if asked is not None else None
             if stop is None:
                 continue
