@@ -62,7 +62,7 @@ from tasks.core.records import (
 )
 from tasks.core.registry import job_schemas, live_workers, read_worker
 from tasks.core.settings import Settings
-from tasks.core.wire import Outcome, RunJob, StopJob, StopReason
+from tasks.core.wire import Outcome, RunJob, StopJob, StopReason, StoreOpened
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.jobproc.rank import peer_lost
@@ -501,7 +501,7 @@ def test_one_reaper_at_a_time(client, app):
     _dead_lease(client, task_id, resend=NOOP_RESEND)
     reaper = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0)
     other_reaper = client.lock(keys.REAPER_LOCK, timeout=30)
-    assert other_reaper.take(blocking=False).outcome is Take.TAKEN
+    assert other_reaper.acquire(blocking=False)
     try:
         reaper.tick()
         assert client.hexists(keys.LEASES, task_id), "reaped while another reaper held the lock"
@@ -1186,8 +1186,7 @@ class _RankWatch:
 
     def report(self, fields: dict[str, Any]) -> None: ...
     def log(self, lines: Any) -> None: ...
-    def store_opened(self, port: int) -> None: ...
-    def rank_failed(self, reason: str) -> None: ...
+    def heard(self, message: Any) -> None: ...
     def memory(self, used: int) -> None: ...
     preempted: Any = None
     def made_way(self, level: Any) -> None: ...
@@ -1247,7 +1246,7 @@ def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(c
         assert rank is not None
         generations[rank.rank].append(rank.generation)
         if rank.rank == 0:
-            watch.store_opened(1234)
+            watch.heard(StoreOpened(port=1234))
         if watches[rank.rank].preempted is not None:  # its second run: to its end
             return _ended(Outcome.OK)
         watches[rank.rank].running.set()
