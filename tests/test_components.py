@@ -62,7 +62,7 @@ from tasks.core.records import (
 )
 from tasks.core.registry import job_schemas, live_workers, read_worker
 from tasks.core.settings import Settings
-from tasks.core.wire import Outcome, RunJob, StopJob, StopReason
+from tasks.core.wire import Outcome, RunJob, StopJob, StopReason, StoreOpened
 from tasks.jobproc.oom import run_guarded
 from tasks.jobproc.progress import VALUES_KEPT, ProgressThrottle
 from tasks.jobproc.rank import peer_lost
@@ -138,7 +138,7 @@ def lease_of(client, task_id: str) -> LeaseRecord | None:  # type: ignore[no-unt
 
 def test_acquire_writes_the_lease_with_a_ttl_and_release_removes_it(client):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
-    assert keeper.acquire("job-1", "tag-1")
+    assert keeper.take("job-1", "tag-1").outcome is Take.TAKEN
     record = lease_of(client, "job-1")
     assert record is not None
     assert (record.device, record.worker, record.pid, record.host, record.task_id, record.delivery_tag) == (
@@ -156,12 +156,12 @@ def test_acquire_writes_the_lease_with_a_ttl_and_release_removes_it(client):
 def test_a_live_owners_lease_is_not_taken(client, monkeypatch):
     owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     with on_other_host(monkeypatch):
-        assert owner.acquire("job-2", "tag-a")
+        assert owner.take("job-2", "tag-a").outcome is Take.TAKEN
     register(client, worker_record("cpu1", host=OTHER_HOST))
     before = client.get(keys.lease("job-2"))
 
     other = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
-    assert not other.acquire("job-2", "tag-b")
+    assert other.take("job-2", "tag-b").outcome is not Take.TAKEN
     assert client.get(keys.lease("job-2")) == before
     assert client.hget(keys.LEASES, "job-2") == before
     assert other.held() == []
@@ -171,12 +171,12 @@ def test_a_live_owners_lease_is_not_taken(client, monkeypatch):
 def test_a_dead_owners_lease_is_taken_over(client, monkeypatch, registry):
     owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     with on_other_host(monkeypatch):
-        assert owner.acquire("job-3", "tag-a")
+        assert owner.take("job-3", "tag-a").outcome is Take.TAKEN
     if registry == "another process":  # the device's worker was restarted: a new pid owns cpu1
         register(client, worker_record("cpu1", host=OTHER_HOST, pid=os.getpid() + 1))
 
     successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
-    assert successor.acquire("job-3", "tag-b")
+    assert successor.take("job-3", "tag-b").outcome is Take.TAKEN
     record = lease_of(client, "job-3")
     assert record is not None and (record.device, record.delivery_tag) == ("cpu2", "tag-b")
     assert client.hget(keys.LEASES, "job-3") == record.to_json()
@@ -185,9 +185,9 @@ def test_a_dead_owners_lease_is_taken_over(client, monkeypatch, registry):
 def test_release_and_renewal_leave_a_successors_lease_alone(client, monkeypatch):
     cut_off = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     with on_other_host(monkeypatch):
-        assert cut_off.acquire("job-4", "tag-a")
+        assert cut_off.take("job-4", "tag-a").outcome is Take.TAKEN
     successor = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
-    assert successor.acquire("job-4", "tag-b")  # cpu1 is not in the registry: dead
+    assert successor.take("job-4", "tag-b").outcome is Take.TAKEN  # cpu1 is not in the registry: dead
     theirs = client.get(keys.lease("job-4"))
 
     cut_off.tick()  # renewing: must not bring its own lease back over the successor's
@@ -204,7 +204,7 @@ def test_takeover_is_compare_and_set(client, monkeypatch):
     """Two workers taking over the same dead lease: the one whose read is stale gets nothing."""
     dead = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     with on_other_host(monkeypatch):
-        assert dead.acquire("job-5", "tag-a")
+        assert dead.take("job-5", "tag-a").outcome is Take.TAKEN
     winner = LeaseRecord(device="cpu3", worker="cpu3@elsewhere", pid=1, host="elsewhere", task_id="job-5",
                          since=time.time()).to_json()
     real_owner_alive = lease_module.owner_alive
@@ -216,14 +216,14 @@ def test_takeover_is_compare_and_set(client, monkeypatch):
 
     monkeypatch.setattr(lease_module, "owner_alive", another_worker_wins_meanwhile)
     loser = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
-    assert not loser.acquire("job-5", "tag-b")
+    assert loser.take("job-5", "tag-b").outcome is not Take.TAKEN
     assert client.get(keys.lease("job-5")) == winner
     assert loser.held() == []
 
 
 def test_tick_renews_the_ttl_and_restores_a_lost_lease(client):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=6.0)
-    assert keeper.acquire("job-6", None)
+    assert keeper.take("job-6", None).outcome is Take.TAKEN
     client.pexpire(keys.lease("job-6"), 500)
     assert client.pttl(keys.lease("job-6")) <= 500
     keeper.tick()
@@ -238,7 +238,7 @@ def test_tick_renews_the_ttl_and_restores_a_lost_lease(client):
 
 def test_the_keeper_thread_renews_held_leases(client):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=1.5)  # renews every 0.5 s
-    assert keeper.acquire("job-7", None)
+    assert keeper.take("job-7", None).outcome is Take.TAKEN
     keeper.start()
     try:
         client.pexpire(keys.lease("job-7"), 300)
@@ -275,7 +275,7 @@ def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, ap
         # Held until the result is stored (the worker's task_postrun settles it: with no end
         # stored, it releases it, as here).
         assert keeper.held() == [task_id] and client.exists(keys.lease(task_id)) == 1
-        keeper.release_held(task_id)
+        keeper.release(task_id)
         assert client.exists(keys.lease(task_id)) == 0
         assert keeper.held() == []
     finally:
@@ -317,7 +317,7 @@ def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, mon
 def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(client, app):
     keeper = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
     task_id = str(uuid.uuid4())
-    assert keeper.acquire(task_id, None)
+    assert keeper.take(task_id, None).outcome is Take.TAKEN
     count = JobCount(device="cpu3", ok=True, worker="cpu3@here", busy_seconds=2.5, last_finished_at=102.5,
                      metrics={JobMetric.SAMPLES: 64, JobMetric.SAMPLES_PER_S: 0.25})
     request = Context(id=task_id)
@@ -345,7 +345,7 @@ def test_the_store_script_counts_the_job_and_releases_its_lease_with_the_result(
 
 def test_renewal_never_restores_a_lease_handed_to_the_store(client):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
-    assert keeper.acquire("job-8", None)
+    assert keeper.take("job-8", None).outcome is Take.TAKEN
     assert keeper.finishing("job-8").lease == client.get(keys.lease("job-8"))  # type: ignore[union-attr]
     client.delete(keys.lease("job-8"), keys.LEASES)  # as the store script does
     keeper.tick()  # before the worker forgot it: must not bring it back
@@ -397,7 +397,7 @@ def test_hold_drops_a_second_copy_running_in_the_same_process(client, app):
             # The dropped copy must not have released the running copy's lease.
             assert client.get(keys.lease(task_id)) == value
             assert keeper.held() == [task_id]
-        keeper.release_held(task_id)
+        keeper.release(task_id)
         assert client.exists(keys.lease(task_id)) == 0
     finally:
         task.pop_request()
@@ -516,7 +516,7 @@ def test_one_reaper_at_a_time(client, app):
 
 def test_a_reaper_round_with_nothing_expired_is_one_script_call(client, app):
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s=5.0)
-    assert keeper.acquire("job-9", None)  # a live lease, its key in place: not a candidate
+    assert keeper.take("job-9", None).outcome is Take.TAKEN  # a live lease, its key in place: not a candidate
     reaper = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0)
     reaper.tick()  # loads the script
     client.config_resetstat()
@@ -1186,8 +1186,7 @@ class _RankWatch:
 
     def report(self, fields: dict[str, Any]) -> None: ...
     def log(self, lines: Any) -> None: ...
-    def store_opened(self, port: int) -> None: ...
-    def rank_failed(self, reason: str) -> None: ...
+    def heard(self, message: Any) -> None: ...
     def memory(self, used: int) -> None: ...
     preempted: Any = None
     def made_way(self, level: Any) -> None: ...
@@ -1247,7 +1246,7 @@ def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(c
         assert rank is not None
         generations[rank.rank].append(rank.generation)
         if rank.rank == 0:
-            watch.store_opened(1234)
+            watch.heard(StoreOpened(port=1234))
         if watches[rank.rank].preempted is not None:  # its second run: to its end
             return _ended(Outcome.OK)
         watches[rank.rank].running.set()
@@ -1447,7 +1446,7 @@ def test_copies_of_a_job_whose_worker_lives_count_no_death(client, app, monkeypa
     task_id = str(uuid.uuid4())
     owner = LeaseKeeper(client, "cpu1", f"cpu1@{OTHER_HOST}", ttl_s=5.0)
     with on_other_host(monkeypatch):
-        assert owner.acquire(task_id, "tag-a")
+        assert owner.take(task_id, "tag-a").outcome is Take.TAKEN
     register(client, worker_record("cpu1", host=OTHER_HOST))
     copy = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
     assert copy.take(task_id, "tag-b", max_attempts=1).outcome is Take.RUNNING_ELSEWHERE
@@ -1457,7 +1456,7 @@ def test_copies_of_a_job_whose_worker_lives_count_no_death(client, app, monkeypa
     # A lease this process left behind (its release failed), taken again.
     mine = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
     left = str(uuid.uuid4())
-    assert mine.acquire(left, None)
+    assert mine.take(left, None).outcome is Take.TAKEN
     with mine._lock:
         mine._held.clear()  # as if the release had happened here but not in Redis
     assert mine.take(left, None, max_attempts=1).outcome is Take.TAKEN
@@ -1556,7 +1555,7 @@ def test_hold_ends_a_lost_job_as_worker_lost_and_keeps_a_dead_letter(client, app
     assert f"cpu9@{OTHER_HOST} pid 4000001, cpu9@{OTHER_HOST} pid 4000002" in message
     assert "max_attempts=2" in message
     assert keeper.held() == [task_id]  # the failure's store releases it (runner.execute)
-    keeper.release_held(task_id)
+    keeper.release(task_id)
     assert client.get(app.backend.get_key_for_task(task_id)) is None  # not STARTED: it never ran
 
     letters = tasks.dead_letters(app)

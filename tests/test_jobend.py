@@ -43,7 +43,7 @@ from tasks.core.transport import stored_ack_keys
 from tasks.ops.exporter import fleet_snapshot
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker.accounting import job_end
-from tasks.worker.lease import LeaseKeeper
+from tasks.worker.lease import LeaseKeeper, Take
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,7 +236,7 @@ def test_a_script_acknowledges_only_on_the_fleets_transport_without_a_key_prefix
 def test_the_store_takes_the_end_from_the_request_and_the_keeper_settles_without_a_round_trip(client, app):
     keeper = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
     task_id = str(uuid.uuid4())
-    assert keeper.acquire(task_id, None)
+    assert keeper.take(task_id, None).outcome is Take.TAKEN
     request = Context(id=task_id)
     assert handover(request) is None and handover(None) is None
     handed = hand_over(request, JobEnd(attempt=keeper.finishing(task_id)))
@@ -251,7 +251,7 @@ def test_the_store_takes_the_end_from_the_request_and_the_keeper_settles_without
     # A store that never came (it failed), or stored no end (a retry): the lease is released.
     for stored_state in (None, "RETRY"):
         again = str(uuid.uuid4())
-        assert keeper.acquire(again, None)
+        assert keeper.take(again, None).outcome is Take.TAKEN
         retried = Context(id=again)
         hand_over(retried, JobEnd(attempt=keeper.finishing(again)))
         if stored_state is not None:

@@ -138,7 +138,7 @@ def test_a_cut_off_primary_refuses_writes_and_no_acknowledged_write_is_lost() ->
             def watch() -> None:  # the job's watch asks the keeper, as a device worker's does
                 while not stop.wait(0.02):
                     if keeper.must_stop(running) is not None:
-                        deadline = keeper.fence_deadline(running)
+                        deadline = keeper.fence.deadline(running)
                         now = time.time()
                         assert deadline is not None
                         fenced.append((now, now - (time.monotonic() - deadline)))

@@ -77,9 +77,9 @@ def test_a_renewal_no_replica_confirmed_does_not_put_the_jobs_stop_off(client, m
     keeper = LeaseKeeper(client, "cpu0", "cpu0@here", ttl_s, replication=UNCONFIRMED)
     control = LeaseKeeper(client, "cpu1", "cpu1@here", ttl_s)
     task_id, other = str(uuid.uuid4()), str(uuid.uuid4())
-    keeper._replication = Replication()  # the take confirmed; from here on, cut off from the replicas
+    keeper._writes._replication = Replication()  # the take confirmed; from here on, cut off from the replicas
     assert keeper.take(task_id, None).outcome is Take.TAKEN
-    keeper._replication = UNCONFIRMED
+    keeper._writes._replication = UNCONFIRMED
     assert control.take(other, None).outcome is Take.TAKEN
     now[0] += ttl_s / 3  # a beat: both renew
     keeper.tick()
@@ -110,7 +110,7 @@ def test_a_store_no_replica_confirmed_is_not_acknowledged_anywhere_else(client, 
     could reach a promoted replica, whose copy of the message is how the job runs again."""
     keeper = LeaseKeeper(client, "cpu3", "cpu3@here", ttl_s=5.0)
     task_id, tag = str(uuid.uuid4()), f"tag-{uuid.uuid4()}"
-    assert keeper.acquire(task_id, tag)
+    assert keeper.take(task_id, tag).outcome is Take.TAKEN
     request = Context(id=task_id, properties={"delivery_tag": tag})
     names = transport.stored_ack_keys(app.conf)
     assert names is not None

@@ -287,6 +287,12 @@ class RankFailed(_Message):
     reason: str
 
 
+#: The messages from the job process that a run mode answers (a gang's: :mod:`tasks.worker.gang`):
+#: the supervisor hands each to its watch's ``heard`` and sends back the answer it returns. A
+#: new such message is added here, by its sender, and in the one run mode that answers it.
+ModeMessage = StoreOpened | RankFailed
+
+
 class Outcome(str, Enum):
     OK = "ok"
     ERROR = "error"

@@ -81,7 +81,7 @@ from ..core.jobstate import JobState
 from ..core.priority import DEFAULT_LEVEL, Level, precedence
 from ..core.records import GangSpec
 from ..core.sentinel import first_host, is_sentinel
-from ..core.wire import Outcome, Rank, RunJob, StopJob, StopReason
+from ..core.wire import ModeMessage, Outcome, Proceed, Rank, RankFailed, RunJob, StopJob, StopReason, StoreOpened
 from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
@@ -470,17 +470,22 @@ class GangWatch(WatchOver):
         self._thread = threading.Thread(target=self._watch, name=f"devicefleet-gang-{rdv.rank}", daemon=True)
         self._thread.start()
 
-    def store_opened(self, port: int) -> None:
-        try:
-            self.rdv.publish_store(self.generation, self.address, port)
-        except redis.RedisError as exc:  # the other ranks do not find it: they fail the gang, naming rank 0
-            logger.warning("%s: could not publish %s's store: %s", self.rdv.device, self.rdv.spec.id, exc)
-
-    def rank_failed(self, reason: str) -> None:
-        try:
-            self.rdv.fail(reason)
-        except redis.RedisError as exc:  # failed again once the job process says it ended
-            logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
+    def heard(self, message: ModeMessage) -> Proceed | None:
+        """A rank's messages: rank 0's store port is published to the gang; a rank's own error
+        fails the gang now, and the rank is told to proceed (to take its process group down)."""
+        match message:
+            case StoreOpened(port=port):
+                try:
+                    self.rdv.publish_store(self.generation, self.address, port)
+                except redis.RedisError as exc:  # the other ranks do not find it: they fail the gang, naming rank 0
+                    logger.warning("%s: could not publish %s's store: %s", self.rdv.device, self.rdv.spec.id, exc)
+                return None
+            case RankFailed(reason=reason):
+                try:
+                    self.rdv.fail(reason)
+                except redis.RedisError as exc:  # failed again once the job process says it ended
+                    logger.warning("%s: could not fail %s: %s", self.rdv.device, self.rdv.spec.id, exc)
+                return Proceed()
 
     def stop(self) -> StopJob | None:
         stop = self.inner.stop()

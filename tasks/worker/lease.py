@@ -75,6 +75,7 @@ from ..core.registry import read_worker
 from ..core.sentinel import Replication
 from ..core.settings import Settings
 from .fence import Fence
+from .replicated import ReplicatedWrites
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,8 @@ class LeaseKeeper(PeriodicThread):
 
     Self-fencing (:mod:`tasks.worker.fence`): the keeper tells its :attr:`fence` which renewals
     Redis confirmed (on a fleet with replicas: which ones a replica had too, Redis's ``WAIT``,
-    :class:`~tasks.core.sentinel.Replication`) and which leases a newer attempt took; a job the
+    asked by :class:`~tasks.worker.replicated.ReplicatedWrites`, the owner of the keeper's writes
+    and their confirmation) and which leases a newer attempt took; a job the
     fence says must stop (:meth:`must_stop`, which the job's watch asks; its stop has
     :attr:`fence_grace_s`) is never renewed, and once stopped (:meth:`fenced`) its lease is left
     to expire (never renewed, released or restored) and the stop is reported to Redis as soon as
@@ -182,10 +184,9 @@ class LeaseKeeper(PeriodicThread):
                  replication: Replication | None = None) -> None:
         super().__init__(ttl_s / 3)
         self._client = client
-        #: A taken lease waits for the replicas (a failover must not lose it: see the module).
-        self._replication = replication or Replication()
-        self._pinned: tuple[redis.Redis, JobState] | None = None  # made on first use: _writer
-        self._pin_lock = threading.Lock()
+        #: Its writes and their confirmation by replicas: a taken lease waits for the replicas
+        #: (a failover must not lose it: see the module), a renewal counts once they have it.
+        self._writes = ReplicatedWrites(client, replication)
         self.device = device
         self.worker = worker
         self._ttl_ms = int(ttl_s * 1000)
@@ -195,42 +196,19 @@ class LeaseKeeper(PeriodicThread):
         self._finishing: set[str] = set()  # task ids whose lease the result backend releases
         self._lock = threading.Lock()
 
-    def _writer(self) -> tuple[redis.Redis, JobState]:
-        """The client the keeper writes and WAITs on, and its scripts.
-
-        WAIT answers for the writes of its own connection only: made on another connection of
-        the pool (one whose last write was older, as another thread's use can leave it), it
-        would confirm a renewal no replica has. With replicas the keeper's writes and WAITs
-        share one connection (redis-py's single-connection client, on the same pool), so a WAIT
-        covers this keeper's last write, the one it asks about or a later one. Made on first
-        use (it connects when made), not with the keeper."""
-        with self._pin_lock:
-            if self._pinned is None:
-                writer = self._client.client() if self._replication.replicas > 0 else self._client
-                self._pinned = (writer, JobState(writer))
-            return self._pinned
-
     @property
     def _jobs(self) -> JobState:
-        return self._writer()[1]
+        return self._writes.jobs
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop renewing; the keeper's own connection (with replicas) goes back to its pool."""
         super().stop(timeout)
-        with self._pin_lock:
-            pinned, self._pinned = self._pinned, None
-        if pinned is not None and pinned[0] is not self._client:
-            pinned[0].close()
+        self._writes.close()
 
     def held(self) -> list[str]:
         """The task ids whose leases this process holds now. For tests: the worker keeps no list."""
         with self._lock:
             return list(self._held)
-
-    def acquire(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None) -> bool:
-        """Take the lease of ``task_id``; False if another live worker holds it (see :meth:`take`).
-        For tests: the worker takes a job's lease with :meth:`hold`."""
-        return self.take(task_id, delivery_tag, resend).outcome is Take.TAKEN
 
     def take(self, task_id: str, delivery_tag: str | None, resend: ResendRecord | None = None,
              started: StateMeta | None = None, max_attempts: int | None = None,
@@ -293,7 +271,7 @@ class LeaseKeeper(PeriodicThread):
         if attempt is None:
             logger.warning("job %s was taken by another worker meanwhile; not running this copy", task_id)
             return Taken(Take.RUNNING_ELSEWHERE)
-        if not self._replication.wait(self._writer()[0], f"lease of job {task_id}"):
+        if not self._writes.wait(f"lease of job {task_id}"):
             # No replica has it: a failover may drop it, and a promoted replica's copy of the
             # job is free for another worker. Not a lease (Replication's rule): give it up.
             logger.warning("job %s: no replica confirmed its lease; not running this copy, it goes back to its queue",
@@ -367,11 +345,6 @@ class LeaseKeeper(PeriodicThread):
         """Why job ``task_id`` must be stopped now (self-fencing), or ``None``
         (:meth:`Fence.must_stop`). No round trip."""
         return self.fence.must_stop(task_id)
-
-    def fence_deadline(self, task_id: str) -> float | None:
-        """When :meth:`must_stop` will say to stop job ``task_id`` (:meth:`Fence.deadline`).
-        For tests: the worker asks :meth:`must_stop`."""
-        return self.fence.deadline(task_id)
 
     def superseded(self, task_id: str) -> None:
         """A write of job ``task_id``'s attempt was refused (a newer attempt holds the job): it is
@@ -504,14 +477,6 @@ class LeaseKeeper(PeriodicThread):
             "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
         )
 
-    def release_held(self, task_id: str) -> None:
-        """Release ``task_id``'s lease if this process holds it (a no-op, no round trip, if not).
-        For tests: the worker releases what it holds with :meth:`release`."""
-        with self._lock:
-            held = task_id in self._held
-        if held:
-            self.release(task_id)
-
     def tick(self) -> None:
         if self.fence.has_reports():
             self.fence.report(self._jobs, self.device, f"{self.worker} pid {os.getpid()}")
@@ -540,21 +505,12 @@ class LeaseKeeper(PeriodicThread):
         # A renewal no replica has does not count (Replication's rule): a promoted replica's copy
         # of a lease expires from the last renewal it had, so a job must stop from that one. One
         # WAIT for the round's renewals (replicated in order); none with replicas=0.
-        if not renewed or not self._replicated(f"renewal of the leases of jobs {', '.join(renewed)}"):
+        if not renewed or not self._writes.confirmed(f"renewal of the leases of jobs {', '.join(renewed)}"):
             return
         with self._lock:
             for task_id, sent in renewed.items():
                 if task_id in self._held:
                     self.fence.confirmed(task_id, sent)
-
-    def _replicated(self, what: str) -> bool:
-        """Whether the replicas have this keeper's writes (:meth:`Replication.wait`); False if
-        the ``WAIT`` itself fails (cut off)."""
-        try:
-            return self._replication.wait(self._writer()[0], what)
-        except redis.RedisError as exc:
-            logger.warning("%s: could not ask the replicas: %s", what, exc)
-            return False
 
 
 def started_meta(task: Any) -> StateMeta | None:

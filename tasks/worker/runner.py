@@ -63,7 +63,7 @@ from ..core.queue_lists import split_level
 from ..core.queues import device_queue, key_device
 from ..core.records import BusyInfo, Entry, ErrorInfo, JobOptions
 from ..core.validation import describe_validation_error
-from ..core.wire import JobInfo, Outcome, RunJob, StopJob, StopReason
+from ..core.wire import JobInfo, ModeMessage, Outcome, Proceed, RunJob, StopJob, StopReason
 from . import accounting, blackhole, group, progress
 from .device import DeviceWorker
 from .launch import Launch
@@ -494,11 +494,9 @@ class JobWatch:
     def log(self, lines: Sequence[tuple[str, str]]) -> None:
         progress.publish_log(self._client, self.job_id, lines, self.worker.settings.result_expires_s)
 
-    def store_opened(self, port: int) -> None:
-        """A plain job has no gang: nothing to publish."""
-
-    def rank_failed(self, reason: str) -> None:
-        """A plain job has no gang: nothing to fail."""
+    def heard(self, message: ModeMessage) -> Proceed | None:
+        """A plain job has no gang: nothing to publish or fail, nothing to answer."""
+        return None
 
     def made_way(self, level: Level) -> None:
         logger.info("job %s on %s: its gang makes way for %s work as a whole", self.job_id, self.worker.device,

@@ -64,17 +64,16 @@ from ..core.wire import (
     Finished,
     Hello,
     LogLines,
+    ModeMessage,
     NewMember,
     Outcome,
     Proceed,
     ProcessSpec,
-    RankFailed,
     Report,
     RunJob,
     RunPack,
     StopJob,
     StopReason,
-    StoreOpened,
     WantMember,
 )
 from . import memory, owners
@@ -117,11 +116,9 @@ class Watch(Protocol):
     def log(self, lines: Sequence[tuple[str, str]]) -> None:
         """Publish a batch of a command's output lines (``[stream, text]``)."""
 
-    def store_opened(self, port: int) -> None:
-        """Rank 0's store listens on ``port``: publish it to the gang (a plain job has none)."""
-
-    def rank_failed(self, reason: str) -> None:
-        """A rank's own error: fail its gang with ``reason`` now (a plain job has none)."""
+    def heard(self, message: ModeMessage) -> Proceed | None:
+        """A message of the job's run mode (:data:`~tasks.core.wire.ModeMessage`, a gang's): act
+        on it and return the answer to send the job process, if any (a plain job sends none)."""
 
     def stop(self) -> StopJob | None:
         """Whether to stop the job now, and why (asked every :data:`POLL_S`). A question only:
@@ -154,11 +151,8 @@ class WatchOver:
     def log(self, lines: Sequence[tuple[str, str]]) -> None:
         self.inner.log(lines)
 
-    def store_opened(self, port: int) -> None:
-        self.inner.store_opened(port)
-
-    def rank_failed(self, reason: str) -> None:
-        self.inner.rank_failed(reason)
+    def heard(self, message: ModeMessage) -> Proceed | None:
+        return self.inner.heard(message)
 
     def stop(self) -> StopJob | None:
         return self.inner.stop()
@@ -659,11 +653,9 @@ class _Run:
                 self.watch.report(message.fields)
             elif isinstance(message, LogLines):
                 self.watch.log(message.lines)
-            elif isinstance(message, StoreOpened):
-                self.watch.store_opened(message.port)
-            elif isinstance(message, RankFailed):
-                self.watch.rank_failed(message.reason)
-                self.process.send(Proceed())
+            elif isinstance(message, ModeMessage):  # the run mode's own: its watch answers it
+                if (answer := self.watch.heard(message)) is not None:
+                    self.process.send(answer)
             # Asked after every message too: a job that reports often is stopped all the same.
             if self._should_end():
                 return self._ended()
