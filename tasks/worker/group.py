@@ -563,17 +563,21 @@ def refused_members(client: redis.Redis, spec: GroupSpec, leader: str, constrain
     (``cpu1: label rack is "b", not "a"``; ``""`` when each does): the producer placed the group
     where they held, but a member may have changed since (restarted with other labels); its
     leader checks its own device itself (:func:`tasks.worker.runner.execute`). A member with no
-    live record is left to the group's wait, as without constraints. When some do not, the
-    devices reserved for the group at send time are let go: it will not run."""
+    live record is left to the group's wait, as without constraints. A question only: letting
+    the group's devices go is :func:`let_go`'s."""
     whys = []
     for device in spec.devices:
         record = read_worker(client, device) if device != leader else None
         why = constraints.why_not(record) if record is not None else ""
         if why:
             whys.append(f"{device}: {why}")
-    if whys and spec.reservation is not None:
-        group_reservation.release_unclaimed(client, spec.devices, spec.reservation)
     return "; ".join(whys)
+
+
+def let_go(client: redis.Redis, spec: GroupSpec) -> None:
+    """The devices reserved for group ``spec`` at send time are let go: it will not run."""
+    if spec.reservation is not None:
+        group_reservation.release_unclaimed(client, spec.devices, spec.reservation)
 
 
 def run_group(client: redis.Redis | None, spec: GroupSpec, device: str, gate: GroupGate,

@@ -242,11 +242,12 @@ def _mismatch(worker: DeviceWorker, task: Task, options: JobOptions) -> DeviceMi
 
 def _group_mismatch(worker: DeviceWorker, options: JobOptions) -> DeviceMismatch | None:
     """None when each device of the job's group meets its constraints
-    (:func:`tasks.worker.group.refused_members`, which lets the group's devices go when not)."""
+    (:func:`tasks.worker.group.refused_members`); else the group's devices are let go."""
     assert options.group is not None and options.constraints is not None
     why = group.refused_members(worker.client, options.group, worker.device.name, options.constraints)
     if not why:
         return None
+    group.let_go(worker.client, options.group)
     return DeviceMismatch(f"group {options.group.name}: not every device meets the job's constraints "
                           f"{options.constraints.describe()}: {why}; it did not run")
 
