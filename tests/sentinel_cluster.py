@@ -34,6 +34,11 @@ DOWN_AFTER_MS = 1000
 #: How long a promoted replica has to confirm (and twice that: the wait before another try). On a
 #: loaded 2-core machine 4 s was once too short for a forced failover (-failover-abort-slave-timeout).
 FAILOVER_TIMEOUT_MS = 10_000
+#: The longest a failover takes here when its first try is lost (a split election, a promotion
+#: too slow): the sentinels call the primary down, wait 2 x failover-timeout before the next
+#: try, and that one runs its course. A fleet whose workers' registry records must outlive a
+#: failover (new work sent right after the kill) sets its heartbeat TTL above this.
+WORST_FAILOVER_S = (DOWN_AFTER_MS + 3 * FAILOVER_TIMEOUT_MS) / 1000
 #: The nice value of the Redis and sentinel processes where the test may set it (see Node.start).
 PRIORITY = -10
 
@@ -191,8 +196,19 @@ class SentinelCluster:
     def tilts(self) -> list[str]:
         """The sentinels' TILT-mode log lines (a sentinel starved of CPU stops failing over for
         30 s), to name that cause when a failover does not come."""
-        return [line.strip() for node in self.sentinels if (log := self.folder / f"{node.name}.log").exists()
-                for line in log.read_text(errors="replace").splitlines() if "+tilt" in line]
+        return self._sentinel_log_lines(("+tilt",))
+
+    def failover_events(self) -> list[str]:
+        """The sentinels' log lines of each failover's course (down, elections, aborts, the
+        switch), with their times: how long a failover took, and why (a split election waits
+        2 x failover-timeout before the next try)."""
+        return self._sentinel_log_lines(("+sdown master", "+odown", "+try-failover", "+elected-leader",
+                                         "-failover-abort", "+promoted-slave", "+switch-master"))
+
+    def _sentinel_log_lines(self, marks: tuple[str, ...]) -> list[str]:
+        return [f"{node.name}: {line.strip()}" for node in self.sentinels
+                if (log := self.folder / f"{node.name}.log").exists()
+                for line in log.read_text(errors="replace").splitlines() if any(mark in line for mark in marks)]
 
     def node_on(self, port: int) -> Node:
         return next(node for node in self.redis if node.port == port)

@@ -36,7 +36,7 @@ from tasks.ops.fleet import Fleet
 from tasks.ops.proc import free_port
 from tasks.producer.fanout import JobSpec
 from tests.conftest import TEST_JOB_MODULES, cli_env, make_settings, read_markers, supervised_fleet, wait_for
-from tests.sentinel_cluster import SentinelCluster, sentinel_cluster
+from tests.sentinel_cluster import WORST_FAILOVER_S, SentinelCluster, sentinel_cluster
 from tests.test_cli import CLI
 
 URL = ("sentinel://:r%40pw@10.0.0.1:26379,10.0.0.2:26380,10.0.0.3/2"
@@ -149,10 +149,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
 
 @pytest.fixture(scope="module")
 def sfleet(cluster: SentinelCluster, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """Two CPU workers on the cluster (the URL as DEVICEFLEET_REDIS_URL)."""
+    """Two CPU workers on the cluster (the URL as DEVICEFLEET_REDIS_URL). Their registry
+    records outlive the slowest failover (WORST_FAILOVER_S): with the tests' TTL (3 s), a
+    failover slower than 3 s on a loaded CI machine left no record when the fan-out sent right
+    after the kill was read, and the fleet said rightly that no worker was live."""
     settings = make_settings(tmp_path_factory.mktemp("sfleet"), redis_url=cluster.url,
                              job_modules=[*TEST_JOB_MODULES, "tests.reliability_jobs"],
-                             lease_ttl_s=LEASE_TTL_S, reaper_interval_s=0.5)
+                             lease_ttl_s=LEASE_TTL_S, reaper_interval_s=0.5,
+                             heartbeat_ttl_s=WORST_FAILOVER_S + 5)
     with supervised_fleet(settings) as running:
         yield running
 
@@ -185,11 +189,13 @@ def test_a_primary_killed_mid_sweep_loses_nothing_and_rejoins_as_a_replica(clust
 @contextmanager
 def _naming_tilts(cluster: SentinelCluster) -> Iterator[None]:
     """A failure notes the sentinels' TILT mode if they entered it (starved of CPU, they stop
-    failing over for 30 s): the machine's load, not the fleet, is then the cause to look at."""
+    failing over for 30 s): the machine's load, not the fleet, is then the cause to look at;
+    and the failovers' course as the sentinels logged it (how long each took, and why)."""
     try:
         yield
     except BaseException as exc:
         exc.add_note(f"sentinels' TILT-mode log lines: {cluster.tilts() or 'none'}")
+        exc.add_note("sentinels' failover log lines:\n  " + ("\n  ".join(cluster.failover_events()) or "none"))
         raise
 
 
@@ -318,6 +324,8 @@ def test_a_wrong_or_unreachable_sentinel_setting_fails_at_once_naming_it(cluster
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_sentinel_changes_nothing(cluster, sapp, tmp_path):
+    # Both workers in the registry first (a test before may have left them reconnecting).
+    wait_for(lambda: sorted(tasks.live_devices(sapp)) == ["cpu0", "cpu1"], 60, "both workers live")
     primary = cluster.primary_port()
     assert primary is not None
     victim = cluster.sentinels[0]
