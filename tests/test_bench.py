@@ -126,6 +126,7 @@ def test_unknown_bench_section_is_refused_before_anything_starts(tmp_path) -> No
         run_bench(Settings.load(state_dir=tmp_path), sections=["isolaton"])
 
 
+@pytest.mark.bench
 @pytest.mark.timeout(240)
 def test_bench_quick_prints_every_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEVICEFLEET_")}

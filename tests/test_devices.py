@@ -152,7 +152,10 @@ def test_a_black_hole_is_quarantined_after_k_fast_failures_and_every_trial_ends_
 
     client = connect(fleet.redis_url)
     _clear_blackhole_state(client)
-    trials = [{"marker": str(tmp_path), "bad_device": "cpu1", "seconds": 0.02, "score": float(i)} for i in range(30)]
+    # Each good run takes 0.25 s, so cpu0 needs about 5 s for them all: time for cpu1 to take
+    # K jobs even on a loaded machine (at 0.02 s each, cpu0 once ran all 30 before cpu1 had
+    # taken 3 under a second pytest worker, and nothing was quarantined).
+    trials = [{"marker": str(tmp_path), "bad_device": "cpu1", "seconds": 0.25, "score": float(i)} for i in range(20)]
     try:
         entries = tasks.sweep("blackhole", trials, devices="cpu0,cpu1", app=app).get(timeout=100)
         assert [entry["error"] for entry in entries] == [None] * len(trials)

@@ -12,6 +12,7 @@ from tasks import fair_share, fan_out, sweep
 from tasks.core.fairshare import UserOrder, decayed, order_users, parse_usage, wait_bucket
 from tasks.core.queue_lists import brpop_keys
 from tasks.ops.exporter import FleetCollector
+from tests.conftest import wait_for
 
 # -- the decay and the order: pure logic -----------------------------------------------------------
 
@@ -89,12 +90,15 @@ def test_waits_fall_in_the_first_bucket_that_holds_them():
 # -- on the session fleet ------------------------------------------------------------------------------
 
 #: Trials each user sends, and how long each runs (the issue's 0.3 s; fewer trials than its 100,
-#: so that the test stays near 20 s). The second user is served first until her usage catches
-#: up with the first's 2 s alone on 2 devices: with fewer trials that is a larger part of the
-#: first's work, so her share while both wait drops (about 45% here, 43-45% measured at 60).
+#: so that the test stays near 20 s). The second user sends once the first's 12th trial started
+#: (about 2 s alone on 2 devices), and is served first until her usage catches up with that
+#: lead: with fewer trials the lead is a larger part of the first's work, so her share while both
+#: wait rises (about 55% here). The lead is counted in trials, not waited for by the clock: on a
+#: loaded machine the first's sends alone took seconds, the lead grew with them, and so did her
+#: share (0.67 once, under a second pytest worker).
 TRIALS = 70
 TRIAL_S = 0.3
-SECOND_AFTER_S = 2.0
+LEAD_TRIALS = 12
 
 
 def _ts(iso: str) -> float:
@@ -110,9 +114,9 @@ def test_two_users_at_one_level_each_get_40_to_60_percent_of_the_device_seconds(
         assert {entry["status"] for entry in handle.get(timeout=60).values()} == {"ok"}
     kwargs = {"marker": str(tmp_path), "seconds": TRIAL_S}
     trials = [{"score": float(i)} for i in range(TRIALS)]
-    first_sent = time.time()
     first = sweep("counted", trials, devices=["cpu0", "cpu1"], kwargs=kwargs, priority="batch", user=users[0], app=app)
-    time.sleep(max(0.0, SECOND_AFTER_S - (time.time() - first_sent)))  # the scenario: the second user comes later
+    # The scenario: the second user comes later (only the first's trials leave markers so far).
+    wait_for(lambda: len(list(tmp_path.iterdir())) >= LEAD_TRIALS, 60, f"the first user's {LEAD_TRIALS} trials to start")
     second_sent = time.time()
     second = sweep("counted", trials, devices=["cpu0", "cpu1"], kwargs=kwargs, priority="batch", user=users[1], app=app)
     runs = {user: [(_ts(e["started_at"]), _ts(e["finished_at"])) for e in handle.get(timeout=120)]
