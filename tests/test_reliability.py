@@ -143,9 +143,9 @@ def test_killed_worker_job_runs_again_resumes_and_fan_out_completes(rfleet, rapp
     """SIGKILL cpu0 while it trains: the launcher restarts it, the reaper gives the job back
     within the lease bound, the re-run resumes from the last checkpoint, and the fan-out has
     both devices' entries."""
-    # A CNN epoch takes about 0.3 s of a core: 20 epochs leave the job running for seconds after
+    # A CNN epoch takes about 0.3 s of a core: 10 epochs leave the job running for seconds after
     # the epoch-2 checkpoint the kill waits for, and the re-run trains what is left of them.
-    epochs = 20
+    epochs = 10
     handle = fan_out(
         {
             "cpu0": ("train", {"model": "cnn", "epochs": epochs, "num_workers": 0,
