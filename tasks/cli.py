@@ -429,14 +429,19 @@ def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], 
     """
     from .ops.fleet_lost import watching_the_fleet
 
-    with _say_on_interrupt(what) as interrupt, watching_the_fleet(settings, what):
+    # The handler that raises lives only inside the try: a Ctrl-C that came while the fleet's
+    # watch was being set up, or between the handler's install and the try, raised outside it
+    # before, and the command ended as click's "Aborted!" (exit 1) with the jobs still running.
+    with watching_the_fleet(settings, what):
         try:
-            if interrupted is not None and interrupted.is_set():  # read once this handler is in place
-                interrupt()
-            if watch is not None:
-                watch()
-            return handle.get(timeout=timeout), False
+            with _say_on_interrupt(what) as interrupt:
+                if interrupted is not None and interrupted.is_set():  # read once this handler is in place
+                    interrupt()
+                if watch is not None:
+                    watch()
+                return handle.get(timeout=timeout), False
         except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
             handle.cancel()
             return handle.get(timeout=CANCEL_WAIT_S), True
 
@@ -449,7 +454,7 @@ def _say_on_interrupt(what: str) -> Iterator[Callable[[], None]]:
         err_console.print(f"[bold yellow]interrupted:[/] cancelling {what}: queued jobs never start, "
                           "running ones stop at their next ctx.progress() or are ended after the workers' "
                           "grace period (Ctrl-C again to stop waiting)", highlight=False)
-        signal.signal(signal.SIGINT, previous)  # a second Ctrl-C stops at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, interrupted)

@@ -424,3 +424,54 @@ def test_a_ctrl_c_while_jobs_are_sent_cancels_them_once_the_handle_exists(tmp_pa
         results, cancelled = cli._wait_or_cancel(handle, "the fan-out", 60, None, settings, pressed)
     assert cancelled and handle.cancelled and results == {"cpu0": {"status": "cancelled"}}
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+
+
+# -- Ctrl-C while a run's wait is being set up (in process) ------------------------------------------------
+
+
+class _Handle:
+    """A fan-out's or sweep's handle as the wait uses it: ``get`` answers only once cancelled,
+    and notes the SIGINT handler in place while the cancel is awaited."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.handler_while_cancelling: object = None
+
+    def get(self, timeout: float) -> dict[str, str]:
+        if not self.cancelled:
+            raise AssertionError("the wait began as if no Ctrl-C had come")
+        self.handler_while_cancelling = signal.getsignal(signal.SIGINT)
+        return {"cpu0": "cancelled"}
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_while_the_wait_is_set_up_cancels_the_run_instead_of_aborting(monkeypatch):
+    """A Ctrl-C that lands while the wait sets up its watch of the fleet cancels what was sent and
+    exits 130 (CI once saw `devicefleet sweep` end as click's "Aborted!", exit 1, its trials left
+    running: the handler that raises was installed before the try that cancels); during the
+    cancel's own wait a second Ctrl-C stops at once."""
+    from contextlib import contextmanager
+
+    from tasks import cli
+    from tasks.ops import fleet_lost
+
+    @contextmanager
+    def watching(settings, what):  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, as the watch is being set up
+        yield
+
+    monkeypatch.setattr(fleet_lost, "watching_the_fleet", watching)
+    handle = _Handle()
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with cli._interrupt_held() as pressed:  # as `devicefleet run` and `sweep` wait
+            results, cancelled = cli._wait_or_cancel(handle, "the test's run", 5, None, None,  # type: ignore[arg-type]
+                                                     pressed)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped the wait: the run was left going and the command aborted")
+    assert (results, cancelled) == ({"cpu0": "cancelled"}, True)
+    assert handle.handler_while_cancelling is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # each handler put back on the way out
