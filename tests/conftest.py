@@ -209,20 +209,9 @@ def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
     redis_client.close()
 
 
-#: The test files that take a pytest-xdist worker longest (a minute or more each, measured on
-#: 2 cores with ``--durations``), longest first: collected first, so that the two workers take
-#: them at the start and end together on short files, instead of one waiting on the other's last
-#: long file. Only the order changes; a file left off runs in its usual place.
-LONG_FILES = ("test_cli.py", "test_reliability.py", "test_docs.py", "test_sentinel.py", "test_deploy.py",
-              "test_distributed.py", "test_caps.py", "test_isolation.py")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long files first (:data:`LONG_FILES`), then skip the GPU-marked tests where torch
-    sees no GPU, except a module's own dry run on a CPU device (its ``DRY_RUN``:
-    tests/test_gpu_issues.py with GPU_CHECK_DEVICE=cpu0)."""
-    rank = {name: index for index, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest as collected
+    """Skip the GPU-marked tests where torch sees no GPU, except a module's own dry run on a
+    CPU device (its ``DRY_RUN``: tests/test_gpu_issues.py with GPU_CHECK_DEVICE=cpu0)."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")
                  and not getattr(getattr(item, "module", None), "DRY_RUN", False)]
     if gpu_items and count_gpus() == 0:

@@ -399,6 +399,23 @@ def test_an_error_written_to_a_pipe_is_one_whole_line(tmp_path):
     assert str(state_dir) in errors[0] and "devicefleet up" in errors[0], proc.stderr
 
 
+class _Sent:
+    """The part of a fan-out's or sweep's handle the wait uses: ``get`` answers only once
+    cancelled, and notes the SIGINT handler in place while the cancel is awaited."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.handler_while_cancelling: object = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def get(self, timeout: float) -> dict:
+        assert self.cancelled, "the wait did not cancel what was sent"
+        self.handler_while_cancelling = signal.getsignal(signal.SIGINT)
+        return {"cpu0": {"status": "cancelled"}}
+
+
 @pytest.mark.timeout(30)
 def test_a_ctrl_c_while_jobs_are_sent_cancels_them_once_the_handle_exists(tmp_path):
     """Ctrl-C that lands while `run` or `sweep` is still sending (before its wait's own handler)
@@ -406,45 +423,15 @@ def test_a_ctrl_c_while_jobs_are_sent_cancels_them_once_the_handle_exists(tmp_pa
     before the KeyboardInterrupt escaped (click's "Aborted!", exit 1) and left the jobs running."""
     from tasks import cli
 
-    class Sent:  # the part of a fan-out's or sweep's handle the wait uses
-        cancelled = False
-
-        def cancel(self) -> None:
-            self.cancelled = True
-
-        def get(self, timeout: float) -> dict:
-            assert self.cancelled, "the wait did not cancel what was sent"
-            return {"cpu0": {"status": "cancelled"}}
-
     settings = Settings.load(redis_url="redis://:secret@127.0.0.1:1/0", state_dir=tmp_path)
     with cli._interrupt_held() as pressed:
         os.kill(os.getpid(), signal.SIGINT)  # while "sending"
         assert pressed.wait(10)
-        handle = Sent()
+        handle = _Sent()
         results, cancelled = cli._wait_or_cancel(handle, "the fan-out", 60, None, settings, pressed)
     assert cancelled and handle.cancelled and results == {"cpu0": {"status": "cancelled"}}
+    assert handle.handler_while_cancelling is signal.default_int_handler  # a second Ctrl-C stops at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
-
-
-# -- Ctrl-C while a run's wait is being set up (in process) ------------------------------------------------
-
-
-class _Handle:
-    """A fan-out's or sweep's handle as the wait uses it: ``get`` answers only once cancelled,
-    and notes the SIGINT handler in place while the cancel is awaited."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.handler_while_cancelling: object = None
-
-    def get(self, timeout: float) -> dict[str, str]:
-        if not self.cancelled:
-            raise AssertionError("the wait began as if no Ctrl-C had come")
-        self.handler_while_cancelling = signal.getsignal(signal.SIGINT)
-        return {"cpu0": "cancelled"}
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 @pytest.mark.timeout(30)
@@ -464,7 +451,7 @@ def test_a_ctrl_c_while_the_wait_is_set_up_cancels_the_run_instead_of_aborting(m
         yield
 
     monkeypatch.setattr(fleet_lost, "watching_the_fleet", watching)
-    handle = _Handle()
+    handle = _Sent()
     before = signal.getsignal(signal.SIGINT)
     try:
         with cli._interrupt_held() as pressed:  # as `devicefleet run` and `sweep` wait
@@ -472,6 +459,6 @@ def test_a_ctrl_c_while_the_wait_is_set_up_cancels_the_run_instead_of_aborting(m
                                                      pressed)
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C escaped the wait: the run was left going and the command aborted")
-    assert (results, cancelled) == ({"cpu0": "cancelled"}, True)
+    assert (results, cancelled) == ({"cpu0": {"status": "cancelled"}}, True)
     assert handle.handler_while_cancelling is signal.default_int_handler
     assert signal.getsignal(signal.SIGINT) is before  # each handler put back on the way out
