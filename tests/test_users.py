@@ -276,6 +276,14 @@ def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(
         alice_client.ping()
     assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
     assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
+    # A user added by an older version, without a read its status needs now, gets this version's
+    # rules when a worker joins: her open connection stays, with the same password.
+    admin.execute_command("ACL", "SETUSER", "alice", "-xlen")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        alice_client.xlen("devicefleet:log:x~alice")
+    client_id = alice_client.client_id()
+    assert restore_acl_users(admin) == []
+    assert alice_client.xlen("devicefleet:log:x~alice") == 0 and alice_client.client_id() == client_id
     alice_client.close()
 
 
@@ -407,3 +415,37 @@ def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, 
                             "--name", "cli-study", "--json"], env=env, capture_output=True, text=True, timeout=120)
     assert tuned.returncode == 0, tuned.stderr
     assert json.loads(tuned.stdout)["best"]["value"] == 0.5
+
+
+def test_alice_reads_the_status_and_her_own_waiting_jobs_not_bobs(acl_fleet, tmp_path):
+    import json
+
+    import tasks
+
+    fleet, admin, files = acl_fleet
+    alice, bob, admin_app = _app_of(files, "alice", tmp_path), _app_of(files, "bob", tmp_path), fleet.app()
+    release = tmp_path / "release"
+    blocker = fan_out(("hold", {"release_file": str(release), "steps": 1}), ["cpu0"], app=admin_app)
+    wait_for(lambda: blocker.states()["cpu0"] in ("STARTED", "PROGRESS"), 60, "the device to be busy")
+    hers = [fan_out("noop", ["cpu0"], app=alice) for _ in range(2)]
+    his = fan_out("noop", ["cpu0"], app=bob)
+    try:
+        everyone = {job.job_id: job for job in tasks.waiting(admin_app)}
+        assert his.task_ids["cpu0"] in everyone and len(everyone) == 3
+        seen = tasks.waiting(alice)  # her own jobs' messages only: bob's arguments are his
+        assert sorted(job.job_id for job in seen) == sorted(h.task_ids["cpu0"] for h in hers)
+        # Each placed where the admin's view places it: bob's job, unlisted, still counted ahead.
+        assert [(job.position, job.reason) for job in seen] == \
+            [(everyone[job.job_id].position, everyone[job.job_id].reason) for job in seen]
+        env = cli_env(DEVICEFLEET_CREDENTIALS=str(files["alice"]))
+        status = subprocess.run([sys.executable, "-m", "tasks", "status", "--json"], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        assert report["devices"]["cpu0"]["labels"] is not None
+        assert sorted(job["job_id"] for job in report["waiting"]) == sorted(job.job_id for job in seen)
+        assert report["queues"]["device.cpu0"]["depth"] == 3  # every user's jobs counted
+    finally:
+        release.touch()
+        assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
+        assert [h.get(timeout=60)["cpu0"]["status"] for h in [*hers, his]] == ["ok"] * 3

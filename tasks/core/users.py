@@ -165,7 +165,7 @@ _QUEUE_PREFIXES = (QueueName.CPU.value, QueueName.GPU.value, QueueName.FLEET.val
                    DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX)
 #: The fleet's keys a user reads (``devicefleet status``, the producer's check of live workers
 #: and of kwargs against each job's schema, fair share's order): never written by a user.
-_STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "users", "usage",
+_STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users", "usage*", "xid-counts",
                 "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*", "reaper:stats",
                 "dead-letters", "group*", "gang*", "preempt-claims:*")
 #: Commands a user's producer may run: reads, the publish of a job, a result's wait. No command
@@ -195,8 +195,10 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
     (keys that end in :func:`owner_suffix`). Selectors: a script call (``EVALSHA``)
     over any key, as every command a script runs is checked against these same rules (Redis 7),
     so a script can do no more than its caller (the publish script, the producer's read of the
-    registry); and the publish script's ``HSETNX`` of her name in the users hash, the only write
-    she may make to a fleet key. Channels: her results'.
+    registry); the publish script's ``HSETNX`` of her name in the users hash, the only write
+    she may make to a fleet key; ``LRANGE`` and ``LINDEX`` of her own queue lists (her waiting
+    jobs; of the others' lists, whose messages hold their jobs' arguments, she reads the lengths
+    only). Channels: her results'.
     """
     sep, mark = USER_SEPARATOR, owner_suffix(user)
     own_lists = [f"~{prefix}*{sep}{user}" for prefix in _QUEUE_PREFIXES]
@@ -208,11 +210,14 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
              "+expire", "+pexpire", "+sadd", "+setnx", "+incr",
              *(f"%R~{PREFIX}{key}" for key in _STATUS_KEYS),
              f"%R~celery-task-meta-*{sep}{user}", f"%R~{PREFIX}progress:*{sep}{user}",
-             f"%R~{PREFIX}log:*{sep}{user}", f"%R~{PREFIX}lease:*{sep}{user}",
+             f"%R~{PREFIX}log:*{sep}{user}",
              *(f"%R~{prefix}*" for prefix in _QUEUE_PREFIXES),
              *own_lists, *own_trials, "~celery-taskset-meta-*", "~_kombu.binding*",
              f"&celery-task-meta-*{sep}{user}",
              "(+evalsha +eval +evalsha_ro +eval_ro ~*)", f"(+lpush ~{CANCEL_REQUESTS})",
+             # Her own queued jobs, read (``tasks.waiting``, the status' oldest): no other list's
+             # messages (their jobs' arguments), only their lengths.
+             "(+lrange +lindex " + " ".join(own_lists) + ")",
              f"(+hsetnx ~{PREFIX}users)"]
     return rules
 
@@ -220,8 +225,10 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
 def restore_acl_users(client: Any) -> list[str]:
     """Make again, from :data:`~tasks.core.keys.FLEET_USERS`, the ACL user of each fleet user the
     Redis lacks (a Redis restarted from its data keeps the fleet's keys, not its ACL users), with
-    the same password (from its hash) and rules; the users made again. Run by each worker as it
-    joins, with the fleet's own password. One read (``HGETALL``) on a fleet with no users."""
+    the same password (from its hash) and rules; the users made again. The users it has get this
+    version's rules (a user added by an older one may lack a read that its status needs), with the
+    same password: their open connections stay. Run by each worker as it joins, with the fleet's
+    own password. One read (``HGETALL``) on a fleet with no users."""
     records = client.hgetall(FLEET_USERS)
     if not records:
         return []
@@ -233,10 +240,11 @@ def restore_acl_users(client: Any) -> list[str]:
             record = FleetUser.model_validate_json(raw)
         except ValidationError:
             continue
-        if user in have or record.password_sha256 is None:
+        if record.password_sha256 is None:
             continue
         client.execute_command("ACL", "SETUSER", user, *acl_rules(user, hashed=record.password_sha256))
-        made.append(user)
+        if user not in have:
+            made.append(user)
     return made
 
 

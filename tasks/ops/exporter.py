@@ -58,7 +58,8 @@ def queue_depth(client: redis.Redis, queue: str, now: float | None = None,
                 users: Iterable[str] = ()) -> tuple[int, float | None]:
     """``(messages waiting, age in seconds of the oldest)`` of one kombu Redis queue (a level
     list), with kombu's priority-step lists and the lists of each of ``users`` beside it
-    (:mod:`tasks.core.queue_lists`)."""
+    (:mod:`tasks.core.queue_lists`). Read with a fleet user's credentials, the oldest is of the
+    lists whose messages she may read (her own)."""
     now = time.time() if now is None else now
     depth = 0
     oldest: float | None = None
@@ -67,7 +68,10 @@ def queue_depth(client: redis.Redis, queue: str, now: float | None = None,
         if not length:
             continue
         depth += length
-        raw = client.lindex(key, -1)  # kombu LPUSHes and BRPOPs: the tail is the oldest
+        try:
+            raw = client.lindex(key, -1)  # kombu LPUSHes and BRPOPs: the tail is the oldest
+        except redis.exceptions.NoPermissionError:
+            continue  # another user's list, read with a user's credentials: its length only
         sent = _sent_at(raw)
         if sent is not None:
             oldest = sent if oldest is None else min(oldest, sent)

@@ -23,6 +23,10 @@ counted ahead, never listed.
 Within a level a free device serves users by their usage (:mod:`tasks.core.fairshare`):
 :func:`read_fair_share` gives each user's usage and share, in that order.
 
+Read with a fleet user's credentials, it lists her own jobs only, each placed behind every
+job ahead of it, hers or not (the ACL lets a user read the lengths of every list, and the
+messages of her own).
+
 Reads only: one ``HGETALL`` of the caps (and, when some are set, of the leases, with one
 pipelined ``EXISTS`` per lease), one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
 messages per non-empty list (the next ones to start), one ``SCAN`` for sweep lists.
@@ -130,7 +134,7 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
     jobs: list[WaitingJob] = []
     for name in (n for n in names if depths[n]):
         consumers = [device for device, order in orders.items() if name in order]
-        raw = client.lrange(name, -WAITING_READ_LIMIT, -1)
+        raw = _messages(client, name)
         for ahead_here, item in enumerate(reversed(raw)):  # kombu pops from the right: next first
             message = _decode(item)
             if message is None:
@@ -158,16 +162,26 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
     return jobs
 
 
+def _messages(client: redis.Redis, name: str) -> list[Any]:
+    """The next :data:`WAITING_READ_LIMIT` messages of list ``name``, or none where the reader
+    may not read them: a fleet user reads her own lists' messages, and only the lengths of the
+    rest (:func:`tasks.core.users.acl_rules`), which still count ahead of hers."""
+    try:
+        return list(client.lrange(name, -WAITING_READ_LIMIT, -1))
+    except redis.exceptions.NoPermissionError:
+        return []
+
+
 def _sweep_lists(client: redis.Redis) -> dict[str, list[str]]:
     """``{sweep list: devices}`` of every non-empty ``sweep.<id>`` list (its sweep's devices)."""
     found: dict[str, list[str]] = {}
     for raw in client.scan_iter(match=f"{SWEEP_QUEUE_PREFIX}*", count=1000, _type="list"):
         name = raw.decode() if isinstance(raw, bytes) else str(raw)
         base, _level = split_level(name)
-        record = client.get(keys.sweep(base.removeprefix(SWEEP_QUEUE_PREFIX)))
         try:
+            record = client.get(keys.sweep(base.removeprefix(SWEEP_QUEUE_PREFIX)))
             found[name] = SweepRecord.model_validate_json(record).devices if record else []
-        except ValidationError:
+        except (ValidationError, redis.exceptions.NoPermissionError):  # another user's sweep
             found[name] = []
     return found
 
