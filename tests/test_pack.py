@@ -355,9 +355,14 @@ class _Watch:
 
     def __init__(self, stop: StopJob | None = None) -> None:
         self.asked = stop
+        #: What its slot is asked (a preemption), which ``stop`` gives after the job's own stops.
+        self.slot: StopJob | None = None
 
     def stop(self) -> StopJob | None:
-        return self.asked
+        return self.asked or self.slot
+
+    def slot_stop(self) -> StopJob | None:
+        return self.slot
 
     def act_on(self, stop: StopJob) -> StopJob | None:
         return stop
@@ -373,7 +378,8 @@ class _Process:
 
 def test_a_pack_whose_leader_ended_still_makes_way_as_a_whole():
     """Members that took freed places outlive the leader; the leader's watch still says when the
-    slot must make way, and every open member is stopped; the ended leader's own cancel is not."""
+    slot must make way, and every open member is stopped; the ended leader's own cancel is not
+    sent, nor does it hide the preemption that comes after it."""
     from tasks.worker.supervisor import _PackRun
 
     pack = RunPack(members=[_member("leader", {}), _member("kept", {})], refill=True)
@@ -384,7 +390,8 @@ def test_a_pack_whose_leader_ended_still_makes_way_as_a_whole():
     run.open["newcomer"] = None  # a trial that took a freed place
     watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.CANCEL, message="its own cancel")
     assert run._ask_stops() is None and process.sent == []
-    watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.PREEMPT, message="urgent work")
+    # Its own cancel still stands, and comes first in its stop(): the slot's preemption is heard.
+    watches["leader"].slot = StopJob(job_id="leader", reason=StopReason.PREEMPT, message="urgent work")
     assert run._ask_stops() is None
     assert sorted((m.job_id, m.reason) for m in process.sent) == [("kept", StopReason.PREEMPT),
                                                                    ("newcomer", StopReason.PREEMPT)]

@@ -519,10 +519,13 @@ class JobWatch:
                            message=f"{where}: the device failed ({failed.reason}); it was drained")
         if self.job_id in worker_state.revoked:
             return StopJob(job_id=self.job_id, reason=StopReason.CANCEL, message=f"{where} was cancelled")
-        now = time.monotonic()
-        if now > self.deadline:
+        if time.monotonic() > self.deadline:
             return StopJob(job_id=self.job_id, reason=StopReason.TIMEOUT,
                            message=f"{where} ran past its time limit of {self.time_limit_s:g} s")
+        return self.slot_stop()
+
+    def slot_stop(self) -> StopJob | None:
+        where = f"job {self.job_id} on {self.worker.device}"
         preemption = self.worker.preemption
         if self.preemptible and preemption is not None and \
                 (waiting := preemption.outranked(self.job_id, self.level, self.started)) is not None:
@@ -538,7 +541,7 @@ class JobWatch:
             self.worker.begin_stop()  # a signal's warm shutdown, before the jobs step hears of it
         if self.worker.stopping_since is not None:
             timeout = self.worker.stop_timeout_s
-            if now - self.worker.stopping_since > timeout:
+            if time.monotonic() - self.worker.stopping_since > timeout:
                 return StopJob(job_id=self.job_id, reason=StopReason.SHUTDOWN,
                                message=f"{where}: the worker is stopping and the job did not end "
                                        f"within its stop timeout of {timeout:g} s")

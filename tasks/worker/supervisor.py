@@ -124,6 +124,11 @@ class Watch(Protocol):
         """Whether to stop the job now, and why (asked every :data:`POLL_S`). A question only:
         what acting on the stop takes is :meth:`act_on`'s."""
 
+    def slot_stop(self) -> StopJob | None:
+        """Of :meth:`stop`'s answers, those that ask the job's slot to make way rather than end the
+        job for its own sake (a preemption, a drain's hand-back, the worker's stop): what a pack
+        asks of its leader's watch once the leader's own trial has ended. A question only."""
+
     def act_on(self, stop: StopJob) -> StopJob | None:
         """The supervisor acts on ``stop`` (one :meth:`stop` gave) now: take what acting on it
         takes (a preemption claims the waiting message the job makes way for; a fenced job's
@@ -156,6 +161,9 @@ class WatchOver:
 
     def stop(self) -> StopJob | None:
         return self.inner.stop()
+
+    def slot_stop(self) -> StopJob | None:
+        return self.inner.slot_stop()
 
     def act_on(self, stop: StopJob) -> StopJob | None:
         return self.inner.act_on(stop)
@@ -812,9 +820,9 @@ class _PackRun:
                     return sent[0]
                 continue
             watch = self.watches[job_id]
-            asked = watch.stop()
-            if job_id not in self.open and (asked is None or asked.reason not in (StopReason.PREEMPT, StopReason.SHUTDOWN)):
-                continue  # the ended leader's own stops (its cancel, its time limit) are nobody's now
+            # The ended leader's own stops (its cancel, its time limit) are nobody's now: only
+            # what its slot is asked, which its own stops must not hide.
+            asked = watch.stop() if job_id in self.open else watch.slot_stop()
             stop = watch.act_on(asked) if asked is not None else None
             if stop is None:
                 continue
