@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,21 @@ def _ts(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
+def _served(entries: dict[str, list[dict[str, Any]]], since: float, shares: dict[str, float]) -> str:
+    """What a miss needs to be understood: whom each device served, in order, from the second
+    user's send (a letter a trial), when her first trial started, and the first's lead then."""
+    first_of = {user: min(_ts(e["started_at"]) for e in got) for user, got in entries.items()}
+    second = max(first_of, key=first_of.__getitem__)
+    lead = {user: sum(max(0.0, min(_ts(e["finished_at"]), first_of[second]) - _ts(e["started_at"]))
+                      for e in got) for user, got in entries.items()}
+    runs = sorted((_ts(e["started_at"]), e.get("device"), user) for user, got in entries.items() for e in got)
+    lines = [f"shares {shares}; {second}'s first trial started {first_of[second] - since:.2f} s after her send; "
+             f"device-s by then: " + ", ".join(f"{u} {s:.1f}" for u, s in lead.items())]
+    for device in sorted({str(d) for _, d, _ in runs}):
+        lines.append(f"{device}: " + "".join(u[3].upper() for t, d, u in runs if str(d) == device and t >= since))
+    return "\n".join(lines)
+
+
 @pytest.mark.alone  # under a second pytest worker's load it missed both ways (0.33 and 0.71): not understood yet
 @pytest.mark.timeout(180)
 def test_two_users_at_one_level_each_get_40_to_60_percent_of_the_device_seconds(fleet, app, tmp_path):
@@ -120,8 +136,8 @@ def test_two_users_at_one_level_each_get_40_to_60_percent_of_the_device_seconds(
     wait_for(lambda: len(list(tmp_path.iterdir())) >= LEAD_TRIALS, 60, f"the first user's {LEAD_TRIALS} trials to start")
     second_sent = time.time()
     second = sweep("counted", trials, devices=["cpu0", "cpu1"], kwargs=kwargs, priority="batch", user=users[1], app=app)
-    runs = {user: [(_ts(e["started_at"]), _ts(e["finished_at"])) for e in handle.get(timeout=120)]
-            for user, handle in zip(users, (first, second), strict=True)}
+    entries = {user: handle.get(timeout=120) for user, handle in zip(users, (first, second), strict=True)}
+    runs = {user: [(_ts(e["started_at"]), _ts(e["finished_at"])) for e in got] for user, got in entries.items()}
     assert all(len(spans) == TRIALS for spans in runs.values())
     # Both have work waiting from the second's send until one's last trial starts.
     until = min(max(start for start, _ in spans) for spans in runs.values())
@@ -130,7 +146,8 @@ def test_two_users_at_one_level_each_get_40_to_60_percent_of_the_device_seconds(
     shares = {user: seconds / sum(used.values()) for user, seconds in used.items()}
     print(f"fair share over {until - second_sent:.1f} s with both waiting: "
           + ", ".join(f"{user} {shares[user]:.0%} ({used[user]:.1f} device-s)" for user in users))
-    assert all(0.40 <= share <= 0.60 for share in shares.values()), shares
+    print(_served(entries, second_sent, shares))
+    assert all(0.40 <= share <= 0.60 for share in shares.values()), _served(entries, second_sent, shares)
     # The fleet says each one's usage, least first.
     share_now = fair_share(app=app)
     assert set(users) <= set(share_now)
