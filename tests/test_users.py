@@ -20,7 +20,7 @@ from tasks import Fleet, fan_out
 from tasks.core.app import create_app
 from tasks.core.errors import ConfigError, CredentialsError
 from tasks.core.keys import FLEET_USERS
-from tasks.core.registry import connect
+from tasks.core.registry import connect, live_workers
 from tasks.core.settings import check_sender
 from tasks.core.users import (
     CancelRequest,
@@ -318,12 +318,19 @@ def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
         assert "is not the queue of a sweep or study of" in (keys.check_cancel(admin, request) or "")
     tampered = relay_request(alice, "attach", hers, workers=("w",)).model_copy(update={"workers": ("w", "v")})
     assert "not signed" in (keys.check_cancel(admin, tampered) or "")
+    # Her attach, carried out: the worker that answers is kept for her producer; a silent one is not.
+    cpu0 = live_workers(admin)["cpu0"].worker
+    relay = CancelRelay(admin, fleet.app(), 1.0)
+    relay.relay([relay_request(alice, "attach", f"{hers}:batch", workers=(cpu0, "ghost@nowhere")).to_json()])
+    assert admin.smembers(f"devicefleet:sweep:{owned_id('lr', 'alice')}:attached") == {cpu0}
+    relay.relay([relay_request(alice, "detach", f"{hers}:batch", workers=(cpu0,)).to_json()])
 
 
-def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_path):
+def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_path, caplog):
     import tasks
 
     fleet, admin, files = acl_fleet
+    caplog.set_level("WARNING", logger="tasks.producer.trials")
     alice = _app_of(files, "alice", tmp_path)
     bob_client = connect(read_credentials(files["bob"]).redis_url)
     trials = [{"value": i} for i in range(3)]
@@ -333,6 +340,9 @@ def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_pa
         entries = handle.get(timeout=90)
         assert [(e["status"], e["output"]["value"]) for e in entries] == [("ok", 0), ("ok", 1), ("ok", 2)]
         assert handle.id.startswith("mine.u-") and all(t.endswith("~alice") for t in handle.task_ids)
+        # Its own queue (placed): the worker that answered the relay's attach, kept for her to read.
+        answered = set() if constraints is None else {live_workers(admin)["cpu0"].worker}
+        assert admin.smembers(f"devicefleet:sweep:{handle.id}:attached") == answered
         for key in (f"celery-task-meta-{handle.task_ids[0]}", f"devicefleet:sweep:{handle.id}"):
             assert admin.exists(key)
             with pytest.raises(redis.exceptions.NoPermissionError):
@@ -356,6 +366,7 @@ def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_pa
     assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
     assert [e["status"] for e in handle.get(timeout=60)] == ["cancelled"] * 3
     assert admin.llen(f"sweep.{handle.id}~alice") == 0
+    assert "no reply to add_consumer" not in caplog.text  # she waited for the worker's answer, which came
     bob_client.close()
 
 

@@ -339,6 +339,13 @@ FOLLOW_BLOCK_MS = 200
 #: and how long it waits for the workers' replies to ``add_consumer``.
 SWEEP_REFRESH_S = 5.0
 SWEEP_ATTACH_TIMEOUT_S = 2.0
+#: How long the relay keeps the workers that answered a user's attach (``keys.sweep_attached``):
+#: her producer reads it within seconds; the key is left for a look afterwards.
+SWEEP_ATTACHED_TTL_S = 3600
+#: A user's producer reads who answered her attach every ATTACH_READ_POLL_S, for the relay's
+#: period, the workers' reply time and ATTACH_READ_SLACK_S more (a relay busy with cancels).
+ATTACH_READ_POLL_S = 0.05
+ATTACH_READ_SLACK_S = 2.0
 #: Messages ``devicefleet status`` (:func:`tasks.waiting`) reads from each queue list: the next
 #: ones to start. Deeper messages are counted (``LLEN``), not listed.
 WAITING_READ_LIMIT = 1000

@@ -133,6 +133,14 @@ def sweep_sent(sweep_id: str) -> str:
     return f"{PREFIX}sweep:{sweep_id}:sent"
 
 
+def sweep_attached(sweep_id: str) -> str:
+    """Set of the workers (node names) that answered the cancel relay's ``add_consumer`` of a
+    user's sweep or study queue ``sweep.<sweep_id>`` (:mod:`tasks.worker.cancels`): what her
+    producer waits for, as the admin's waits for Celery's replies. Expires after
+    :data:`tasks.core.defaults.SWEEP_ATTACHED_TTL_S`."""
+    return f"{PREFIX}sweep:{sweep_id}:attached"
+
+
 #: Prefix of the keys of Optuna's journal storage (``JournalRedisBackend(url, prefix=...)``):
 #: one log per study name under it.
 OPTUNA_PREFIX = f"{PREFIX}optuna"

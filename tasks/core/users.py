@@ -203,7 +203,8 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
     sep, mark = USER_SEPARATOR, owner_suffix(user)
     own_lists = [f"~{prefix}*{sep}{user}" for prefix in _QUEUE_PREFIXES]
     # Her sweeps' records and sent sets, and her Optuna journal (tasks.producer.sweep, .optimize).
-    own_trials = [f"~{PREFIX}sweep:*{mark}", f"~{PREFIX}sweep:*{mark}:sent", f"~{optuna_prefix(user)}:*"]
+    own_trials = [f"~{PREFIX}sweep:*{mark}", f"~{PREFIX}sweep:*{mark}:sent", f"~{PREFIX}sweep:*{mark}:attached",
+                  f"~{optuna_prefix(user)}:*"]
     secret = f">{password}" if password is not None else f"#{hashed}"
     rules = ["reset", "on", secret, "resetchannels", "-@all",
              *(f"+{c}" for c in (*_CONNECTION_COMMANDS, *_READ_COMMANDS)), "+lpush", "+set", "+del",

@@ -48,12 +48,12 @@ from typing import Any, Literal
 
 from celery import Celery
 
-from ..core.defaults import SWEEP_ATTACH_TIMEOUT_S
+from ..core.defaults import ATTACH_READ_POLL_S, ATTACH_READ_SLACK_S, CANCEL_RELAY_INTERVAL_S, SWEEP_ATTACH_TIMEOUT_S
 from ..core.defaults import SWEEP_REFRESH_S as REFRESH_S
 from ..core.devices import DeviceKind
 from ..core.errors import ConfigError
 from ..core.groups import GroupChoice, check_group_size
-from ..core.keys import CANCEL_REQUESTS
+from ..core.keys import CANCEL_REQUESTS, sweep_attached
 from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.queue_lists import USER_SEPARATOR, level_queue, user_list
 from ..core.queues import QueueName, device_queue, sweep_queue
@@ -159,11 +159,12 @@ class TrialQueue:
             return
         nodenames = [record.worker for record in self._workers.values()]
         self._refreshed = time.monotonic()
-        if self.credentials is not None:  # the relay asks them (no reply comes back to a user)
-            self._relay("attach", nodenames)
-            return
-        replies = self.app.control.add_consumer(self.list, destination=nodenames, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
-        answered = {name for reply in replies or [] for name in reply}
+        if self.credentials is not None:  # the relay asks them, and keeps who answered
+            answered = self._relay_attach(nodenames)
+        else:
+            replies = self.app.control.add_consumer(self.list, destination=nodenames, reply=True,
+                                                    timeout=SWEEP_ATTACH_TIMEOUT_S)
+            answered = {name for reply in replies or [] for name in reply}
         silent = [d for d, record in self._workers.items() if record.worker not in answered]
         if silent:
             logger.warning("%s: no reply to add_consumer from %s; trials go to the others", self.list,
@@ -207,6 +208,19 @@ class TrialQueue:
                 self.app.control.cancel_consumer(self.list, destination=nodenames, reply=False)
         except Exception as exc:  # noqa: BLE001
             logger.debug("%s: cancel_consumer failed: %s", self.queue, exc)
+
+    def _relay_attach(self, nodenames: list[str]) -> set[str]:
+        """Ask the workers' relay to attach ``nodenames``; the ones that answered it, read until
+        all did or the relay's period and the workers' reply time are over."""
+        client, key = self.connections.redis, sweep_attached(self.id)
+        client.delete(key)  # an earlier attach's answers (a resumed sweep) are not this one's
+        self._relay("attach", nodenames)
+        deadline = time.monotonic() + CANCEL_RELAY_INTERVAL_S + SWEEP_ATTACH_TIMEOUT_S + ATTACH_READ_SLACK_S
+        while True:
+            answered = {name.decode() if isinstance(name, bytes) else str(name) for name in client.smembers(key)}
+            if answered >= set(nodenames) or time.monotonic() >= deadline:
+                return answered
+            time.sleep(ATTACH_READ_POLL_S)
 
     def _relay(self, action: Literal["attach", "detach"], nodenames: list[str]) -> None:
         """Ask the workers' relay to do ``action`` (attach, detach) on the queue for ``nodenames``."""

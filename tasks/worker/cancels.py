@@ -13,7 +13,9 @@ A user's sweep or study (:mod:`tasks.producer.trials`) asks the same way for wha
 does with Celery's control channel for the fleet's admin: its unsent trials stored ``REVOKED``
 (``store``: a user writes no result key), and the workers it chose asked to consume its own queue
 (``attach``) and let it go (``detach``), only a queue whose id ends in the user's mark
-(:func:`tasks.core.users.owner_suffix`): no user moves workers onto another's queue.
+(:func:`tasks.core.users.owner_suffix`): no user moves workers onto another's queue. The workers
+that answer an attach are kept where her producer reads them (``keys.sweep_attached``), so it
+warns of a silent one as the admin's does.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from celery import Celery, states
 from pydantic import ValidationError
 
 from ..core import keys
-from ..core.defaults import CANCEL_RELAY_BATCH
+from ..core.defaults import CANCEL_RELAY_BATCH, SWEEP_ATTACH_TIMEOUT_S, SWEEP_ATTACHED_TTL_S
 from ..core.job import PROGRESS_STATE
 from ..core.periodic import PeriodicThread
+from ..core.queue_lists import split_level
+from ..core.queues import SWEEP_QUEUE_PREFIX
 from ..core.users import CancelRequest, UserKeys
 
 logger = logging.getLogger(__name__)
@@ -79,11 +83,23 @@ class CancelRelay(PeriodicThread):
         return revoke
 
     def _consume(self, request: CancelRequest) -> None:
-        """Ask ``request.workers`` to consume (``attach``) or let go (``detach``) its queue list."""
+        """Ask ``request.workers`` to consume (``attach``) or let go (``detach``) its queue list.
+        An attach waits for their replies (at most :data:`SWEEP_ATTACH_TIMEOUT_S`) and keeps the
+        workers that answered where the user's producer reads them (``keys.sweep_attached``)."""
         control = self._app.control
-        command = control.add_consumer if request.action == "attach" else control.cancel_consumer
-        command(request.task_id, destination=list(request.workers), reply=False)
-        logger.info("%s %s for %s: %s", request.action, request.task_id, request.user, ", ".join(request.workers))
+        workers = list(request.workers)
+        logger.info("%s %s for %s: %s", request.action, request.task_id, request.user, ", ".join(workers))
+        if request.action == "detach":
+            control.cancel_consumer(request.task_id, destination=workers, reply=False)
+            return
+        replies = control.add_consumer(request.task_id, destination=workers, reply=True, timeout=SWEEP_ATTACH_TIMEOUT_S)
+        answered = sorted({name for reply in replies or [] for name in reply})
+        if answered:
+            key = keys.sweep_attached(split_level(request.task_id)[0].removeprefix(SWEEP_QUEUE_PREFIX))
+            with self._client.pipeline(transaction=False) as pipe:
+                pipe.sadd(key, *answered)
+                pipe.expire(key, SWEEP_ATTACHED_TTL_S)
+                pipe.execute()
 
     def _store_revoked(self, task_ids: list[str]) -> None:
         """Store ``REVOKED`` for each of ``task_ids`` that has no result yet and does not run, as a
