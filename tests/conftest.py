@@ -125,10 +125,13 @@ def worker_configs(folder: Path, tables: dict[str, dict[str, object]] | None = N
 
 
 #: Where the session fleet's commands run (tests/scripts) and the programs they may start:
-#: torchrun is this Python's own (beside it), as a user's virtualenv has it.
+#: torchrun is this Python's own (beside it), as a user's virtualenv has it. This Python under
+#: both its names (the docs' examples run ``python3``; the suite may be run as ``python -m pytest``).
 SCRIPTS = ROOT / "tests" / "scripts"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-FLEET_COMMANDS = {"programs": [sys.executable, "bash", TORCHRUN], "workdirs": [str(SCRIPTS)]}
+PYTHONS = sorted({sys.executable, *(str(p) for name in ("python", "python3")
+                                    if (p := Path(sys.executable).with_name(name)).exists())})
+FLEET_COMMANDS = {"programs": [*PYTHONS, "bash", TORCHRUN], "workdirs": [str(SCRIPTS)]}
 
 
 #: The session fleet's job modules: the test jobs, and the job module the docs' "Your own job"
