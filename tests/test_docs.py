@@ -74,7 +74,7 @@ COVERED = {
 }
 #: The README's two set-up commands, run word for word by .ci/fresh (and the second by .ci/run).
 SETUP = ["python3 -m pip install torch==2.13.0 -e . && devicefleet demo",
-         "python3 -m pip install torch==2.13.0 -e '.[test]' && python3 -m pytest"]
+         "python3 -m pip install torch==2.13.0 -e '.[test]' && python3 -m pytest && python3 -m pytest -m alone -n 0"]
 
 
 @dataclass(frozen=True)
