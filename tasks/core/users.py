@@ -163,11 +163,13 @@ def job_signature(signing_key: str, task_id: str, user: str) -> str:
 #: beside each (``cpu:batch~alice``) and read the length of any.
 _QUEUE_PREFIXES = (QueueName.CPU.value, QueueName.GPU.value, QueueName.FLEET.value,
                    DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX)
-#: The fleet's keys a user reads (``devicefleet status``, the producer's check of live workers
-#: and of kwargs against each job's schema, fair share's order): never written by a user.
-_STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users", "usage*", "xid-counts",
-                "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*", "reaper:stats",
-                "dead-letters", "group*", "gang*", "preempt-claims:*")
+#: The fleet's keys a user reads (``devicefleet status`` and ``tasks.waiting``: caps, leases,
+#: usage, Xid counts; the producer's check of live workers and of kwargs against each job's
+#: schema; fair share's order): never written by a user. They say who holds or used what, never
+#: a job's arguments, results or logs.
+_STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users",
+                "usage*", "xid-counts", "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*",
+                "reaper:stats", "dead-letters", "group*", "gang*", "preempt-claims:*")
 #: Commands a user's producer may run: reads, the publish of a job, a result's wait. No command
 #: that takes from a list or empties one (purge), no KEYS/SCAN, no PUBLISH (Celery's control
 #: broadcast), no MONITOR, CONFIG, ACL or FLUSH.
