@@ -265,7 +265,12 @@ def _killed_with_cpu0_drained(cluster: SentinelCluster, sfleet: Fleet, sapp: Cel
     entries = handle.get(timeout=120)
     assert len(entries) == TRIALS
     assert {e["status"] for e in entries} == {"ok"}, [e for e in entries if e["status"] != "ok"][:3]
-    assert held.state == "PENDING", "drained cpu0 took a job after the failover"
+    # Not run there: PENDING, or RETRY where cpu0's consumer took it before its service watch
+    # read the drain again (its reads fail while there is no primary), and the lease's take,
+    # which reads the state in the same round trip, handed it back to the front of the queue, no
+    # attempt spent (tasks/worker/service.py: the documented path for a job that reaches a worker
+    # after its drain). Seen once in a clean clone's run: RETRY.
+    assert held.state in ("PENDING", "RETRY"), f"drained cpu0 took a job after the failover ({held.state})"
     # Back in service, cpu0's worker consumes again: the held job and its in-flight job run there.
     undrain(client, "cpu0", replication=sfleet.settings.replication(cluster.url))
     assert held.get(timeout=60)["device"] == "cpu0"
