@@ -146,8 +146,9 @@ def test_two_users_at_one_level_each_get_40_to_60_percent_of_the_device_seconds(
     shares = {user: seconds / sum(used.values()) for user, seconds in used.items()}
     print(f"fair share over {until - second_sent:.1f} s with both waiting: "
           + ", ".join(f"{user} {shares[user]:.0%} ({used[user]:.1f} device-s)" for user in users))
-    print(_served(entries, second_sent, shares))
-    assert all(0.40 <= share <= 0.60 for share in shares.values()), _served(entries, second_sent, shares)
+    served = _served(entries, second_sent, shares)
+    print(served)
+    assert all(0.40 <= share <= 0.60 for share in shares.values()), served
     # The fleet says each one's usage, least first.
     share_now = fair_share(app=app)
     assert set(users) <= set(share_now)
