@@ -118,6 +118,17 @@ def test_place_keeps_matching_devices_in_service_and_refuses_naming_the_closest(
     assert caught.value.closest["gpu0"] == "out of service"
 
 
+def test_a_device_named_outright_must_match_and_is_never_dropped_quietly():
+    live = {"gpu0": H100, "gpu1": T4, "cpu0": CPU}
+    assert place(["gpu0", "gpu1"], live, Constraints(kind="gpu"), named=["gpu0", "gpu1"]) == ["gpu0", "gpu1"]
+    with pytest.raises(PlacementUnavailable) as caught:
+        place(["gpu0", "gpu1", "cpu0"], live, Constraints(min_memory_gib=40), named=["gpu1", "cpu0"])
+    assert caught.value.closest == {"gpu1": "memory 16.0 GiB < 40 GiB", "cpu0": "memory 8.0 GiB < 40 GiB"}
+    assert str(caught.value).startswith("gpu1, cpu0, named outright, do not meet the constraints min_memory_gib=40: ")
+    with pytest.raises(PlacementUnavailable, match="^gpu0, named outright, does not meet .*gpu0: out of service"):
+        place(["gpu0", "gpu1"], live, Constraints(kind="gpu"), out_of_service=["gpu0"], named=["gpu0"])
+
+
 # -- the fleet ------------------------------------------------------------------------------------
 
 
@@ -215,9 +226,14 @@ def test_a_gang_or_group_no_set_of_devices_meets_is_refused_naming_the_constrain
         before, reserved = _queued(client, queues), _reserved(client)
         with pytest.raises(PlacementUnavailable, match='label.rack="c".*cpu0: label rack is "a", not "c"'):
             tasks.fan_out("ranked", "cpu", distributed=True, constraints={"labels": {"rack": "c"}}, app=app)
-        # A gang that names its ranks: each must match.
+        # A gang that names its ranks, in a mapping or a list: each must match (its world size is
+        # what the caller named, never quietly less).
         with pytest.raises(PlacementUnavailable, match='cpu0: label rack is "a", not "b"'):
             tasks.fan_out({"cpu0": "ranked", "cpu1": "ranked"}, distributed=True, constraints=RACK_B, app=app)
+        with pytest.raises(PlacementUnavailable, match='^cpu0, named outright, does not meet .*cpu0: label rack is "a"'):
+            tasks.fan_out("ranked", ["cpu0", "cpu1"], distributed=True, constraints=RACK_B, app=app)
+        with pytest.raises(PlacementUnavailable, match="^cpu0, named outright"):
+            tasks.sweep("echo", [{"value": 1}], "cpu0,cpu1", constraints=RACK_B, app=app)
         # A group of 2 where only cpu1 is rack=b: no set of devices makes it.
         with pytest.raises(PlacementUnavailable) as caught:
             tasks.fan_out("group_probe", "cpu", group=2, constraints=RACK_B, app=app)

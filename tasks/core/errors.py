@@ -171,10 +171,18 @@ class GroupUnavailable(FanOutError, LookupError):
 class PlacementUnavailable(FanOutError, LookupError):
     """No live device in service meets a job's constraints (:mod:`tasks.core.placement`); nothing was sent."""
 
-    def __init__(self, asked: str, closest: Mapping[str, str], considered: int) -> None:
+    def __init__(self, asked: str, closest: Mapping[str, str], considered: int, *, named: bool = False) -> None:
         self.asked = asked
         self.closest = dict(closest)
         lacks = "; ".join(f"{device}: {why}" for device, why in self.closest.items())
+        if named:  # devices the caller named outright: each must match, none is dropped quietly
+            super().__init__(
+                f"{', '.join(self.closest)}, named outright, "
+                f"{'does' if len(self.closest) == 1 else 'do'} not meet the constraints {asked}: {lacks}. "
+                "Name only devices that meet them, or give a kind ('cpu', 'gpu', 'all') to run on the "
+                "matching ones (nothing was sent)."
+            )
+            return
         super().__init__(
             f"no live device meets the constraints {asked} (of {considered} considered); closest: "
             f"{lacks or 'no live worker'}. Ask for less, or start or label a device that has it (nothing was sent)."

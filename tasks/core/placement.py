@@ -163,7 +163,8 @@ class Constraints(BaseModel):
 
     def describe(self) -> str:
         """The constraints as ``--require`` would give them: ``min_memory_gib=40 label.nvlink=true``."""
-        parts = [f"{key}={value}" for key, value in self.model_dump(exclude_none=True, exclude={"labels"}).items()]
+        parts = [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+                 for key, value in self.model_dump(exclude_none=True, exclude={"labels"}).items()]
         parts += [f"{LABEL_PREFIX}{name}={json.dumps(value)}" for name, value in self.labels.items()]
         return " ".join(parts)
 
@@ -219,22 +220,31 @@ def parse_requirements(items: Iterable[str]) -> Constraints | None:
 
 
 def place(chosen: Sequence[str], live: Mapping[str, DeviceFacts], constraints: Constraints | None,
-          out_of_service: Iterable[str] = ()) -> list[str]:
+          out_of_service: Iterable[str] = (), named: Iterable[str] = ()) -> list[str]:
     """The devices of ``chosen`` that meet ``constraints`` and are in service, in order (all of
-    ``chosen`` without constraints).
+    ``chosen`` without constraints). Of ``named``, the devices the caller named outright (not
+    through a kind or ``"all"``), each must match: naming a device is asking for it, so one that
+    does not match is refused, never dropped quietly (a gang's world size would shrink).
 
     Raises:
         PlacementUnavailable: none does; it names the closest devices and what each lacks
-            (nothing was sent).
+            (nothing was sent). Or a named device does not; it names each such device.
     """
     if constraints is None:
         return list(chosen)
     off = set(out_of_service)
+
+    def why(device: str) -> list[str]:
+        return (["out of service"] if device in off else []) + constraints.unmet(live[device])
+
+    refused = {device: "; ".join(why(device)) for device in dict.fromkeys(named)
+               if device in live and (device in off or not constraints.matches(live[device]))}
+    if refused:
+        raise PlacementUnavailable(constraints.describe(), refused, len(chosen), named=True)
     matching = [device for device in chosen if device not in off and constraints.matches(live[device])]
     if matching:
         return matching
-    whys = {device: (["out of service"] if device in off else []) + constraints.unmet(live[device])
-            for device in chosen}
+    whys = {device: why(device) for device in chosen}
     closest = sorted(whys, key=lambda device: (len(whys[device]), device))[:CLOSEST_SHOWN]
     raise PlacementUnavailable(constraints.describe(), {device: "; ".join(whys[device]) for device in closest},
                                len(chosen))

@@ -223,8 +223,7 @@ def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord
         DeviceUnavailable: a named device, or every device of a kind, has no live worker in service.
         ConfigError: ``devices`` names nothing.
     """
-    wanted = devices.split(",") if isinstance(devices, str) else list(devices)
-    wanted = [name.strip() for name in wanted if name and name.strip()]
+    wanted = _wanted(devices)
     if not wanted:
         raise ConfigError(f"devices={devices!r} names no device; use 'all', 'cpu', 'gpu' or names")
     out = out or {}
@@ -264,20 +263,6 @@ def constrained(spec: JobSpec, constraints: Constraints | Mapping[str, Any] | No
     return spec.model_copy(update={"options": spec.options.model_copy(update={"constraints": parsed})})
 
 
-def placed(chosen: Sequence[str], live: Mapping[str, WorkerRecord], spec: JobSpec, client: redis.Redis) -> list[str]:
-    """The devices of ``chosen`` that meet ``spec``'s constraints and are in service
-    (:mod:`tasks.core.device_state`); ``chosen`` itself when it has none (no Redis read).
-
-    Raises:
-        PlacementUnavailable: no device of ``chosen`` does (nothing was sent).
-    """
-    constraints = spec.options.constraints
-    if constraints is None:
-        return list(chosen)
-    out = out_of_service(client, list(live))
-    return place(chosen, live, constraints, out)
-
-
 def serving_devices(client: redis.Redis, devices: str | Sequence[str], live: Mapping[str, WorkerRecord]) -> list[str]:
     """:func:`select_devices` with the devices out of service now read from ``client`` (one ``HMGET``)."""
     return select_devices(devices, live, out_of_service(client, list(live)))
@@ -288,18 +273,32 @@ def serving_placed(client: redis.Redis, devices: str | Sequence[str], live: Mapp
     """The devices of ``devices`` that are in service (one ``HMGET``) and meet ``spec``'s
     constraints: a device named outright but out of service is refused as missing, as by
     :func:`serving_devices`; with constraints, the devices of ``all`` or a kind are placed among
-    all of them, so that a refusal names one out of service as such (:func:`tasks.core.placement.place`).
+    all of them, so that a refusal names one out of service as such (:func:`tasks.core.placement.place`),
+    and each device named outright must meet them.
 
     Raises:
         DeviceUnavailable: a named device is not live or out of service.
-        PlacementUnavailable: no device meets the constraints (nothing was sent).
+        PlacementUnavailable: no device meets the constraints, or one named outright does not
+            (nothing was sent).
     """
     out = out_of_service(client, list(live))
     serving = select_devices(devices, live, out)
     constraints = spec.options.constraints
     if constraints is None:
         return serving
-    return place(select_devices(devices, live), live, constraints, out)
+    return place(select_devices(devices, live), live, constraints, out, named=named_devices(devices))
+
+
+def _wanted(devices: str | Sequence[str]) -> list[str]:
+    """The parts of ``devices`` (a comma list or names), stripped, the empty ones left out."""
+    parts = devices.split(",") if isinstance(devices, str) else list(devices)
+    return [name.strip() for name in parts if name and name.strip()]
+
+
+def named_devices(devices: str | Sequence[str]) -> list[str]:
+    """The devices ``devices`` names outright: its names, not its kinds or ``"all"``."""
+    kinds = {ALL, *(kind.value for kind in DeviceKind)}
+    return [name for name in _wanted(devices) if name not in kinds]
 
 
 def placed_groups(chosen: Sequence[str], live: Mapping[str, WorkerRecord], size: int, spec: JobSpec,
@@ -540,8 +539,9 @@ def fan_out(
             devices joined with ``+`` (``cpu0+cpu1``). A mapping's key names a group the same
             way: ``{"cpu0+cpu1": job}``. See the device groups guide.
         constraints: what a device must be to run the job (:class:`~tasks.core.placement.Constraints`
-            or a dict: ``{"min_memory_gib": 40, "labels": {"nvlink": True}}``): of ``devices``,
-            those that meet them and are in service; with a mapping, each named device must.
+            or a dict: ``{"min_memory_gib": 40, "labels": {"nvlink": True}}``): of a kind or
+            ``"all"``, the devices that meet them and are in service; a device named outright (in
+            ``devices`` or a mapping) must meet them.
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` (or
             :class:`~tasks.producer.connections.Connections`) whose Redis connections the handle
@@ -552,7 +552,7 @@ def fan_out(
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``, or
             a named group's devices are not of one kind on one host (nothing is sent).
         PlacementUnavailable: no device of ``devices`` in service meets ``constraints``, or a
-            device a mapping names does not (nothing is sent).
+            device named outright does not (nothing is sent).
         ConfigError: a job spec is malformed, ``priority`` or ``user`` is invalid, or a
             constraint is unknown or bad.
         UnknownJob: a device's worker does not run the job (nothing is sent).
@@ -615,11 +615,12 @@ def _check_named(plan: Mapping[str, JobSpec], live: Mapping[str, WorkerRecord], 
     Raises:
         PlacementUnavailable: a named device does not (nothing is sent).
     """
+    if all(spec.options.constraints is None for spec in plan.values()):
+        return
+    out = out_of_service(client, list(live))
     for key, spec in plan.items():
         devices = key_devices(key)
-        kept = placed(devices, live, spec, client)
-        if len(kept) < len(devices):  # the others meet none of it: this raises, naming what each lacks
-            placed([device for device in devices if device not in kept], live, spec, client)
+        place(devices, live, spec.options.constraints, out, named=devices)
 
 
 def _send(app: Celery, plan: Mapping[str, JobSpec]) -> AsyncResult:

@@ -320,7 +320,8 @@ def sweep(
             The job must opt in; trials that differ in a param their model's shape hangs on run
             unpacked, and ``handle.packing.reason`` says why. A packed sweep has its own queue.
         constraints: what a device must be to run a trial (:mod:`tasks.core.placement`): the
-            trials go to a queue only the devices of ``devices`` that meet them consume.
+            trials go to a queue only the devices of ``devices`` that meet them consume (a
+            device named outright must meet them).
         app: the Celery app to send through; default ``client``'s, else ``tasks.app``.
         client: the :class:`~tasks.producer.client.FleetClient` whose connections the handle
             uses; default the app's own.
@@ -330,8 +331,8 @@ def sweep(
             ``user`` is invalid, or ``pack`` is not a count >= 1 or ``"auto"``, or asks a job or a
             command that does not pack.
         DeviceUnavailable: a requested device has no live worker (nothing is sent).
-        PlacementUnavailable: no device of ``devices`` in service meets ``constraints``
-            (nothing is sent).
+        PlacementUnavailable: no device of ``devices`` in service meets ``constraints``, or a
+            device named outright does not (nothing is sent).
         GroupUnavailable: no live host has ``group`` devices of one kind among ``devices``
             (nothing is sent).
         UnknownJob: a device's worker does not run the job (nothing is sent).
