@@ -34,6 +34,7 @@ for _key in ("COLUMNS", "LINES"):
     os.environ.pop(_key, None)
 
 from tasks import Fleet, Settings  # noqa: E402
+from tasks.core import keys  # noqa: E402
 from tasks.core.devices import count_gpus  # noqa: E402
 from tasks.core.registry import connect  # noqa: E402
 from tasks.ops.flower import auth_header  # noqa: E402
@@ -82,6 +83,11 @@ def standalone_worker(fleet: Fleet, device: str, argv: list[str], log_path: Path
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            # A killed worker's record lives out its TTL: the next test of this session's fleet
+            # (which counts its cpu devices) must not see it.
+            left = live_workers(client).get(device)
+            if left is not None and left.pid == proc.pid:
+                client.delete(keys.worker(device), keys.job_schemas(device))
             client.close()
 
 
