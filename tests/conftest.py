@@ -40,6 +40,8 @@ from tasks.core.registry import connect  # noqa: E402
 from tasks.ops.flower import auth_header  # noqa: E402
 from tasks.ops.redis_server import EmbeddedRedis  # noqa: E402
 
+from . import system_tools  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TEST_JOB_MODULES = ["tasks.jobs", "tests.fleet_jobs"]
 
@@ -216,6 +218,20 @@ def client(redis_server: EmbeddedRedis):  # type: ignore[no-untyped-def]
     redis_client.flushdb()
     yield redis_client
     redis_client.close()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that skipped for a missing system tool must be marked so (``tools`` or ``system``):
+    CI's fresh-machine check skips it, and only the marked run with the tools present runs it."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if (report.skipped and call.excinfo is not None and getattr(call.excinfo.value, system_tools.TOOL_MISSING, False)
+            and not any(item.get_closest_marker(name) for name in system_tools.MARKERS)):
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} skipped ({call.excinfo.value.msg}) but is marked none of "
+                           f"{', '.join(system_tools.MARKERS)}: mark it `tools` (pytest.mark.tools), so that "
+                           ".ci/run runs it where the tool is")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,6 +15,15 @@ import pytest
 
 #: Set to 1 by ``.ci/run``: a missing system tool fails the test instead of skipping it.
 REQUIRE_ENV = "DEVICEFLEET_REQUIRE_SYSTEM_TOOLS"
+#: The markers of the tests that may skip for a missing tool (``tools``: in the plain run;
+#: ``system``: a rig's own step). ``.ci/run``'s fresh-machine check skips such a test, and only
+#: its run of ``-m tools`` (``-m system``) with the tools present runs it: an unmarked test that
+#: skipped so would run nowhere on CI, so the suite fails it (tests/conftest.py).
+MARKERS = ("tools", "system")
+
+#: Set on the skip of a test whose system tool (or root) this machine lacks (an attribute, not a
+#: subclass: pytest would print a subclass's name in the skip's reason).
+TOOL_MISSING = "devicefleet_tool_missing"
 
 
 def required() -> bool:
@@ -39,7 +48,9 @@ def unavailable(reason: str) -> None:
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: CI must run this test)", pytrace=False)
     # Reported at the test that skipped, not at this line (as pytest reports a skipif mark or a
     # fixture's skip): `-ra` then names the test.
-    raise pytest.skip.Exception(reason, _use_item_location=True)
+    skip = pytest.skip.Exception(reason, _use_item_location=True)
+    setattr(skip, TOOL_MISSING, True)
+    raise skip
 
 
 def tool(name: str, package: str) -> str:

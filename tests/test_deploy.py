@@ -215,6 +215,7 @@ def test_command_paths_skip_what_the_unit_binds_and_refuse_what_systemd_would_sp
         command_paths(CommandPolicy(programs=["bash"], workdirs=["/srv/my proj"]))
 
 
+@pytest.mark.tools
 def test_systemd_analyze_verify_accepts_the_commands_dropin(tmp_path: Path) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")
     plan = _plan(tmp_path, worker_configs_src=_commands_configs(tmp_path))
@@ -225,6 +226,7 @@ def test_systemd_analyze_verify_accepts_the_commands_dropin(tmp_path: Path) -> N
     assert result.returncode == 0 and output == "", output
 
 
+@pytest.mark.tools
 def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")
     plan = _plan(tmp_path, unit_dir=Path("/etc/systemd/system"), gpus=2)
@@ -238,6 +240,7 @@ def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path)
         assert level <= 2.0, f"{unit}: {level}\n{out.stdout}"
 
 
+@pytest.mark.tools
 @pytest.mark.parametrize("mode", ["local", "serve", "join", "sentinel"])
 def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")
@@ -264,6 +267,7 @@ def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) ->
         assert result.returncode == 0 and output == "", f"{unit}: {output}"
 
 
+@pytest.mark.tools
 def test_verify_would_catch_a_bad_unit(tmp_path: Path) -> None:
     """The check above can fail: a typo in a rendered drop-in makes systemd-analyze complain."""
     analyze = system_tools.tool("systemd-analyze", "systemd")
@@ -576,6 +580,7 @@ def _make_ca(folder: Path, host_ip: str) -> tuple[Path, Path, Path]:
     return folder / "ca.crt", folder / "redis.crt", folder / "redis.key"
 
 
+@pytest.mark.tools
 @pytest.mark.timeout(240)
 def test_a_second_host_joins_over_tls_and_all_reaches_every_device_once(tmp_path: Path) -> None:
     """Host A serves Redis over TLS (rendered with --serve), host B joins it (--join): each

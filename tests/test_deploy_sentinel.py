@@ -181,6 +181,7 @@ def test_the_cli_refuses_a_bad_layout_before_writing_anything(tmp_path: Path) ->
     assert not (tmp_path / "etc").exists()
 
 
+@pytest.mark.tools
 def test_the_dropins_verify_with_debians_units(tmp_path: Path) -> None:
     """The drop-ins for Debian's redis-server and redis-sentinel units load cleanly onto them
     (each unit that is installed here; verify reads a drop-in folder beside the unit it checks)."""
@@ -202,11 +203,17 @@ def test_the_dropins_verify_with_debians_units(tmp_path: Path) -> None:
 # -- the rendered files, run -----------------------------------------------------------------------
 
 
-def _redis_binaries() -> list[str]:
-    """The Redis the tests run everywhere, and Debian's (the one the layout is for) when here."""
-    found = [str(find_redis_server())]
-    if os.path.exists("/usr/bin/redis-server") and not os.path.samefile(found[0], "/usr/bin/redis-server"):
-        found.append("/usr/bin/redis-server")
+#: Debian's redis-server, the one the layout is for.
+DEBIAN_REDIS = "/usr/bin/redis-server"
+
+
+def _redis_binaries() -> list[object]:
+    """The Redis the tests run everywhere, and Debian's (a system tool: skipped where it is
+    missing, required on CI) unless they are the same program."""
+    wheel = str(find_redis_server())
+    found: list[object] = [pytest.param(wheel, id="wheel")]
+    if not (os.path.exists(DEBIAN_REDIS) and os.path.samefile(wheel, DEBIAN_REDIS)):
+        found.append(pytest.param(DEBIAN_REDIS, marks=pytest.mark.tools, id="debian"))
     return found
 
 
@@ -265,6 +272,8 @@ def test_the_rendered_layout_runs_and_fails_over(tmp_path: Path, binary: str) ->
     replicas and three sentinels, each at its own address; a client of the rendered URL writes.
     Then the primary is killed: a replica is promoted, the URL writes there, and Sentinel's
     CONFIG REWRITE has moved the replicaof lines in the redis.conf files, not in the snippets."""
+    if not os.path.exists(binary):
+        system_tools.missing(binary, "redis-server")
     plans = _layout(tmp_path / "render", redis_port=free_port(), sentinel_port=free_port())
     url = plans[0].redis_url
     parsed = SentinelURL.parse(url)

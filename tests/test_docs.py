@@ -72,7 +72,7 @@ COVERED = {
     "bash .ci/floors": ".ci/run::bash .ci/floors",
     "bash .ci/celery-suite": ".ci/run::bash .ci/celery-suite",
 }
-#: The README's two set-up commands, run word for word by .ci/fresh (and the second by .ci/run).
+#: The README's two set-up commands, run word for word by .ci/fresh (which .ci/run runs).
 SETUP = ["python3 -m pip install torch==2.13.0 -e . && devicefleet demo",
          "python3 -m pip install torch==2.13.0 -e '.[test]' && python3 -m pytest && python3 -m pytest -m alone -n 0"]
 
@@ -161,9 +161,12 @@ def test_every_block_is_run_here_or_marked() -> None:
 def test_the_readme_is_short_and_keeps_its_two_set_up_commands() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) < 250
-    # .ci/fresh runs the README's lines that start so, and .ci/run the second of them.
+    # .ci/fresh runs the README's lines that start so, word for word; .ci/run runs .ci/fresh, then
+    # installs as the second does for its own steps.
     assert [line for line in readme.splitlines() if line.startswith("python3 -m pip install torch==2.13.0 ")] == SETUP
-    assert SETUP[1] in (ROOT / ".ci" / "run").read_text()
+    assert "grep -E '^python3 -m pip install torch==2\\.13\\.0 ' README.md" in (ROOT / ".ci" / "fresh").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\nbash .ci/fresh\n" in ci and f"\n{SETUP[1].split(' && ')[0]} || exit\n" in ci
 
 
 def test_the_readmes_links_lead_to_files_here() -> None:

@@ -203,6 +203,7 @@ def test_flower_runs_on_loopback_behind_basic_auth(monitored: Monitored) -> None
     assert monitored.auth.split(":", 1)[1] not in cmdline
 
 
+@pytest.mark.tools
 def test_flower_metrics_and_ui_agree_with_the_jobs_each_device_ran(
     monitored: Monitored, browser: Any, unchecked_kwargs: None
 ) -> None:
@@ -358,6 +359,7 @@ def test_queue_depth_and_oldest_age_while_a_device_does_not_consume(monitored: M
     assert sample(scrape(monitored.metrics_url), "devicefleet_queue_length", queue="device.cpu0") == 0
 
 
+@pytest.mark.tools
 def test_progress_reaches_producers_status_and_flower(
     monitored: Monitored, browser: Any, tmp_path: Path
 ) -> None:

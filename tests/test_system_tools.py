@@ -57,3 +57,26 @@ def test_a_skip_is_reported_at_the_test_that_skipped_not_at_the_helper(tmp_path)
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
     assert len(skipped) == 1 and "test_inner.py:4" in skipped[0] and "system_tools" not in skipped[0], proc.stdout
+
+
+def test_a_test_that_skips_for_a_missing_tool_must_be_marked_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """CI's fresh-machine check skips such a test and only `-m tools` (or `-m system`) runs it
+    where the tool is: unmarked, it would run nowhere on CI, so the suite fails it."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "test_inner.py").write_text(
+        "import pytest\n\nfrom tests import system_tools\n\n\n"
+        "def test_unmarked():\n    system_tools.tool('no-such-tool-xyz', 'xyz-pkg')\n\n\n"
+        "@pytest.mark.tools\ndef test_marked():\n    system_tools.tool('no-such-tool-xyz', 'xyz-pkg')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop(system_tools.REQUIRE_ENV, None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           "-c", os.devnull, "--rootdir", str(tmp_path), "-W", "ignore::pytest.PytestUnknownMarkWarning",
+                           str(tmp_path / "test_inner.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 skipped" in proc.stdout, proc.stdout
+    assert "test_unmarked skipped (no-such-tool-xyz is missing: apt-get install xyz-pkg) but is marked none of " \
+           "tools, system: mark it `tools`" in proc.stdout, proc.stdout

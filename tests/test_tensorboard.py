@@ -94,6 +94,7 @@ def served(fleet: Fleet, trained: Any, tmp_path_factory: pytest.TempPathFactory)
         stop_process(proc, 10)
 
 
+@pytest.mark.tools
 @pytest.mark.timeout(180)
 def test_tensorboard_serves_both_devices_curves_to_a_browser(served: str, trained: Any) -> None:
     handle, _ = trained

