@@ -11,6 +11,7 @@ import sys
 import uuid
 from typing import Any
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -19,7 +20,7 @@ from tasks.core import keys
 from tasks.core.device_state import DeviceState, write_state
 from tasks.core.errors import ConfigError, GroupUnavailable, PlacementUnavailable
 from tasks.core.groups import GroupChoice
-from tasks.core.placement import GIB, Constraints, parse_requirements, place
+from tasks.core.placement import GIB, Constraints, device_memory, parse_requirements, place
 from tasks.core.queue_lists import QueueLists
 from tasks.core.queues import device_queue, sweep_queue
 from tasks.core.records import JobOptions, SlotRecord, WorkerRecord
@@ -118,6 +119,18 @@ def test_place_keeps_matching_devices_in_service_and_refuses_naming_the_closest(
     assert caught.value.closest["gpu0"] == "out of service"
 
 
+def test_a_cpu_device_without_a_budget_offers_its_hosts_ram():
+    host = _record("cpu1", kind="cpu", device_name="Intel Xeon", host_memory=32 * GIB,
+                   slots=[SlotRecord(index=0, cores=[0], budget_bytes=None)])
+    assert device_memory(host) == 32 * GIB and device_memory(CPU) == 8 * GIB  # a budget comes first
+    assert Constraints(min_memory_gib=16).matches(host)
+    assert Constraints(min_memory_gib=64).unmet(host) == ["memory 32.0 GiB < 64 GiB"]
+    # A GPU's memory is its own, never its host's; a record from an older worker: unknown.
+    assert device_memory(T4.model_copy(update={"host_memory": 512 * GIB})) == 16 * GIB
+    assert Constraints(min_memory_gib=1).unmet(host.model_copy(update={"host_memory": None})) == \
+        ["memory unknown < 1 GiB"]
+
+
 def test_a_device_named_outright_must_match_and_is_never_dropped_quietly():
     live = {"gpu0": H100, "gpu1": T4, "cpu0": CPU}
     assert place(["gpu0", "gpu1"], live, Constraints(kind="gpu"), named=["gpu0", "gpu1"]) == ["gpu0", "gpu1"]
@@ -140,6 +153,17 @@ def test_workers_register_their_labels(fleet):
         client.close()
     assert {device: live[device].labels for device in FLEET_LABELS} == FLEET_LABELS
     assert all(live[device].compute_capability is None for device in FLEET_LABELS)
+    assert {live[device].host_memory for device in FLEET_LABELS} == {psutil.virtual_memory().total}
+
+
+@pytest.mark.timeout(60)
+def test_a_memory_constraint_places_cpu_devices_by_their_hosts_ram(fleet, app):
+    # The session's CPU devices have one slot and no memory_gib: their host's RAM is what they offer.
+    ram_gib = psutil.virtual_memory().total / GIB
+    results = tasks.fan_out("echo", "cpu", kwargs={"value": 1}, constraints={"min_memory_gib": ram_gib / 2}, app=app)
+    assert sorted(results.get(timeout=30)) == sorted(FLEET_LABELS)
+    with pytest.raises(PlacementUnavailable, match=f"cpu0: memory {ram_gib:.1f} GiB < {2 * ram_gib:g} GiB"):
+        tasks.fan_out("echo", "cpu", constraints={"min_memory_gib": 2 * ram_gib}, app=app)
 
 
 @pytest.mark.timeout(90)

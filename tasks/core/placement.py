@@ -60,6 +60,8 @@ class DeviceFacts(Protocol):
     def labels(self) -> Mapping[str, Any]: ...
     @property
     def slots(self) -> Sequence[_Slot]: ...
+    @property
+    def host_memory(self) -> int | None: ...
 
 GIB = 1 << 30
 #: A label's value: a JSON scalar (bool first: ``true`` stays a bool, not the int 1).
@@ -179,13 +181,14 @@ def _capability(text: str) -> tuple[int, ...]:
 
 def device_memory(record: DeviceFacts) -> int | None:
     """Bytes of memory the device offers its jobs: a GPU's device memory; else its slots' budgets
-    together (a CPU device: its host's RAM unless its worker config sets ``memory_gib``)."""
+    together (``memory_gib``, or the host's RAM split among several slots); else, a CPU device
+    whose one slot has no budget, its host's RAM. None where none of these is known."""
     if record.total_memory is not None:
         return record.total_memory
     budgets = [slot.budget_bytes for slot in record.slots]
-    if not budgets or any(budget is None for budget in budgets):
-        return None
-    return sum(int(budget) for budget in budgets if budget is not None)
+    if budgets and all(budget is not None for budget in budgets):
+        return sum(int(budget) for budget in budgets if budget is not None)
+    return record.host_memory if record.kind == "cpu" else None
 
 
 def parse_requirements(items: Iterable[str]) -> Constraints | None:

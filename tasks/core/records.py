@@ -393,6 +393,9 @@ class WorkerRecord(_Record):
     gpu_links: dict[int, str] | None = None
     #: A GPU's CUDA compute capability, ``"9.0"``; None on a CPU device (:mod:`tasks.core.placement`).
     compute_capability: str | None = None
+    #: Bytes of its host's RAM, read as it started: what a CPU device's jobs may use where its
+    #: slots have no budget (``memory_gib``); None from a worker older than this field.
+    host_memory: int | None = None
     #: What its worker config's ``labels`` say the device is (``{"nvlink": true, "rack": "a"}``):
     #: what jobs' ``labels`` constraints match.
     labels: dict[str, LabelValue] = Field(default_factory=dict)

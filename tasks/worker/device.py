@@ -303,6 +303,7 @@ def worker_record(setup: DeviceSetup, processes: JobProcesses, slots: Slots) -> 
         commands=processes.supervisor.spec.commands,
         gpu_links=read_links(setup.device.index) if setup.device.kind is DeviceKind.GPU else None,
         compute_capability=v.compute_capability, labels=dict(setup.config.labels),
+        host_memory=psutil.virtual_memory().total,
     )
 
 
