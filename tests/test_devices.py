@@ -199,3 +199,29 @@ def test_undraining_a_hardware_drain_runs_the_probe_job_first(fleet, app):
         assert _done(client, "cpu1") == before + 1, "the probe job did not run on cpu1"
     finally:
         write_state(client, DeviceState(device="cpu1"))
+
+
+def test_a_record_from_a_newer_worker_is_read_without_its_new_fields(client, caplog):
+    """A rolling upgrade starts the new workers first: their records carry fields this version
+    does not know, and their devices must not vanish from its registry (they did: a record
+    that failed to parse was dropped as malformed). One that is malformed otherwise still is."""
+    import json
+    import logging
+
+    from tasks.core.records import SlotRecord, WorkerRecord
+    from tasks.core.registry import live_workers
+
+    record = WorkerRecord(device="cpu0", kind="cpu", worker="cpu0@h", host="h", pid=1, queues=["cpu"],
+                          cores=[0], pool="threads", jobs=["echo"], started_at=0.0,
+                          slots=[SlotRecord(index=0, cores=[0], budget_bytes=None)])
+    newer = json.loads(record.model_dump_json())
+    newer["power_watts"] = 300
+    newer["slots"][0]["mig_profile"] = "1g.10gb"
+    broken = {**newer, "pid": "not a pid"}
+    for device, data in (("cpu0", newer), ("cpu1", {**broken, "device": "cpu1"})):
+        client.sadd(keys.WORKERS, device)
+        client.set(keys.worker(device), json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="tasks.core.registry"):
+        live = live_workers(client)
+    assert list(live) == ["cpu0"] and live["cpu0"] == record
+    assert "registry record of cpu1 is malformed" in caplog.text and "cpu0" not in caplog.text

@@ -8,6 +8,7 @@ broadcast.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -93,13 +94,37 @@ def check_sentinels(url: str) -> None:
 
 
 def _parse(device: str, raw: str | bytes | None) -> WorkerRecord | None:
+    """``raw`` as a record; one a newer worker wrote, with fields this version does not know,
+    is read without them (a rolling upgrade's workers go first: their devices must not vanish
+    from the older producers' registry); None, with a warning, for anything else that fails."""
     if raw is None:
         return None
     try:
         return WorkerRecord.model_validate_json(raw)
-    except ValidationError:
+    except ValidationError as exc:
+        unknown = [error["loc"] for error in exc.errors() if error["type"] == "extra_forbidden"]
+        if unknown and len(unknown) == exc.error_count():
+            data = json.loads(raw)
+            for loc in unknown:
+                _drop(data, loc)
+            try:
+                record = WorkerRecord.model_validate(data)
+            except ValidationError:
+                pass
+            else:
+                logger.debug("registry record of %s: fields of a newer version left out: %s", device,
+                             ", ".join(".".join(map(str, loc)) for loc in unknown))
+                return record
         logger.warning("registry record of %s is malformed; ignoring it", device)
         return None
+
+
+def _drop(data: Any, loc: tuple[int | str, ...]) -> None:
+    """Delete the value at path ``loc`` (keys and list indices) of ``data``."""
+    *path, last = loc
+    for part in path:
+        data = data[part]
+    del data[last]
 
 
 def read_worker(client: redis.Redis, device: str) -> WorkerRecord | None:
