@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kombu.exceptions import OperationalError
 
 from tasks import Fleet, fan_out
 from tasks.core.app import create_app
+from tasks.core.defaults import ACL_USERS_CHECK_S
 from tasks.core.errors import ConfigError, CredentialsError
 from tasks.core.keys import FLEET_USERS
 from tasks.core.registry import connect, live_workers
@@ -281,8 +283,19 @@ def test_a_redis_that_lost_the_acl_users_gets_them_back_with_the_same_passwords(
     alice_client = connect(read_credentials(files["alice"]).redis_url)
     with pytest.raises(redis.exceptions.AuthenticationError):
         alice_client.ping()
-    assert restore_acl_users(admin) == ["alice"] and restore_acl_users(admin) == []
-    assert alice_client.ping() and alice_client.hkeys("devicefleet:users") is not None
+    # The fleet's worker, already joined, makes her again with the same password (it checks every
+    # ACL_USERS_CHECK_S): before, only a worker's join did.
+    def pings() -> bool:
+        try:
+            return bool(alice_client.ping())
+        except redis.exceptions.AuthenticationError:
+            return False
+
+    lost_at = time.monotonic()
+    wait_for(pings, 3 * ACL_USERS_CHECK_S + 10, "the worker to make alice's ACL user again")
+    print(f"\nUSERS alice's ACL user made again {time.monotonic() - lost_at:.1f} s after it was lost "
+          f"(checked every {ACL_USERS_CHECK_S:g} s)")
+    assert alice_client.hkeys("devicefleet:users") is not None and restore_acl_users(admin) == []
     # A user added by an older version, without a read its status needs now, gets this version's
     # rules when a worker joins: her open connection stays, with the same password.
     admin.execute_command("ACL", "SETUSER", "alice", "-xlen")

@@ -458,4 +458,9 @@ USER_KEYS_REFRESH_S = 30.0
 #: How often a worker's cancel relay looks for users' cancel requests (only on a fleet with
 #: users: one read of their count every USER_KEYS_REFRESH_S otherwise), and the most it takes at once.
 CANCEL_RELAY_INTERVAL_S = 1.0
+#: How often each worker checks that the fleet's Redis (on Sentinel: each replica and sentinel
+#: too) has every fleet user's ACL user, and makes again those it lost (a restarted Redis keeps
+#: the fleet's keys but not its ACL users): a restart's users are refused at most this long.
+#: One ``ACL USERS`` per node a tick (:class:`tasks.worker.acl_keeper.AclUsersKeeper`).
+ACL_USERS_CHECK_S = 5.0
 CANCEL_RELAY_BATCH = 100

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import redis
 from pydantic import Field, ValidationError
 
-from .defaults import USER_KEYS_REFRESH_S
+from .defaults import ACL_USERS_CHECK_S, USER_KEYS_REFRESH_S
 from .errors import CredentialsError
 from .keys import CANCEL_REQUESTS, FLEET_USERS, OPTUNA_PREFIX, PREFIX
 from .priority import USER_PATTERN
@@ -277,15 +277,16 @@ def on_peers(url: str, change: Callable[[Any, bool], object]) -> list[str]:
     return missed
 
 
-def restore_acl_users(client: Any, url: str | None = None) -> list[str]:
+def restore_acl_users(client: Any, url: str | None = None, *, missing_only: bool = False) -> list[str]:
     """Make again, from :data:`~tasks.core.keys.FLEET_USERS`, the ACL user of each fleet user the
     Redis lacks (a Redis restarted from its data keeps the fleet's keys, not its ACL users), with
-    the same password (from its hash) and rules; the users made again. The users it has get this
-    version's rules (a user added by an older one may lack a read that its status needs), with the
-    same password: their open connections stay. On a fleet on Sentinel (``url``), the same on
-    each replica and sentinel (:func:`on_peers`; one out of reach is logged and skipped). Run by
-    each worker as it joins, with the fleet's own password. One read (``HGETALL``) on a fleet with
-    no users."""
+    the same password (from its hash) and rules; the users made again. Unless ``missing_only``,
+    the users it has get this version's rules too (a user added by an older one may lack a read
+    that its status needs), with the same password: their open connections stay. On a fleet on
+    Sentinel (``url``), the same on each replica and sentinel (:func:`on_peers`; one out of reach
+    is logged and skipped). Run with the fleet's own password by each worker as it joins, and
+    with ``missing_only`` every :data:`~tasks.core.defaults.ACL_USERS_CHECK_S` after (one
+    ``ACL USERS`` a node). One read (``HGETALL``) on a fleet with no users."""
     records = client.hgetall(FLEET_USERS)
     if not records:
         return []
@@ -297,21 +298,21 @@ def restore_acl_users(client: Any, url: str | None = None) -> list[str]:
             continue
         if record.password_sha256 is not None:
             hashes[_text(name)] = record.password_sha256
-    have = {_text(name) for name in client.execute_command("ACL", "USERS")}
-    for user, hashed in hashes.items():
-        client.execute_command("ACL", "SETUSER", user, *acl_rules(user, hashed=hashed))
 
-    def on_peer(peer: Any, on_sentinel: bool) -> None:
+    def give(node: Any, rules: Callable[..., list[str]]) -> list[str]:
+        have = {_text(name) for name in node.execute_command("ACL", "USERS")}
         for user, hashed in hashes.items():
-            rules = sentinel_acl_rules if on_sentinel else acl_rules
-            peer.execute_command("ACL", "SETUSER", user, *rules(user, hashed=hashed))
+            if user not in have or not missing_only:
+                node.execute_command("ACL", "SETUSER", user, *rules(user, hashed=hashed))
+        return [user for user in hashes if user not in have]
 
+    made = give(client, acl_rules)
     if url is not None and hashes:
-        missed = on_peers(url, on_peer)
+        missed = on_peers(url, lambda peer, on_sentinel: give(peer, sentinel_acl_rules if on_sentinel else acl_rules))
         if missed:
-            logger.warning("could not give the users' ACL users to %s: the next worker that joins tries again",
-                           "; ".join(missed))
-    return [user for user in hashes if user not in have]
+            logger.warning("could not give the users' ACL users to %s: tried again in %g s", "; ".join(missed),
+                           ACL_USERS_CHECK_S)
+    return made
 
 
 class UserKeys:

@@ -4,7 +4,8 @@ Run with the fleet's own password (the admin's: the local fleet file, or ``DEVIC
 with the ``default`` user's password). ``add`` makes the user's Redis ACL user and signing key
 (:mod:`tasks.core.users`) and writes their credentials file; ``remove`` deletes both (Redis closes
 the user's open connections at once); ``list`` shows who is there. The fleet keeps its users in
-Redis (:data:`~tasks.core.keys.FLEET_USERS`, persisted with the rest); each worker, as it joins,
+Redis (:data:`~tasks.core.keys.FLEET_USERS`, persisted with the rest); each worker, as it joins
+and every :data:`~tasks.core.defaults.ACL_USERS_CHECK_S` after (:mod:`tasks.worker.acl_keeper`),
 makes their ACL users again on a Redis that lost them (a restart: ACL users are not in Redis's
 data), from their password's hash (:func:`tasks.core.users.restore_acl_users`). On a fleet on
 Sentinel, each user is made on the primary, each replica (ACL users are not replicated, and a

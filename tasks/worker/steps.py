@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 
 from celery import bootsteps, signals
 
-from ..core.defaults import CANCEL_RELAY_INTERVAL_S
+from ..core.defaults import ACL_USERS_CHECK_S, CANCEL_RELAY_INTERVAL_S
 from ..core.devices import DeviceKind
 from ..core.errors import DeviceFleetError, start_exit_status
 from ..core.job import COLLECT_TASK, task_name
@@ -64,6 +64,7 @@ from ..core.queue_lists import leveled
 from ..core.registry import check_sentinels, connect
 from ..core.settings import redact_url
 from ..core.users import restore_acl_users
+from .acl_keeper import AclUsersKeeper
 from .cancels import CancelRelay
 from .device import DeviceSetup, DeviceWorker, JobProcesses, check_unique, device_slots, worker_record
 from .group import GroupKeeper
@@ -282,7 +283,9 @@ class PreemptionStep(bootsteps.StartStopStep):
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """The reaper: gives back the jobs of workers that died holding them (:mod:`tasks.worker.reaper`)."""
+    """The fleet's housekeeping: the reaper, which gives back the jobs of workers that died
+    holding them (:mod:`tasks.worker.reaper`); the users' cancel relay; their ACL users kept
+    (:mod:`tasks.worker.acl_keeper`)."""
 
     label = "Reaper"
     requires = (RegistryStep,)
@@ -292,14 +295,19 @@ class ReaperStep(bootsteps.StartStopStep):
         settings = built(parent, DeviceStep).setup.settings
         self.reaper = Reaper(built(parent, RegistryStep).client, parent.app, settings.reaper_interval_s,
                              orphan_grace_s=2 * settings.lease_ttl_s)
+        registry = built(parent, RegistryStep)
         # The users' own cancels (issue 49), sent on with the fleet's credentials.
-        self.cancels = CancelRelay(built(parent, RegistryStep).client, parent.app, CANCEL_RELAY_INTERVAL_S)
+        self.cancels = CancelRelay(registry.client, parent.app, CANCEL_RELAY_INTERVAL_S)
+        # Their ACL users, made again where a restarted Redis (or replica, or sentinel) lost them.
+        self.acl_users = AclUsersKeeper(registry.client, registry.url, ACL_USERS_CHECK_S)
 
     def start(self, parent: Any) -> None:
         self.reaper.start()
         self.cancels.start()
+        self.acl_users.start()
 
     def stop(self, parent: Any) -> None:
+        self.acl_users.stop()
         self.cancels.stop()
         self.reaper.stop()
 
