@@ -225,3 +225,17 @@ def test_a_record_from_a_newer_worker_is_read_without_its_new_fields(client, cap
         live = live_workers(client)
     assert list(live) == ["cpu0"] and live["cpu0"] == record
     assert "registry record of cpu1 is malformed" in caplog.text and "cpu0" not in caplog.text
+
+
+def test_a_drain_stored_by_a_newer_version_is_still_obeyed(client):
+    """The same for the other records the fleet stores (tasks.core.records.stored): a drain with
+    a field this version does not know still takes the device out of service; before, reading
+    it raised, and every read of the device states failed with it."""
+    import json
+
+    newer = {"device": "cpu0", "state": "drained", "reason": "fan noise", "since": 1.0, "by": "ops",
+             "ticket": "INC-1"}
+    client.hset(keys.DEVICE_STATE, "cpu0", json.dumps(newer))
+    state = read_state(client, "cpu0")
+    assert (state.state, state.reason, state.in_service) == ("drained", "fan noise", False)
+    assert list(out_of_service(client, ["cpu0", "cpu1"])) == ["cpu0"]

@@ -34,7 +34,7 @@ from . import keys
 from .devices import DeviceKind
 from .errors import CapError
 from .priority import USER_PATTERN
-from .records import LeaseRecord, _Record
+from .records import LeaseRecord, _Record, stored
 
 #: The device kinds a cap may name.
 CAP_KINDS = tuple(kind.value for kind in DeviceKind)
@@ -145,7 +145,7 @@ def read_caps(client: redis.Redis) -> dict[str, Cap]:
     caps: dict[str, Cap] = {}
     for subject, raw in client.hgetall(keys.CAPS).items():
         try:
-            caps[bytes_to_str(subject)] = Cap.model_validate_json(raw)
+            caps[bytes_to_str(subject)] = stored(Cap, raw)
         except ValidationError:
             continue
     return caps
@@ -242,7 +242,7 @@ def live_leases(client: redis.Redis) -> list[LeaseRecord]:
         if not exists:
             continue
         try:
-            out.append(LeaseRecord.model_validate_json(recorded[task_id]))
+            out.append(stored(LeaseRecord, recorded[task_id]))
         except ValidationError:
             continue
     return out
@@ -261,7 +261,7 @@ def blocking(caps: dict[str, Cap], uses: list[CapUse], user: str | None, kind: s
 
 def read_audit(client: redis.Redis) -> list[CapGrant]:
     """The take script's grants to capped users and teams, oldest first (``keys.CAP_AUDIT``)."""
-    return [CapGrant.model_validate_json(raw) for raw in client.lrange(keys.CAP_AUDIT, 0, -1)]
+    return [stored(CapGrant, raw) for raw in client.lrange(keys.CAP_AUDIT, 0, -1)]
 
 
 #: Lua functions of the take script's cap check (:data:`tasks.core.jobstate.TAKE`).

@@ -22,6 +22,7 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from . import keys
+from .records import stored
 
 #: The states a device can be in; ``ok`` is stored as no field at all.
 Health = Literal["ok", "suspect", "drained", "quarantined"]
@@ -56,7 +57,7 @@ class DeviceState(BaseModel):
 def _parse(device: str, raw: str | bytes | None) -> DeviceState:
     if raw is None:
         return DeviceState(device=device)
-    return DeviceState.model_validate_json(raw)
+    return stored(DeviceState, raw)
 
 
 def read_state(client: redis.Redis, device: str) -> DeviceState:

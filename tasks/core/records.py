@@ -15,12 +15,13 @@ Where each lives in Redis is in :mod:`tasks.core.keys`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
 
 from .commands import CommandRules
 from .defaults import GANG_COLLECTIVE_TIMEOUT_S, GANG_JOIN_TIMEOUT_S, GANG_MAX_RESTARTS, MAX_ATTEMPTS, PACK_MAX
@@ -39,6 +40,35 @@ class EntryStatus(str, Enum):
 #: Error types that mean "cancelled", not "failed": the job's own stop at ``ctx.progress()`` (or
 #: its process ended after the grace period), and Celery's for a revoked message that never started.
 CANCELLED_ERRORS = frozenset({"JobCancelled", "TaskRevokedError"})
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def stored(model: type[_Model], raw: str | bytes) -> _Model:
+    """``raw``, JSON a process of the fleet stored (in Redis), as ``model``. A record refuses
+    unknown fields where code builds it (a typo fails at once), but one stored by a newer version
+    may carry fields this one does not know: those are left out, so that a rolling upgrade's new
+    workers do not make their records unreadable to the older processes (a device vanished from
+    the registry; a lease no reaper could read).
+
+    Raises:
+        ValidationError: anything else is wrong with it.
+    """
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        unknown = [error["loc"] for error in exc.errors() if error["type"] == "extra_forbidden"]
+        if not unknown or len(unknown) != exc.error_count():
+            raise
+        data = json.loads(raw)
+        for loc in unknown:
+            *path, last = loc
+            node = data
+            for part in path:
+                node = node[part]
+            del node[last]
+        return model.model_validate(data)
 
 
 class _Record(BaseModel):

@@ -8,7 +8,6 @@ broadcast.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from pydantic import ValidationError
 from . import keys
 from .defaults import REDIS_CONNECT_TIMEOUT_S, REDIS_HEALTH_CHECK_INTERVAL_S
 from .errors import FleetError
-from .records import WorkerRecord
+from .records import WorkerRecord, stored
 from .sentinel import SentinelURL, is_sentinel
 from .settings import redact_url
 from .users import denial
@@ -94,37 +93,15 @@ def check_sentinels(url: str) -> None:
 
 
 def _parse(device: str, raw: str | bytes | None) -> WorkerRecord | None:
-    """``raw`` as a record; one a newer worker wrote, with fields this version does not know,
-    is read without them (a rolling upgrade's workers go first: their devices must not vanish
-    from the older producers' registry); None, with a warning, for anything else that fails."""
+    """``raw`` as a record (one a newer worker wrote is read without the fields this version does
+    not know: :func:`~tasks.core.records.stored`); None, with a warning, when it is malformed."""
     if raw is None:
         return None
     try:
-        return WorkerRecord.model_validate_json(raw)
-    except ValidationError as exc:
-        unknown = [error["loc"] for error in exc.errors() if error["type"] == "extra_forbidden"]
-        if unknown and len(unknown) == exc.error_count():
-            data = json.loads(raw)
-            for loc in unknown:
-                _drop(data, loc)
-            try:
-                record = WorkerRecord.model_validate(data)
-            except ValidationError:
-                pass
-            else:
-                logger.debug("registry record of %s: fields of a newer version left out: %s", device,
-                             ", ".join(".".join(map(str, loc)) for loc in unknown))
-                return record
+        return stored(WorkerRecord, raw)
+    except ValidationError:
         logger.warning("registry record of %s is malformed; ignoring it", device)
         return None
-
-
-def _drop(data: Any, loc: tuple[int | str, ...]) -> None:
-    """Delete the value at path ``loc`` (keys and list indices) of ``data``."""
-    *path, last = loc
-    for part in path:
-        data = data[part]
-    del data[last]
 
 
 def read_worker(client: redis.Redis, device: str) -> WorkerRecord | None:

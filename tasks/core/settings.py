@@ -28,7 +28,7 @@ from .defaults import (
 from .devices import Device, DeviceNames, pid_alive
 from .errors import ConfigError, CredentialsError, NoFleetError
 from .priority import check_user, os_user
-from .records import FleetFile
+from .records import FleetFile, stored
 from .sentinel import Replication, SentinelURL, is_loopback, is_sentinel
 from .sentinel import redact as redact_sentinel_url
 from .users import Credentials, default_credentials_path, read_credentials
@@ -322,7 +322,7 @@ def check_redis_auth(url: str) -> None:
 def read_fleet_file(path: Path) -> FleetFile | None:
     """The fleet file at ``path`` if the launcher that wrote it is still alive, else None."""
     try:
-        info = FleetFile.model_validate_json(path.read_bytes())
+        info = stored(FleetFile, path.read_bytes())
     except (OSError, ValueError):
         return None
     if not pid_alive(info.pid):

@@ -54,7 +54,7 @@ from .keys import CANCEL_REQUESTS, FLEET_USERS, OPTUNA_PREFIX, PREFIX
 from .priority import USER_PATTERN
 from .queue_lists import USER_SEPARATOR, split_level
 from .queues import DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX, QueueName
-from .records import _Record
+from .records import _Record, stored
 from .sentinel import SentinelURL, is_sentinel
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ def restore_acl_users(client: Any, url: str | None = None, *, missing_only: bool
     hashes: dict[str, str] = {}
     for name, raw in records.items():
         try:
-            record = FleetUser.model_validate_json(raw)
+            record = stored(FleetUser, raw)
         except ValidationError:
             continue
         if record.password_sha256 is not None:
@@ -329,7 +329,7 @@ class UserKeys:
         keys: dict[str, str] = {}
         for name, raw in client.hgetall(FLEET_USERS).items():
             try:
-                keys[_text(name)] = FleetUser.model_validate_json(raw).signing_key
+                keys[_text(name)] = stored(FleetUser, raw).signing_key
             except ValidationError:
                 continue  # a record this version cannot read: its user's jobs are refused
         self._keys, self._read_at = keys, time.monotonic()

@@ -28,6 +28,7 @@ from ..core.defaults import ACL_MIN_REDIS
 from ..core.errors import ConfigError, CredentialsError
 from ..core.keys import FLEET_USERS
 from ..core.priority import check_user
+from ..core.records import stored
 from ..core.sentinel import SentinelURL, is_sentinel
 from ..core.users import (
     Credentials,
@@ -145,6 +146,6 @@ def list_users(client: Any) -> list[UserInfo]:
     out = []
     for name, raw in sorted(client.hgetall(FLEET_USERS).items()):
         user = name.decode() if isinstance(name, bytes) else str(name)
-        record = FleetUser.model_validate_json(raw)
+        record = stored(FleetUser, raw)
         out.append(UserInfo(user=user, team=record.team, added_at=record.added_at, acl_user=user in acl))
     return out

@@ -22,7 +22,7 @@ from celery import Celery
 from pydantic import ValidationError
 
 from ..core import keys
-from ..core.records import DeadLetter
+from ..core.records import DeadLetter, stored
 from .fanout import _default_app, registry_client
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def read_dead_letters(client: redis.Redis) -> list[DeadLetter]:
     raw: dict[str, str] = client.hgetall(keys.DEAD_LETTERS)  # type: ignore[assignment]
     for task_id, value in raw.items():
         try:
-            letters.append(DeadLetter.model_validate_json(value))
+            letters.append(stored(DeadLetter, value))
         except ValidationError:
             logger.warning("dead letter of job %s is malformed; ignoring it", task_id)
     return sorted(letters, key=lambda letter: letter.at)

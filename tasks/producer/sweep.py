@@ -47,7 +47,7 @@ from ..core.defaults import RESULT_EXPIRES_S
 from ..core.errors import ConfigError, InvalidJobArguments, SweepConflict
 from ..core.placement import Constraints
 from ..core.priority import Level
-from ..core.records import SweepRecord, parse_pack
+from ..core.records import SweepRecord, parse_pack, stored
 from ..core.users import owned_id
 from .connections import Connections, default_app
 from .fanout import (
@@ -372,7 +372,7 @@ def sweep(
     sent: set[int] = set()
     existing = registry.get(keys.sweep(sweep_id)) if name else None
     if existing:
-        old = SweepRecord.model_validate_json(existing)
+        old = stored(SweepRecord, existing)
         if old.digest != record.digest:
             raise SweepConflict(
                 f"sweep {name!r} exists with {old.trials} trials of {old.job!r} and other kwargs; "

@@ -51,7 +51,7 @@ from ..core.job import COLLECT_TASK, TASK_PREFIX
 from ..core.priority import Level
 from ..core.queue_lists import brpop_keys, count_waiting, insert_in_level, leveled, queue_rank, split_level, split_user
 from ..core.queues import SWEEP_QUEUE_PREFIX
-from ..core.records import JobOptions, SweepRecord, WorkerRecord
+from ..core.records import JobOptions, SweepRecord, WorkerRecord, stored
 from ..core.registry import live_workers
 from .connections import Connections, default_app
 
@@ -180,7 +180,7 @@ def _sweep_lists(client: redis.Redis) -> dict[str, list[str]]:
         base, _level = split_level(name)
         try:
             record = client.get(keys.sweep(base.removeprefix(SWEEP_QUEUE_PREFIX)))
-            found[name] = SweepRecord.model_validate_json(record).devices if record else []
+            found[name] = stored(SweepRecord, record).devices if record else []
         except (ValidationError, redis.exceptions.NoPermissionError):  # another user's sweep
             found[name] = []
     return found

@@ -70,7 +70,7 @@ from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
 from ..core.jobstate import Attempt, JobState, StateMeta, Stored, TakeReply, Took, handover
 from ..core.periodic import PeriodicThread
-from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, WorkerRecord
+from ..core.records import DeadLetter, JobOptions, LeaseRecord, ResendRecord, WorkerRecord, stored
 from ..core.registry import read_worker
 from ..core.sentinel import Replication
 from ..core.settings import Settings
@@ -131,7 +131,7 @@ def parse_lease(raw: str | bytes | None) -> LeaseRecord | None:
     if not raw:
         return None
     try:
-        return LeaseRecord.model_validate_json(raw)
+        return stored(LeaseRecord, raw)
     except ValidationError:
         return None
 
