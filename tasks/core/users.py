@@ -259,7 +259,8 @@ def on_peers(url: str, change: Callable[[Any, bool], object]) -> list[str]:
     a fleet on Sentinel (``url``, the admin's), each replica of the primary (ACL users are not
     replicated, and a failover promotes one) and each sentinel (the users' producers ask them
     where the primary is); none on a fleet with one Redis. The nodes it could not reach or that
-    refused, each ``host:port (why)``: the next worker that joins makes their users again."""
+    refused, each ``host:port (why)``: the running workers make their users again there within
+    :data:`~tasks.core.defaults.ACL_USERS_CHECK_S` of their answering."""
     if not is_sentinel(url):
         return []
     parsed = SentinelURL.parse(url)
@@ -309,9 +310,9 @@ def restore_acl_users(client: Any, url: str | None = None, *, missing_only: bool
     made = give(client, acl_rules)
     if url is not None and hashes:
         missed = on_peers(url, lambda peer, on_sentinel: give(peer, sentinel_acl_rules if on_sentinel else acl_rules))
-        if missed:
-            logger.warning("could not give the users' ACL users to %s: tried again in %g s", "; ".join(missed),
-                           ACL_USERS_CHECK_S)
+        if missed:  # a warning as a worker joins; then, every few seconds while a node is away, a debug line
+            (logger.debug if missing_only else logger.warning)(
+                "could not give the users' ACL users to %s: tried again in %g s", "; ".join(missed), ACL_USERS_CHECK_S)
     return made
 
 

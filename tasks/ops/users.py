@@ -115,7 +115,8 @@ def add_user(client: Any, admin_url: str, user: str, *, team: str | None = None,
     missed = on_peers(admin_url, lambda peer, on_sentinel: peer.execute_command(
         "ACL", "SETUSER", user, *(sentinel_acl_rules if on_sentinel else acl_rules)(user, password)))
     if missed:
-        logger.warning("user %s: not made on %s: the next worker that joins tries again", user, "; ".join(missed))
+        logger.warning("user %s: not made on %s: the running workers make it there when it answers", user,
+                       "; ".join(missed))
     client.hset(FLEET_USERS, user, record.to_json())
     credentials = Credentials(user=user, team=team, redis_url=user_url(admin_url, user, password),
                               signing_key=signing_key)
