@@ -411,6 +411,7 @@ def lease_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         yield running, app, client
         client.close()
         gc.collect()  # its result handles unsubscribe while its Redis still runs (as rapp's)
+        app.close()  # and its connections close before its Redis stops (an unclosed socket fails the test)
 
 
 @pytest.mark.timeout(180)
