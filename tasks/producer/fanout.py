@@ -213,6 +213,10 @@ def _default_app() -> Celery:
     return default_app()
 
 
+#: What ``devices`` may name besides devices: ``"all"`` and each kind (``"cpu"``, ``"gpu"``).
+_KIND_NAMES = frozenset({ALL, *(kind.value for kind in DeviceKind)})
+
+
 def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord],
                    out: Mapping[str, DeviceState] | None = None) -> list[str]:
     """Resolve ``"all"``, a kind (``"cpu"``, ``"gpu"``), names, or a comma list to device names.
@@ -231,7 +235,7 @@ def select_devices(devices: str | Sequence[str], live: Mapping[str, WorkerRecord
     chosen: list[str] = []
     missing: list[str] = []
     for name in wanted:
-        if name == ALL or name in (kind.value for kind in DeviceKind):
+        if name in _KIND_NAMES:
             matches = [d for d, rec in serving.items() if name == ALL or rec.kind == name]
             if not matches:
                 missing.append(f"{name} (no live {'worker' if name == ALL else name + ' worker'}"
@@ -297,8 +301,7 @@ def _wanted(devices: str | Sequence[str]) -> list[str]:
 
 def named_devices(devices: str | Sequence[str]) -> list[str]:
     """The devices ``devices`` names outright: its names, not its kinds or ``"all"``."""
-    kinds = {ALL, *(kind.value for kind in DeviceKind)}
-    return [name for name in _wanted(devices) if name not in kinds]
+    return [name for name in _wanted(devices) if name not in _KIND_NAMES]
 
 
 def placed_groups(chosen: Sequence[str], live: Mapping[str, WorkerRecord], size: int, spec: JobSpec,
@@ -563,7 +566,7 @@ def fan_out(
     if isinstance(jobs, Mapping) and not _looks_like_spec(jobs):
         if not jobs:
             raise ConfigError("fan_out({}) names no device")
-        kinds = [n for n in jobs if n == ALL or n in (k.value for k in DeviceKind)]
+        kinds = [n for n in jobs if n in _KIND_NAMES]
         if kinds:
             raise ConfigError(
                 f"fan_out mapping keys must be device names, got {kinds}; use "
