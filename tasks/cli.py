@@ -843,9 +843,12 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
               help="Seconds of stop timeout beyond each worker's max_job_seconds.")
 @click.option("--bin", "devicefleet_bin", type=click.Path(dir_okay=False, path_type=Path),
               help="The devicefleet executable the units run (default: this one).")
+@click.option("--job-account", "job_users", metavar="USER", multiple=True,
+              help="Run this fleet user's jobs as a system account of their own, <unit user>-USER, with a folder "
+                   "only it opens (repeatable; the guide: Users).")
 def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None, serve_address: str | None,
            sentinel_hosts: str | None, this_host: str | None, device_names: str | None, state_dir: Path,
-           stop_margin: int, devicefleet_bin: Path | None) -> None:
+           stop_margin: int, devicefleet_bin: Path | None, job_users: tuple[str, ...]) -> None:
     """Render systemd units and configs for this host's devices; print the commands to enable them."""
     from .core.devices import DeviceNames
     from .ops.deploy import join_commands, plan_host, render
@@ -855,7 +858,7 @@ def deploy(root: Path, gpus: int | None, cpu_workers: int, join_url: str | None,
             gpus=gpus, cpu_workers=cpu_workers, join_url=join_url, serve_address=serve_address,
             sentinel_hosts=sentinel_hosts.split(",") if sentinel_hosts is not None else None, this_host=this_host,
             device_names=DeviceNames(device_names) if device_names else None, root=root,
-            devicefleet_bin=devicefleet_bin, state_dir=state_dir, stop_margin_s=stop_margin,
+            devicefleet_bin=devicefleet_bin, state_dir=state_dir, stop_margin_s=stop_margin, job_users=job_users,
         )
         done = render(plan, root)
     except DeviceFleetError as exc:  # the options, checked before anything is written

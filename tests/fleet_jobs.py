@@ -146,6 +146,8 @@ class SandboxParams(BaseModel):
     write: list[str] = []
     #: Device nodes to open read-write: each reports "opened" or the errno's name.
     open: list[str] = []
+    #: Files to read: each reports "ok" or the errno's name.
+    read: list[str] = []
 
 
 @job("sandbox", params=SandboxParams)
@@ -169,9 +171,22 @@ def sandbox(ctx: JobContext, params: SandboxParams) -> dict[str, Any]:
             writes[path] = "ok"
         except OSError as exc:
             writes[path] = errno.errorcode.get(exc.errno or 0, str(exc))
+    reads: dict[str, str] = {}
+    for path in params.read:
+        try:
+            with open(path) as handle:
+                handle.read()
+            reads[path] = "ok"
+        except OSError as exc:
+            reads[path] = errno.errorcode.get(exc.errno or 0, str(exc))
     pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    return {"writes": writes, "opens": opens, "visible_pids": pids, "uid": os.getuid(), "pid": os.getpid(),
-            "ppid": os.getppid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    with open("/proc/self/status") as status:
+        capabilities = {line.split(":")[0]: int(line.split(":")[1], 16) for line in status
+                        if line.startswith(("CapPrm", "CapEff", "CapAmb", "CapInh"))}
+    return {"writes": writes, "opens": opens, "reads": reads, "visible_pids": pids, "uid": os.getuid(),
+            "gid": os.getgid(), "groups": os.getgroups(), "pid": os.getpid(), "ppid": os.getppid(),
+            "capabilities": capabilities, "home": os.environ.get("HOME"), "artifacts_dir": str(ctx.artifacts_dir),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 # -- jobs that misbehave the way research code does (tests/test_isolation.py) -----------------

@@ -19,6 +19,7 @@ from tasks.worker.supervisor import ProcessPolicy, Supervisor
 class _Process:
     owner: str | None
     alive: bool = True
+    jobs_run: int = 1
 
 
 def _job(user: str | None) -> RunJob:
@@ -57,36 +58,60 @@ def test_the_pool_keeps_a_spare_and_other_users_processes_within_its_bound() -> 
     alice, bob = _Process("alice"), _Process("bob")
     # One user: their process and the spare, as before users were kept apart.
     sup._idle = [alice, _Process(None)]
-    assert sup._room() == (False, None)
+    assert sup._room() == (False, None, None)
     # Bob took the spare: a fresh spare, alice's process kept (within slots + spare + 1).
     sup._idle, sup._busy = [alice], {bob}
-    assert sup._room() == (True, None)
+    assert sup._room() == (True, None, None)
     # A third user took that spare too: the least recently used owned idle process makes room.
     carol, older = _Process("carol"), _Process("dave")
     sup._idle, sup._busy = [alice, older], {carol}
-    assert sup._room() == (True, older)
+    assert sup._room() == (True, older, None)
     # Everyone's busy at the bound: nothing to retire, wait.
     sup._idle, sup._busy = [], {alice, bob, carol}
-    assert sup._room() == (False, None)
+    assert sup._room() == (False, None, None)
 
 
 def test_with_no_kept_processes_a_user_switch_retires_the_old_users_process() -> None:
     sup = _supervisor(kept=0)
     alice, bob = _Process("alice"), _Process("bob")
     sup._idle, sup._busy = [alice], {bob}
-    assert sup._room() == (True, alice)
+    assert sup._room() == (True, alice, None)
     # Its spare's spawn is in flight: nothing more to do until it is ready.
     sup._idle, sup._busy, sup._spawning = [], {bob}, 1
-    assert sup._room() == (False, None)
+    assert sup._room() == (False, None, None)
 
 
 def test_a_job_waiting_for_a_process_asks_for_one_beyond_the_spare() -> None:
     sup = _supervisor(kept=1)
     alice, bob = _Process("alice"), _Process("bob")
     sup._idle, sup._spawning, sup._waiting = [alice, bob], 1, 0
-    assert sup._room() == (False, None)  # the spare on its way is enough
+    assert sup._room() == (False, None, None)  # the spare on its way is enough
     sup._waiting = 1  # carol's job waits for that one: another spare, bob's (least recent) makes room
-    assert sup._room() == (True, bob)
+    assert sup._room() == (True, bob, None)
+
+
+def test_under_job_accounts_a_waiting_user_gets_a_process_of_their_own_then_the_last_user_a_spare() -> None:
+    """Job accounts (tasks/core/accounts.py): a process starts as one user's account, so no
+    spare is anyone's; whose starts next is a pure choice."""
+    plan = owners.plan_accounts_spawn
+    alice, alice_fresh = _Process("alice"), _Process("alice", jobs_run=0)
+    bob, local_fresh = _Process("bob"), _Process("", jobs_run=0)
+    # A worker's start: its first process (no user's) is alive; one more, a spare of the last
+    # (no) user, to reach one per slot and a spare.
+    assert plan([local_fresh], 0, [], {}, last="", warm=2, most=2, spares=1) == ("", None)
+    # Alice's job runs in her process and she has a fresh spare: enough.
+    assert plan([alice_fresh], 1, [], {}, last="alice", warm=2, most=2, spares=1) is None
+    # Bob's job waits: a process for bob, and at the bound the least recently used idle one goes,
+    # whoever's it is (never a fresh one of bob's, which is what he waits for).
+    assert plan([alice, alice_fresh], 0, [], {"bob": 1}, last="alice", warm=2, most=2, spares=1) == ("bob", alice_fresh)
+    assert plan([alice], 1, [], {"bob": 1}, last="alice", warm=2, most=3, spares=1) == ("bob", None)
+    # ... once: bob's process is starting, and then the last user's spare comes next.
+    assert plan([alice], 1, ["bob"], {"bob": 1}, last="bob", warm=2, most=3, spares=1) is None
+    assert plan([alice, bob], 1, [], {}, last="bob", warm=2, most=4, spares=1) == ("bob", None)
+    # A spare for the last user never retires that user's own fresh spare to make room.
+    assert plan([alice_fresh], 1, [], {}, last="alice", warm=1, most=2, spares=2) is None
+    # Everyone's busy at the bound: nothing to retire, wait.
+    assert plan([], 2, [], {"carol": 1}, last="alice", warm=2, most=2, spares=1) is None
 
 
 def test_a_packs_leader_sends_another_users_trial_back_to_run_alone() -> None:

@@ -9,21 +9,27 @@ only what a user adds for their own jobs (the test job modules and short lease t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import stat
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tasks import fan_out, live_devices
+from tasks.core.accounts import CAPABILITY_NUMBERS, held_capabilities
 from tasks.core.app import create_app
+from tasks.core.registry import connect
 from tasks.core.settings import Settings
 from tasks.ops.deploy import HostPlan, plan_host, render
 from tasks.ops.proc import free_port
+from tasks.ops.users import add_user, remove_user
 
 from . import system_tools
 from .conftest import ROOT, http_status, read_markers, wait_for
@@ -430,3 +436,86 @@ def test_restarting_the_target_under_systemd_loses_no_queued_job(fleet_host: Hos
         got = handle.get(timeout=90)
         assert {d: e["output"]["value"] for d, e in got.items()} == {"cpu0": i, "cpu1": i}
     fleet_host.wait_ready()
+
+
+# -- 9. each user's jobs as the user's own system account ----------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_each_users_jobs_run_as_their_own_account_and_cannot_read_another_users_files_under_systemd(
+        fleet_host: Host, tmp_path: Path) -> None:
+    """`devicefleet deploy --job-account alice --job-account bob`, on cpu1: alice's job writes
+    in her folder, bob's job (same device, same worker) can neither read it nor write there;
+    each runs as its user's account with no capability, while the worker, unprivileged, holds
+    only what starting them takes; a user of the fleet with no account is refused, and the
+    admin's job still runs as the worker's account."""
+    box, plan = fleet_host.box, fleet_host.plan
+    unit, device = WORKERS[1], "cpu1"
+    rendered = tmp_path / "rendered"
+    render(dataclasses.replace(plan, job_users=("alice", "bob")), rendered)
+    for name in ("sysusers.d/devicefleet.conf", "tmpfiles.d/devicefleet.conf"):
+        (fleet_host.etc / name).write_text((rendered / "etc" / name).read_text())
+    box.run("systemd-sysusers")
+    box.run("systemd-tmpfiles", "--create", "/etc/tmpfiles.d/devicefleet.conf")
+    fleet_host.dropin(unit, "40-job-accounts.conf", (
+        rendered / "etc/systemd/system/devicefleet-worker@cpu1.service.d/40-job-accounts.conf").read_text())
+    admin = connect(plan.redis_url)
+    users = ("alice", "bob", "carol")
+    try:
+        box.systemctl("restart", unit)
+        fleet_host.wait_ready()
+        apps = {}
+        for user in users:
+            add_user(admin, plan.redis_url, user, output=tmp_path / f"{user}.json")
+            apps[user] = create_app(Settings.load(credentials=tmp_path / f"{user}.json", state_dir=tmp_path / user,
+                                                  job_modules=["tasks.jobs", "tests.fleet_jobs"]))
+        ids = {user: int(box.run("id", "-u", f"devicefleet-{user}").stdout) for user in ("alice", "bob")}
+        ids["devicefleet"] = int(box.run("id", "-u", "devicefleet").stdout)
+        alice_folder = STATE / "artifacts" / "users" / "alice"
+        secret = str(alice_folder / "secret.txt")
+
+        def sandbox(user: str, **kwargs: Any) -> dict[str, Any]:
+            app = fleet_host.app if user == "admin" else apps[user]
+            return dict(fan_out("sandbox", device, kwargs=kwargs, app=app).get(timeout=90)[device])
+
+        alice = sandbox("alice", write=[secret])
+        assert alice["status"] == "ok", alice["error"]
+        out = alice["output"]
+        assert (out["uid"], out["writes"]) == (ids["alice"], {secret: "ok"}), out
+        assert set(out["groups"]) <= {out["gid"]} and out["home"] == str(alice_folder), out
+        assert out["artifacts_dir"].startswith(f"{alice_folder}/"), out
+        assert set(out["capabilities"].values()) == {0}, out["capabilities"]
+        on_disk = (fleet_host.state / "artifacts" / "users" / "alice" / "secret.txt").stat()
+        assert (on_disk.st_uid, stat.S_IMODE(on_disk.st_mode)) == (ids["alice"], 0o600)
+        # bob's job, on the same device, right after: his account, and alice's file closed to it.
+        shared = str(STATE / "artifacts" / "bob-was-here")
+        bob = sandbox("bob", read=[secret], write=[str(alice_folder / "bob-was-here"), shared])
+        assert bob["status"] == "ok", bob["error"]
+        assert bob["output"]["uid"] == ids["bob"] and bob["output"]["pid"] != out["pid"]
+        assert bob["output"]["reads"] == {secret: "EACCES"}, bob["output"]
+        assert bob["output"]["writes"] == {str(alice_folder / "bob-was-here"): "EACCES", shared: "EACCES"}
+        # Alice's warm process lives on beside bob's, hidden from his job (ProtectProc=invisible);
+        # her next job reads her file in it: a user's own jobs still reuse their warm process.
+        alices = {int(pid) for pid in box.run("ps", "-u", "devicefleet-alice", "-o", "pid=").stdout.split()}
+        assert out["pid"] in alices and not alices & set(bob["output"]["visible_pids"]), (alices, bob["output"])
+        again = sandbox("alice", read=[secret])["output"]
+        assert (again["reads"], again["pid"]) == ({secret: "ok"}, out["pid"])
+        # A user of the fleet whom the host gives no account: refused, saying what to do.
+        carol = sandbox("carol")
+        assert carol["status"] == "error" and carol["error"]["type"] == "NoJobAccount", carol
+        assert "--job-account carol" in carol["error"]["message"]
+        # The admin's job (the fleet's password, no user of the fleet) runs as the worker's account.
+        assert sandbox("admin")["output"]["uid"] == ids["devicefleet"]
+        # The worker: unprivileged, holding exactly what starting and watching them takes.
+        worker = fleet_host.main_pid(unit)
+        held = held_capabilities(box.run("cat", f"/proc/{worker}/status").stdout)
+        wanted = sum(1 << bit for bit in CAPABILITY_NUMBERS.values())
+        assert (held["CapEff"], held["CapAmb"]) == (wanted, wanted), held
+        assert box.run("ps", "-o", "user=", "-p", str(worker)).stdout.strip() == "devicefleet"
+    finally:
+        for user in users:
+            remove_user(admin, user, plan.redis_url)
+        admin.close()
+        fleet_host.dropin(unit, "40-job-accounts.conf", None)
+        box.systemctl("restart", unit)
+        fleet_host.wait_ready()

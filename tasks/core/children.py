@@ -12,6 +12,7 @@ cannot be.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import queue
@@ -27,11 +28,16 @@ T = TypeVar("T")
 
 #: From <linux/prctl.h>.
 PR_SET_PDEATHSIG = 1
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+#: From <linux/capability.h>: capset(2)'s header version 3 (two 32-bit words per set).
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 #: What a child gets when its parent dies: nobody is left to escalate a signal it could ignore.
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 
 
-def spawn_child(argv: Sequence[str], *, new_session: bool = True, **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+def spawn_child(argv: Sequence[str], *, new_session: bool = True, clear_capabilities: bool = False,
+                **popen_kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **popen_kwargs)`` for a child that must not outlive this process.
 
     The child leads its own session (``start_new_session``), so that a Ctrl-C in the terminal
@@ -41,17 +47,23 @@ def spawn_child(argv: Sequence[str], *, new_session: bool = True, **popen_kwargs
     this process's group instead (a job process's command: a signal to the job process's group
     reaches the command too).
 
+    ``clear_capabilities``: empty the child's capability sets (ambient, then permitted,
+    effective and inheritable, with capset(2)) before its ``exec``, so that it starts with none
+    whatever this process holds (a worker that starts job processes as other accounts:
+    :mod:`tasks.core.accounts`; Linux only). Popen's ``user=`` and ``group=`` change the
+    child's ids before this runs.
+
     Raises:
         OSError, subprocess.SubprocessError: as ``subprocess.Popen`` does.
     """
-    preexec = _die_with_parent()
+    preexec = _die_with_parent(clear_capabilities)
     if preexec is None:  # not Linux: only this process's own stop ends the child
         return subprocess.Popen(argv, start_new_session=new_session, **popen_kwargs)
     return _on_lasting_thread(
         lambda: subprocess.Popen(argv, start_new_session=new_session, preexec_fn=preexec, **popen_kwargs))
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def _die_with_parent(clear_capabilities: bool = False) -> Callable[[], None] | None:
     """The ``preexec_fn`` that ties a child to this process, or None off Linux.
 
     It runs in the child between fork and exec, where another thread of the parent may have held
@@ -63,8 +75,18 @@ def _die_with_parent() -> Callable[[], None] | None:
     if prctl is None:
         return None
     parent = os.getpid()
+    capset = ctypes.CDLL(None, use_errno=True).capset if clear_capabilities else None
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)  # this thread
+    no_capabilities = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: each two words of 0
 
     def tie_to_parent() -> None:
+        if capset is not None:
+            # EINVAL: a kernel before 4.3 has no ambient set, so nothing to clear there.
+            if prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAP_AMBIENT_CLEAR_ALL) failed")
+            if capset(header, no_capabilities) != 0:
+                raise OSError(ctypes.get_errno(), "capset(2) to no capabilities failed")
+        # After Popen's uid change, which clears a parent-death signal asked for before it.
         if prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
         # The parent may have died before prctl took effect: then no signal ever comes.

@@ -29,6 +29,7 @@ The tree, by area::
         ├── CommandRefused        a command's program or folder is not in the worker's config
         ├── CommandFailed         a command exited with a non-zero status or a signal
         ├── NoJobProcess          no job process became ready to run the job
+        │   └── NoJobAccount      none may run as the job's user's system account on its host
         ├── JobTimeout            the job ran past its time limit and was ended
         ├── WorkerLost            the job's workers died with it too often: not run again
         ├── WorkerStopped         the worker stopped and the job did not end within its stop timeout
@@ -312,6 +313,12 @@ class DeviceFailed(JobError):
 class UserNotVerified(JobError, PermissionError):
     """The job names a user (``options.user``) but was not signed with that user's credentials
     (:mod:`tasks.core.users`): it is refused, never run or counted as theirs."""
+
+
+class NoJobAccount(NoJobProcess, PermissionError):
+    """The worker runs each user's jobs as the user's own system account (``job_accounts``:
+    :mod:`tasks.core.accounts`) and has none for this job's user, or it is not usable (no such
+    account on the host, the user's folder missing or open to others): the job is refused."""
 
 
 class ControlFlow(DeviceFleetError):

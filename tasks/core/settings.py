@@ -7,6 +7,7 @@ edge, with a message that names the setting and the bad value.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -17,6 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .accounts import check_account_name
 from .defaults import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
@@ -125,6 +127,12 @@ class Settings(BaseSettings):
     #: and its jobs are theirs. Default: ``~/.config/devicefleet/credentials.json`` if it exists
     #: and ``redis_url`` is unset (a worker, given the fleet's URL, never takes a user's file).
     credentials: Path | None = None
+    #: Workers: run each fleet user's jobs as that user's own system account (``alice=devicefleet-alice,
+    #: bob=devicefleet-bob``; ``devicefleet deploy --job-account`` renders the accounts, their
+    #: folders and the worker's capabilities). Empty: every job runs as the worker's own account.
+    #: With a mapping, a fleet user's job runs only as their account (one it does not map is
+    #: refused), and a job that names no user of the fleet (the admin's) as the worker's.
+    job_accounts: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
 
     _credentials: Credentials | None = PrivateAttr(default=None)
     _credentials_read: bool = PrivateAttr(default=False)
@@ -151,6 +159,32 @@ class Settings(BaseSettings):
     @classmethod
     def _check_user(cls, value: str | None) -> str | None:
         return None if value is None else check_user(value)
+
+    @field_validator("job_accounts", mode="before")
+    @classmethod
+    def _split_accounts(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("{"):  # JSON, as a launcher hands its settings to its workers
+            try:
+                return json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"job accounts {value!r} are not a JSON object: {exc}") from None
+        pairs: dict[str, str] = {}
+        for part in filter(None, (piece.strip() for piece in value.split(","))):
+            user, equals, account = part.partition("=")
+            if not equals or not user.strip() or not account.strip():
+                raise ValueError(f"job account {part!r} is not USER=ACCOUNT (for example alice=devicefleet-alice)")
+            pairs[user.strip()] = account.strip()
+        return pairs
+
+    @field_validator("job_accounts")
+    @classmethod
+    def _check_accounts(cls, value: dict[str, str]) -> dict[str, str]:
+        for user, account in value.items():
+            check_user(user)
+            check_account_name(account)
+        return value
 
     @field_validator("job_modules", mode="before")
     @classmethod

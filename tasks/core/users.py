@@ -344,6 +344,11 @@ class UserKeys:
         self._fresh(client)
         return bool(self._keys)
 
+    def knows(self, user: str | None) -> bool:
+        """Whether ``user`` is a user of the fleet as of the last read (after :meth:`check`, a
+        job's signature as ``user`` held)."""
+        return user is not None and user in self._keys
+
     def check_cancel(self, client: Any, request: CancelRequest) -> str | None:
         """Why ``request`` may not be relayed (``None``: it may): it must be signed by its user,
         and name a job of theirs (a task id that ends in ``~<user>``: :func:`owned_task_id`), or,

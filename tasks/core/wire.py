@@ -84,6 +84,9 @@ class ProcessSpec(_Message):
     commands: CommandRules | None = None
     #: Seconds a job asked to stop has before the worker ends its process group.
     cancel_grace_s: float = CANCEL_GRACE_S
+    #: The system account it runs as, one user's (:mod:`tasks.core.accounts`); None: the worker's.
+    #: It then checks first that it holds no capability, and refuses to start if it does.
+    account: str | None = None
 
 
 class JobInfo(BaseModel):

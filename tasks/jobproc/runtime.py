@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.accounts import held_capabilities
 from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
 from ..core.devices import Device, check_visibility
-from ..core.errors import DeviceFleetError, JobCancelled, JobError, OutOfMemory, PeerLost, Preempted
+from ..core.errors import DeviceFleetError, JobCancelled, JobError, NoJobAccount, OutOfMemory, PeerLost, Preempted
 from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.records import ErrorInfo, JobOptions
 from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessSpec, Rank, Report, RunJob
@@ -107,7 +108,10 @@ class JobRuntime:
         Raises:
             ConfigError: a job module cannot be imported.
             DeviceVisibilityError: the device is not visible as it should be.
+            NoJobAccount: it runs as a user's account (``spec.account``) yet holds a capability.
         """
+        if spec.account is not None:
+            check_no_capabilities(spec.account)
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, spec.cores)
         import torch
@@ -292,3 +296,21 @@ def _finished(runtime: JobRuntime, ending: _Ending) -> Finished:
         retire=ending.retire, run_s=time.monotonic() - ending.started,
     )
 
+
+def check_no_capabilities(account: str) -> None:
+    """Refuse to run user code as ``account`` with any capability or as root: the worker cleared
+    them (:mod:`tasks.core.accounts`), and this checks that it did, before a job module loads.
+
+    Raises:
+        NoJobAccount: it holds one, or runs as uid 0.
+    """
+    held: dict[str, int] = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            held = {name: mask for name, mask in held_capabilities(status.read()).items() if mask}
+    except OSError:
+        pass  # no /proc (not Linux): no capabilities to hold
+    if held or os.geteuid() == 0:
+        raise NoJobAccount(f"the job process for account {account} holds capabilities "
+                           f"{', '.join(f'{k}={v:#x}' for k, v in held.items()) or 'of root'} (uid {os.geteuid()}): "
+                           "it refuses to run user code so")

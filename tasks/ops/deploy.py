@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from ..core.accounts import USERS_SUBDIR, WORKER_CAPABILITIES, check_account_name, user_folder
 from ..core.commands import CommandPolicy
 from ..core.defaults import (
     CANCEL_GRACE_S,
@@ -55,6 +56,7 @@ from ..core.defaults import (
 )
 from ..core.devices import Device, DeviceKind, DeviceNames
 from ..core.errors import ConfigError
+from ..core.priority import check_user
 from ..core.sentinel import DEFAULT_PORT as DEFAULT_SENTINEL_PORT
 from ..core.sentinel import SentinelURL, is_sentinel
 from ..core.settings import ARTIFACTS_SUBDIR, DEFAULT_METRICS_PORT, check_redis_auth
@@ -172,6 +174,13 @@ class HostPlan:
     flower_auth: str = field(default_factory=lambda: f"admin:{secrets.token_urlsafe(18)}")
     #: Folders the units run code from (the binaries' environment, the interpreter, the package).
     code_dirs: list[Path] = field(default_factory=list)
+    #: Fleet users whose jobs run as a system account of their own (:mod:`tasks.core.accounts`).
+    job_users: tuple[str, ...] = ()
+
+    @property
+    def job_accounts(self) -> dict[str, str]:
+        """Each of :attr:`job_users` and their system account, ``<user>-<fleet user>``."""
+        return {name: f"{self.user}-{name}" for name in self.job_users}
 
     @property
     def hidden_code_dirs(self) -> list[Path]:
@@ -267,6 +276,7 @@ def plan_host(
     root: Path = Path("/"),
     worker_configs_src: Path | None = None,
     devicefleet_bin: Path | None = None,
+    job_users: Sequence[str] = (),
     **paths: object,
 ) -> HostPlan:
     """A :class:`HostPlan` for this host: one CPU worker and one worker per GPU by default.
@@ -278,10 +288,13 @@ def plan_host(
     An existing rendering under ``root`` keeps its Redis password, sentinels' password and Flower
     login, so that rendering again never locks out the workers of other hosts.
 
+    ``job_users`` (``--job-account``) renders a system account for each of those fleet users,
+    a folder only it opens, and what the workers need to run the user's jobs as it.
+
     Raises:
-        ConfigError: incompatible options, a URL without a password to another host, or a
+        ConfigError: incompatible options, a URL without a password to another host, a
             Sentinel layout that is not an odd number (3 or more) of distinct IP addresses with
-            this host among them.
+            this host among them, or a job user whose name cannot make an account's.
     """
     if join_url is not None and serve_address is not None:
         raise ConfigError("--join and --serve exclude each other: a host either runs Redis or joins one")
@@ -310,6 +323,13 @@ def plan_host(
         **paths,  # type: ignore[arg-type]
     )
     plan.code_dirs = code_dirs(binary)
+    plan.job_users = tuple(dict.fromkeys(job_users))
+    for name, account in plan.job_accounts.items():
+        check_user(name)
+        try:
+            check_account_name(account)
+        except ValueError as exc:
+            raise ConfigError(f"--job-account {name}: {exc}") from None
     if sentinel is not None:
         hosts, plan.this_host = sentinel
         plan.sentinel_hosts = tuple(host for host, _ in hosts)
@@ -579,6 +599,15 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
         "gpus": plan.gpus,
         "device_names": plan.device_names.value,
         "device_host": _check_safe("device host", plan.device_host),
+        # Job accounts traverse the state and artifacts folders to their own (0751: no listing).
+        "shared_mode": "0751" if plan.job_users else "0750",
+        "job_account_users": "".join(
+            f'u       {account}  -   "devicefleet jobs of {name}"  {user_folder(plan.artifacts, name)}\n'
+            for name, account in plan.job_accounts.items()),
+        "job_account_folders": "".join(
+            ([f"d       {plan.artifacts / USERS_SUBDIR}  0751  {plan.user}  {plan.user}  -\n"] if plan.job_users else [])
+            + [f"d       {user_folder(plan.artifacts, name)}  0700  {account}  {account}  -\n"
+               for name, account in plan.job_accounts.items()]),
     }
 
     def template(name: str, extra: dict[str, object] | None = None) -> str:
@@ -601,6 +630,12 @@ def render(plan: HostPlan, root: Path = Path("/")) -> Rendered:
             }))
             if plan.runs_groups:
                 write(dropins / "25-groups.conf", template("worker-groups.conf", {"device": device}))
+        if plan.job_users:
+            write(dropins / "40-job-accounts.conf", template("worker-job-accounts.conf", {
+                "device": device,
+                "job_accounts": ",".join(f"{name}={account}" for name, account in plan.job_accounts.items()),
+                "capabilities": " ".join(WORKER_CAPABILITIES),
+            }))
         policy = load_worker_config(configs_here, parsed).commands
         opened = command_paths(policy, binds)
         if opened is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import redis
 
+from ..core.accounts import JobAccounts, check_worker_capabilities
 from ..core.commands import CommandRules
 from ..core.defaults import STOP_SLACK_S
 from ..core.devices import (
@@ -231,7 +232,12 @@ class JobProcesses:
         if config.mps:
             mps = MpsServer(device, settings.state_dir)
             env.update(mps.start(int(config.memory_gib * GiB) if config.memory_gib else None))
-        supervisor = Supervisor(spec, env, Path.cwd(), policy, label=device.name, slots=config.slots)
+        # Each user's jobs as the user's own system account, where the settings map them.
+        accounts = JobAccounts(settings.job_accounts, Path(settings.artifacts_path))
+        if accounts:
+            check_worker_capabilities()
+        supervisor = Supervisor(spec, env, Path.cwd(), policy, label=device.name, slots=config.slots,
+                                accounts=accounts)
         if listener is not None:
             supervisor.group_host = GroupHostLink(listener, device.name)
         try:

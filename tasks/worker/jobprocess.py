@@ -20,10 +20,11 @@ import time
 from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pydantic import ValidationError
 
+from ..core.accounts import WORKER_CAPABILITIES, JobAccount
 from ..core.children import spawn_child
 from ..core.defaults import (
     EXIT_STATUS_WAIT_S,
@@ -71,16 +72,26 @@ class JobProcess:
     """A started job process; its methods are called by one thread at a time."""
 
     def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, label: str,
-                 host: GroupHostLink | None = None, start_timeout_s: float = PROCESS_START_TIMEOUT_S) -> None:
+                 host: GroupHostLink | None = None, start_timeout_s: float = PROCESS_START_TIMEOUT_S,
+                 account: JobAccount | None = None) -> None:
         """Start the process: this worker's child, or with ``host`` the group host's
         (:mod:`tasks.worker.group_host`: a GPU group's under systemd), asked for it within
-        ``start_timeout_s``.
+        ``start_timeout_s``. With ``account``, it runs as that user's system account
+        (:mod:`tasks.core.accounts`).
 
         Raises:
-            ProcessGone: the group host did not start it.
+            ProcessGone: the group host did not start it, or it cannot start as ``account``.
         """
         self.label = label
         self.popen: subprocess.Popen[bytes] | RemoteChild
+        as_account: dict[str, Any] = {}
+        if account is not None:
+            if host is not None:
+                raise ProcessGone(f"{label}: a GPU group's job process under the group host cannot run as "
+                                  f"user {account.user}'s system account (job accounts): not supported")
+            env = {**env, "HOME": str(account.folder), "USER": account.account, "LOGNAME": account.account}
+            as_account = {"user": account.uid, "group": account.gid, "extra_groups": [], "umask": 0o077,
+                          "clear_capabilities": True}
         if host is not None:
             try:
                 self.popen, ours = host.spawn(env, cwd, start_timeout_s)
@@ -98,8 +109,15 @@ class JobProcess:
                     # directory comes after it, for job modules).
                     [sys.executable, *CHILD_FLAGS, "-m", "tasks.jobproc", str(theirs.fileno())],
                     env=env, cwd=cwd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **as_account,
                 )
+            except (OSError, subprocess.SubprocessError) as exc:
+                ours.close()
+                if account is None:
+                    raise
+                raise ProcessGone(f"{label}: could not start a job process as {account.account} (user "
+                                  f"{account.user}): {exc}; the worker needs {', '.join(WORKER_CAPABILITIES)} "
+                                  "(`devicefleet deploy --job-account` gives them to its unit)") from None
             finally:
                 theirs.close()
         self.pid = self.popen.pid

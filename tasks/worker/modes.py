@@ -69,7 +69,7 @@ class Plain:
             return self.supervisor.run(job, watch, slot, apart)
         except NoJobProcess as exc:
             logger.error("%s: %s", self.device, exc)
-            return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
+            return Ended.by_worker(type(exc), str(exc), pid=0, retired=None)
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class Pack:
             self.plain.supervisor.run_pack(pack, watches, launch.slot, on_end, refill)
         except NoJobProcess as exc:
             logger.error("%s: %s", self.plain.device, exc)
-            return Ended.by_worker(NoJobProcess, str(exc), pid=0, retired=None)
+            return Ended.by_worker(type(exc), str(exc), pid=0, retired=None)
         assert mine, "run_pack ends every member"
         return mine[0]
 

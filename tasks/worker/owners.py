@@ -9,11 +9,15 @@ keeps the pool; these are its choices, pure, so that they are tested apart from 
 
 Owners are user names as the job's options carry them (``JobOptions.user``); a job sent with
 none belongs to :data:`LOCAL`, the fleet's one local user.
+
+Under job accounts (:mod:`tasks.core.accounts`) a process starts as its user's system account,
+so it is its user's from the start and no spare is anyone's: :func:`plan_accounts_spawn` chooses
+whose process starts next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from ..core.wire import RunJob
@@ -76,3 +80,39 @@ def victim(idle: Sequence[P]) -> P | None:
         if process.owner is not None:
             return process
     return None
+
+
+class Counted(Owned, Protocol):
+    """A job process as the choices under job accounts see it."""
+
+    #: Jobs it ran: 0 for a fresh one.
+    jobs_run: int
+
+
+C = TypeVar("C", bound=Counted)
+
+
+def plan_accounts_spawn(idle: Sequence[C], busy: int, spawning: Sequence[str], waiting: Mapping[str, int],
+                        last: str, warm: int, most: int, spares: int) -> tuple[str, C | None] | None:
+    """Under job accounts (:mod:`tasks.core.accounts`) the next process to start, as
+    ``(owner, idle process to retire first or None)``; None: none now.
+
+    A process starts as its user's system account and can never serve another user, so no
+    spare is anyone's: a job ``waiting`` for a user with no process gets one started for that
+    user first (``spawning`` lists the owners of the processes starting); else the user of the
+    ``last`` job keeps ``spares`` fresh processes (their next job starts at once) and the
+    device ``warm`` ones. Past ``most`` alive, the least recently used idle process goes, but not
+    a fresh one of the user the new one is for (``idle`` lists the most recently used first).
+    """
+    alive = len(idle) + busy + len(spawning)
+    owner = next((user for user, count in waiting.items() if count > spawning.count(user)), None)
+    if owner is None:
+        fresh = sum(1 for process in idle if process.owner == last and process.jobs_run == 0)
+        if alive >= warm and fresh + spawning.count(last) >= spares:
+            return None
+        owner = last
+    if alive < most:
+        return owner, None
+    old = next((process for process in reversed(idle)
+                if not (process.owner == owner and process.jobs_run == 0)), None)
+    return None if old is None else (owner, old)

@@ -53,7 +53,15 @@ from ..core.defaults import (
     MEMORY_WRITE_S,
     PLACEMENT_HAND_BACKS,
 )
-from ..core.errors import DeviceMismatch, InvalidJobArguments, JobCancelled, OutOfMemory, UserNotVerified, WorkerLost
+from ..core.errors import (
+    DeviceMismatch,
+    InvalidJobArguments,
+    JobCancelled,
+    NoJobAccount,
+    OutOfMemory,
+    UserNotVerified,
+    WorkerLost,
+)
 from ..core.job import JobMetric
 from ..core.jobcount import count_preemption
 from ..core.jobstate import Attempt, hand_over
@@ -155,6 +163,7 @@ def verified_options(worker: DeviceWorker, request: Any) -> JobOptions:
     Raises:
         InvalidJobArguments: the options are invalid.
         UserNotVerified: the job names a user whose credentials did not send it.
+        NoJobAccount: under job accounts, the job's user has none here (or the fleet does not know them).
     """
     options = job_options(request)
     if request.id is None:  # called in process: no message, nobody to verify
@@ -163,6 +172,11 @@ def verified_options(worker: DeviceWorker, request: Any) -> JobOptions:
     problem = worker.user_keys.check(worker.client, str(request.id), options.user, headers.get(SIGNATURE_HEADER))
     if problem is not None:
         raise UserNotVerified(f"job {request.id} refused: {problem}")
+    accounts = worker.supervisor.accounts
+    if accounts is not None:  # a user's job runs only as the account of a user the fleet verified
+        refusal = accounts.refusal(options.user, verified=worker.user_keys.knows(options.user))
+        if refusal is not None:
+            raise NoJobAccount(f"job {request.id} refused: {refusal}")
     return options
 
 
@@ -178,7 +192,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     """
     try:
         options = verified_options(worker, task.request)
-    except (InvalidJobArguments, UserNotVerified) as exc:  # refused before it takes anything: there is nothing to run
+    except (InvalidJobArguments, UserNotVerified, NoJobAccount) as exc:  # refused before it takes anything: there is nothing to run
         return JobRun(worker, task, job).end(failed=exc)
     if options.constraints is not None and task.request.id is not None:
         mismatch = _mismatch(worker, task, options)

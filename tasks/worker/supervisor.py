@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import Any, Protocol
 
 import psutil
 
+from ..core.accounts import JobAccount, JobAccounts
 from ..core.defaults import (
     CANCEL_GRACE_S,
     KEPT_USER_PROCESSES,
@@ -56,9 +58,10 @@ from ..core.defaults import (
     SUPERVISOR_JOIN_S,
 )
 from ..core.defaults import JOB_POLL_S as POLL_S
-from ..core.errors import JobCrashed, NoJobProcess, OutOfMemory, WorkerStopped
+from ..core.errors import JobCrashed, NoJobAccount, NoJobProcess, OutOfMemory, WorkerStopped
 from ..core.priority import Level
 from ..core.records import ErrorInfo
+from ..core.settings import TENSORBOARD_SUBDIR
 from ..core.wire import (
     STOPS,
     Finished,
@@ -253,8 +256,11 @@ class Supervisor:
     """The job processes of one device worker."""
 
     def __init__(self, spec: ProcessSpec, env: dict[str, str], cwd: Path, policy: ProcessPolicy,
-                 label: str, slots: int = 1) -> None:
+                 label: str, slots: int = 1, accounts: JobAccounts | None = None) -> None:
         self.spec = spec
+        #: Each user's jobs run as the user's own system account (:mod:`tasks.core.accounts`);
+        #: None or empty: every job process runs as this worker.
+        self.accounts = accounts if accounts else None
         self.policy = policy
         self.label = label
         #: Job processes kept alive: one per slot and the spares.
@@ -270,8 +276,13 @@ class Supervisor:
         self._idle: list[JobProcess] = []
         self._busy: set[JobProcess] = set()
         self._spawning = 0
-        #: Jobs waiting for a process (none of their user's and no spare was idle).
+        #: Under job accounts, whose processes are starting.
+        self._spawning_for: list[str] = []
+        #: Jobs waiting for a process (none of their user's and no spare was idle), and whose.
         self._waiting = 0
+        self._waiting_for: Counter[str] = Counter()
+        #: The user of the last job that took a process (under job accounts, its spares are theirs).
+        self._last_owner = owners.LOCAL
         self._closed = False
         self._last_failure: str | None = None
         self._thread = threading.Thread(target=self._keep_warm, name="devicefleet-spawner", daemon=True)
@@ -290,7 +301,7 @@ class Supervisor:
             ProcessGone: the process refused (a job module does not import, the device is not
                 visible: see its ``refused``) or did not get ready in time.
         """
-        first = self._spawn()
+        first = self._spawn(owners.LOCAL if self.accounts else None)
         hello = first.wait_hello(self.policy.start_timeout_s)
         with self._cond:
             self._idle.append(first)
@@ -336,7 +347,7 @@ class Supervisor:
     def spare_pids(self) -> list[int]:
         """The idle job processes that ran no job yet: any user's job may take one."""
         with self._cond:
-            return [p.pid for p in self._idle if p.alive and p.owner is None]
+            return [p.pid for p in self._idle if p.alive and p.jobs_run == 0]
 
     # -- running a job -----------------------------------------------------------------------
 
@@ -413,10 +424,11 @@ class Supervisor:
         """
         cores = sorted(job.cores or self.spec.cores)
         threads = job.torch_threads or len(cores)
-        spec = self.spec.model_copy(update={"cores": cores, "torch_threads": threads})
+        spec, account = self._account(owners.owner_of(job)) if self.accounts is not None else (self.spec, None)
+        spec = spec.model_copy(update={"cores": cores, "torch_threads": threads})
         try:
             process = JobProcess(spec, {**self._env, **apart.env, "OMP_NUM_THREADS": str(threads)}, self._cwd, self.label,
-                                 self.group_host, self.policy.start_timeout_s)
+                                 self.group_host, self.policy.start_timeout_s, account=account)
         except ProcessGone as exc:
             raise NoJobProcess(f"{self.label}: the group's own job process did not start: {exc}") from None
         with self._cond:
@@ -468,6 +480,7 @@ class Supervisor:
         """A ready process for a job of ``owner``: its own warm one, else the spare (then
         ``owner``'s), else the next fresh one (:func:`owners.pick`)."""
         deadline = time.monotonic() + self.policy.start_timeout_s
+        checked = False
         with self._cond:
             while True:
                 for dead in [p for p in self._idle if not p.alive]:
@@ -479,21 +492,29 @@ class Supervisor:
                 process = owners.pick(self._idle, owner)
                 if process is not None:
                     self._idle.remove(process)
-                    spare, process.owner = process.owner is None, owner
+                    spare, process.owner = process.jobs_run == 0, owner
+                    self._last_owner = owner
                     self._busy.add(process)
                     self._cond.notify_all()  # the spare may be taken: the spawner makes another
                     break
+                if self.accounts is not None and not checked:
+                    self.accounts.resolve(owner)  # NoJobAccount now, not a start timeout later
+                    checked = True
                 left = deadline - time.monotonic()
                 if self._closed or left <= 0:
                     raise NoJobProcess(
                         f"{self.label}: no job process became ready in {self.policy.start_timeout_s:g} s"
                         + (f"; the last start failed: {self._last_failure}" if self._last_failure else ""))
                 self._waiting += 1
+                self._waiting_for[owner] += 1
                 self._cond.notify_all()  # one more spare wanted
                 try:
                     self._cond.wait(left)
                 finally:
                     self._waiting -= 1
+                    self._waiting_for[owner] -= 1
+                    if not self._waiting_for[owner]:
+                        del self._waiting_for[owner]
         if spare:
             self._changed()  # the registry lists the spares
         return process
@@ -518,21 +539,54 @@ class Supervisor:
 
     # -- spawning ----------------------------------------------------------------------------
 
-    def _spawn(self) -> JobProcess:
-        return JobProcess(self.spec, self._env, self._cwd, self.label)
+    def _spawn(self, owner: str | None = None) -> JobProcess:
+        """A fresh job process: unowned, or under job accounts ``owner``'s, started as their
+        system account (:meth:`_account`).
 
-    def _room(self) -> tuple[bool, JobProcess | None]:
+        Raises:
+            ProcessGone: it could not start.
+            NoJobAccount: ``owner`` has no usable account on this host.
+        """
+        if self.accounts is None:
+            return JobProcess(self.spec, self._env, self._cwd, self.label)
+        spec, account = self._account(owner or owners.LOCAL)
+        process = JobProcess(spec, self._env, self._cwd, self.label, account=account)
+        process.owner = owner or owners.LOCAL
+        return process
+
+    def _account(self, owner: str) -> tuple[ProcessSpec, JobAccount | None]:
+        """The spec and system account of ``owner``'s job processes under job accounts: their
+        artifacts and curves go to the user's own folder; a job that names no user runs as the
+        worker (None).
+
+        Raises:
+            NoJobAccount: ``owner`` has no usable account on this host.
+        """
+        assert self.accounts is not None
+        account = self.accounts.resolve(owner)
+        if account is None:
+            return self.spec, None
+        return self.spec.model_copy(update={
+            "artifacts_dir": str(account.folder), "tensorboard_dir": str(account.folder / TENSORBOARD_SUBDIR),
+            "account": account.account}), account
+
+    def _room(self) -> tuple[bool, JobProcess | None, str | None]:
         """Whether to spawn a process now (one per slot and the spares, or a job of a user with
-        no process of theirs waits), and the idle one to retire first to stay within
-        :attr:`most` (the least recently used of some user's). Called under the lock."""
+        no process of theirs waits), the idle one to retire first to stay within :attr:`most`
+        (the least recently used of some user's), and under job accounts whose the new one is
+        (:func:`owners.plan_accounts_spawn`). Called under the lock."""
+        if self.accounts is not None:
+            plan = owners.plan_accounts_spawn(self._idle, len(self._busy), self._spawning_for, self._waiting_for,
+                                              self._last_owner, self.warm, self.most, SPARE_PROCESSES)
+            return (False, None, None) if plan is None else (True, plan[1], plan[0])
         alive = len(self._idle) + len(self._busy) + self._spawning
         unowned = owners.spares(self._idle) + self._spawning
         if alive >= self.warm and unowned >= SPARE_PROCESSES + self._waiting:
-            return False, None
+            return False, None, None
         if alive < self.most:
-            return True, None
+            return True, None, None
         old = owners.victim(self._idle)
-        return old is not None, old
+        return old is not None, old, None
 
     def _keep_warm(self) -> None:
         backoff = RESPAWN_BACKOFF_S[0]
@@ -542,10 +596,12 @@ class Supervisor:
                     self._cond.wait()
                 if self._closed:
                     return
-                old = room[1]
+                old, owner = room[1], room[2]
                 if old is not None:
                     self._idle.remove(old)
                 self._spawning += 1
+                if owner is not None:
+                    self._spawning_for.append(owner)
             if old is not None:
                 logger.info("%s: retiring job process %d of user %r: its place goes to a fresh spare",
                             self.label, old.pid, old.owner)
@@ -553,14 +609,16 @@ class Supervisor:
                 self._changed()
             process: JobProcess | None = None
             try:
-                process = self._spawn()
+                process = self._spawn(owner)
                 process.wait_hello(self.policy.start_timeout_s)
                 failure = None
-            except (ProcessGone, OSError) as exc:
+            except (ProcessGone, OSError, NoJobAccount) as exc:
                 failure = str(exc)
                 logger.error("%s: a job process failed to start: %s", self.label, failure)
             with self._cond:
                 self._spawning -= 1
+                if owner is not None:
+                    self._spawning_for.remove(owner)
                 self._last_failure = failure
                 if failure is None and process is not None and not self._closed:
                     self._idle.append(process)
