@@ -241,6 +241,26 @@ def test_every_unit_rates_2_or_lower_in_systemd_analyze_security(tmp_path: Path)
 
 
 @pytest.mark.tools
+def test_a_worker_with_job_accounts_verifies_and_rates_2_5_or_lower(tmp_path: Path) -> None:
+    """`--job-account`'s drop-in gives the worker four capabilities and the calls that change ids
+    (tests/test_systemd.py runs it): systemd-analyze accepts it, and its exposure stays low (the
+    four capabilities cost 0.8 of the 1.4 the worker rates without them)."""
+    analyze = system_tools.tool("systemd-analyze", "systemd")
+    plan = _plan(tmp_path, unit_dir=Path("/etc/systemd/system"), job_users=("alice", "bob"))
+    root = tmp_path / "root"
+    render(plan, root)
+    units = root / "etc/systemd/system"
+    assert (units / "devicefleet-worker@cpu0.service.d/40-job-accounts.conf").is_file()
+    result = subprocess.run([analyze, "verify", "--man=no", str(units / "devicefleet-worker@cpu0.service")],
+                            capture_output=True, text=True, timeout=60, cwd=units)
+    assert result.returncode == 0 and (result.stdout + result.stderr).strip() == "", result.stderr
+    out = subprocess.run([analyze, "security", "--offline=true", f"--root={root}", "devicefleet-worker@cpu0.service"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "AmbientCapabilities=" in out.stdout and exposure_level(out.stdout) <= 2.5, out.stdout
+
+
+@pytest.mark.tools
 @pytest.mark.parametrize("mode", ["local", "serve", "join", "sentinel"])
 def test_systemd_analyze_verify_accepts_every_unit(tmp_path: Path, mode: str) -> None:
     analyze = system_tools.tool("systemd-analyze", "systemd")

@@ -27,7 +27,10 @@ A process belongs to the user of the first job it runs and never runs another us
 (:mod:`tasks.worker.owners`): a job takes a warm process of its own user, else the unowned spare,
 and a fresh spare is spawned in the background. Up to ``kept_user_processes`` idle processes of
 other users stay warm beyond the slots and spares (users who alternate each find theirs); past
-that, the least recently used is retired to make room for the spare.
+that, the least recently used is retired to make room for the spare. Under job accounts
+(:mod:`tasks.core.accounts`) each process starts as its user's system account, so it is that
+user's from its start: a job of a user with no process waits for one started for them, and the
+spare is the last user's (:func:`owners.plan_accounts_spawn`).
 
 Job processes are started by :func:`tasks.core.children.spawn_child`: each leads its own process
 group and gets SIGKILL from the kernel when its worker dies, however the worker dies.
