@@ -48,6 +48,7 @@ from tasks.core.errors import (
 from tasks.core.job import task_name
 from tasks.core.records import JobOptions, LeaseRecord, WorkerRecord
 from tasks.ops.deploy import plan_host, render
+from tasks.producer.connections import Connections
 from tasks.producer.fanout import JobSpec
 
 from .conftest import ROOT, TEST_JOB_MODULES, make_settings, queue_length, read_markers, supervised_fleet, wait_for
@@ -418,7 +419,15 @@ def lease_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         yield running, app, client
         client.close()
         gc.collect()  # its result handles unsubscribe while its Redis still runs (as rapp's)
-        app.close()  # and its connections close before its Redis stops (an unclosed socket fails the test)
+        # Then every connection the app opened to this fleet closes before its Redis stops: the
+        # producer's registry client, and the broker's connections, whose pool Celery's close
+        # drops without closing them (each socket was left to the garbage collector, which
+        # failed this teardown twice with an unclosed socket to this fleet's port), then the
+        # result backends' (FleetCelery.close).
+        Connections.of(app).close()
+        app.pool.force_close_all()
+        app.close()
+        gc.collect()  # nothing of this test's is left open: a socket found now fails the teardown
 
 
 @pytest.mark.timeout(180)

@@ -29,6 +29,7 @@ from tasks.core.registry import connect
 from tasks.core.settings import Settings
 from tasks.ops.deploy import HostPlan, plan_host, render
 from tasks.ops.proc import free_port
+from tasks.ops.usage import read_fleet_usage
 from tasks.ops.users import add_user, remove_user
 
 from . import system_tools
@@ -500,6 +501,15 @@ def test_each_users_jobs_run_as_their_own_account_and_cannot_read_another_users_
         assert out["pid"] in alices and not alices & set(bob["output"]["visible_pids"]), (alices, bob["output"])
         again = sandbox("alice", read=[secret])["output"]
         assert (again["reads"], again["pid"]) == ({secret: "ok"}, out["pid"])
+        # The worker measured her jobs' CPU time (devicefleet usage): it reads her processes' /proc
+        # entries, which ProtectProc=invisible hides from other users but CAP_SYS_PTRACE opens.
+        def alices_busy() -> float | None:
+            rows = {(row.name, row.kind): row for row in read_fleet_usage(admin)}
+            return rows[("alice", "cpu")].busy_s if ("alice", "cpu") in rows else None
+
+        busy = fan_out("probe", device, kwargs={"busy_s": 0.5}, app=apps["alice"]).get(timeout=60)[device]
+        assert busy["status"] == "ok" and busy["output"]["pid"] == out["pid"], busy
+        assert wait_for(alices_busy, 30, "alice's usage with her jobs' busy seconds") > 0
         # A user of the fleet whom the host gives no account: refused, saying what to do.
         carol = sandbox("carol")
         assert carol["status"] == "error" and carol["error"]["type"] == "NoJobAccount", carol
