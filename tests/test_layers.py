@@ -151,6 +151,25 @@ def test_import_tasks_loads_no_heavy_library():
     assert _fresh_python(code) == "[]"
 
 
+def test_a_job_process_loads_neither_celery_nor_redis_nor_the_settings():
+    """Each public name of ``tasks`` loads on first use: a job process (``tasks.jobproc`` and the
+    built-in jobs) pays for torch, not for the producer side it never uses."""
+    code = ("import sys, tasks.jobproc.main, tasks.jobs\n"
+            "print(sorted(m for m in ('celery', 'kombu', 'redis', 'pydantic_settings', 'tasks.producer', "
+            "'tasks.core.app', 'tasks.core.settings') if m in sys.modules))")
+    assert _fresh_python(code) == "[]"
+
+
+def test_every_public_name_of_tasks_is_where_it_says():
+    import tasks
+
+    assert sorted(tasks.__all__) == sorted(tasks._HOMES)
+    for name in tasks.__all__:
+        assert getattr(tasks, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'fan_outt'"):
+        tasks.fan_outt  # noqa: B018
+
+
 def test_import_tasks_loads_neither_the_launcher_nor_the_worker_side():
     code = (
         "import json, sys, tasks\n"
