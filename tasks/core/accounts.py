@@ -13,7 +13,7 @@ as ambient capabilities of its unprivileged account). A job process gets none of
 clears a process's capabilities across a uid change only when it leaves uid 0, so the child
 empties its sets (the ambient one, which an ``exec`` would hand on, and the permitted, effective
 and inheritable ones) before the ``exec`` (:func:`tasks.core.children.spawn_child`), and the job
-process checks first thing that it holds none (:func:`held_capabilities`), refusing to start
+process checks first thing that it holds none (:func:`own_capabilities`), refusing to start
 otherwise: fail closed.
 
 Who a job is for comes from the credentials that sent it (:class:`tasks.core.users.UserKeys`): a
@@ -75,6 +75,16 @@ def held_capabilities(status: str) -> dict[str, int]:
     return held
 
 
+def own_capabilities(status_path: str = "/proc/self/status") -> dict[str, int]:
+    """This process's capability sets (:func:`held_capabilities` of its ``/proc`` status); empty
+    where there is no ``/proc`` to read (not Linux: no capabilities)."""
+    try:
+        with open(status_path, encoding="ascii") as status:
+            return held_capabilities(status.read())
+    except OSError:
+        return {}
+
+
 def missing_worker_capabilities(effective: int) -> list[str]:
     """The :data:`WORKER_CAPABILITIES` not in the ``effective`` mask (a root worker has them all)."""
     return [name for name, bit in CAPABILITY_NUMBERS.items() if not effective >> bit & 1]
@@ -86,12 +96,7 @@ def check_worker_capabilities(status_path: str = "/proc/self/status") -> None:
     Raises:
         ConfigError: it lacks some of :data:`WORKER_CAPABILITIES`; the message names them.
     """
-    try:
-        with open(status_path, encoding="ascii") as status:
-            effective = held_capabilities(status.read()).get("CapEff", 0)
-    except OSError:
-        effective = 0
-    missing = missing_worker_capabilities(effective)
+    missing = missing_worker_capabilities(own_capabilities(status_path).get("CapEff", 0))
     if missing:
         raise ConfigError(
             f"job_accounts maps users to system accounts, but this worker lacks {', '.join(missing)}, which "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.accounts import held_capabilities
+from ..core.accounts import own_capabilities
 from ..core.defaults import MAX_GPU_MEMORY_LEFT_MIB
 from ..core.devices import Device, check_visibility
 from ..core.errors import DeviceFleetError, JobCancelled, JobError, NoJobAccount, OutOfMemory, PeerLost, Preempted
@@ -304,12 +304,7 @@ def check_no_capabilities(account: str) -> None:
     Raises:
         NoJobAccount: it holds one, or runs as uid 0.
     """
-    held: dict[str, int] = {}
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            held = {name: mask for name, mask in held_capabilities(status.read()).items() if mask}
-    except OSError:
-        pass  # no /proc (not Linux): no capabilities to hold
+    held = {name: mask for name, mask in own_capabilities().items() if mask}
     if held or os.geteuid() == 0:
         raise NoJobAccount(f"the job process for account {account} holds capabilities "
                            f"{', '.join(f'{k}={v:#x}' for k, v in held.items()) or 'of root'} (uid {os.geteuid()}): "
