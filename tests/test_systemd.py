@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 import sys
 import urllib.error
@@ -448,8 +449,8 @@ def test_each_users_jobs_run_as_their_own_account_and_cannot_read_another_users_
     """`devicefleet deploy --job-account alice --job-account bob`, on cpu1: alice's job writes
     in her folder, bob's job (same device, same worker) can neither read it nor write there;
     each runs as its user's account with no capability, while the worker, unprivileged, holds
-    only what starting them takes; a user of the fleet with no account is refused, and the
-    admin's job still runs as the worker's account."""
+    only what starting them takes and ends her hung and crashed jobs' processes; a user of the
+    fleet with no account is refused, and the admin's job still runs as the worker's account."""
     box, plan = fleet_host.box, fleet_host.plan
     unit, device = WORKERS[1], "cpu1"
     rendered = tmp_path / "rendered"
@@ -510,6 +511,24 @@ def test_each_users_jobs_run_as_their_own_account_and_cannot_read_another_users_
         busy = fan_out("probe", device, kwargs={"busy_s": 0.5}, app=apps["alice"]).get(timeout=60)[device]
         assert busy["status"] == "ok" and busy["output"]["pid"] == out["pid"], busy
         assert wait_for(alices_busy, 30, "alice's usage with her jobs' busy seconds") > 0
+        # Her job that hangs past its time limit, and one that crashes: the worker, another
+        # account, ends the first's process and its subprocess (CAP_KILL), and her next job runs
+        # in a fresh process of hers.
+        marker = alice_folder / "hang"
+        hung = fan_out("hang", device, kwargs={"marker": str(marker)}, options={"time_limit_s": 1},
+                       app=apps["alice"]).get(timeout=60)[device]
+        assert hung["status"] == "error" and hung["error"]["type"] == "JobTimeout", hung
+        job_pid, sub_pid = (fleet_host.state / "artifacts" / "users" / "alice" / "hang").read_text().split()
+        assert job_pid == str(out["pid"])  # her warm process ran it
+        assert wait_for(lambda: box.run("ps", "-p", f"{job_pid},{sub_pid}", check=False).returncode == 1, 30,
+                        "her hung job's process and its subprocess to end")
+        crashed = fan_out("crash", device, app=apps["alice"]).get(timeout=60)[device]
+        assert crashed["status"] == "error" and crashed["error"]["type"] == "JobCrashed", crashed
+        assert "killed by SIGSEGV" in crashed["error"]["message"], crashed
+        crashed_pid = int(re.search(r"about to crash \(segv\) in (\d+)", crashed["error"]["message"])[1])
+        after = sandbox("alice", read=[secret])["output"]
+        assert after["uid"] == ids["alice"] and after["reads"] == {secret: "ok"}
+        assert len({out["pid"], crashed_pid, after["pid"]}) == 3, (out["pid"], crashed_pid, after)
         # A user of the fleet whom the host gives no account: refused, saying what to do.
         carol = sandbox("carol")
         assert carol["status"] == "error" and carol["error"]["type"] == "NoJobAccount", carol
