@@ -471,7 +471,7 @@ def test_cpu_unit_runs_a_worker_that_stops_warm_then_forced(rendered_host: HostP
         # is the next round's worker.
         worker, _ = start()
         for signals in ([signal.SIGTERM, signal.SIGTERM], [signal.SIGQUIT]):
-            handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 6, "mode": "sleep"}, app=app)
+            handle = fan_out("probe", ["cpu0"], kwargs={"busy_s": 4, "mode": "sleep"}, app=app)
             wait_busy(worker, handle)
             for signum in signals[:-1]:
                 worker.process.send_signal(signum)
