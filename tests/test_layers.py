@@ -7,6 +7,7 @@ here at run time, in a fresh interpreter.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -164,6 +165,12 @@ def test_every_public_name_of_tasks_is_where_it_says():
     import tasks
 
     assert sorted(tasks.__all__) == sorted(tasks._HOMES)
+    # The names mypy and IDEs see (imported under TYPE_CHECKING) come from the same modules.
+    tree = ast.parse(Path(tasks.__file__).read_text())
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name: "." * node.level + (node.module or "")
+             for node in checked.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert typed == tasks._HOMES
     for name in tasks.__all__:
         assert getattr(tasks, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'fan_outt'"):
