@@ -257,3 +257,55 @@ def test_cli_runs_a_distributed_job(dfleet):
     assert [results[d]["output"]["rank"] for d in ("cpu0", "cpu1")] == [0, 1]
     misused = subprocess.run([*cli, "--backend", "gloo"], env=env, capture_output=True, text=True, timeout=60)
     assert misused.returncode == 2 and "go with --distributed" in misused.stderr
+
+
+#: A rank of a ``@job`` that builds a DistributedDataParallel model, run by the job process's own
+#: ``run_rank`` in a fresh interpreter (a gang of one, gloo), which then prints its threads' names.
+RANK_THEN_THREADS = r"""
+import json, os, sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tasks.core.job import JobContext
+from tasks.core.wire import Rank
+from tasks.jobproc.rank import run_rank
+
+
+class Channel:
+    def send(self, message):
+        pass
+
+    def ask(self, message):
+        raise AssertionError(message)
+
+
+def ddp_step(ctx, params):
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+    model(torch.randn(8, 4)).sum().backward()
+    return {}
+
+
+rank = Rank(gang_id="g", rank=0, world_size=1, local_rank=0, generation=0, max_restarts=0, backend="gloo",
+            collective_timeout_s=30, master_addr="127.0.0.1")
+run_rank(ddp_step, JobContext(device="cpu0", torch_device="cpu", job_id="j", artifacts_dir=Path(sys.argv[1])),
+         None, rank, Channel())
+print(json.dumps(sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a process's threads from /proc")
+def test_a_ranks_group_is_gone_with_its_threads_once_its_job_ends(tmp_path: Path) -> None:
+    """Issue 51: a DDP model built after the group exists imports ``torch.distributed.nn``,
+    whose defaults kept the group, and with it gloo's threads, alive past
+    ``destroy_process_group`` until the interpreter's exit, where one of them could abort the
+    process; the job process imports it first (``import_before_any_group``), so no gloo thread
+    is left once the job has ended (before the fix: ``gloo_tcp_loop`` and two
+    ``pt_gloo_runloop``)."""
+    done = subprocess.run([sys.executable, "-c", RANK_THEN_THREADS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=50, env=test_env(), check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    threads = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [name for name in threads if "gloo" in name], threads

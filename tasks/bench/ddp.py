@@ -30,6 +30,7 @@ from celery import Celery
 
 from ..core.job import DistributedInfo, JobContext
 from ..core.records import Entry
+from ..jobproc.rank import import_before_any_group
 from ..producer.fanout import fan_out
 from .efficiency import job_epochs, mp_context, train_kwargs
 
@@ -60,6 +61,10 @@ def _native_rank(rank: int, world: int, port: int, kwargs: dict[str, Any], folde
         os.sched_setaffinity(0, [cores[rank % len(cores)]])
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # As a fleet rank does (and a DDP script should): else DistributedDataParallel's import of
+    # torch.distributed.nn keeps the group alive past its destroy, and a rank now and then
+    # aborted at its exit (SIGABRT, about 1 run of 8 here), failing the spawn after its work.
+    import_before_any_group()
     ready = time.time()
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -73,12 +78,6 @@ def _native_rank(rank: int, world: int, port: int, kwargs: dict[str, Any], folde
         dist.destroy_process_group()
     record = {"ready": ready, "done": time.time(), "output": output}
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(record))
-    # Leave without the interpreter's teardown: with gloo, a rank's exit now and then aborts in a
-    # C++ destructor ("terminate called without an active exception", SIGABRT: seen in about 1
-    # run of 8 on this project's VM, before and after job processes), which fails the spawn
-    # although the rank's work is done and written.
-    logging.shutdown()
-    os._exit(0)
 
 
 def run_native(world: int, kwargs: dict[str, Any], folder: Path, *,

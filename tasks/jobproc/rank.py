@@ -8,7 +8,7 @@ as torchrun's elastic agent hands its workers their variables; this module only:
 1. opens the gang's ``TCPStore``: rank 0 on a port the OS picks (no free-port race), which it
    announces over the pipe (:class:`~tasks.core.wire.StoreOpened`; the worker publishes it),
    every other rank connects to the one its :class:`~tasks.core.wire.Rank` names;
-2. for a ``@job``, calls ``init_process_group`` with the gang's backend and
+2. for a ``@job``, calls ``init_process_group`` (after :func:`import_before_any_group`) with the gang's backend and
    ``timeout=collective_timeout_s`` (not torch's 30 minutes), sets ``RANK``, ``WORLD_SIZE``,
    ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as torchrun sets them, runs the job with
    ``ctx.distributed``, and destroys the group on every exit path (no rank holds a group across
@@ -117,6 +117,21 @@ def torchrun_env(info: DistributedInfo) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def import_before_any_group() -> None:
+    """Import ``torch.distributed.nn`` before this process's first process group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated when the module is
+    first imported. ``DistributedDataParallel``'s constructor imports it (through
+    ``torch._dynamo``), so in a process whose group already exists it keeps that group in ten
+    defaults for the rest of the process: ``destroy_process_group`` then leaves the group, its
+    gloo threads and its connections to the peers alive until the interpreter exits, where a
+    gloo thread that still frees a tensor needs the GIL, is ended by Python's finalization and
+    aborts the process (``terminate called without an active exception``, SIGABRT; issue 51).
+    Imported first, the defaults hold ``None`` (what ``group.WORLD`` is before any group), and
+    ``destroy_process_group`` ends the group's threads. About 6 ms (torch 2.13)."""
+    import torch.distributed.nn  # noqa: F401
+
+
 def _lost(rank: Rank, ctx: JobContext, exc: BaseException) -> PeerLost:
     return PeerLost(f"rank {rank.rank} of {rank.gang_id} on {ctx.device} lost a peer in generation "
                     f"{rank.generation}: {type(exc).__name__}: {exc}")
@@ -133,6 +148,7 @@ def run_rank(func: Callable[[JobContext, Any], dict[str, Any]], ctx: JobContext,
     """
     import torch.distributed as dist
 
+    import_before_any_group()
     announce = _announcer(channel)
     try:
         with gang_store(rank, announce) as (master_addr, master_port, store):

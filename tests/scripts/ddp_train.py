@@ -2,6 +2,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before the group: see "A rank's teardown" below
 
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 if torch.cuda.is_available():

@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from group_step import backend, train_step
+from group_step import backend, report, train_step
 
 
 def free_port() -> int:
@@ -23,9 +23,10 @@ def free_port() -> int:
 def run(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        train_step(rank, world_size, local_rank=rank)
+        done = train_step(rank, world_size, local_rank=rank)
     finally:
         dist.destroy_process_group()
+    report(done)
 
 
 def main() -> None:

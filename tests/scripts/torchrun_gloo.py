@@ -6,11 +6,12 @@ under ``devicefleet run --group K -- torchrun ...``."""
 import os
 
 import torch.distributed as dist
-from group_step import backend, train_step
+from group_step import backend, report, train_step
 
 if __name__ == "__main__":
     dist.init_process_group(backend())
     try:
-        train_step(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+        done = train_step(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
     finally:
         dist.destroy_process_group()
+    report(done)
