@@ -198,6 +198,32 @@ def test_a_client_owns_its_connections_and_closes_them(fleet, app):
     assert _producer_connections(fleet.redis_url) == before
 
 
+def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet, tmp_path):
+    """``tasks.live_devices(app=...)`` opens the app's default connections (a producer's
+    registry client); ``app.close()`` closes them, and an app nobody holds any more is collected
+    (they used to keep it alive, and open, until the interpreter exited)."""
+    import gc
+    import weakref
+
+    from tasks.core.app import create_app
+    from tasks.core.settings import Settings
+
+    before = _producer_connections(fleet.redis_url)
+    closed = create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "closed"))
+    assert "cpu0" in tasks.live_devices(closed)
+    assert _producer_connections(fleet.redis_url) == before + 1
+    closed.close()
+    assert _producer_connections(fleet.redis_url) == before
+    dropped = create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "dropped"))
+    assert "cpu0" in tasks.live_devices(dropped)
+    gone = weakref.ref(dropped)
+    create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "current"))  # Celery's current app now
+    del dropped
+    gc.collect()
+    assert gone() is None, "its default connections kept the app alive"
+    assert _producer_connections(fleet.redis_url) == before
+
+
 def test_one_client_serves_one_event_loop_after_another(fleet, app):
     with FleetClient(app) as client:
         first = asyncio.run(client.fan_out("echo", ["cpu0"], kwargs={"value": 1}).wait(timeout=30))

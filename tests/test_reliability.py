@@ -48,7 +48,6 @@ from tasks.core.errors import (
 from tasks.core.job import task_name
 from tasks.core.records import JobOptions, LeaseRecord, WorkerRecord
 from tasks.ops.deploy import plan_host, render
-from tasks.producer.connections import Connections
 from tasks.producer.fanout import JobSpec
 
 from .conftest import ROOT, TEST_JOB_MODULES, make_settings, queue_length, read_markers, supervised_fleet, wait_for
@@ -430,9 +429,8 @@ def lease_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         # library path holds it, not found): ignored here, they are the outage's.
         collect_ignoring_unclosed()
         # Then every connection the app opened to this fleet closes before its Redis stops: the
-        # producer's registry client, and the broker's connections, whose pool Celery's close
-        # drops without closing them, then the result backends' (FleetCelery.close).
-        Connections.of(app).close()
+        # broker's connections, whose pool Celery's close drops without closing them, then the
+        # producer's registry client and the result backends' (FleetCelery.close).
         app.pool.force_close_all()
         app.close()
         gc.collect()  # nothing the test opened is left open: a socket found now fails the teardown

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -179,6 +180,8 @@ class FleetCelery(Celery):
         super().__init__(main, set_as_current=False)
         self._fleet_settings = settings
         self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: What :meth:`close` calls first (:meth:`on_close`).
+        self._closing: list[Callable[[], None]] = []
         if settings is None:
             # A promise: evaluated when the configuration is first read, not at import.
             self.add_defaults(lambda: lazy_celery_config(self.fleet_settings))
@@ -228,10 +231,18 @@ class FleetCelery(Celery):
         self._backends.add(backend)
         return backend
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when this app closes: the producer's default connections
+        (:meth:`tasks.producer.connections.Connections.of`), which the core does not import."""
+        self._closing.append(callback)
+
     def close(self) -> None:
         """Celery's clean-up, with the Redis connections of every result backend this app made
-        (one per thread that used it) closed now, rather than whenever the garbage collector
-        finds them."""
+        (one per thread that used it) and the producer's default ones closed now, rather than
+        whenever the garbage collector finds them."""
+        closing, self._closing = self._closing, []
+        for callback in closing:
+            callback()
         for backend in list(self._backends):
             backend.closed = True
             if "client" in vars(backend):

@@ -12,7 +12,8 @@ redis-py's asyncio client (:mod:`redis.asyncio`) and one pub/sub connection
 
 Handles keep the connections they were made with. A call that names none
 (``tasks.fan_out(...)`` without ``client=``) uses its app's default connections
-(:meth:`Connections.of`), which are closed when the app is garbage-collected.
+(:meth:`Connections.of`), which are closed with the app (``app.close()``) or when it is
+garbage-collected.
 
 Celery's own result consumer and broker pool are Celery's: these are the fleet's reads beside them.
 """
@@ -40,8 +41,22 @@ logger = logging.getLogger(__name__)
 
 #: The name a producer's connections give themselves (``CLIENT LIST`` in redis-cli shows it).
 CLIENT_NAME = "devicefleet-producer"
-#: Each app's default connections, closed when the app goes (see :meth:`Connections.of`).
-_defaults: weakref.WeakKeyDictionary[Celery, Connections] = weakref.WeakKeyDictionary()
+#: The attribute of an app that holds its default connections (:meth:`Connections.of`): the app
+#: owns them, so that nothing outside it keeps the app alive.
+DEFAULT_CONNECTIONS_ATTR = "_fleet_connections"
+
+
+class _Client:
+    """The blocking client of one :class:`Connections`, closable without them: what a finalizer
+    of the app holds (holding the connections, which hold the app, would keep the app alive)."""
+
+    def __init__(self) -> None:
+        self.redis: redis.Redis | None = None
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
 
 
 def default_app() -> Celery:
@@ -60,7 +75,7 @@ class Connections:
 
     def __init__(self, app: Celery | None = None) -> None:
         self.app = app or default_app()
-        self._redis: redis.Redis | None = None
+        self._client = _Client()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aio: aioredis.Redis | None = None
         self._listener: StateListener | None = None
@@ -69,13 +84,17 @@ class Connections:
 
     @classmethod
     def of(cls, app: Celery | None = None) -> Connections:
-        """The default connections of ``app`` (default ``tasks.app``): made once per app,
-        closed when the app is garbage-collected."""
+        """The default connections of ``app`` (default ``tasks.app``): made once per app, closed
+        with it (a :class:`~tasks.core.app.FleetCelery`'s ``close()``) or when it is collected."""
         app = app or default_app()
-        found = _defaults.get(app)
+        found: Connections | None = getattr(app, DEFAULT_CONNECTIONS_ATTR, None)
         if found is None or found.closed:
-            found = _defaults[app] = cls(app)
-            weakref.finalize(app, found.close)
+            found = cls(app)
+            setattr(app, DEFAULT_CONNECTIONS_ATTR, found)
+            weakref.finalize(app, found._client.close)
+            on_close = getattr(app, "on_close", None)
+            if on_close is not None:
+                on_close(found.close)
         return found
 
     @property
@@ -85,23 +104,23 @@ class Connections:
     @property
     def redis(self) -> redis.Redis:
         """The blocking client (``str`` replies), for the registry and progress reads."""
-        if self._redis is None:
-            self._redis = connect(self.url)
+        if self._client.redis is None:
+            client = connect(self.url)
             # Named on each connection the pool opens (tasks.core.registry.connect makes the pool).
-            self._redis.connection_pool.connection_kwargs["client_name"] = CLIENT_NAME
+            client.connection_pool.connection_kwargs["client_name"] = CLIENT_NAME
             settings = getattr(self.app, "fleet_settings", None)
             credentials = settings.user_credentials if settings is not None else None
             if credentials is not None:  # a user's: wrong or revoked ones fail here, in one line
                 try:
-                    self._redis.ping()
+                    client.ping()
                 except redis.exceptions.RedisError as exc:
+                    client.close()
                     refused = denial(exc, credentials.user)
                     if refused is None:
                         raise
-                    self._redis.close()
-                    self._redis = None
                     raise refused from None
-        return self._redis
+            self._client.redis = client
+        return self._client.redis
 
     # -- asyncio --------------------------------------------------------------------------------
 
@@ -156,9 +175,7 @@ class Connections:
         """Close the blocking client; the asyncio ones are dropped (use :meth:`aclose` inside the
         loop to close them cleanly)."""
         self.closed = True
-        if self._redis is not None:
-            self._redis.close()
-            self._redis = None
+        self._client.close()
         self._listener = self._aio = None
 
     def __enter__(self) -> Connections:
