@@ -7,6 +7,7 @@ to the built-in jobs, so tests can make a job fail on purpose (and the docs' ``m
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -197,7 +198,13 @@ def supervised_fleet(settings: Settings) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="session")
 def app(fleet: Fleet):  # type: ignore[no-untyped-def]
-    return fleet.app()
+    app = fleet.app()
+    yield app
+    # A result handle unsubscribes from Redis when it is collected: collected now, while the
+    # fleet's Redis runs (at the interpreter's exit, after it stopped, Celery's result consumer
+    # retried its unsubscribe for two minutes: `pytest tests/test_async.py -k owns_its` took 130 s).
+    gc.collect()
+    app.close()
 
 
 @pytest.fixture(scope="module")
