@@ -406,9 +406,14 @@ def run(job: str | None, env_pairs: tuple[str, ...], cwd: str | None, kwargs_tex
 
 
 def _producer_app(settings: Settings) -> Any:
+    """The command's producer app, closed with its connections when the command ends (click's
+    context closes on every exit: a result, an error, ``SystemExit``), not left to the garbage
+    collector: the CLI also runs in process (``CliRunner``, a script calling ``cli.main``)."""
     from .core.app import create_app
 
-    return create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
+    app = create_app(settings.model_copy(update={"redis_url": settings.resolve_redis_url()}))
+    click.get_current_context().call_on_close(app.close)
+    return app
 
 
 def _exit_code(entries: Iterable[Mapping[str, Any]], cancelled: bool) -> int:
