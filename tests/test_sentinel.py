@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import subprocess
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,6 +147,31 @@ TRIALS = 200
 def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     with sentinel_cluster(tmp_path_factory.mktemp("sentinel")) as running:
         yield running
+
+
+def test_a_closed_primary_client_leaves_no_sentinel_connection_open(cluster: SentinelCluster) -> None:
+    """Closing the fleet's clients of the primary closes the connections they made to the
+    sentinels too (redis-py keeps those in clients of their own): an awaited producer's client,
+    closed with its loop, left one open per sentinel it asked, each a ResourceWarning when
+    collected (``unclosed Connection``, and ``Event loop is closed`` from its transport)."""
+    async def use() -> object:
+        client = cluster.parsed().async_client()
+        await client.ping()  # asks a sentinel where the primary is
+        await client.aclose()
+        return client
+
+    clients = [asyncio.run(use()), cluster.parsed().client()]
+    clients[1].ping()
+    clients[1].close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sys.unraisablehook, hook = (lambda u: seen.append(u)), sys.unraisablehook  # type: ignore[assignment]
+        try:
+            del clients
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+    assert not seen, [getattr(w, "message", None) or getattr(w, "exc_value", None) for w in seen]
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,45 @@ QUERY_OPTIONS = ("master_name", "sentinel_password", "sentinel_username")
 _PASSWORD_OPTION = re.compile(r"((?:^|&)sentinel_password=)[^&]*")
 
 
+class SentinelPrimary(redis.Redis):
+    """The primary's client (:meth:`SentinelURL.client`): closing it also closes its sentinels'
+    connections, which redis-py's ``Sentinel`` keeps in clients of their own that nothing else
+    closes (they were left to the garbage collector, one ``ResourceWarning`` each)."""
+
+    def close(self) -> None:
+        super().close()
+        for sentinel in _sentinels_of(self.connection_pool):
+            sentinel.close()
+
+
+def _sentinels_of(pool: Any) -> list[Any]:
+    """The sentinels' clients of a ``master_for`` pool (its ``sentinel_manager``)."""
+    manager = getattr(pool, "sentinel_manager", None)
+    return list(manager.sentinels) if manager is not None else []
+
+
+def _async_primary_class() -> type[redis.asyncio.Redis]:
+    """:class:`SentinelPrimary` for :mod:`redis.asyncio` (made when first asked: ``import
+    redis.asyncio`` loads asyncio, which a worker never needs)."""
+    global _AsyncSentinelPrimary
+    if _AsyncSentinelPrimary is None:
+        from redis.asyncio import Redis as AsyncRedis
+
+        class AsyncSentinelPrimary(AsyncRedis):
+            __doc__ = SentinelPrimary.__doc__
+
+            async def aclose(self, close_connection_pool: bool | None = None) -> None:
+                await super().aclose(close_connection_pool)
+                for sentinel in _sentinels_of(self.connection_pool):
+                    await sentinel.aclose()
+
+        _AsyncSentinelPrimary = AsyncSentinelPrimary
+    return _AsyncSentinelPrimary
+
+
+_AsyncSentinelPrimary: type[redis.asyncio.Redis] | None = None
+
+
 class ReadOnlyAwareConnection(SentinelManagedConnection):
     """redis-py's Sentinel-managed connection, which turns ``READONLY`` from a primary that was
     demoted into a lost connection (the next try asks the sentinels for the new primary), also
@@ -189,7 +228,7 @@ class SentinelURL:
         sentinel = Sentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, Retry(NoBackoff(), 0)))
         retry = Retry(ExponentialBackoff(cap=FAILOVER_BACKOFF_S[1], base=FAILOVER_BACKOFF_S[0]), FAILOVER_RETRIES,
                       supported_errors=(RedisConnectionError, RedisTimeoutError, ConnectionResetError))
-        return sentinel.master_for(self.master_name, redis_class=redis.Redis, connection_class=ReadOnlyAwareConnection,
+        return sentinel.master_for(self.master_name, redis_class=SentinelPrimary, connection_class=ReadOnlyAwareConnection,
                                    decode_responses=decode_responses, **self._primary(retry), **kwargs)
 
     def async_client(self, **kwargs: Any) -> redis.asyncio.Redis:
@@ -197,14 +236,14 @@ class SentinelURL:
         listener): a ``redis.asyncio`` Sentinel ``master_for`` client whose connections ask the
         sentinels where the primary is on every reconnect, retrying through a failover. It only
         reads and listens, so a demoted primary's ``READONLY`` cannot reach it."""
-        from redis.asyncio import Redis as AsyncRedis
         from redis.asyncio.retry import Retry as AsyncRetry
         from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 
         sentinel = AsyncSentinel(list(self.sentinels), sentinel_kwargs=self._asking(kwargs, AsyncRetry(NoBackoff(), 0)))
         retry = AsyncRetry(ExponentialBackoff(cap=FAILOVER_BACKOFF_S[1], base=FAILOVER_BACKOFF_S[0]), FAILOVER_RETRIES,
                            supported_errors=(RedisConnectionError, RedisTimeoutError))
-        return sentinel.master_for(self.master_name, redis_class=AsyncRedis, **self._primary(retry), **kwargs)
+        return sentinel.master_for(self.master_name, redis_class=_async_primary_class(), **self._primary(retry),
+                                   **kwargs)
 
     def problem(self, timeout_s: float = SENTINEL_PROBE_TIMEOUT_S) -> str | None:
         """Why no client could find the primary now, asking each sentinel once (no retry), or
