@@ -43,6 +43,7 @@ import json
 import logging
 import sys
 import threading
+import weakref
 from functools import cached_property
 from typing import Any
 
@@ -117,6 +118,15 @@ class FleetBackend(RedisBackend):
     #: result collected later has no subscription left to end (it would otherwise reconnect,
     #: retrying for two minutes if the fleet is gone too).
     closed = False
+
+    # Celery internal: RedisBackend._create_client makes the client behind ``client`` (5.7.0).
+    def _create_client(self, **params: Any) -> Any:
+        """Celery's, with the client's connections closed when this backend is garbage-collected
+        (its app dropped without ``close()``): a finalizer that holds only the pool closes them,
+        where the collector would otherwise find each socket open (a ``ResourceWarning``)."""
+        client = super()._create_client(**params)
+        weakref.finalize(self, client.connection_pool.disconnect)
+        return client
 
     # Celery internal: the result consumer's hook, called from AsyncResult.__del__ (5.7.0).
     def remove_pending_result(self, result: Any, _finalizing: Any = sys.is_finalizing) -> Any:
