@@ -27,6 +27,8 @@ from tasks.core.errors import (
 from tasks.core.registry import connect
 from tasks.producer.connections import CLIENT_NAME
 
+from .conftest import wait_for
+
 pytestmark = pytest.mark.timeout(60)
 
 #: (case, argv after the command's name, the bad value its message must name).
@@ -73,8 +75,9 @@ def test_a_failed_job_exits_1_and_no_fleet_exits_3(fleet, tmp_path) -> None:  # 
     with connect(fleet.redis_url) as admin:
         before = producer_connections(admin)
         failed = CliRunner().invoke(cli, ["run", "fail", "--devices", "cpu0", "--json", "--redis-url", fleet.redis_url])
-        # The command's producer app closed its connections as the command ended (in process too).
-        assert producer_connections(admin) == before
+        # The command's producer app closed its connections as the command ended (in process too;
+        # Redis lists a closed connection until it has read the close, hence a wait).
+        wait_for(lambda: producer_connections(admin) == before, 10, "the CLI's producer connections to close")
     assert failed.exit_code == EXIT_FAILED and json.loads(failed.stdout)["cpu0"]["status"] == "error"
     gone = CliRunner().invoke(cli, ["run", "echo"], env={"DEVICEFLEET_STATE_DIR": str(tmp_path),
                                                          "DEVICEFLEET_REDIS_URL": None})
@@ -90,3 +93,24 @@ def test_one_exit_rule_for_python_and_the_command_line() -> None:
     assert "devicefleet up" in str(DeviceUnavailable(["gpu0"], []))
     running = str(DeviceUnavailable(["gpu0"], ["cpu0", "cpu1"]))
     assert "devicefleet worker" in running and "--devices cpu0,cpu1" in running and "devicefleet up" not in running
+
+
+def test_after_an_interrupt_no_command_reads_the_reply_of_the_one_it_cut(fleet) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C raises where the wait is: between a Redis command and its reply, redis-py hands the
+    connection back to its pool with the reply unread, and the next command read it as its own
+    (a sweep's cancel after Ctrl-C failed with ``int()`` of an ``MGET``'s list). The CLI drops the
+    connections the wait used before it cancels (``drop_connections``, ``Connections.drop``):
+    here a ``BLPOP`` whose reply comes a second later stands for the cut command."""
+    from tasks.producer.connections import Connections
+
+    app = fleet.app()
+    try:
+        connections = Connections.of(app)
+        for client, drop in ((app.backend.client, app.drop_connections), (connections.redis, connections.drop)):
+            cut = client.connection_pool.get_connection()
+            cut.send_command("BLPOP", "devicefleet-test:never", 1)  # interrupted before its reply
+            client.connection_pool.release(cut)
+            drop()
+            assert client.set("devicefleet-test:after-interrupt", "1") is True  # its own reply, not BLPOP's
+    finally:
+        app.close()

@@ -245,9 +245,18 @@ class FleetCelery(Celery):
             callback()
         for backend in list(self._backends):
             backend.closed = True
+        self.drop_connections()
+        super().close()
+
+    def drop_connections(self) -> None:
+        """Disconnect every connection of this app's result backends; each reconnects when next
+        used. For code that was interrupted (Ctrl-C's ``KeyboardInterrupt``) while it read
+        results: the interrupt may have come between a command and its reply, and redis-py then
+        hands the connection back to its pool with the reply unread, for the next command to read
+        as its own."""
+        for backend in list(self._backends):
             if "client" in vars(backend):
                 backend.client.connection_pool.disconnect()
-        super().close()
 
 
 def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> FleetCelery:

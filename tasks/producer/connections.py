@@ -171,6 +171,12 @@ class Connections:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
 
+    def drop(self) -> None:
+        """Disconnect the blocking client's connections; it reconnects when next used (after an
+        interrupt, as :meth:`tasks.core.app.FleetCelery.drop_connections`)."""
+        if self._client.redis is not None:
+            self._client.redis.connection_pool.disconnect()
+
     def close(self) -> None:
         """Close the blocking client; the asyncio ones are dropped (use :meth:`aclose` inside the
         loop to close them cleanly)."""
