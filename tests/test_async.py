@@ -195,7 +195,8 @@ def test_a_client_owns_its_connections_and_closes_them(fleet, app):
     result, during = asyncio.run(main())
     assert result["cpu0"]["output"]["value"] == 1
     assert during >= before + 3, (before, during)  # the blocking client, the asyncio one, its pub/sub
-    assert _producer_connections(fleet.redis_url) == before
+    # Redis lists a closed connection until it has read the close.
+    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
 
 
 def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet, tmp_path):
@@ -213,7 +214,8 @@ def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet
     assert "cpu0" in tasks.live_devices(closed)
     assert _producer_connections(fleet.redis_url) == before + 1
     closed.close()
-    assert _producer_connections(fleet.redis_url) == before
+    # Redis lists a closed connection until it has read the close.
+    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
     dropped = create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "dropped"))
     assert "cpu0" in tasks.live_devices(dropped)
     gone = weakref.ref(dropped)
@@ -221,7 +223,8 @@ def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet
     del dropped
     gc.collect()
     assert gone() is None, "its default connections kept the app alive"
-    assert _producer_connections(fleet.redis_url) == before
+    # Redis lists a closed connection until it has read the close.
+    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
 
 
 def test_one_client_serves_one_event_loop_after_another(fleet, app):
