@@ -450,8 +450,7 @@ def _wait_or_cancel(handle: Any, what: str, timeout: float, watch: Callable[[], 
             # The interrupt may have come between one of the wait's Redis commands and its reply,
             # which redis-py leaves unread in a connection it hands back to its pool: the cancel's
             # first command then read it as its own (a sweep's cancel failed on an MGET's list).
-            handle.app.drop_connections()
-            handle.connections.drop()
+            handle.drop_connections()
             handle.cancel()
             return handle.get(timeout=CANCEL_WAIT_S), True
 

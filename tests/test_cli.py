@@ -392,9 +392,15 @@ class _Sent:
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.dropped = False
         self.handler_while_cancelling: object = None
 
+    def drop_connections(self) -> None:
+        self.dropped = True
+
     def cancel(self) -> None:
+        # On fresh connections: the interrupt may have cut one of the wait's commands.
+        assert self.dropped, "cancelled on the connections the interrupt may have cut"
         self.cancelled = True
 
     def get(self, timeout: float) -> dict:

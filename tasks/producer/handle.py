@@ -135,6 +135,17 @@ class JobHandle(Generic[K, R]):
         self.connections = connections or Connections.of(app)
         self.reader = reader or StateReader(self.connections)
 
+    def drop_connections(self) -> None:
+        """Disconnect the Redis connections this handle reads with; each reconnects when next
+        used. For after an interrupt (Ctrl-C's ``KeyboardInterrupt``), which may have come between
+        one of its commands and the reply: redis-py leaves the reply unread in a connection it
+        hands back to its pool, for the next command to read as its own. The CLI calls this
+        before it cancels."""
+        drop = getattr(self.app, "drop_connections", None)  # a FleetCelery's result backends
+        if drop is not None:
+            drop()
+        self.connections.drop()
+
     # -- what a subclass says ---------------------------------------------------------------------
 
     def jobs(self) -> dict[K, str]:
