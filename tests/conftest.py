@@ -273,6 +273,15 @@ def queue_length(client: Any, queue: str) -> int:
 T = TypeVar("T")
 
 
+def producer_connections(url: str) -> int:
+    """The connections to the fleet at ``url`` that producers' default clients opened
+    (``CLIENT LIST`` by their name)."""
+    from tasks.producer.connections import CLIENT_NAME
+
+    with connect(url) as admin:
+        return sum(1 for client in admin.client_list() if client.get("name") == CLIENT_NAME)
+
+
 def wait_for(check: Callable[[], T], timeout: float, what: str, poll: float = 0.05,
              proc: subprocess.Popen[Any] | None = None) -> T:
     """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value,

@@ -11,13 +11,11 @@ import threading
 import uuid
 
 import pytest
-import redis
 
 import tasks
 from tasks import FanOutTimeout, FleetClient, Report
-from tasks.producer.connections import CLIENT_NAME
 
-from .conftest import wait_for
+from .conftest import producer_connections, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -178,25 +176,20 @@ def test_wait_times_out_naming_the_pending_devices_and_the_jobs_go_on(fleet, app
     assert result["cpu1"]["status"] == "ok"
 
 
-def _producer_connections(url: str) -> int:
-    with redis.Redis.from_url(url) as other:
-        return sum(1 for c in other.client_list() if c["name"] == CLIENT_NAME)
-
-
 def test_a_client_owns_its_connections_and_closes_them(fleet, app):
-    before = _producer_connections(fleet.redis_url)
+    before = producer_connections(fleet.redis_url)
 
     async def main() -> tuple[dict, int]:
         async with FleetClient(app) as client:
             result = await client.fan_out("echo", ["cpu0"], kwargs={"value": 1}).wait(timeout=30)
             assert "cpu0" in client.live_devices()
-            return result, _producer_connections(fleet.redis_url)
+            return result, producer_connections(fleet.redis_url)
 
     result, during = asyncio.run(main())
     assert result["cpu0"]["output"]["value"] == 1
     assert during >= before + 3, (before, during)  # the blocking client, the asyncio one, its pub/sub
     # Redis lists a closed connection until it has read the close.
-    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
+    wait_for(lambda: producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
 
 
 def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet, tmp_path):
@@ -209,13 +202,13 @@ def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet
     from tasks.core.app import create_app
     from tasks.core.settings import Settings
 
-    before = _producer_connections(fleet.redis_url)
+    before = producer_connections(fleet.redis_url)
     closed = create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "closed"))
     assert "cpu0" in tasks.live_devices(closed)
-    assert _producer_connections(fleet.redis_url) == before + 1
+    assert producer_connections(fleet.redis_url) == before + 1
     closed.close()
     # Redis lists a closed connection until it has read the close.
-    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
+    wait_for(lambda: producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
     dropped = create_app(Settings.load(redis_url=fleet.redis_url, state_dir=tmp_path / "dropped"))
     assert "cpu0" in tasks.live_devices(dropped)
     gone = weakref.ref(dropped)
@@ -224,7 +217,7 @@ def test_an_apps_default_connections_close_with_it_and_never_keep_it_alive(fleet
     gc.collect()
     assert gone() is None, "its default connections kept the app alive"
     # Redis lists a closed connection until it has read the close.
-    wait_for(lambda: _producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
+    wait_for(lambda: producer_connections(fleet.redis_url) == before, 10, "the producer connections to close")
 
 
 def test_one_client_serves_one_event_loop_after_another(fleet, app):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import redis
 from click.testing import CliRunner
 
 from tasks.cli import cli
@@ -24,10 +23,8 @@ from tasks.core.errors import (
     NoFleetError,
     exit_status,
 )
-from tasks.core.registry import connect
-from tasks.producer.connections import CLIENT_NAME
 
-from .conftest import wait_for
+from .conftest import producer_connections, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,18 +63,12 @@ def test_every_refusal_before_sending_exits_2_with_one_line_naming_the_bad_value
     assert "devicefleet up" not in errors[0], result.output  # the fleet runs: `up` cannot help
 
 
-def producer_connections(admin: redis.Redis) -> int:
-    """The fleet's connections that producers' default clients opened (``CLIENT LIST`` by name)."""
-    return sum(1 for client in admin.client_list() if client.get("name") == CLIENT_NAME)
-
-
 def test_a_failed_job_exits_1_and_no_fleet_exits_3(fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    with connect(fleet.redis_url) as admin:
-        before = producer_connections(admin)
-        failed = CliRunner().invoke(cli, ["run", "fail", "--devices", "cpu0", "--json", "--redis-url", fleet.redis_url])
-        # The command's producer app closed its connections as the command ended (in process too;
-        # Redis lists a closed connection until it has read the close, hence a wait).
-        wait_for(lambda: producer_connections(admin) == before, 10, "the CLI's producer connections to close")
+    before = producer_connections(fleet.redis_url)
+    failed = CliRunner().invoke(cli, ["run", "fail", "--devices", "cpu0", "--json", "--redis-url", fleet.redis_url])
+    # The command's producer app closed its connections as the command ended (in process too;
+    # Redis lists a closed connection until it has read the close, hence a wait).
+    wait_for(lambda: producer_connections(fleet.redis_url) == before, 10, "the CLI's producer connections to close")
     assert failed.exit_code == EXIT_FAILED and json.loads(failed.stdout)["cpu0"]["status"] == "error"
     gone = CliRunner().invoke(cli, ["run", "echo"], env={"DEVICEFLEET_STATE_DIR": str(tmp_path),
                                                          "DEVICEFLEET_REDIS_URL": None})
