@@ -201,8 +201,8 @@ def app(fleet: Fleet):  # type: ignore[no-untyped-def]
     app = fleet.app()
     yield app
     # A result handle unsubscribes from Redis when it is collected: collected now, while the
-    # fleet's Redis runs (at the interpreter's exit, after it stopped, Celery's result consumer
-    # retried its unsubscribe for two minutes: `pytest tests/test_async.py -k owns_its` took 130 s).
+    # fleet's Redis runs, each does (one collected after it stopped gives up at once since the
+    # backend stopped retrying there: tests/test_components.py's let-go test).
     gc.collect()
     app.close()
 

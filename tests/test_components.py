@@ -976,6 +976,34 @@ def test_a_failure_is_final_for_a_fleet_job_and_not_for_any_other_task(client, a
         assert backend.get_task_meta(task_id, cache=False)["status"] == ("FAILURE" if final else "SUCCESS"), name
 
 
+@pytest.mark.timeout(60)
+def test_a_result_let_go_while_redis_is_down_never_reconnects_and_the_next_wait_does(tmp_path, caplog):
+    """Stopping listening never retries (Celery's consumer retried each unsubscribe for the
+    retry policy's two minutes, then logged that the app must be restarted); a result still
+    awaited is read once Redis is back."""
+    server = EmbeddedRedis(tmp_path / "redis")
+    server.start()
+    celery_app = create_app(Settings.load(redis_url=server.url, state_dir=tmp_path / "state"), main="let-go")
+    try:
+        backend = celery_app.backend
+        awaited, *let_go = (celery_app.AsyncResult(str(uuid.uuid4())) for _ in range(3))
+        for result in (awaited, *let_go):
+            backend.add_pending_result(result)
+            backend.result_consumer.consume_from(result.id)
+        server.stop()
+        with caplog.at_level("DEBUG", logger="celery.backends"):
+            for result in let_go:  # the first finds the socket closed; the next, the connection down
+                backend.remove_pending_result(result)
+        assert backend.result_consumer.subscribed_to == {backend.get_key_for_task(awaited.id)}
+        assert [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")] == []
+        server.start()
+        backend.store_result(awaited.id, 5, "SUCCESS")
+        assert awaited.get(timeout=30) == 5
+    finally:
+        celery_app.close()
+        server.stop()
+
+
 def test_only_a_fan_outs_chord_reads_a_failed_part_as_its_entry():
     from celery import signature
 

@@ -91,6 +91,8 @@ RELIED_ON: list[tuple[str, tuple[str, ...] | None]] = [
     ("celery.backends.redis:RedisBackend.set_chord_size", ("self", "group_id", "chord_size")),
     ("celery.backends.redis:RedisBackend._unpack_chord_result", ("self", "tup", "decode")),
     ("celery.backends.redis:RedisBackend.remove_pending_result", ("self", "result")),
+    ("celery.backends.redis:RedisBackend.ResultConsumer", None),
+    ("celery.backends.redis:ResultConsumer._reconnect", ("self",)),
     ("celery.backends.redis:RedisBackend.prepare_exception", ("self", "exc", "serializer")),
     ("celery.backends.redis:RedisBackend.failure_expires", None),
     ("celery.backends.redis:RedisBackend.chord_expires", None),

@@ -158,8 +158,8 @@ def acl_fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
         for user, path in files.items():
             add_user(admin, fleet.redis_url, user, team="ml", output=path)
         yield fleet, admin, files
-        # The tests' apps and their result handles are collected while this fleet's Redis runs: a
-        # handle collected after it stopped retried its unsubscribe until a later test's timeout.
+        # The tests' apps and their result handles are collected while this fleet's Redis runs,
+        # so each unsubscribes (not in a later test, against a stopped Redis).
         gc.collect()
         admin.close()
 

@@ -44,11 +44,13 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from typing import Any
 
 from celery import states
-from celery.backends.redis import RedisBackend, SentinelBackend
+from celery.backends.redis import RedisBackend, ResultConsumer, SentinelBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -106,6 +108,39 @@ def fan_out_chord(request: Any) -> bool:
     return name == COLLECT_TASK
 
 
+class FleetResultConsumer(ResultConsumer):
+    """Celery's Redis result consumer, which never reconnects to stop listening.
+
+    Celery's consumer reconnects on any connection error, retrying for as long as the backend's
+    retry policy allows (two minutes on the fleet's), and then logs that the application must be
+    restarted. That is right for a wait, and wrong for an unsubscribe: a result handle collected
+    after its fleet's Redis stopped (``AsyncResult.__del__``, wherever the collector happens to
+    run) blocked that long. A subscription goes with its connection, so while
+    :meth:`stopping` an error just ends the unsubscribe; the next wait finds the connection down
+    and reconnects (subscribing to what is still awaited) as before.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stopping = threading.local()
+
+    @contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Within the block, this thread's connection errors end what it does: no reconnect."""
+        self._stopping.active = True
+        try:
+            yield
+        finally:
+            self._stopping.active = False
+
+    # Celery internal: what reconnect_on_error calls on a connection error (5.7.0).
+    def _reconnect(self) -> None:
+        if getattr(self._stopping, "active", False):
+            logger.debug("result consumer: the connection is down while unsubscribing; the next wait reconnects")
+            return
+        super()._reconnect()
+
+
 class FleetBackend(RedisBackend):
     """Celery's Redis result backend; see the module's docstring for what it adds.
 
@@ -115,9 +150,12 @@ class FleetBackend(RedisBackend):
     """
 
     #: Set by :meth:`tasks.core.app.FleetCelery.close`: the app's connections are closed, and a
-    #: result collected later has no subscription left to end (it would otherwise reconnect,
-    #: retrying for two minutes if the fleet is gone too).
+    #: result collected later has no subscription left to end (it would otherwise open a
+    #: connection to unsubscribe).
     closed = False
+
+    # Celery internal: the class the backend makes its result consumer from (5.7.0).
+    ResultConsumer = FleetResultConsumer
 
     # Celery internal: RedisBackend._create_client makes the client behind ``client`` (5.7.0).
     def _create_client(self, **params: Any) -> Any:
@@ -138,12 +176,14 @@ class FleetBackend(RedisBackend):
         ``Exception ignored in ... AsyncResult.__del__ ... sys.meta_path is None``. Redis drops
         the subscription with the connection anyway, so at shutdown there is nothing to do.
         (``sys.is_finalizing`` is bound as a default: module globals may be gone by then.)
-        Likewise when Redis is unreachable: a result collected after its fleet stopped.
+        Likewise when Redis is unreachable: a result collected after its fleet stopped ends its
+        subscription at the first connection error, never retrying (:class:`FleetResultConsumer`).
         """
         if _finalizing() or self.closed:
             return result
         try:
-            return super().remove_pending_result(result)
+            with self.result_consumer.stopping():
+                return super().remove_pending_result(result)
         except (RedisConnectionError, OSError, RuntimeError) as exc:
             # Redis is gone (stopped, restarting): its subscriptions went with the connection.
             # (Celery's result consumer turns a connection that stays down into RuntimeError.)
