@@ -1,6 +1,7 @@
 """Placement by what a device is (issue 50, item 4): :mod:`tasks.core.placement`'s constraints
 in process, then against the session fleet, whose CPU devices carry different labels
-(``conftest.FLEET_LABELS``: cpu0 ``rack=a``, cpu1 ``rack=b, nvlink=true``)."""
+(``conftest.FLEET_LABELS``: cpu0 ``rack=a``, cpu1 ``rack=b, nvlink=true``), and beside it two
+more CPU workers that say they are GPUs of two models (``tests/fake_device``)."""
 
 from __future__ import annotations
 
@@ -392,3 +393,44 @@ def test_a_gpu_worker_registers_its_model_memory_and_compute_capability_and_is_p
     assert device in tasks.fan_out("noop", "all", constraints=exact, app=app).get(timeout=60)
     with pytest.raises(PlacementUnavailable, match=f"{device}: memory"):
         tasks.fan_out("noop", "gpu", constraints={"min_memory_gib": record.total_memory / GIB + 1}, app=app)
+
+
+SIMULATED = {"cpu4": {"device_name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"},
+             "cpu5": {"device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"}}
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_constrained_by_gpu_model_or_capability_runs_only_on_the_devices_that_are_it(fleet, app, tmp_path):
+    """A mixed fleet of simulated GPUs on this CPU machine (tests/fake_device): two more CPU
+    workers saying they are an A100 (8.0) and an H100 (9.0) beside the session's cpu0 and cpu1
+    (this CPU, no compute capability). Each constraint's trials run only where it matches; a
+    capability none meets is refused naming each device's."""
+    from contextlib import ExitStack
+
+    from .conftest import ROOT, standalone_worker, test_env
+
+    fake = ROOT / "tests" / "fake_device"
+    with ExitStack() as stack:
+        for device, attributes in SIMULATED.items():
+            argv = [sys.executable, "-m", "tasks", "worker", device]
+            _, record = stack.enter_context(standalone_worker(
+                fleet, device, argv, tmp_path / f"{device}.log", DEVICEFLEET_STATE_DIR=str(tmp_path / device),
+                FAKE_DEVICE_ATTRIBUTES=json.dumps(attributes),
+                PYTHONPATH=f"{fake}:{test_env()['PYTHONPATH']}"))
+            assert (record.device_name, record.compute_capability) == tuple(attributes.values())
+        cases = [({"gpu_model": "H100"}, {"cpu5"}), ({"gpu_model": "a100"}, {"cpu4"}),
+                 ({"min_compute_capability": "8.0"}, {"cpu4", "cpu5"}),
+                 ({"min_compute_capability": "8.6"}, {"cpu5"})]
+        handles = [(tasks.sweep("echo", [{"value": i} for i in range(8)], "cpu", constraints=asked, app=app),
+                    asked, devices) for asked, devices in cases]
+        for handle, asked, devices in handles:
+            assert set(handle.devices) == devices, asked
+            entries = handle.get(timeout=120)
+            assert [e["status"] for e in entries] == ["ok"] * 8, asked
+            assert {e["device"] for e in entries} <= devices, (asked, entries)
+        with pytest.raises(PlacementUnavailable) as caught:
+            tasks.sweep("echo", [{"value": 1}], "cpu", constraints={"min_compute_capability": "9.5"}, app=app)
+        lacks = {"cpu0": "none", "cpu1": "none", "cpu4": "8.0", "cpu5": "9.0"}
+        assert caught.value.closest and all(why == f"compute capability {lacks[device]} < 9.5"
+                                            for device, why in caught.value.closest.items()), caught.value.closest
+        assert "min_compute_capability=9.5" in str(caught.value)
