@@ -120,6 +120,16 @@ def test_place_keeps_matching_devices_in_service_and_refuses_naming_the_closest(
     assert caught.value.closest["gpu0"] == "out of service"
 
 
+def test_a_refusal_names_the_devices_closest_to_the_amounts_asked_first():
+    # Each lacks one thing; the nearer its amount to the one asked, the closer (a CPU has none).
+    live = {"cpu0": CPU, "cpu9": CPU.model_copy(update={"device": "cpu9"}), "gpu1": T4, "gpu0": H100}
+    for asked in (Constraints(min_compute_capability="9.5"), Constraints(min_memory_gib=100)):
+        with pytest.raises(PlacementUnavailable) as caught:
+            place(list(live), live, asked)
+        assert list(caught.value.closest) == ["gpu0", "gpu1", "cpu0"], asked
+    assert Constraints(min_compute_capability="8.6").shortfall(H100) == 0.0
+
+
 def test_a_cpu_device_without_a_budget_offers_its_hosts_ram():
     host = _record("cpu1", kind="cpu", device_name="Intel Xeon", host_memory=32 * GIB,
                    slots=[SlotRecord(index=0, cores=[0], budget_bytes=None)])
@@ -430,7 +440,6 @@ def test_a_sweep_constrained_by_gpu_model_or_capability_runs_only_on_the_devices
             assert {e["device"] for e in entries} <= devices, (asked, entries)
         with pytest.raises(PlacementUnavailable) as caught:
             tasks.sweep("echo", [{"value": 1}], "cpu", constraints={"min_compute_capability": "9.5"}, app=app)
-        lacks = {"cpu0": "none", "cpu1": "none", "cpu4": "8.0", "cpu5": "9.0"}
-        assert caught.value.closest and all(why == f"compute capability {lacks[device]} < 9.5"
-                                            for device, why in caught.value.closest.items()), caught.value.closest
-        assert "min_compute_capability=9.5" in str(caught.value)
+        assert caught.value.closest == {"cpu5": "compute capability 9.0 < 9.5", "cpu4": "compute capability 8.0 < 9.5",
+                                        "cpu0": "compute capability none < 9.5"}  # the closest first
+        assert str(caught.value).startswith("no live device meets the constraints min_compute_capability=9.5")

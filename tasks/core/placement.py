@@ -159,6 +159,20 @@ class Constraints(BaseModel):
         """Whether ``record``'s device meets every constraint."""
         return not self.unmet(record)
 
+    def shortfall(self, record: DeviceFacts) -> float:
+        """How far ``record``'s device falls short of the least amounts asked (memory, compute
+        capability): per amount, 0 where it has enough, the missing fraction where it has less,
+        1 where it has none or it is unknown. Orders devices that lack as many things: an 8.0
+        GPU is closer to ``min_compute_capability=9.5`` than a CPU."""
+        short = 0.0
+        if self.min_memory_gib is not None:
+            memory = device_memory(record)
+            short += 1.0 if memory is None else max(0.0, 1 - memory / (self.min_memory_gib * GIB))
+        if self.min_compute_capability is not None:
+            have, wanted = record.compute_capability, _capability_number(self.min_compute_capability)
+            short += 1.0 if have is None else max(0.0, 1 - _capability_number(have) / wanted)
+        return short
+
     def why_not(self, record: DeviceFacts) -> str:
         """Why ``record``'s device does not match (``""`` when it does)."""
         return "; ".join(self.unmet(record))
@@ -177,6 +191,12 @@ KNOWN_KEYS: list[str] = list(Constraints.model_fields)
 
 def _capability(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
+
+
+def _capability_number(text: str) -> float:
+    """``"8.6"`` as 8.6 (for a fraction of what is asked; order by :func:`_capability`)."""
+    major, _, minor = text.partition(".")
+    return int(major) + int(minor or 0) / 10 ** len(minor or "0")
 
 
 def device_memory(record: DeviceFacts) -> int | None:
@@ -248,6 +268,7 @@ def place(chosen: Sequence[str], live: Mapping[str, DeviceFacts], constraints: C
     if matching:
         return matching
     whys = {device: why(device) for device in chosen}
-    closest = sorted(whys, key=lambda device: (len(whys[device]), device))[:CLOSEST_SHOWN]
+    closest = sorted(whys, key=lambda device: (len(whys[device]), constraints.shortfall(live[device]),
+                                               device))[:CLOSEST_SHOWN]
     raise PlacementUnavailable(constraints.describe(), {device: "; ".join(whys[device]) for device in closest},
                                len(chosen))
