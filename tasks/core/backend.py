@@ -127,11 +127,11 @@ class FleetResultConsumer(ResultConsumer):
     @contextmanager
     def stopping(self) -> Iterator[None]:
         """Within the block, this thread's connection errors end what it does: no reconnect."""
-        self._stopping.active = True
+        outer, self._stopping.active = getattr(self._stopping, "active", False), True
         try:
             yield
         finally:
-            self._stopping.active = False
+            self._stopping.active = outer
 
     # Celery internal: what reconnect_on_error calls on a connection error (5.7.0).
     def _reconnect(self) -> None:
