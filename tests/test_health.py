@@ -209,6 +209,21 @@ def test_a_failing_nvml_call_makes_the_device_suspect_and_not_supported_does_not
     assert health.failed is None  # suspect: no new work, but the running job goes on
 
 
+def test_the_recovery_action_is_read_where_nvidia_ml_py_lacks_its_name(client: Any, nvml: Any) -> None:
+    # nvidia-ml-py 12.535.133, pyproject's floor, has no NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: the
+    # field is asked for by its number (before: AttributeError ended the health thread at once).
+    del nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+    health = service(client, nvml)
+    health.start()
+    try:
+        wait_for(lambda: "nvmlDeviceGetFieldValues" in nvml.calls, 20, "the first reading")
+        nvml._scenario.setdefault("counters", {})["recovery_action"] = 1
+        state = wait_for(lambda: (s := read_state(client, "gpu0")).state == "drained" and s, 20, "gpu0 drained")
+    finally:
+        health.stop()
+    assert "asks for a GPU reset" in state.reason and health.watching.is_set()
+
+
 def test_a_verdict_never_lowers_the_state(client: Any, nvml: Any) -> None:
     write_state(client, DeviceState(device="gpu0", state="drained", reason="by hand", by="alice", since=1.0))
     health = service(client, nvml)
@@ -360,8 +375,8 @@ def test_an_illegal_address_kernel_is_an_applications_xid_watched_only(client: A
     health = HealthService(client, "gpu0", pynvml, 0, event_wait_s=0.2, poll_s=1.0)
     health.start()
     try:
-        wait_for(lambda: health._events is not None or health.verdicts or not health._thread.is_alive(), 30,
-                 "NVML's events registered")
+        wait_for(lambda: health.watching.is_set() or not health._thread.is_alive(), 30,
+                 "NVML asked for its events")
         if health._events is None:
             pytest.skip(f"NVML gives no Xid events here: {[v.reason for v in health.verdicts]}")
         script = Path(__file__).parent / "scripts" / "illegal_address.py"

@@ -130,6 +130,10 @@ class Reading:
     recovery_action: int | None = None
 
 
+#: NVML's field id of the GPU's recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, nvml.h):
+#: older nvidia-ml-py releases lack the name (12.535.133, the floor; a driver that lacks the field says so in
+#: the value's own return code, read as "no action known").
+RECOVERY_ACTION_FIELD = 271
 #: ``NVML_GPU_RECOVERY_ACTION_*`` values and what the GPU asks for.
 RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 3: "a drain and reset", 4: "a drain of P2P traffic",
                     5: "a bus reset", 6: "a system reboot", 7: "an IMEX domain recovery"}
@@ -233,6 +237,8 @@ class HealthService:
         #: Called once, from the health thread, when the device first fails (the worker stops
         #: taking work from its shared queues: :class:`tasks.worker.steps.HealthStep`).
         self.on_failed: Callable[[Verdict], None] | None = None
+        #: Set once the health thread has asked NVML for its events (whether it gives them or not).
+        self.watching = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="devicefleet-health", daemon=True)
         self._handle: Any = None
@@ -259,6 +265,7 @@ class HealthService:
         if self._handle is None:
             return
         self._events = self._register_events()
+        self.watching.set()
         next_poll = time.monotonic()
         while not self._stopped.is_set():
             if time.monotonic() >= next_poll:
@@ -357,7 +364,8 @@ class HealthService:
              (handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)),
             ("retired_pending", "nvmlDeviceGetRetiredPagesPendingStatus", (handle,)),
             ("remap", "nvmlDeviceGetRemappedRows", (handle,)),
-            ("recovery", "nvmlDeviceGetFieldValues", (handle, [nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])),
+            ("recovery", "nvmlDeviceGetFieldValues",
+             (handle, [getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", RECOVERY_ACTION_FIELD)])),
         ):
             try:
                 values[field_name] = self.caller.call(call, getattr(nvml, call), *args)
