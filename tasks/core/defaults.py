@@ -148,6 +148,9 @@ MEMORY_SAMPLE_S = 0.25
 REQUEUE_TIMEOUT_S = 5.0
 #: Seconds the MPS control program has to start the daemon or to answer ``quit``.
 MPS_CONTROL_TIMEOUT_S = 15.0
+#: Seconds a GPU worker's probe of its GPU's UUID may take (a Python child importing torch and
+#: starting CUDA on a busy host), before its MPS daemon starts.
+MPS_UUID_PROBE_TIMEOUT_S = 120.0
 
 #: Fair share within a level (:mod:`tasks.core.fairshare`): a user's usage (device-seconds) is
 #: halved every this many seconds. One hour: long enough that a sweep of many short trials is
