@@ -71,6 +71,12 @@ def release_memory(torch_device: str, baseline: int = 0) -> bool:
         # Kernels run asynchronously: a device-side assert of the job's surfaces here, not in
         # the next job (raised to the caller: settle_device turns it into the job's error).
         torch.cuda.synchronize()
+        # cuBLAS's workspaces (one per handle and stream, made by the job's first matmuls) are
+        # allocated through the caching allocator, and empty_cache() keeps them: tens of MiB
+        # the next job would find allocated. torch's own tests free them this way (private).
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
     torch.cuda.empty_cache()
     return bool(torch.cuda.memory_allocated() > baseline)
 

@@ -31,7 +31,7 @@ from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessS
 from .channel import Channel
 from .command import CommandJob
 from .command_process import become_subreaper
-from .oom import MiB, run_guarded, settle_device
+from .oom import MiB, release_memory, run_guarded, settle_device
 from .progress import ProgressThrottle
 from .rank import run_command_rank, run_rank
 from .registry import JobRegistry, validate_kwargs
@@ -120,6 +120,8 @@ class JobRuntime:
         registry = JobRegistry(spec.job_modules)
         seen = check_visibility(Device.parse(spec.device))
         seen["torch_threads"] = spec.torch_threads
+        if spec.torch_device.startswith("cuda"):
+            warm_cuda(spec.torch_device)
         baseline = _Baseline(environ=dict(os.environ), cwd=os.getcwd(), sys_path=list(sys.path),
                              cores=list(spec.cores), threads=spec.torch_threads)
         runtime = cls(spec=spec, registry=registry, visibility=DeviceView.model_validate(seen), baseline=baseline)
@@ -246,6 +248,20 @@ def run_job(runtime: JobRuntime, job: RunJob, channel: Channel) -> Finished:
         throttle.flush()  # the last report always goes out: the finished bar shows 10/10
         scalars.close()
     return _finished(runtime, ending)
+
+
+def warm_cuda(torch_device: str) -> None:
+    """Make this process's CUDA context and load cuBLAS now, before it says hello, and give back
+    what that allocated (:func:`~tasks.jobproc.oom.release_memory`). Else both come with the first
+    job: the worker measures the process's device memory before it (its baseline, which the slot's
+    allocator limit leaves out) without the context's, and its resident memory at hello without
+    cuBLAS's, so the first job's growth would count them; and the first job waits for them."""
+    import torch
+
+    warm = torch.ones(8, 8, device=torch_device)
+    (warm @ warm).sum().item()  # a context, cuBLAS loaded, and the kernels done
+    del warm
+    release_memory(torch_device)
 
 
 def classify(spec: ProcessSpec, name: str, job_id: str, exc: BaseException) -> tuple[Outcome, str | None]:
