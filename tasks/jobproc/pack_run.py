@@ -130,7 +130,12 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
             if not seat.ended:  # cannot happen; a member without its Finished would hang its thread
                 finish(seat, None, RuntimeError("the pack ended without this member's outcome"))
         if failed:
-            release_memory(spec.torch_device)
+            try:
+                release_memory(spec.torch_device)
+            except Exception as exc:  # noqa: BLE001  (a CUDA context a device-side assert broke)
+                # Every member has its Finished, the one that broke it with its retire: the
+                # process is retired after this pack; here it must only not die.
+                logger.warning("after a pack: could not release device memory: %s: %s", type(exc).__name__, exc)
 
 
 def _seat(runtime: JobRuntime, job: RunJob, channel: Channel) -> _Seat:

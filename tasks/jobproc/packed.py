@@ -263,8 +263,8 @@ def train_pack(packing: Packing, members: list[Member], torch_device: str, on_en
             _adam(weights, grads, moments, squares, lr, decay, active, steps)
             loss_sum += losses.detach() * yb.shape[1]
             correct += (logits.detach().argmax(dim=-1) == yb).sum(dim=1)
-        epoch_s = time.perf_counter() - round_started
         sums = torch.stack([loss_sum.double(), correct.double()]).cpu().tolist()  # one read per epoch
+        epoch_s = time.perf_counter() - round_started  # after that read: the epoch's kernels are done
         for i, member in enumerate(members):
             if not alive[i]:
                 continue

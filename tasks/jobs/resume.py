@@ -80,15 +80,17 @@ def share(folder: Path, rank: int, device: torch.device) -> None:
             os.replace(tmp, path)
 
 
-def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         device: torch.device) -> int:
+def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore the checkpoint in ``folder``, if any; returns the last finished epoch (0: none)."""
     info_path, tensors_path = folder / INFO, folder / TENSORS
     if not (info_path.is_file() and tensors_path.is_file()):
         return 0
     try:
         info = json.loads(info_path.read_text())
-        tensors = load_file(str(tensors_path), device=str(device))
+        # Read onto the host: load_state_dict copies the model's tensors to its device and the
+        # optimizer's moments to their parameters', and keeps Adam's step counts where they are,
+        # on the host (on the GPU each step would read them back: a sync per parameter per step).
+        tensors = load_file(str(tensors_path))
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         state: dict[Any, dict[str, Any]] = {}
         for key, value in tensors.items():

@@ -214,7 +214,7 @@ def train(ctx: JobContext, params: TrainParams) -> dict[str, Any]:
 
     if ranks > 1:
         resume.share(ctx.artifacts_dir, rank, device)  # every rank resumes from rank 0's checkpoint
-    resumed_from = resume.load(ctx.artifacts_dir, net, optimizer, device)
+    resumed_from = resume.load(ctx.artifacts_dir, net, optimizer)
     model: nn.Module = net
     parallel = plan_parallel(str(device), torch.cuda.device_count() if cuda else 0, ranks,
                              data_parallel=params.data_parallel, threads=torch.get_num_threads())
