@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from celery import Celery
@@ -172,6 +173,24 @@ def test_a_closed_primary_client_leaves_no_sentinel_connection_open(cluster: Sen
         finally:
             sys.unraisablehook = hook
     assert not seen, [getattr(w, "message", None) or getattr(w, "exc_value", None) for w in seen]
+
+
+def test_a_closed_apps_result_backend_leaves_no_sentinel_connection_open(cluster: SentinelCluster,
+                                                                          tmp_path: Path) -> None:
+    """The same for Celery's Sentinel result backend, whose pool asks sentinels of its own:
+    closing the app closes their connections too (before, they stayed open, collected or not)."""
+    ports = {node.port for node in cluster.sentinels}
+
+    def ours() -> list[int]:  # this process's connections to the sentinels, by local port
+        return sorted(c.laddr.port for c in psutil.Process().net_connections("tcp")
+                      if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED)
+
+    before = ours()
+    app = tasks.create_app(Settings.load(redis_url=cluster.url, state_dir=tmp_path))
+    assert app.backend.get_task_meta("never-sent")["status"] == "PENDING"
+    assert len(ours()) > len(before)  # it asked a sentinel where the primary is
+    app.close()
+    assert ours() == before
 
 
 @pytest.fixture(scope="module")

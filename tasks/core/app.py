@@ -24,7 +24,7 @@ from .defaults import BACKEND_HEALTH_CHECK_INTERVAL_S, BACKEND_MAX_RETRIES, REDI
 from .errors import NoFleetError
 from .keys import OPTIONS_HEADER, SIGNATURE_HEADER
 from .queues import QueueName
-from .sentinel import Replication, SentinelURL, is_sentinel
+from .sentinel import Replication, SentinelURL, disconnect_pool, is_sentinel
 from .settings import Settings, check_sender
 from .transport import NO_FLEET_OPTION, REPLICATION_OPTION
 from .users import denial, job_signature, owned_task_id
@@ -249,14 +249,14 @@ class FleetCelery(Celery):
         super().close()
 
     def drop_connections(self) -> None:
-        """Disconnect every connection of this app's result backends; each reconnects when next
-        used. For code that was interrupted (Ctrl-C's ``KeyboardInterrupt``) while it read
+        """Disconnect every connection of this app's result backends (and, on Sentinel, their
+        connections to the sentinels); each reconnects when next used. For code that was interrupted (Ctrl-C's ``KeyboardInterrupt``) while it read
         results: the interrupt may have come between a command and its reply, and redis-py then
         hands the connection back to its pool with the reply unread, for the next command to read
         as its own."""
         for backend in list(self._backends):
             if "client" in vars(backend):
-                backend.client.connection_pool.disconnect()
+                disconnect_pool(backend.client.connection_pool)
 
 
 def create_app(settings: Settings | None = None, *, main: str = "devicefleet") -> FleetCelery:

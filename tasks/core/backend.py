@@ -60,7 +60,7 @@ from .job import COLLECT_TASK, PROGRESS_STATE, TASK_PREFIX
 from .jobstate import Attempt, JobEnd, JobState, StateMeta, Stored, handover
 from .keys import ENTRY_FIELD
 from .records import Entry, ErrorInfo
-from .sentinel import ReadOnlyAwareConnection, Replication
+from .sentinel import ReadOnlyAwareConnection, Replication, disconnect_pool
 from .transport import NO_FLEET_OPTION, REPLICATION_OPTION, acked_in_redis
 
 logger = logging.getLogger(__name__)
@@ -159,11 +159,12 @@ class FleetBackend(RedisBackend):
 
     # Celery internal: RedisBackend._create_client makes the client behind ``client`` (5.7.0).
     def _create_client(self, **params: Any) -> Any:
-        """Celery's, with the client's connections closed when this backend is garbage-collected
-        (its app dropped without ``close()``): a finalizer that holds only the pool closes them,
-        where the collector would otherwise find each socket open (a ``ResourceWarning``)."""
+        """Celery's, with the client's connections (and, on Sentinel, its sentinels') closed when
+        this backend is garbage-collected (its app dropped without ``close()``): a finalizer that
+        holds only the pool closes them, where the collector would otherwise find each socket
+        open (a ``ResourceWarning``)."""
         client = super()._create_client(**params)
-        weakref.finalize(self, client.connection_pool.disconnect)
+        weakref.finalize(self, disconnect_pool, client.connection_pool)
         return client
 
     # Celery internal: the result consumer's hook, called from AsyncResult.__del__ (5.7.0).

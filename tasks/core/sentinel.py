@@ -71,6 +71,15 @@ def _sentinels_of(pool: Any) -> list[Any]:
     return list(manager.sentinels) if manager is not None else []
 
 
+def disconnect_pool(pool: Any) -> None:
+    """Disconnect every connection of ``pool`` and, for a ``master_for`` pool, of the sentinels'
+    clients it asks (as :class:`SentinelPrimary` closes them). Each reconnects when next used.
+    For a pool made by another library (Celery's Sentinel result backend)."""
+    pool.disconnect()
+    for sentinel in _sentinels_of(pool):
+        sentinel.connection_pool.disconnect()
+
+
 def _async_primary_class() -> type[redis.asyncio.Redis]:
     """:class:`SentinelPrimary` for :mod:`redis.asyncio` (made when first asked: ``import
     redis.asyncio`` loads asyncio, which a worker never needs)."""
