@@ -181,8 +181,9 @@ def test_the_mps_daemon_a_gpu_worker_starts_gets_no_key_to_the_fleet(tmp_path: P
     program.chmod(0o755)
     monkeypatch.setenv("PATH", f"{program.parent}{os.pathsep}{os.environ['PATH']}")
     server = MpsServer(Device(DeviceKind.GPU, 0), tmp_path / "state")
+    monkeypatch.setattr(server, "gpu_uuid", lambda: "GPU-0000")  # torch's answer on a GPU host
     server.start(None)
     server.stop()
     got = (server.folder / "env").read_text()
-    assert "DATASETS=/data" in got and "CUDA_VISIBLE_DEVICES=0" in got
+    assert "DATASETS=/data" in got and "CUDA_VISIBLE_DEVICES=GPU-0000" in got
     assert not [needle for needle in [*_secrets(url), "flower-secret"] if needle in got], got

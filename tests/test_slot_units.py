@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tasks.core.devices import Device, DeviceKind
-from tasks.core.errors import ConfigError
+from tasks.core.errors import ConfigError, FleetError
 from tasks.core.queues import key_device, slot_key
 from tasks.core.worker_config import WorkerConfig, load_worker_config
 from tasks.worker.memory import DeviceMeter, ResidentMeter, open_meter
@@ -132,6 +132,9 @@ def test_a_gpu_meter_without_nvml_is_none_and_says_why(caplog):
     assert open_meter("cpu", None, 0, "cpu0").kind == "resident"  # type: ignore[union-attr]
 
 
+GPU1_UUID = "GPU-5a1b2c3d-0000-1111-2222-333344445555"
+
+
 def _control_program(folder: Path) -> Path:
     """A stand-in for nvidia-cuda-mps-control (not on this host): it logs its argv, its pipe
     folder and what it reads on stdin, as the real one takes ``-d`` and ``quit``."""
@@ -152,13 +155,28 @@ def test_the_mps_daemon_is_started_for_the_gpu_and_told_to_quit(tmp_path, monkey
     with pytest.raises(ConfigError, match="nvidia-cuda-mps-control is not on PATH"):
         server.start(None)
     _control_program(bin_dir)
+    monkeypatch.setattr(server, "gpu_uuid", lambda: GPU1_UUID)  # what torch says on a GPU host
     client = server.start(2 * GiB)
-    assert client["CUDA_MPS_PIPE_DIRECTORY"] == str(server.pipe_dir)
-    assert client["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    # The daemon and its clients see GPU 1 by its UUID: an MPS server renumbers its devices, so a
+    # client keeping CUDA_VISIBLE_DEVICES=1 would see none.
+    assert client == {"CUDA_VISIBLE_DEVICES": GPU1_UUID, "CUDA_MPS_PIPE_DIRECTORY": str(server.pipe_dir),
+                      "CUDA_MPS_LOG_DIRECTORY": str(server.log_dir), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=2048M"}
     server.stop()
     calls = (server.folder / "calls").read_text().splitlines()
     # A daemon left on the pipe folder is told to quit first; then it starts for GPU 1; then quits.
-    assert calls == ["control quit", "daemon 1", "control quit"]
+    assert calls == ["control quit", f"daemon {GPU1_UUID}", "control quit"]
+
+
+def test_no_uuid_from_torch_for_the_mps_daemon_refuses_to_start_naming_the_gpu(tmp_path, monkeypatch):
+    # The real probe, on a host where torch sees no GPU: no UUID, no daemon.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _control_program(bin_dir)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    server = MpsServer(Device(DeviceKind.GPU, 1), tmp_path / "state")
+    with pytest.raises(FleetError, match="gpu1: torch gave no UUID for GPU 1"):
+        server.start(None)
+    assert not (server.folder / "calls").exists()
 
 
 def test_a_gpus_uuid_is_spelled_as_nvml_spells_it():
