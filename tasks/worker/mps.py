@@ -103,11 +103,13 @@ class MpsServer:
         if program is None:
             raise ConfigError(f"{self.device}: mps = true, but {MPS_CONTROL} is not on PATH "
                               f"({os.environ.get('PATH', '')}); install NVIDIA's driver utilities or set mps = false")
-        self.visible = self.gpu_uuid()
         self._program = program
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._quit(quiet=True)  # a daemon a killed worker left on this pipe folder
+        # Asked once that one is gone: a GPU in exclusive-process mode (NVIDIA's advice with MPS)
+        # takes no other process while an MPS server holds it.
+        self.visible = self.gpu_uuid()
         try:
             done = subprocess.run([program, "-d"], env=self._env(), capture_output=True, text=True,
                                   timeout=CONTROL_TIMEOUT_S, check=False)
