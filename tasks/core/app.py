@@ -250,10 +250,10 @@ class FleetCelery(Celery):
 
     def drop_connections(self) -> None:
         """Disconnect every connection of this app's result backends (and, on Sentinel, their
-        connections to the sentinels); each reconnects when next used. For code that was interrupted (Ctrl-C's ``KeyboardInterrupt``) while it read
-        results: the interrupt may have come between a command and its reply, and redis-py then
-        hands the connection back to its pool with the reply unread, for the next command to read
-        as its own."""
+        connections to the sentinels); each reconnects when next used. For code that was
+        interrupted (Ctrl-C's ``KeyboardInterrupt``) while it read results: the interrupt may have
+        come between a command and its reply, and redis-py then hands the connection back to its
+        pool with the reply unread, for the next command to read as its own."""
         for backend in list(self._backends):
             if "client" in vars(backend):
                 disconnect_pool(backend.client.connection_pool)

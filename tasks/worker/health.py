@@ -130,9 +130,9 @@ class Reading:
     recovery_action: int | None = None
 
 
-#: NVML's field id of the GPU's recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, nvml.h):
-#: older nvidia-ml-py releases lack the name (12.535.133, the floor; a driver that lacks the field says so in
-#: the value's own return code, read as "no action known").
+#: NVML's field id of the GPU's recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``, nvml.h),
+#: which older nvidia-ml-py releases do not name (12.535.133, the floor); a driver without the
+#: field says so in the value's own return code, read as "no action known".
 RECOVERY_ACTION_FIELD = 271
 #: ``NVML_GPU_RECOVERY_ACTION_*`` values and what the GPU asks for.
 RECOVERY_ACTIONS = {1: "a GPU reset", 2: "a node reboot", 3: "a drain and reset", 4: "a drain of P2P traffic",
