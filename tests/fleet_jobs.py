@@ -624,6 +624,21 @@ def gpu_assert(ctx: JobContext, params: NoParams) -> dict[str, Any]:
     return {"pid": os.getpid()}
 
 
+@job("break_process", params=NoParams)
+def break_process(ctx: JobContext, params: NoParams) -> dict[str, Any]:
+    """Mark this job process broken, as a CUDA error found only after a pack's last member had
+    ended does (``JobRuntime.broken``): a stand-in, since no CPU job can break a CUDA context.
+    The job itself ends ok; whatever the process is sent next must not run in it."""
+    import gc
+
+    from tasks.jobproc.runtime import JobRuntime
+
+    runtimes = [found for found in gc.get_objects() if isinstance(found, JobRuntime)]
+    for runtime in runtimes:
+        runtime.broken = "broken by tests/fleet_jobs.py's break_process"
+    return {"pid": os.getpid(), "runtimes": len(runtimes)}
+
+
 class PackedParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epochs: int = 2

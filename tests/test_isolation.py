@@ -135,6 +135,28 @@ def test_a_leaking_job_costs_its_process_not_the_worker(fleet, app):
 
 
 @pytest.mark.timeout(120)
+def test_a_process_found_broken_after_its_job_hands_the_next_back_to_run_elsewhere_unspent(fleet, app):
+    """A job process found broken once its job had ended (a CUDA error that shows only as a
+    pack's memory is released) runs nothing more: the next job it is sent gives way, goes back
+    to its queue with no attempt spent, and runs in a fresh process; the broken one is retired."""
+    from tasks.core import keys
+    from tasks.core.registry import connect
+
+    broke = fan_out("break_process", ["cpu0"], app=app).get(timeout=60)["cpu0"]
+    assert broke["status"] == "ok" and broke["output"]["runtimes"] == 1, broke
+    handle = fan_out("echo", ["cpu0"], kwargs={"value": 7}, app=app)
+    entry = handle.get(timeout=60)["cpu0"]
+    assert entry["status"] == "ok" and entry["output"]["value"] == 7, entry
+    assert entry["output"]["pid"] != broke["output"]["pid"]
+    _all_gone(broke["output"]["pid"])
+    client = connect(fleet.redis_url)
+    try:
+        assert client.llen(keys.worker_deaths(handle.jobs()["cpu0"])) == 0  # no attempt spent
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_job_that_rewrites_its_environment_does_not_change_the_next_jobs(fleet, app):
     first = fan_out("environment", ["cpu0"], kwargs={"rewrite": True}, app=app).get(timeout=60)["cpu0"]["output"]
     second = fan_out("environment", ["cpu0"], kwargs={"rewrite": False}, app=app).get(timeout=60)["cpu0"]["output"]

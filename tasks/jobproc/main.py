@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     channel.send(runtime.hello())
     channel.start()
     while (job := channel.next_job()) is not None:
-        if isinstance(job, RunPack):
+        if runtime.broken is not None:  # found after its last job: it runs nothing more
+            for finished in runtime.hand_back(job):
+                channel.send(finished)
+        elif isinstance(job, RunPack):
             run_pack(runtime, job, channel)  # each member's Finished goes out as it ends
         else:
             channel.send(runtime.run(job, channel))

@@ -133,9 +133,9 @@ def run_pack(runtime: JobRuntime, pack: RunPack, channel: Channel) -> None:
             try:
                 release_memory(spec.torch_device)
             except Exception as exc:  # noqa: BLE001  (a CUDA context a device-side assert broke)
-                # Every member has its Finished already (one whose error was CUDA's asked for
-                # the process's retirement); here it must only not die. An error that shows only
-                # here fails the next job, which then retires the process.
+                # Every member has its Finished already: the process runs nothing more; whatever
+                # it is sent next gives way, unspent, and retires it (JobRuntime.hand_back).
+                runtime.broken = f"CUDA error after a pack, the context may be poisoned: {type(exc).__name__}"
                 logger.warning("after a pack: could not release device memory: %s: %s", type(exc).__name__, exc)
 
 

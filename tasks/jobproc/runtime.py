@@ -8,6 +8,8 @@ before each job, whatever the job before it did (``os.environ["CUDA_VISIBLE_DEVI
 process may run another: not after a CUDA error (the context may be poisoned: pytorch#2300, also
 when it surfaces only as the job's memory is released), an out-of-memory, or with more than
 ``MAX_GPU_MEMORY_LEFT_MIB`` of device memory still allocated after the job (:func:`.oom.settle_device`).
+A CUDA error found after a pack's members had all ended marks the process :attr:`JobRuntime.broken`:
+it runs nothing more, and gives back whatever it is sent next (:meth:`JobRuntime.hand_back`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ..core.devices import Device, check_visibility
 from ..core.errors import DeviceFleetError, JobCancelled, JobError, NoJobAccount, OutOfMemory, PeerLost, Preempted
 from ..core.job import JobContext, JobDefinition, JobFunc
 from ..core.records import ErrorInfo, JobOptions
-from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessSpec, Rank, Report, RunJob
+from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessSpec, Rank, Report, RunJob, RunPack
 from .channel import Channel
 from .command import CommandJob
 from .command_process import become_subreaper
@@ -99,6 +101,9 @@ class JobRuntime:
     registry: JobRegistry
     visibility: DeviceView
     baseline: _Baseline
+    #: Why this process runs no more jobs, found after a job had ended (a CUDA error that showed
+    #: only when a pack's memory was released): each job it is sent goes back (:meth:`hand_back`).
+    broken: str | None = None
 
     @classmethod
     def prepare(cls, spec: ProcessSpec, channel: Channel) -> JobRuntime:
@@ -167,6 +172,14 @@ class JobRuntime:
         """Run ``job`` from the baseline state; never raises (the outcome says how it ended)."""
         self.reset(job)
         return run_job(self, job, channel)
+
+    def hand_back(self, sent: RunJob | RunPack) -> list[Finished]:
+        """What a :attr:`broken` process answers instead of running ``sent``: each job (each
+        member of a pack) gives way, back to its queue with no attempt spent, and asks for the
+        process's retirement, so the job runs on a fresh process, not on a broken context."""
+        jobs = sent.members if isinstance(sent, RunPack) else [sent]
+        return [Finished(outcome=Outcome.GIVE_WAY, rss_bytes=rss_bytes(), retire=self.broken,
+                         job_id=job.job_id if isinstance(sent, RunPack) else None) for job in jobs]
 
     def rank_of(self, definition: JobDefinition, rank: Rank, channel: Channel) -> JobFunc:
         """The job as one rank of a distributed job (:mod:`tasks.jobproc.rank`)."""
