@@ -169,8 +169,8 @@ class Constraints(BaseModel):
             memory = device_memory(record)
             short += 1.0 if memory is None else max(0.0, 1 - memory / (self.min_memory_gib * GIB))
         if self.min_compute_capability is not None:
-            have, wanted = record.compute_capability, _capability_number(self.min_compute_capability)
-            short += 1.0 if have is None else max(0.0, 1 - _capability_number(have) / wanted)
+            have, wanted = record.compute_capability, float(self.min_compute_capability)  # "8.6": 8.6
+            short += 1.0 if have is None else max(0.0, 1 - float(have) / wanted)
         return short
 
     def why_not(self, record: DeviceFacts) -> str:
@@ -191,12 +191,6 @@ KNOWN_KEYS: list[str] = list(Constraints.model_fields)
 
 def _capability(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("."))
-
-
-def _capability_number(text: str) -> float:
-    """``"8.6"`` as 8.6 (for a fraction of what is asked; order by :func:`_capability`)."""
-    major, _, minor = text.partition(".")
-    return int(major) + int(minor or 0) / 10 ** len(minor or "0")
 
 
 def device_memory(record: DeviceFacts) -> int | None:

@@ -58,6 +58,16 @@ def _allocated(torch_device: str) -> int:
     return int(torch.cuda.memory_allocated())
 
 
+def warm_cublas(torch_device: str) -> None:
+    """A tiny matmul forward and backward on ``torch_device``: the process's CUDA context made,
+    cuBLAS loaded, and its workspaces made (one per handle: this thread's and autograd's). They
+    are the process's, not a job's; :func:`release_memory` frees the workspaces again."""
+    import torch
+
+    warm = torch.ones(8, 8, device=torch_device, requires_grad=True)
+    (warm @ warm).sum().backward()
+
+
 def release_memory(torch_device: str, baseline: int = 0) -> bool:
     """Free cached device memory; True when more than ``baseline`` bytes are still allocated."""
     import gc

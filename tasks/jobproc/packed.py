@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from ..core.batch_order import LoaderOrder
 from ..core.errors import InvalidJobArguments, TrainingDiverged
 from ..core.job import JobContext, PackData, Packing
+from .oom import warm_cublas
 
 #: Adam's constants, as torch.optim.Adam's defaults.
 BETAS = (0.9, 0.999)
@@ -112,11 +113,7 @@ def probe_bytes(packing: Packing, params: Any, data: PackData, torch_device: str
     if not torch_device.startswith("cuda"):
         return bytes_per_member(packing, params, data), "estimated"
     device = torch.device(torch_device)
-    # cuBLAS's workspaces (one per handle: the forward's thread and autograd's) are the process's,
-    # made by its first matmuls, not a member's: made now, they are in ``before``.
-    warm = torch.ones(8, 8, device=device, requires_grad=True)
-    (warm @ warm).sum().backward()
-    del warm
+    warm_cublas(torch_device)  # cuBLAS's workspaces are the process's, not a member's: in ``before``
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

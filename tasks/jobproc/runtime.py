@@ -33,7 +33,7 @@ from ..core.wire import DeviceView, Finished, Hello, LogLines, Outcome, ProcessS
 from .channel import Channel
 from .command import CommandJob
 from .command_process import become_subreaper
-from .oom import MiB, release_memory, run_guarded, settle_device
+from .oom import MiB, release_memory, run_guarded, settle_device, warm_cublas
 from .progress import ProgressThrottle
 from .rank import run_command_rank, run_rank
 from .registry import JobRegistry, validate_kwargs
@@ -269,12 +269,8 @@ def warm_cuda(torch_device: str) -> None:
     job: the worker measures the process's device memory before it (its baseline, which the slot's
     allocator limit leaves out) without the context's, and its resident memory at hello without
     cuBLAS's, so the first job's growth would count them; and the first job waits for them."""
-    import torch
-
-    warm = torch.ones(8, 8, device=torch_device)
-    (warm @ warm).sum().item()  # a context, cuBLAS loaded, and the kernels done
-    del warm
-    release_memory(torch_device)
+    warm_cublas(torch_device)
+    release_memory(torch_device)  # synchronizes: the kernels are done
 
 
 def classify(spec: ProcessSpec, name: str, job_id: str, exc: BaseException) -> tuple[Outcome, str | None]:

@@ -32,6 +32,7 @@ from celery import Celery
 
 from ..core.app import redis_url_of
 from ..core.registry import connect, connect_async
+from ..core.sentinel import disconnect_pool
 from ..core.users import denial
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class Connections:
         """Disconnect the blocking client's connections; it reconnects when next used (after an
         interrupt, as :meth:`tasks.core.app.FleetCelery.drop_connections`)."""
         if self._client.redis is not None:
-            self._client.redis.connection_pool.disconnect()
+            disconnect_pool(self._client.redis.connection_pool)
 
     def close(self) -> None:
         """Close the blocking client; the asyncio ones are dropped (use :meth:`aclose` inside the

@@ -59,13 +59,16 @@ class MpsServer:
         #: The GPU as the daemon and its clients see it: its UUID once known (:meth:`start`).
         self.visible = device.cuda_visible_devices
 
-    def _env(self) -> dict[str, str]:
+    @staticmethod
+    def _keyless_env() -> dict[str, str]:
         # The daemon runs as the jobs' user, and is dumpable: like a job process, it gets no key
         # to the fleet (tasks.worker.jobenv's rule), so that its /proc/<pid>/environ shows none.
         secrets = environment_secrets()
-        env = {name: value for name, value in os.environ.items()
-               if not name.startswith(DROPPED_PREFIXES) and not holds_secret(value, secrets)}
-        return {**env, "CUDA_VISIBLE_DEVICES": self.visible,
+        return {name: value for name, value in os.environ.items()
+                if not name.startswith(DROPPED_PREFIXES) and not holds_secret(value, secrets)}
+
+    def _env(self) -> dict[str, str]:
+        return {**self._keyless_env(), "CUDA_VISIBLE_DEVICES": self.visible,
                 "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
     def gpu_uuid(self) -> str:
@@ -75,7 +78,7 @@ class MpsServer:
         Raises:
             FleetError: the probe failed or gave no UUID.
         """
-        env = {name: value for name, value in self._env().items() if not name.startswith("CUDA_MPS_")}
+        env = {name: value for name, value in self._keyless_env().items() if not name.startswith("CUDA_MPS_")}
         env["CUDA_VISIBLE_DEVICES"] = self.device.cuda_visible_devices
         env["PYTHONPATH"] = child_pythonpath(env)
         try:
