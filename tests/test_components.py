@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -1217,7 +1218,6 @@ class _RankWatch:
     def heard(self, message: Any) -> None: ...
     def memory(self, used: int) -> None: ...
     preempted: Any = None
-    def made_way(self, level: Any) -> None: ...
     def stop(self) -> None:
         return None
     def act_on(self, stop: Any) -> Any:
@@ -1236,15 +1236,13 @@ def _ended(outcome: Outcome, error: ErrorInfo | None = None) -> Ended:
 
 class _AskingWatch(_RankWatch):
     """A rank's watch whose worker, once ``asks`` and its rank runs, asks it once to make way for
-    urgent work (as JobWatch does when its claim on a waiting message succeeds)."""
+    urgent work (as JobWatch does when its claim on a waiting message succeeds); ``preempted``:
+    the level its rank made way for (its own ask's, or the one its gang's stop names)."""
 
     def __init__(self, asks: bool) -> None:
         self.asks = asks
         self.running = threading.Event()
         self.preempted: Any = None
-
-    def made_way(self, level: Any) -> None:
-        self.preempted = self.preempted or level
 
     def stop(self) -> Any:
         if self.asks and self.running.is_set() and self.preempted is None:
@@ -1256,7 +1254,7 @@ class _AskingWatch(_RankWatch):
 
 
 @pytest.mark.timeout(30)
-def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(client):
+def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(client, caplog):
     """Rank 0's worker asks its rank to make way: the gang is marked first, every rank stops
     (rank 1 told by the mark), each goes back to its queue; run again, they assemble in the next
     generation though the gang has no restart to spend."""
@@ -1282,6 +1280,8 @@ def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(c
         while (stop := _sent(watch)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         stops[rank.rank] = stop
+        if stop is not None:
+            watches[rank.rank].preempted = watches[rank.rank].preempted or stop.level
         return _ended(Outcome.OK if stop is None else Outcome.PREEMPTED)
 
     def both() -> dict[int, Ended]:
@@ -1294,8 +1294,12 @@ def test_a_gang_makes_way_as_a_whole_and_the_generation_it_ended_is_no_restart(c
             thread.join(20)
         return ended
 
+    caplog.set_level(logging.INFO, logger=gang_module.__name__)
     ended = both()
     assert {i: e.outcome for i, e in ended.items()} == {0: Outcome.PREEMPTED, 1: Outcome.PREEMPTED}
+    # Each rank's gang watch said it made way as a whole, though rank 1's worker did not ask it.
+    made_way = {r.args[1] for r in caplog.records if "its gang makes way for" in r.msg and r.args[2] == "urgent"}
+    assert made_way == {"d0", "d1"}
     assert {i: (stop.reason, stop.grace_s) for i, stop in stops.items()} == {
         0: (StopReason.PREEMPT, PREEMPT_GRACE_S), 1: (StopReason.PREEMPT, PREEMPT_GRACE_S)}
     assert [watch.preempted for watch in watches] == [Level.URGENT, Level.URGENT]

@@ -380,12 +380,13 @@ def test_a_pack_whose_leader_ended_still_makes_way_as_a_whole():
     """Members that took freed places outlive the leader; the leader's watch still says when the
     slot must make way, and every open member is stopped; the ended leader's own cancel is not
     sent, nor does it hide the preemption that comes after it."""
-    from tasks.worker.supervisor import _PackRun
+    from tasks.worker.runloop import RunLoop
 
     pack = RunPack(members=[_member("leader", {}), _member("kept", {})], refill=True)
     process = _Process()
     watches: dict[str, Any] = {"leader": _Watch(), "kept": _Watch(), "newcomer": _Watch()}
-    run = _PackRun(process, pack, watches, grace_s=5.0, budget=None, on_end=lambda *_: None)  # type: ignore[arg-type]
+    run = RunLoop(process, pack.members, watches, grace_s=5.0, budget=None, on_end=lambda *_: None,  # type: ignore[arg-type]
+                  packed=True)
     del run.open["leader"]  # its own trial ended (its Finished came)
     run.open["newcomer"] = None  # a trial that took a freed place
     watches["leader"].asked = StopJob(job_id="leader", reason=StopReason.CANCEL, message="its own cancel")

@@ -392,7 +392,7 @@ class Rendezvous:
         return host, int(port)
 
 
-def _preempted(rdv: Rendezvous, gen: int, job_id: str, watch: Watch) -> StopJob | None:
+def _preempted(rdv: Rendezvous, gen: int, job_id: str, watch: GangWatch) -> StopJob | None:
     """The stop of a rank whose generation ``gen`` of the gang was preempted (the mark is
     written before any rank stops), which it makes way with; None if it was not, or where Redis
     cannot say."""
@@ -504,6 +504,12 @@ class GangWatch(WatchOver):
             return None
         return acted
 
+    def made_way(self, level: Level) -> None:
+        """The gang makes way for ``level`` work as a whole, though this rank's worker may not
+        have asked it (the stop that follows says so too)."""
+        logger.info("job %s on %s: its gang makes way for %s work as a whole", self.job_id, self.rdv.device,
+                    level.value)
+
     def close(self) -> None:
         """The run ended: stop watching (a read in flight is left to finish on its own)."""
         self._closed.set()
@@ -543,7 +549,7 @@ class GangWatch(WatchOver):
         lost = self.rdv.lost_peer(self._peers, self._jobs) if self._peers else None
         failed, current, preempt = self.rdv.look()
         if failed is None and preempt is not None and preempt[0] == self.generation:
-            self.inner.made_way(preempt[1])
+            self.made_way(preempt[1])
             return StopJob(job_id=self.job_id, reason=StopReason.PREEMPT, grace_s=self.preempt_grace_s, level=preempt[1],
                            message=f"{spec.id} ({self.rdv.device}, rank {self.rdv.rank}) made way as a whole "
                                    f"for {preempt[1].value} work; it goes back to its queues and runs again")
@@ -645,7 +651,7 @@ def _run_rank(rdv: Rendezvous, address: str, job: RunJob, watch: Watch,
             return ended
         if ended.outcome is Outcome.PREEMPTED:  # told by the mark: back to its queue, as every rank
             return ended
-        if (made_way := _preempted(rdv, gen, job.job_id, watch)) is not None:
+        if (made_way := _preempted(rdv, gen, job.job_id, gang_watch)) is not None:
             # Its collective failed as a peer stopped for the gang's preemption: it made way too.
             return dataclasses.replace(ended, outcome=Outcome.PREEMPTED, stop=made_way)
         if ended.crashed and gen >= spec.max_restarts:

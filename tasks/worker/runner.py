@@ -513,10 +513,6 @@ class JobWatch:
         """A plain job has no gang: nothing to publish or fail, nothing to answer."""
         return None
 
-    def made_way(self, level: Level) -> None:
-        logger.info("job %s on %s: its gang makes way for %s work as a whole", self.job_id, self.worker.device,
-                    level.value)
-
     def memory(self, used: int) -> None:
         # Folded into the next write: the samples come often.
         self.worker.heartbeat.update_slot(self.slot, memory_bytes=used, after_s=MEMORY_WRITE_S)
