@@ -318,7 +318,7 @@ class Outcome(str, Enum):
     #: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`): no result of this attempt is stored; its
     #: lease expires and the job is given back. The worker's own: a job process ends such a job
     #: as ``error`` (its ``WorkerStopped``), and the stop sent makes it ``fenced``
-    #: (:meth:`tasks.worker.supervisor.Ended.under`).
+    #: (:meth:`tasks.worker.runloop.Ended.under`).
     FENCED = "fenced"
     #: Its device failed under it (:class:`~tasks.core.errors.DeviceFailed`, decided by the
     #: worker's health service): the worker hands it back to its shared queue without spending

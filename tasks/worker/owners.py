@@ -4,7 +4,7 @@ A job process runs many jobs (that is the fleet's speed: no torch import per job
 job leaves in it (a module global, a cached dataset, a tokenizer's state) is there for the next
 job it runs. A process therefore belongs to the user of its first job (its *owner*) and never
 runs another user's: a job takes a warm process of its own user, else an unowned spare (which
-becomes its user's), else waits for a fresh one. :class:`tasks.worker.supervisor.Supervisor`
+becomes its user's), else waits for a fresh one. :class:`tasks.worker.pool.ProcessPool`
 keeps the pool; these are its choices, pure, so that they are tested apart from processes.
 
 Owners are user names as the job's options carry them (``JobOptions.user``); a job sent with
