@@ -88,8 +88,7 @@ class Watch(Protocol):
 
 
 class WatchOver:
-    """A watch that adds to another's (a gang's): every call goes to ``inner`` unless a
-    subclass says more."""
+    """A watch that adds to another's (a gang's): each call goes to ``inner`` unless overridden."""
 
     def __init__(self, inner: Watch) -> None:
         self.inner = inner
