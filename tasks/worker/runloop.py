@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..core.defaults import MEMORY_SAMPLE_S
 from ..core.defaults import JOB_POLL_S as POLL_S
+from ..core.defaults import MEMORY_SAMPLE_S
 from ..core.errors import JobCrashed, OutOfMemory, WorkerStopped
 from ..core.records import ErrorInfo
 from ..core.wire import (
