@@ -107,7 +107,7 @@ def _run(process: _Process, ids: list[str], packed: bool,
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_lone_job_and_a_pack_of_one_read_the_same_messages_and_end_the_same(packed: bool) -> None:
     finished = Finished(outcome=Outcome.OK, rss_bytes=1, job_id="j1" if packed else None)
-    process = _Process([Report(fields={"step": 1}), LogLines(lines=[["out", "hello"]]), StoreOpened(port=1234),
+    process = _Process([Report(fields={"step": 1}), LogLines(lines=[("out", "hello")]), StoreOpened(port=1234),
                         finished])
     watch = _Watch()
     ends, (last, retire) = _run(process, ["j1"], packed, {"j1": watch})
