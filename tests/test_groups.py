@@ -30,7 +30,7 @@ from rich.console import Console
 import tasks
 from tasks import fan_out
 from tasks.cli import cli
-from tasks.core import keys
+from tasks.core import claims, keys
 from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.group_reservation import reserve_at_send
@@ -161,7 +161,7 @@ def rclient(fleet):  # type: ignore[no-untyped-def]
 
 def _free(client: redis.Redis, devices: list[str]) -> bool:
     """No reservation or hold left on ``devices``."""
-    return all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+    return all(client.zcard(keys.device_claims(d)) == 0 and client.get(keys.group_hold(d)) is None
                for d in devices)
 
 
@@ -232,7 +232,7 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     group_b = fan_out({"cpu1+cpu0": ("group_probe", {})}, app=app)
 
     def waiting() -> bool:
-        runs = [rclient.hgetall(keys.group_run(a)) for a in rclient.zrange(keys.group_reservations("cpu1"), 0, -1)]
+        runs = [rclient.hgetall(keys.group_run(a)) for a in claims.groups_on(rclient, ["cpu1"])]
         return any(r.get("state") == "waiting" and "cpu1" in r.get("waiting_for", "") and "closed:cpu1" in r
                    for r in runs)
 
@@ -254,7 +254,7 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     assert first.get(timeout=60)["cpu1"]["status"] == "ok"
     # Group A runs (until the test lets it end) while the first of the singles waits at cpu1's
     # closed gate: without the reservation it would run beside A.
-    a_run = keys.group_run(rclient.zrange(keys.group_reservations("cpu0"), 0, 0)[0])
+    a_run = keys.group_run(claims.groups_on(rclient, ["cpu0"])[0])
     wait_for(lambda: rclient.hget(a_run, "state") == "running" and int(rclient.hget(a_run, "closed:cpu1") or 0) >= 1,
              30, "group A to run while a single job waits at cpu1's gate")
     release_a.touch()
@@ -301,8 +301,9 @@ def test_a_group_reserves_its_devices_as_it_is_sent_no_single_sent_after_it_star
     run = keys.group_run(spec.reservation)
     # Reserved by the producer, on cpu1 only: the leader's queue is first in, first out.
     assert rclient.hget(run, "state") == "sent"
-    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == [spec.reservation]
-    assert rclient.zcard(keys.group_reservations("cpu0")) == 0
+    assert claims.groups_on(rclient, ["cpu1"]) == [spec.reservation]
+    assert claims.groups_on(rclient, ["cpu0"]) == []  # its claim there closes no gate: it is queued there
+    assert rclient.zrange(keys.device_claims("cpu0"), 0, -1) == [f"sent:{spec.reservation}"]
     after = {device: fan_out("echo", device, kwargs={"value": 1}, app=app) for device in ("cpu1", "cpu0")}
     release1.touch()
     assert busy1.get(timeout=60)["cpu1"]["status"] == "ok"
@@ -365,7 +366,7 @@ def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(ap
     run = keys.group_run(spec.reservation)
     wait_for(lambda: rclient.hexists(run, "closed:cpu1"), 30, "cpu1's gate to close for the group")
     group.cancel()
-    assert not rclient.exists(run) and rclient.zcard(keys.group_reservations("cpu1")) == 0
+    assert not rclient.exists(run) and rclient.zcard(keys.device_claims("cpu1")) == 0
     single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
     assert single["status"] == "ok", single
     assert busy.states() == {"cpu0": "PROGRESS"}  # cpu1 ran it while the leader was still busy
@@ -382,7 +383,7 @@ def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
     pipe = rclient.pipeline(transaction=False)
     reserve_at_send(pipe, "abandoned", ["cpu0", "cpu1"], "abandoned.0", ttl_s=1.0)
     pipe.execute()
-    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == ["abandoned.0"]
+    assert claims.groups_on(rclient, ["cpu1"]) == ["abandoned.0"]
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 30, "the abandoned reservation to be dropped")
     single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
     assert single["status"] == "ok", single
