@@ -35,7 +35,7 @@ from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.group_reservation import reserve_at_send
 from tasks.core.groups import Link, best_connected, group_budget, group_environment, plan_groups
-from tasks.core.priority import Level
+from tasks.core.priority import Level, precedence
 from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
@@ -374,6 +374,112 @@ def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(ap
     assert busy.get(timeout=60)["cpu0"]["status"] == "ok"
     assert group.get(timeout=60)["cpu0+cpu1"]["status"] == "cancelled"
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
+
+
+@pytest.mark.timeout(30)
+def test_one_give_way_rule_orders_gangs_and_groups_by_level_then_age_and_skips_dead_claims(rclient):
+    """The rule of tasks.core.claims on two devices no worker has: a waiter gives way to the first
+    live claim before its own precedence on the devices it looks at, a gang's or a group's alike;
+    a higher level goes first whatever the ages, an older claim first at the same level, and a
+    claim whose ``alive`` key is gone (a dead worker's) counts for nothing and is dropped."""
+    d0, d1 = "rule-d0", "rule-d1"
+
+    def claim(kind: claims.Kind, claim_id: str, level: Level, seq: int, *devices: str, alive: bool = True) -> claims.Claim:
+        made = claims.Claim(kind, claim_id, precedence(level, seq))
+        for device in devices:
+            rclient.zadd(keys.device_claims(device), {made.member: made.precedence})
+        if alive:
+            rclient.set(made.alive, 1, px=60_000)
+        return made
+
+    old_gang = claim(claims.GANG, "old-gang", Level.NORMAL, 10, d0)
+    young_group = claim(claims.GROUP, "young-group", Level.NORMAL, 11, d0, d1)
+    claim(claims.GROUP, "dead-group", Level.NORMAL, 1, d1, alive=False)
+    urgent_gang = claim(claims.GANG, "urgent-gang", Level.URGENT, 12, d1)
+    batch_group = claim(claims.GROUP, "batch-group", Level.BATCH, 2, d0)
+
+    def gives_way_to(devices: list[str], level: Level, seq: int) -> tuple[str, claims.Claim] | None:
+        pipe = rclient.pipeline(transaction=False)
+        for device in devices:
+            claims.read_before(pipe, device, precedence(level, seq))
+        return claims.before(rclient, zip(devices, pipe.execute(), strict=True))
+
+    try:
+        # The young group looks at both its devices: the urgent gang goes first, whatever its age.
+        assert gives_way_to([d0, d1], Level.NORMAL, 11) == (d1, urgent_gang)
+        # On d0 alone it gives way to the older gang of its level, not to the older batch group.
+        assert gives_way_to([d0], Level.NORMAL, 11) == (d0, old_gang)
+        assert gives_way_to([d0], Level.NORMAL, 10) is None  # the oldest normal claim waits for nobody
+        assert gives_way_to([d0], Level.BATCH, 3) == (d0, old_gang)  # any normal work goes before batch
+        assert gives_way_to([d0], Level.BATCH, 2) == (d0, old_gang)
+        assert gives_way_to([d0], Level.BATCH, 1) == (d0, old_gang)
+        assert gives_way_to([d0], Level.URGENT, 1) is None
+        # The dead group, older than all, is no reason to give way (a normal gang of seq 5 on d1
+        # gives way to the urgent gang only).
+        assert gives_way_to([d1], Level.NORMAL, 5) == (d1, urgent_gang)
+        assert gives_way_to([d1], Level.NORMAL, 0) == (d1, urgent_gang)
+        # A device's live claims, first in precedence first; the dead one is dropped from the set.
+        entries = rclient.zrange(keys.device_claims(d1), 0, -1, withscores=True)
+        assert claims.live(rclient, d1, entries) == [urgent_gang, young_group]
+        assert rclient.zscore(keys.device_claims(d1), claims.member(claims.GROUP, "dead-group")) is None
+        assert claims.groups_on(rclient, [d0, d1]) == ["young-group", "batch-group"]
+        assert batch_group.level is Level.BATCH and str(old_gang) == "old-gang" and str(young_group) == "group young-group"
+    finally:
+        rclient.delete(keys.device_claims(d0), keys.device_claims(d1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("older", ["gang", "group"])
+def test_a_gang_and_a_group_that_want_the_same_two_devices_both_end_the_older_first(app, rclient, tmp_path,
+                                                                                     monkeypatch, older):
+    """cpu1 runs a single job while a gang over cpu0,cpu1 and a group over cpu0+cpu1 are sent one
+    after the other, both of the same level: one rule orders them (tasks.core.claims), the older
+    first, and both end.
+
+    Gang first: its rank 0 takes cpu0 and claims cpu1 for the gang; the group, sent next, claims
+    cpu1 too, its message queued on cpu0 behind rank 0. The gang's claim comes first on cpu1, so
+    cpu1's gate lets rank 1 in once the single job ends (a gate closed for the group would hold
+    it back while rank 0 holds the group's leader's device: neither could start until the gang's
+    join timeout failed it). Group first: its leader takes cpu0 and waits for cpu1; the gang's
+    ranks wait behind it (queued on cpu0, at cpu1's gate, closed for the group)."""
+    monkeypatch.setattr("tasks.producer.fanout.GROUP_CLAIM_TTL_S", 120.0)  # no expiry under any load
+    release = tmp_path / "release"
+    busy = _busy(app, "cpu1", release)
+
+    def kinds_on_cpu1() -> list[str]:
+        return [member.partition(":")[0] for member in rclient.zrange(keys.device_claims("cpu1"), 0, -1)]
+
+    def send_gang() -> FanOut:
+        return fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 1}, distributed=True, app=app)
+
+    def group_waits() -> bool:
+        found = claims.groups_on(rclient, ["cpu1"])
+        return bool(found) and rclient.hget(keys.group_run(found[0]), "state") == "waiting"
+
+    if older == "gang":
+        gang = send_gang()
+        wait_for(lambda: kinds_on_cpu1() == ["gang"], 30, "rank 0 to join on cpu0 and claim cpu1 for its gang")
+        group = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+        assert kinds_on_cpu1() == ["gang", "group"]  # both want cpu1, the gang first
+    else:
+        group = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+        wait_for(group_waits, 30, "the group's leader to take cpu0 and wait for cpu1")
+        gang = send_gang()
+        assert kinds_on_cpu1() == ["group"]  # the gang's ranks wait behind it, claiming nothing
+    release.touch()
+    busy.get(timeout=60)
+    ranks = gang.get(timeout=90)
+    group_entry = group.get(timeout=90)["cpu0+cpu1"]
+    assert {d: e["status"] for d, e in ranks.items()} == {"cpu0": "ok", "cpu1": "ok"}, ranks
+    assert group_entry["status"] == "ok", group_entry["error"]
+    group_ran = (group_entry["output"]["started"], group_entry["output"]["ended"])  # its job process's clock
+    if older == "gang":  # every rank had ended before the group's job started
+        ended = max(datetime.fromisoformat(e["finished_at"]).timestamp() for e in ranks.values())
+        assert ended <= group_ran[0], (ended, group_ran)
+    else:  # the group's job had ended before any rank started
+        started = min(_started(e) for e in ranks.values())
+        assert group_ran[1] <= started, (group_ran, started)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the claims and holds to go")
 
 
 @pytest.mark.timeout(60)

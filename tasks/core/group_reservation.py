@@ -9,8 +9,7 @@ trip, atomic):
   group's precedence (:func:`tasks.core.priority.precedence`: its job's level, then its age); the
   leader's own queue is first in, first out (what was sent to it before the group runs before
   it, what is sent after waits behind it), so its claim there is a ``sent`` one, which closes
-  no gate. The
-  reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
+  no gate. The reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
   message no leader takes in that time (its producer died before sending it, or the leader's
   queue is long) lets the devices go, and its leader reserves them again when it takes it;
 - :func:`reserve`: the **leader**, taking the message, claims that reservation (it renews it to a
@@ -21,13 +20,9 @@ trip, atomic):
 - :func:`release_unclaimed`: a producer cancelling a group its leader has not taken yet lets its
   devices go at once (a claimed group is its leader's to release: it sees the cancel).
 
-Every step that changes a device's reservations **nudges** that device's keeper
-(:func:`tasks.core.keys.group_nudge`, a list its keeper waits on with ``BLPOP``), and a keeper
-that holds its device for a group **wakes** the group's leader
-(:func:`tasks.core.keys.group_wake`): nobody waits out a poll on the way to a start. The polls
-stay as the fallback (a lost nudge, a leader whose ``alive`` key expired). A leader waits on its
-wake list for :data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout,
-which Redis takes from 6.0 on.
+A leader waits on its wake list (:func:`tasks.core.keys.group_wake`) for
+:data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout, which Redis
+takes from 6.0 on.
 """
 
 from __future__ import annotations

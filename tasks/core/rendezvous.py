@@ -1,10 +1,6 @@
-"""A gang's rendezvous in Redis: one rank's side of it (:class:`Rendezvous`), its scripts.
-
-The protocol as a whole (membership, generations, restarts, preemption as a whole, give-way) is
-in :mod:`tasks.worker.gang`, whose worker runs each rank; this module holds the rank's steps on
-the gang's hash (:func:`tasks.core.keys.gang`) and on its claims (:mod:`tasks.core.claims`),
-each one script where it changes both.
-"""
+"""A gang's rendezvous in Redis, one rank's side (:class:`Rendezvous`): its steps on the gang's
+hash (:func:`tasks.core.keys.gang`) and claims (:mod:`tasks.core.claims`). The protocol as a
+whole is :mod:`tasks.worker.gang`'s."""
 
 from __future__ import annotations
 

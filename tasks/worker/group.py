@@ -4,20 +4,16 @@
 carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worker, the
 **leader** (:func:`run_group`), runs the whole group in the slot the message took:
 
-0. as it sends the group, its **producer reserves** the group's devices other than the leader
+0. as it sends the group, its **producer reserves** its devices
    (:func:`tasks.core.group_reservation.reserve_at_send`): an attempt id, ``sent`` (unclaimed),
-   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. Their keepers close
-   their gates (step 2) at once, while the message waits behind the leader's running job. The
-   leader's own device is left to its queue, first in, first out: what was sent to it before the
-   group runs first, what is sent after waits behind it;
+   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. The keepers of the
+   devices other than the leader's close their gates (step 2) at once; the leader's own device
+   is left to its queue, first in, first out;
 1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
-   else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
-   one script): the attempt is added to every device's claims
-   (:func:`tasks.core.keys.device_claims`, :mod:`tasks.core.claims`) scored by the group's precedence (its job's
-   level, then its age: :func:`tasks.core.priority.precedence`), its ``alive`` key
-   (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
-   and runs. Where its own device runs nothing else and no group before it in precedence
-   reserved it, the same
+   else **reserves** anew (:func:`tasks.core.group_reservation.reserve`): the attempt is in
+   every device's claims (:mod:`tasks.core.claims`) at the group's precedence (its job's level,
+   then its age), its ``alive`` key renewed to a lease's TTL and refreshed while it waits and
+   runs. Where its own device runs nothing else and no claim before it is there, the same
    script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
    sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job of
@@ -33,7 +29,7 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
-**Woken, not polled.** Whatever changes a device's reservations nudges its keeper
+**Woken, not polled.** Whatever changes a device's claims nudges its keeper
 (:func:`tasks.core.keys.group_nudge`, a list the keeper waits on with ``BLPOP``), as does a job
 leaving a closed gate; a keeper that holds its device for a group wakes its leader
 (:func:`tasks.core.keys.group_wake`). The polls remain as the fallback:
