@@ -176,7 +176,7 @@ _QUEUE_PREFIXES = (QueueName.CPU.value, QueueName.GPU.value, QueueName.FLEET.val
 #: a job's arguments, results or logs.
 _STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users",
                 "usage*", "xid-counts", "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*",
-                "reaper:stats", "dead-letters", "group*", "gang*", "preempt-claims:*")
+                "reaper:stats", "dead-letters", "group*", "gang*", "claims:*", "preempt-claims:*")
 #: Commands a user's producer may run: reads, the publish of a job, a result's wait. No command
 #: that takes from a list or empties one (purge), no KEYS/SCAN, no PUBLISH (Celery's control
 #: broadcast), no MONITOR, CONFIG, ACL or FLUSH.
