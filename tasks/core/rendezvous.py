@@ -176,10 +176,14 @@ class Rendezvous:
             GangFailed: the gang has failed or used up its restarts.
         """
         mode = "fresh" if after is None else f"after:{after}"
-        gen, why = self._join(keys=[self.key, *self._claims], args=[
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(keys.gang_alive(self.spec.id), 1, px=ALIVE_TTL_MS)  # its claims are live as they are written
+        self._join(keys=[self.key, *self._claims], args=[
             self.rank, self.host, mode, self.precedence, self.claim, self.spec.max_restarts,
-            self.expires_s, self.task_id, self.token])
-        self._nudge(self.spec.devices)  # their keepers see the claims it wrote or dropped
+            self.expires_s, self.task_id, self.token], client=pipe)
+        for device in self.spec.devices:  # their keepers see the claims it wrote or dropped
+            claims.nudge(pipe, device)
+        gen, why = pipe.execute()[1]
         if int(gen) < 0:
             raise GangFailed(f"distributed job {self.spec.id}: {text(why)}")
         return int(gen)
