@@ -482,6 +482,39 @@ def test_a_gang_and_a_group_that_want_the_same_two_devices_both_end_the_older_fi
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the claims and holds to go")
 
 
+@pytest.mark.timeout(90)
+def test_a_running_group_keeps_its_device_when_a_gang_claims_it_first(app, rclient, tmp_path):
+    """A gang's claim first on cpu1 (an urgent gang's, written here as its joined rank writes
+    it) opens cpu1's gate to its rank, but not while a group runs there: a group that has started
+    never gives way, so a single job sent to cpu1 meanwhile waits at the gate for the group's end."""
+    release_group, release_single = tmp_path / "group", tmp_path / "single"
+    group = fan_out({"cpu0+cpu1": ("group_probe", {"release_file": str(release_group)})}, app=app)
+
+    def running() -> str | None:
+        found = claims.groups_on(rclient, ["cpu1"])
+        return found[0] if found and rclient.hget(keys.group_run(found[0]), "state") == "running" else None
+
+    attempt = wait_for(running, 30, "the group to run")
+    gang = claims.Claim(claims.GANG, "urgent-gang", precedence(Level.URGENT, 0))
+    rclient.set(gang.alive, 1, px=60_000)
+    rclient.zadd(keys.device_claims("cpu1"), {gang.member: gang.precedence})
+    try:
+        claims.nudge(rclient, "cpu1")
+        single = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release_single)}, app=app)
+        wait_for(lambda: rclient.hget(keys.group_run(attempt), "closed:cpu1") == "1", 30,
+                 "the single job to wait at cpu1's gate, shut for the running group")
+    finally:
+        rclient.zrem(keys.device_claims("cpu1"), gang.member)
+        rclient.delete(gang.alive)
+        release_group.touch()
+        release_single.touch()
+    ended = group.get(timeout=60)["cpu0+cpu1"]["output"]["ended"]
+    entry = single.get(timeout=60)["cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert ended <= _started(entry), (ended, entry["started_at"])
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the claims and holds to go")
+
+
 @pytest.mark.timeout(60)
 def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
     """A producer that died between reserving a group and sending it: nobody claims the

@@ -41,16 +41,13 @@ every device has taken its rank back; the generation a preemption ended is not c
 ``max_restarts``. A rank whose collective failed because a peer stopped first finds the mark
 too (it is written before any rank stops).
 
-**No deadlock.** Two gangs over overlapping devices, or a gang and a device group, could each
-hold a device the other waits for. The producer sends each gang's ranks under one lock
-(``keys.GANG_SEND_LOCK``), so every device's queue holds one gang's ranks before the next's; but
-order alone is not enough (the reaper gives a dead worker's rank back at the front of its
-queue). So ranks follow the one give-way rule of gangs and groups (:mod:`tasks.core.claims`,
-*wait-die*: Rosenkrantz, Stearns and Lewis, 1978) over a claim's precedence: its level first,
-then its age (:attr:`~tasks.core.rendezvous.Rendezvous.precedence`). A gang claims the devices whose rank has not
-joined (``keys.device_claims``); a rank waiting for its gang on a device that a live claim of
-higher precedence is on gives the device up (its message goes back to the queue,
-:class:`~tasks.core.errors.GiveWay`) and comes back :data:`~tasks.core.defaults.GIVE_WAY_S`
+**No deadlock.** The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``),
+so every device's queue holds one gang's ranks before the next's; where that order breaks (the
+reaper gives a dead worker's rank back at the front of its queue), and between a gang and a
+device group, the one give-way rule of :mod:`tasks.core.claims` orders them: a gang claims the
+devices whose rank has not joined, and a rank waiting on a device that a live claim before its
+gang's (:attr:`~tasks.core.rendezvous.Rendezvous.precedence`: level, then age) is on gives it up
+(:class:`~tasks.core.errors.GiveWay`) and comes back :data:`~tasks.core.defaults.GIVE_WAY_S`
 later. A gang that has assembled never gives way, it runs to its end.
 """
 

@@ -50,14 +50,12 @@ as for a job that ran when it was sent; once the job leaves, the keeper holds th
 again. A group that has started is not preempted: the job waits for its end. Only higher
 levels pass, so a stream of single jobs of the group's own level still cannot starve it.
 
-**No deadlock.** Gangs and groups over overlapping devices each hold some of them while they
-wait; both follow one give-way rule over one claim set (:mod:`tasks.core.claims`, where the rule
-and why it neither deadlocks nor starves are written): a waiting leader that finds a live claim
-before its own in precedence (its job's level, then its age) on any of its devices, a gang's or
-a group's, claimed or not, drops its reservation and gives its slot up; its message goes back to
-the queue (:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later;
-it then reserves anew). A keeper holds its device for the first group in precedence only, and
-opens its gate while a gang's claim comes first. A group that has started never gives way.
+**No deadlock.** Gangs and groups follow one give-way rule over one claim set
+(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves): a waiting leader
+that finds a live claim before its own (level, then age) on any of its devices, a gang's or a
+group's, drops its reservation and its message goes back to the queue
+(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper
+holds its device for the first group only, and opens its gate while a gang's claim comes first.
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
 once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
@@ -331,11 +329,14 @@ class GroupKeeper:
         # A sent group's claim on its leader's device closes no gate (its message is queued here).
         live = [c for c in claims.live(self.client, self.device, entries) if c.kind != claims.SENT]
         if not live or live[0].kind == claims.GANG:  # free, or a gang's rank must get in first
-            self._told = ("", 0)
-            self.gate.open()
-            if held:
-                self._move_hold(self.client.pipeline(transaction=False), held, "")
-            return
+            if not held or self._move_hold(self.client.pipeline(transaction=False), held, ""):
+                self._told = ("", 0)
+                self.gate.open()
+                return
+            # The group it is held for runs here: it keeps the device, and the gate shut, to its end.
+            live = [c for c in live if c.kind == claims.GROUP and c.id == held]
+            if not live:
+                return  # the hold moved meanwhile: looked at again at the next nudge or poll
         first = live[0].id  # the first group in precedence: of the highest level there
         idle = self.gate.close(first, live[0].level)
         told = (first, self.gate.held_back)
@@ -348,10 +349,12 @@ class GroupKeeper:
         elif len(pipe):
             pipe.execute()
 
-    def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> None:
+    def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> bool:
         group_reservation.move_hold(pipe, self.device, held, to)
-        if pipe.execute()[-1] and to:
+        moved = bool(pipe.execute()[-1])
+        if moved and to:
             logger.info("%s: held for group %s", self.device, to)
+        return moved
 
 
 class GroupAlive(PeriodicThread):
