@@ -25,9 +25,10 @@ whatever the ages; the same level and older) gives way: a gang's rank leaves its
 (its claim on the device comes back) and a group's leader drops its reservation, and either's
 message goes back to its queue (:class:`~tasks.core.errors.GiveWay`,
 :data:`~tasks.core.defaults.GIVE_WAY_S` later). A rank looks at its own device, a leader at all
-of its group's. A keeper whose device's first live claim is a gang's opens its gate and lets its
-hold go (:mod:`tasks.worker.group`): the gang's rank there must get in; else it holds the device
-for the first group, as before. Work that has started never gives way: it runs to its end.
+of its group's. A keeper whose device's first live claim is a gang's lets its hold go and opens
+its gate (:mod:`tasks.worker.group`): the gang's rank there must get in; else it holds the device
+for the first group. Work that has started never gives way (a device held for a group that runs
+stays shut to its end).
 
 **No deadlock.** Claims are totally ordered (levels, then a counter that never repeats) and a
 claim's precedence never changes. Work waits only for claims before its own and for jobs that
@@ -45,6 +46,7 @@ wait at its gates (:mod:`tasks.worker.group`), and only work of a higher level o
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -54,6 +56,8 @@ from . import keys
 from .defaults import GROUP_NUDGE_TTL_MS
 from .priority import Level, level_of
 from .replies import text
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["gang", "group", "sent"]
 GANG: Kind = "gang"
@@ -122,6 +126,7 @@ def live(client: redis.Redis, device: str, entries: Iterable[tuple[Any, float]])
     up = _alive(client, found)
     dead = [claim.member for claim, alive in zip(found, up, strict=True) if not alive]
     if dead:
+        logger.info("%s: dropping the claims of %s: their workers are gone", device, ", ".join(dead))
         client.zrem(keys.device_claims(device), *dead)
     return [claim for claim, alive in zip(found, up, strict=True) if alive]
 
