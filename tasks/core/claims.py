@@ -105,11 +105,14 @@ def member(kind: Kind, claim_id: str) -> str:
     return f"{kind}:{claim_id}"
 
 
-def nudge(pipe: Any, device: str) -> None:
-    """Queue on ``pipe`` (a pipeline or a client) the nudge that wakes ``device``'s keeper:
-    whatever changes a device's claims sends one (:func:`tasks.core.keys.group_nudge`)."""
-    pipe.rpush(keys.group_nudge(device), 1)
-    pipe.pexpire(keys.group_nudge(device), GROUP_NUDGE_TTL_MS)
+def nudge(pipe: Any, *devices: str) -> Any:
+    """Queue on ``pipe`` (a pipeline or a client) the nudges that wake the keepers of
+    ``devices``: whatever changes a device's claims sends one (:func:`tasks.core.keys.group_nudge`).
+    Returns ``pipe``."""
+    for device in devices:
+        pipe.rpush(keys.group_nudge(device), 1)
+        pipe.pexpire(keys.group_nudge(device), GROUP_NUDGE_TTL_MS)
+    return pipe
 
 
 def _alive(client: redis.Redis, found: Sequence[Claim]) -> list[bool]:

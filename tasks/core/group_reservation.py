@@ -179,8 +179,7 @@ def release(pipe: Any, attempt: str, devices: Sequence[str]) -> None:
         pipe.zrem(keys.device_claims(device), claims.member(claims.GROUP, attempt))
     pipe.delete(keys.group_alive(attempt), keys.group_run(attempt), keys.group_wake(attempt))
     _eval(pipe, _LET_GO, [keys.group_hold(d) for d in devices], [attempt])
-    for device in devices:
-        claims.nudge(pipe, device)
+    claims.nudge(pipe, *devices)
 
 
 def reserve_at_send(pipe: redis.client.Pipeline, group_id: str, devices: Sequence[str], attempt: str,

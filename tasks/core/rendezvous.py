@@ -181,8 +181,7 @@ class Rendezvous:
         self._join(keys=[self.key, *self._claims], args=[
             self.rank, self.host, mode, self.precedence, self.claim, self.spec.max_restarts,
             self.expires_s, self.task_id, self.token], client=pipe)
-        for device in self.spec.devices:  # their keepers see the claims it wrote or dropped
-            claims.nudge(pipe, device)
+        claims.nudge(pipe, *self.spec.devices)  # their keepers see the claims it wrote or dropped
         gen, why = pipe.execute()[1]
         if int(gen) < 0:
             raise GangFailed(f"distributed job {self.spec.id}: {text(why)}")
@@ -245,7 +244,7 @@ class Rendezvous:
     def fail(self, why: str) -> str:
         """Fail the gang (the first reason given wins) and return the reason it failed for."""
         failed = text(self._fail(keys=[self.key, *self._claims], args=[self.claim, why]))
-        self._nudge(self.spec.devices)
+        claims.nudge(self.client.pipeline(transaction=False), *self.spec.devices).execute()
         return failed
 
     def state(self) -> tuple[str | None, int | None]:
@@ -296,7 +295,7 @@ class Rendezvous:
                 return Assembled(gen, {r: str(h) for r, h in hosts.items()})
             if give_way and older and (first := claims.before(self.client, [(self.device, older)])) is not None:
                 self._leave(keys=[self.key, claimed], args=[self.claim, self.precedence, gen, self.rank])
-                self._nudge([self.device])
+                claims.nudge(self.client.pipeline(transaction=False), self.device).execute()
                 raise GiveWay(self.device, str(first[1]))
             if time.monotonic() > deadline:
                 missing = [d for r, d in enumerate(self.spec.devices) if not hosts[r]]
@@ -305,13 +304,6 @@ class Rendezvous:
                        f"{'its' if len(missing) == 1 else 'their'} worker up and free?)")
                 raise GangFailed(f"distributed job {self.spec.id}: {self.fail(why)}")
             time.sleep(POLL_S)
-
-    def _nudge(self, devices: list[str]) -> None:
-        """Wake the keepers of ``devices``, whose claims changed (:func:`tasks.core.claims.nudge`)."""
-        pipe = self.client.pipeline(transaction=False)
-        for device in devices:
-            claims.nudge(pipe, device)
-        pipe.execute()
 
     def publish_store(self, gen: int, address: str, port: int) -> None:
         """Rank 0's store for generation ``gen`` listens at ``address:port``."""

@@ -271,9 +271,7 @@ class GroupKeeper:
     def nudge(self) -> None:
         """Have the keeper look at its device now (from any thread of the worker)."""
         try:
-            pipe = self.client.pipeline(transaction=False)
-            claims.nudge(pipe, self.device)
-            pipe.execute()
+            claims.nudge(self.client.pipeline(transaction=False), self.device).execute()
         except redis.RedisError as exc:  # it looks again within a poll
             logger.debug("%s: could not nudge its group keeper: %s", self.device, exc)
 
