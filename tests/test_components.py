@@ -62,6 +62,7 @@ from tasks.core.records import (
     WorkerRecord,
 )
 from tasks.core.registry import job_schemas, live_workers, read_worker
+from tasks.core.rendezvous import Rendezvous
 from tasks.core.settings import Settings
 from tasks.core.wire import Outcome, RunJob, StopJob, StopReason, StoreOpened
 from tasks.jobproc.oom import run_guarded
@@ -73,7 +74,7 @@ from tasks.ops.status import render, report
 from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
 from tasks.worker import reaper as reaper_module
-from tasks.worker.gang import GangWatch, Rendezvous
+from tasks.worker.gang import GangWatch
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Take
 from tasks.worker.progress import publish, summary
@@ -1158,13 +1159,13 @@ def test_a_younger_gang_gives_a_device_to_an_older_assembling_gang(client):
     with pytest.raises(GiveWay, match="d1 is needed by the older gang older"):
         younger_d1.wait(0)
     # It left its generation: its gang needs d1 again, and d1 went to the older gang's rank.
-    assert client.zscore(keys.gangs_needing("d1"), "younger") == 2
+    assert client.zscore(keys.device_claims("d1"), "gang:younger") == 2
     older_d1 = Rendezvous(client, older, "d1", "h", 60)
     older_d1.join()
     assert older_d1.wait(0).hosts == {0: "h", 1: "h"}
     thread.join(10)
     assert waited["assembled"].generation == 0
-    assert client.zscore(keys.gangs_needing("d1"), "older") is None
+    assert client.zscore(keys.device_claims("d1"), "gang:older") is None
 
 
 @pytest.mark.timeout(30)

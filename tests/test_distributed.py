@@ -152,14 +152,14 @@ def test_a_rank_gives_its_device_to_an_older_assembling_gang_and_comes_back(dfle
         client.set(keys.gang_alive("older-gang"), 1, px=2000)  # its ranks poll while they wait
         return "cpu1 is needed by the older gang older-gang" in cpu1_log.read_text()
 
-    client.zadd(keys.gangs_needing("cpu1"), {"older-gang": 0})
+    client.zadd(keys.device_claims("cpu1"), {"gang:older-gang": 0})
     client.set(keys.gang_alive("older-gang"), 1, px=2000)
     try:
         handle = fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 2}, distributed=True, app=dapp)
         wait_for(older_gang_waits_and_rank_gave_way, 60, "the rank on cpu1 to give way", poll=0.1)
     finally:  # the older gang stops waiting, cpu0 is free again
         client.delete(keys.gang_alive("older-gang"))
-        client.zrem(keys.gangs_needing("cpu1"), "older-gang")
+        client.zrem(keys.device_claims("cpu1"), "gang:older-gang")
         client.close()
         release.touch()
     busy.get(timeout=30)

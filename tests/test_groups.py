@@ -30,12 +30,12 @@ from rich.console import Console
 import tasks
 from tasks import fan_out
 from tasks.cli import cli
-from tasks.core import keys
+from tasks.core import claims, keys
 from tasks.core.devices import Device
 from tasks.core.errors import ConfigError, GroupUnavailable
 from tasks.core.group_reservation import reserve_at_send
 from tasks.core.groups import Link, best_connected, group_budget, group_environment, plan_groups
-from tasks.core.priority import Level
+from tasks.core.priority import Level, precedence
 from tasks.core.records import SlotRecord, WorkerRecord
 from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
@@ -161,7 +161,7 @@ def rclient(fleet):  # type: ignore[no-untyped-def]
 
 def _free(client: redis.Redis, devices: list[str]) -> bool:
     """No reservation or hold left on ``devices``."""
-    return all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+    return all(client.zcard(keys.device_claims(d)) == 0 and client.get(keys.group_hold(d)) is None
                for d in devices)
 
 
@@ -232,7 +232,7 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     group_b = fan_out({"cpu1+cpu0": ("group_probe", {})}, app=app)
 
     def waiting() -> bool:
-        runs = [rclient.hgetall(keys.group_run(a)) for a in rclient.zrange(keys.group_reservations("cpu1"), 0, -1)]
+        runs = [rclient.hgetall(keys.group_run(a)) for a in claims.groups_on(rclient, ["cpu1"])]
         return any(r.get("state") == "waiting" and "cpu1" in r.get("waiting_for", "") and "closed:cpu1" in r
                    for r in runs)
 
@@ -254,7 +254,7 @@ def test_overlapping_groups_and_singles_all_finish_and_singles_wait_for_a_reserv
     assert first.get(timeout=60)["cpu1"]["status"] == "ok"
     # Group A runs (until the test lets it end) while the first of the singles waits at cpu1's
     # closed gate: without the reservation it would run beside A.
-    a_run = keys.group_run(rclient.zrange(keys.group_reservations("cpu0"), 0, 0)[0])
+    a_run = keys.group_run(claims.groups_on(rclient, ["cpu0"])[0])
     wait_for(lambda: rclient.hget(a_run, "state") == "running" and int(rclient.hget(a_run, "closed:cpu1") or 0) >= 1,
              30, "group A to run while a single job waits at cpu1's gate")
     release_a.touch()
@@ -301,8 +301,9 @@ def test_a_group_reserves_its_devices_as_it_is_sent_no_single_sent_after_it_star
     run = keys.group_run(spec.reservation)
     # Reserved by the producer, on cpu1 only: the leader's queue is first in, first out.
     assert rclient.hget(run, "state") == "sent"
-    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == [spec.reservation]
-    assert rclient.zcard(keys.group_reservations("cpu0")) == 0
+    assert claims.groups_on(rclient, ["cpu1"]) == [spec.reservation]
+    assert claims.groups_on(rclient, ["cpu0"]) == []  # its claim there closes no gate: it is queued there
+    assert rclient.zrange(keys.device_claims("cpu0"), 0, -1) == [f"sent:{spec.reservation}"]
     after = {device: fan_out("echo", device, kwargs={"value": 1}, app=app) for device in ("cpu1", "cpu0")}
     release1.touch()
     assert busy1.get(timeout=60)["cpu1"]["status"] == "ok"
@@ -365,7 +366,7 @@ def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(ap
     run = keys.group_run(spec.reservation)
     wait_for(lambda: rclient.hexists(run, "closed:cpu1"), 30, "cpu1's gate to close for the group")
     group.cancel()
-    assert not rclient.exists(run) and rclient.zcard(keys.group_reservations("cpu1")) == 0
+    assert not rclient.exists(run) and rclient.zcard(keys.device_claims("cpu1")) == 0
     single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
     assert single["status"] == "ok", single
     assert busy.states() == {"cpu0": "PROGRESS"}  # cpu1 ran it while the leader was still busy
@@ -375,6 +376,145 @@ def test_a_group_cancelled_before_its_leader_takes_it_lets_its_reservation_go(ap
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the group's reservations and holds to go")
 
 
+@pytest.mark.timeout(30)
+def test_one_give_way_rule_orders_gangs_and_groups_by_level_then_age_and_skips_dead_claims(rclient):
+    """The rule of tasks.core.claims on two devices no worker has: a waiter gives way to the first
+    live claim before its own precedence on the devices it looks at, a gang's or a group's alike;
+    a higher level goes first whatever the ages, an older claim first at the same level, and a
+    claim whose ``alive`` key is gone (a dead worker's) counts for nothing and is dropped."""
+    d0, d1 = "rule-d0", "rule-d1"
+
+    def claim(kind: claims.Kind, claim_id: str, level: Level, seq: int, *devices: str, alive: bool = True) -> claims.Claim:
+        made = claims.Claim(kind, claim_id, precedence(level, seq))
+        for device in devices:
+            rclient.zadd(keys.device_claims(device), {made.member: made.precedence})
+        if alive:
+            rclient.set(made.alive, 1, px=60_000)
+        return made
+
+    old_gang = claim(claims.GANG, "old-gang", Level.NORMAL, 10, d0)
+    young_group = claim(claims.GROUP, "young-group", Level.NORMAL, 11, d0, d1)
+    claim(claims.GROUP, "dead-group", Level.NORMAL, 1, d1, alive=False)
+    urgent_gang = claim(claims.GANG, "urgent-gang", Level.URGENT, 12, d1)
+    batch_group = claim(claims.GROUP, "batch-group", Level.BATCH, 2, d0)
+
+    def gives_way_to(devices: list[str], level: Level, seq: int) -> tuple[str, claims.Claim] | None:
+        pipe = rclient.pipeline(transaction=False)
+        for device in devices:
+            claims.read_before(pipe, device, precedence(level, seq))
+        return claims.before(rclient, zip(devices, pipe.execute(), strict=True))
+
+    try:
+        # The young group looks at both its devices: the urgent gang goes first, whatever its age.
+        assert gives_way_to([d0, d1], Level.NORMAL, 11) == (d1, urgent_gang)
+        # On d0 alone it gives way to the older gang of its level, not to the older batch group.
+        assert gives_way_to([d0], Level.NORMAL, 11) == (d0, old_gang)
+        assert gives_way_to([d0], Level.NORMAL, 10) is None  # the oldest normal claim waits for nobody
+        assert gives_way_to([d0], Level.BATCH, 3) == (d0, old_gang)  # any normal work goes before batch
+        assert gives_way_to([d0], Level.BATCH, 2) == (d0, old_gang)
+        assert gives_way_to([d0], Level.BATCH, 1) == (d0, old_gang)
+        assert gives_way_to([d0], Level.URGENT, 1) is None
+        # The dead group, older than all, is no reason to give way (a normal gang of seq 5 on d1
+        # gives way to the urgent gang only).
+        assert gives_way_to([d1], Level.NORMAL, 5) == (d1, urgent_gang)
+        assert gives_way_to([d1], Level.NORMAL, 0) == (d1, urgent_gang)
+        # A device's live claims, first in precedence first; the dead one is dropped from the set.
+        entries = rclient.zrange(keys.device_claims(d1), 0, -1, withscores=True)
+        assert claims.live(rclient, d1, entries) == [urgent_gang, young_group]
+        assert rclient.zscore(keys.device_claims(d1), claims.member(claims.GROUP, "dead-group")) is None
+        assert claims.groups_on(rclient, [d0, d1]) == ["young-group", "batch-group"]
+        assert batch_group.level is Level.BATCH and str(old_gang) == "old-gang" and str(young_group) == "group young-group"
+    finally:
+        rclient.delete(keys.device_claims(d0), keys.device_claims(d1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("older", ["gang", "group"])
+def test_a_gang_and_a_group_that_want_the_same_two_devices_both_end_the_older_first(app, rclient, tmp_path,
+                                                                                     monkeypatch, older):
+    """cpu1 runs a single job while a gang over cpu0,cpu1 and a group over cpu0+cpu1 are sent one
+    after the other, both of the same level: one rule orders them (tasks.core.claims), the older
+    first, and both end.
+
+    Gang first: its rank 0 takes cpu0 and claims cpu1 for the gang; the group, sent next, claims
+    cpu1 too, its message queued on cpu0 behind rank 0. The gang's claim comes first on cpu1, so
+    cpu1's gate lets rank 1 in once the single job ends (a gate closed for the group would hold
+    it back while rank 0 holds the group's leader's device: neither could start until the gang's
+    join timeout failed it). Group first: its leader takes cpu0 and waits for cpu1; the gang's
+    ranks wait behind it (queued on cpu0, at cpu1's gate, closed for the group)."""
+    monkeypatch.setattr("tasks.producer.fanout.GROUP_CLAIM_TTL_S", 120.0)  # no expiry under any load
+    release = tmp_path / "release"
+    busy = _busy(app, "cpu1", release)
+
+    def kinds_on_cpu1() -> list[str]:
+        return [member.partition(":")[0] for member in rclient.zrange(keys.device_claims("cpu1"), 0, -1)]
+
+    def send_gang() -> FanOut:
+        return fan_out("ranked", "cpu0,cpu1", kwargs={"steps": 1}, distributed=True, app=app)
+
+    def group_waits() -> bool:
+        found = claims.groups_on(rclient, ["cpu1"])
+        return bool(found) and rclient.hget(keys.group_run(found[0]), "state") == "waiting"
+
+    if older == "gang":
+        gang = send_gang()
+        wait_for(lambda: kinds_on_cpu1() == ["gang"], 30, "rank 0 to join on cpu0 and claim cpu1 for its gang")
+        group = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+        assert kinds_on_cpu1() == ["gang", "group"]  # both want cpu1, the gang first
+    else:
+        group = fan_out({"cpu0+cpu1": ("group_probe", {})}, app=app)
+        wait_for(group_waits, 30, "the group's leader to take cpu0 and wait for cpu1")
+        gang = send_gang()
+        assert kinds_on_cpu1() == ["group"]  # the gang's ranks wait behind it, claiming nothing
+    release.touch()
+    busy.get(timeout=60)
+    ranks = gang.get(timeout=90)
+    group_entry = group.get(timeout=90)["cpu0+cpu1"]
+    assert {d: e["status"] for d, e in ranks.items()} == {"cpu0": "ok", "cpu1": "ok"}, ranks
+    assert group_entry["status"] == "ok", group_entry["error"]
+    group_ran = (group_entry["output"]["started"], group_entry["output"]["ended"])  # its job process's clock
+    if older == "gang":  # every rank had ended before the group's job started
+        ended = max(datetime.fromisoformat(e["finished_at"]).timestamp() for e in ranks.values())
+        assert ended <= group_ran[0], (ended, group_ran)
+    else:  # the group's job had ended before any rank started
+        started = min(_started(e) for e in ranks.values())
+        assert group_ran[1] <= started, (group_ran, started)
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the claims and holds to go")
+
+
+@pytest.mark.timeout(90)
+def test_a_running_group_keeps_its_device_when_a_gang_claims_it_first(app, rclient, tmp_path):
+    """A gang's claim first on cpu1 (an urgent gang's, written here as its joined rank writes
+    it) opens cpu1's gate to its rank, but not while a group runs there: a group that has started
+    never gives way, so a single job sent to cpu1 meanwhile waits at the gate for the group's end."""
+    release_group, release_single = tmp_path / "group", tmp_path / "single"
+    group = fan_out({"cpu0+cpu1": ("group_probe", {"release_file": str(release_group)})}, app=app)
+
+    def running() -> str | None:
+        found = claims.groups_on(rclient, ["cpu1"])
+        return found[0] if found and rclient.hget(keys.group_run(found[0]), "state") == "running" else None
+
+    attempt = wait_for(running, 30, "the group to run")
+    gang = claims.Claim(claims.GANG, "urgent-gang", precedence(Level.URGENT, 0))
+    rclient.set(gang.alive, 1, px=60_000)
+    rclient.zadd(keys.device_claims("cpu1"), {gang.member: gang.precedence})
+    try:
+        claims.nudge(rclient, "cpu1")
+        single = fan_out("hold", "cpu1", kwargs={"steps": 1, "release_file": str(release_single)}, app=app)
+        wait_for(lambda: rclient.hget(keys.group_run(attempt), "closed:cpu1") == "1", 30,
+                 "the single job to wait at cpu1's gate, shut for the running group")
+    finally:
+        rclient.zrem(keys.device_claims("cpu1"), gang.member)
+        rclient.delete(gang.alive)
+        release_group.touch()
+        release_single.touch()
+    ended = group.get(timeout=60)["cpu0+cpu1"]["output"]["ended"]
+    entry = single.get(timeout=60)["cpu1"]
+    assert entry["status"] == "ok", entry["error"]
+    assert ended <= _started(entry), (ended, entry["started_at"])
+    wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 10, "the claims and holds to go")
+
+
 @pytest.mark.timeout(60)
 def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
     """A producer that died between reserving a group and sending it: nobody claims the
@@ -382,7 +522,7 @@ def test_a_reservation_whose_group_was_never_sent_expires(app, rclient):
     pipe = rclient.pipeline(transaction=False)
     reserve_at_send(pipe, "abandoned", ["cpu0", "cpu1"], "abandoned.0", ttl_s=1.0)
     pipe.execute()
-    assert rclient.zrange(keys.group_reservations("cpu1"), 0, -1) == ["abandoned.0"]
+    assert claims.groups_on(rclient, ["cpu1"]) == ["abandoned.0"]
     wait_for(lambda: _free(rclient, ["cpu0", "cpu1"]), 30, "the abandoned reservation to be dropped")
     single = fan_out("echo", "cpu1", kwargs={"value": 1}, app=app).get(timeout=60)["cpu1"]
     assert single["status"] == "ok", single

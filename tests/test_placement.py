@@ -250,7 +250,7 @@ def test_a_constrained_gang_and_group_land_only_on_matching_devices(fleet, app):
 
 
 def _reserved(client: Any) -> int:
-    return sum(client.zcard(keys.group_reservations(device)) for device in FLEET_LABELS)
+    return sum(client.zcard(keys.device_claims(device)) for device in FLEET_LABELS)
 
 
 @pytest.mark.timeout(60)
@@ -323,7 +323,7 @@ def test_a_gang_rank_its_device_does_not_match_fails_its_gang_at_once(fleet, app
         live = live_workers(client)
         spec = JobSpec.of("ranked", {"steps": 1}, {"constraints": RACK_B})
         plan = {"cpu0": spec, "cpu1": spec}
-        gang = gang_spec(plan, live, {"join_timeout_s": 600}, seq=int(client.incr(keys.GANG_SEQ)))
+        gang = gang_spec(plan, live, {"join_timeout_s": 600}, seq=int(client.incr(keys.CLAIM_SEQ)))
         ranked = spec.model_copy(update={"options": spec.options.model_copy(update={"gang": gang})})
         sent = {device: ranked.signature(app, device_queue(device)).apply_async() for device in plan}
         errors = {}

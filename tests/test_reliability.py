@@ -36,7 +36,7 @@ from kombu.exceptions import DecodeError
 import tasks
 from tasks import fan_out
 from tasks.cli import cli
-from tasks.core import keys
+from tasks.core import claims, keys
 from tasks.core.defaults import LEASE_TTL_S as DEFAULT_LEASE_TTL_S
 from tasks.core.errors import (
     ConfigError,
@@ -238,7 +238,7 @@ def test_a_group_jobs_killed_leader_runs_it_again_and_frees_the_devices(rfleet, 
     job_id = handle.task_ids["cpu0+cpu1"]
 
     def running_attempt() -> str | None:
-        for attempt in client.zrange(keys.group_reservations("cpu1"), 0, -1):
+        for attempt in claims.groups_on(client, ["cpu1"]):
             if client.hget(keys.group_run(attempt), "state") == "running":
                 return str(attempt)
         return None
@@ -258,7 +258,7 @@ def test_a_group_jobs_killed_leader_runs_it_again_and_frees_the_devices(rfleet, 
     entry = handle.get(timeout=90)["cpu0+cpu1"]
     assert entry["status"] == "ok", entry
     assert entry["output"]["devices"] == ["cpu0", "cpu1"]
-    assert all(client.zcard(keys.group_reservations(d)) == 0 and client.get(keys.group_hold(d)) is None
+    assert all(client.zcard(keys.device_claims(d)) == 0 and client.get(keys.group_hold(d)) is None
                for d in ("cpu0", "cpu1"))
     rfleet.wait_ready(60)
     results = fan_out("echo", "cpu", kwargs={"value": 1}, app=rapp).get(timeout=60)

@@ -120,7 +120,7 @@ class CommandParams(BaseModel):
 
         def fill(match: re.Match[str]) -> str:
             escaped, name = match.group(1), match.group(2)
-            return "{" + escaped + "}" if escaped else _text(params[name])
+            return "{" + escaped + "}" if escaped else _as_argument(params[name])
 
         return [PLACEHOLDER.sub(fill, arg) for arg in self.argv]
 
@@ -137,7 +137,7 @@ def command_params(kwargs: Any) -> CommandParams:
         raise ConfigError(f"command: {describe_validation_error(exc)}") from None
 
 
-def _text(value: Any) -> str:
+def _as_argument(value: Any) -> str:
     """A parameter as an argument: JSON's spelling for bools and None (``true``), else str."""
     if isinstance(value, bool):
         return "true" if value else "false"

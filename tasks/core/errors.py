@@ -327,8 +327,8 @@ class ControlFlow(DeviceFleetError):
 
 
 class GiveWay(ControlFlow):
-    """A rank gives its device up to an older gang, or one of a higher level, that needs it
-    (wait-die, :mod:`tasks.worker.gang`); its message goes back to the queue and runs again later."""
+    """A gang's rank or a group's leader gives its device up to older work, or work of a higher
+    level, that claims it (:mod:`tasks.core.claims`); its message goes back to the queue and runs again later."""
 
     def __init__(self, device: str, older: str) -> None:
         super().__init__(f"{device} is needed by the older gang {older}; this rank comes back later")

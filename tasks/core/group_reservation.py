@@ -1,28 +1,28 @@
-"""A device group's reservation in Redis: the part its producer and its leader share.
+"""A device group's reservation in Redis: its claims (:mod:`tasks.core.claims`) and holds.
 
-The protocol as a whole is in :mod:`tasks.worker.group`; this module holds the steps both sides
-take on the same keys, so that each is one script (one round trip, atomic):
+The protocol as a whole is in :mod:`tasks.worker.group`; this module holds the steps its
+producer, its leader and its devices' keepers take on the same keys, each one script (one round
+trip, atomic):
 
-- :func:`reserve_at_send`: the **producer**, as it sends a group, gives it its age (``seq``) and
-  reserves its devices other than the leader, each reservation scored by the group's precedence
-  (:func:`tasks.core.priority.precedence`: its job's level, then its age) (the leader's own queue is first in, first out: what
-  was sent to it before the group runs before it, what is sent after waits behind it). The
-  reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
+- :func:`reserve_at_send`: the **producer**, as it sends a group, gives it its age (``seq``, from
+  the counter gangs share) and claims its devices other than the leader, each claim scored by the
+  group's precedence (:func:`tasks.core.priority.precedence`: its job's level, then its age); the
+  leader's own queue is first in, first out (what was sent to it before the group runs before
+  it, what is sent after waits behind it), so its claim there is a ``sent`` one, which closes
+  no gate. The reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
   message no leader takes in that time (its producer died before sending it, or the leader's
   queue is long) lets the devices go, and its leader reserves them again when it takes it;
 - :func:`reserve`: the **leader**, taking the message, claims that reservation (it renews it to a
   lease's TTL and adds its own device) if it is still unclaimed and alive, else reserves anew
-  under a fresh attempt id;
+  under a fresh attempt id; :func:`start` starts it once every device holds it, :func:`release`
+  ends it;
+- :func:`move_hold`: a **keeper** holds its device for a group, or lets the hold go;
 - :func:`release_unclaimed`: a producer cancelling a group its leader has not taken yet lets its
   devices go at once (a claimed group is its leader's to release: it sees the cancel).
 
-Every step that changes a device's reservations **nudges** that device's keeper
-(:func:`tasks.core.keys.group_nudge`, a list its keeper waits on with ``BLPOP``), and a keeper
-that holds its device for a group **wakes** the group's leader
-(:func:`tasks.core.keys.group_wake`): nobody waits out a poll on the way to a start. The polls
-stay as the fallback (a lost nudge, a leader whose ``alive`` key expired). A leader waits on its
-wake list for :data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout,
-which Redis takes from 6.0 on.
+A leader waits on its wake list (:func:`tasks.core.keys.group_wake`) for
+:data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout, which Redis
+takes from 6.0 on.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ from typing import Any
 
 import redis
 
-from . import keys
+from . import claims, keys
 from .defaults import GROUP_NUDGE_TTL_MS
 from .priority import DEFAULT_LEVEL, Level, level_offset, precedence
 
-#: KEYS: GROUP_SEQ, the attempt's hash, its alive key, then each other device's reservations and
-#: nudge. ARGV: attempt id, ttl ms, group id, leader, devices (comma list), since, waiting_for,
-#: nudge ttl ms, level, the level's offset (:func:`tasks.core.priority.level_offset`). Scores
-#: each reservation with the group's precedence (its seq plus the offset). Returns the group's seq.
+#: KEYS: CLAIM_SEQ, the attempt's hash, its alive key, then each device's claims and nudge (the
+#: leader's first). ARGV: attempt id, ttl ms, group id, leader, devices (comma list), since,
+#: waiting_for, nudge ttl ms, level, the level's offset (:func:`tasks.core.priority.level_offset`).
+#: Claims each device but the leader's as ``group:<attempt>`` and the leader's as
+#: ``sent:<attempt>`` (:mod:`tasks.core.claims`), scored with the group's precedence (its seq plus
+#: the offset). Returns the group's seq.
 _SEND = """
 local seq = redis.call('incr', KEYS[1])
 local score = string.format('%.0f', seq + tonumber(ARGV[10]))
@@ -50,7 +52,7 @@ redis.call('hset', KEYS[2], 'group', ARGV[3], 'leader', ARGV[4], 'devices', ARGV
 redis.call('pexpire', KEYS[2], ARGV[2])
 redis.call('set', KEYS[3], 1, 'px', ARGV[2])
 for i = 4, #KEYS, 2 do
-  redis.call('zadd', KEYS[i], score, ARGV[1])
+  redis.call('zadd', KEYS[i], score, (i == 4 and 'sent:' or 'group:') .. ARGV[1])
   redis.call('rpush', KEYS[i + 1], 1)
   redis.call('pexpire', KEYS[i + 1], ARGV[8])
 end
@@ -58,12 +60,13 @@ return seq
 """
 
 #: KEYS: the sent attempt's hash and alive key, a fresh attempt's hash and alive key, then each
-#: device's reservations, nudge and hold (the leader's first). ARGV: the sent attempt id, the
+#: device's claims, nudge and hold (the leader's first). ARGV: the sent attempt id, the
 #: fresh one, ttl ms, precedence, job id, since, group id, leader, devices, nudge ttl ms, '1' if
 #: the leader's device runs nothing but this group's job, seq, level.
 #: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one (its
-#: hash says ``waiting``); hold the leader's device if it runs nothing else, no group of higher
-#: precedence reserved it and no group holds it; start (``running``) if every device holds the attempt.
+#: hash says ``waiting``); the ``sent`` claim on the leader's device goes either way. Hold the
+#: leader's device if it runs nothing else, no claim of higher precedence is on it and no group
+#: holds it; start (``running``) if every device holds the attempt.
 #: Returns 1 if it claimed the sent attempt, plus 2 if it started.
 _RESERVE = """
 local claimed = 0
@@ -75,8 +78,9 @@ redis.call('hset', run, 'group', ARGV[7], 'job_id', ARGV[5], 'leader', ARGV[8], 
            'seq', ARGV[12], 'level', ARGV[13], 'state', 'waiting', 'waiting_for', '{}', 'since', ARGV[6])
 redis.call('pexpire', run, ARGV[3])
 redis.call('set', alive, 1, 'px', ARGV[3])
+redis.call('zrem', KEYS[5], 'sent:' .. ARGV[1])
 for i = 5, #KEYS, 3 do
-  redis.call('zadd', KEYS[i], ARGV[4], attempt)
+  redis.call('zadd', KEYS[i], ARGV[4], 'group:' .. attempt)
   redis.call('rpush', KEYS[i + 1], 1)
   redis.call('pexpire', KEYS[i + 1], ARGV[10])
 end
@@ -91,40 +95,103 @@ redis.call('hset', run, 'state', 'running')
 return claimed + 2
 """
 
-#: KEYS: the attempt's hash and alive key, then each reserved device's reservations and nudge.
+#: KEYS: the attempt's hash and alive key, then each device's claims and nudge.
 #: ARGV: attempt id, nudge ttl ms. Let an unclaimed attempt go; returns 1 if it was unclaimed.
 _RELEASE_UNCLAIMED = """
 if redis.call('hget', KEYS[1], 'state') ~= 'sent' then return 0 end
 redis.call('del', KEYS[1], KEYS[2])
 for i = 3, #KEYS, 2 do
-  redis.call('zrem', KEYS[i], ARGV[1])
+  redis.call('zrem', KEYS[i], 'group:' .. ARGV[1], 'sent:' .. ARGV[1])
   redis.call('rpush', KEYS[i + 1], 1)
   redis.call('pexpire', KEYS[i + 1], ARGV[2])
 end
 return 1
 """
 
+#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id.
+#: Start when every device holds this attempt: mark it running (a keeper never moves a hold
+#: off a running, live attempt). Returns 1 when started, else 0.
+_START = """
+for i = 2, #KEYS do
+  if redis.call('get', KEYS[i]) ~= ARGV[1] then return 0 end
+end
+redis.call('hset', KEYS[1], 'state', 'running', 'waiting_for', '{}')
+return 1
+"""
+
+#: KEYS: the device's hold, the held attempt's hash, its alive key, the wake list of the attempt
+#: to hold. ARGV: held attempt id ('' for none), the attempt to hold ('' to let go), the wake
+#: list's TTL in ms.
+#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive; wake the
+#: leader of the attempt now held.
+_MOVE_HOLD = """
+local held = redis.call('get', KEYS[1]) or ''
+if held ~= ARGV[1] then return 0 end
+if held ~= '' and redis.call('hget', KEYS[2], 'state') == 'running' and redis.call('exists', KEYS[3]) == 1 then
+  return 0
+end
+if ARGV[2] == '' then
+  redis.call('del', KEYS[1])
+else
+  redis.call('set', KEYS[1], ARGV[2])
+  redis.call('rpush', KEYS[4], 1)
+  redis.call('pexpire', KEYS[4], ARGV[3])
+end
+return 1
+"""
+
+#: KEYS: each device's hold. ARGV: attempt id. Let go of every hold of this attempt.
+_LET_GO = """
+for i = 1, #KEYS do
+  if redis.call('get', KEYS[i]) == ARGV[1] then redis.call('del', KEYS[i]) end
+end
+return 1
+"""
+
 
 def _device_keys(devices: Sequence[str]) -> list[str]:
-    return [key for device in devices for key in (keys.group_reservations(device), keys.group_nudge(device))]
+    return [key for device in devices for key in (keys.device_claims(device), keys.group_nudge(device))]
 
 
-def nudge(pipe: Any, device: str) -> None:
-    """Queue on ``pipe`` (a pipeline or a client) the nudge that wakes ``device``'s keeper."""
-    pipe.rpush(keys.group_nudge(device), 1)
-    pipe.pexpire(keys.group_nudge(device), GROUP_NUDGE_TTL_MS)
+def _eval(pipe: Any, script: str, keys_: list[str], args: list[Any]) -> None:
+    """Queue ``script`` on ``pipe`` as an EVAL: a pipeline with registered scripts asks Redis
+    whether they are loaded first, one round trip more each time (these scripts are short)."""
+    pipe.eval(script, len(keys_), *keys_, *args)
+
+
+def move_hold(pipe: Any, device: str, held: str, to: str) -> None:
+    """Queue on ``pipe`` the move of ``device``'s hold from attempt ``held`` to ``to`` (``''``:
+    none), unless the hold changed meanwhile or ``held`` runs; its reply is 1 if it moved."""
+    _eval(pipe, _MOVE_HOLD, [keys.group_hold(device), keys.group_run(held or "-"), keys.group_alive(held or "-"),
+                             keys.group_wake(to or "-")], [held, to, GROUP_NUDGE_TTL_MS])
+
+
+def start(pipe: Any, attempt: str, devices: Sequence[str]) -> None:
+    """Queue on ``pipe`` the start of ``attempt`` if every one of ``devices`` holds it (it is
+    then ``running``, and no keeper moves a hold off it); its reply is 1 if it started."""
+    _eval(pipe, _START, [keys.group_run(attempt), *(keys.group_hold(d) for d in devices)], [attempt])
+
+
+def release(pipe: Any, attempt: str, devices: Sequence[str]) -> None:
+    """Queue on ``pipe`` the end of ``attempt``: its claims, keys and holds go, and its devices'
+    keepers are nudged (their gates open)."""
+    for device in devices:
+        pipe.zrem(keys.device_claims(device), claims.member(claims.GROUP, attempt))
+    pipe.delete(keys.group_alive(attempt), keys.group_run(attempt), keys.group_wake(attempt))
+    _eval(pipe, _LET_GO, [keys.group_hold(d) for d in devices], [attempt])
+    claims.nudge(pipe, *devices)
 
 
 def reserve_at_send(pipe: redis.client.Pipeline, group_id: str, devices: Sequence[str], attempt: str,
                     ttl_s: float, level: Level = DEFAULT_LEVEL) -> None:
-    """Queue on ``pipe`` the producer's step: number the group (``keys.GROUP_SEQ``) and reserve
-    its devices but the leader (``devices[0]``) under ``attempt``, unclaimed, for ``ttl_s``, at
+    """Queue on ``pipe`` the producer's step: number the group (``keys.CLAIM_SEQ``) and reserve
+    its devices (the leader, ``devices[0]``, with a ``sent`` claim) under ``attempt``, unclaimed, for ``ttl_s``, at
     the group's precedence (``level``, its job's, then that seq). Its reply in
     ``pipe.execute()`` is the group's seq."""
     leader = devices[0]
     waiting = json.dumps({leader: "its leader to take the group's message"})
-    pipe.eval(_SEND, 3 + 2 * (len(devices) - 1), keys.GROUP_SEQ, keys.group_run(attempt), keys.group_alive(attempt),
-              *_device_keys(devices[1:]), attempt, int(ttl_s * 1000), group_id, leader, ",".join(devices), time.time(),
+    pipe.eval(_SEND, 3 + 2 * len(devices), keys.CLAIM_SEQ, keys.group_run(attempt), keys.group_alive(attempt),
+              *_device_keys(devices), attempt, int(ttl_s * 1000), group_id, leader, ",".join(devices), time.time(),
               waiting, GROUP_NUDGE_TTL_MS, level.value, level_offset(level))
 
 
@@ -138,7 +205,7 @@ def reserve(client: redis.Redis, *, group_id: str, devices: Sequence[str], seq: 
     if every device holds it, it starts. Returns (claimed ``sent``, started): the attempt is
     ``sent`` if claimed, else ``fresh``."""
     sent = sent or fresh
-    device_keys = [key for device in devices for key in (keys.group_reservations(device), keys.group_nudge(device),
+    device_keys = [key for device in devices for key in (keys.device_claims(device), keys.group_nudge(device),
                                                          keys.group_hold(device))]
     done = int(client.eval(_RESERVE, 4 + len(device_keys), keys.group_run(sent), keys.group_alive(sent),
                            keys.group_run(fresh), keys.group_alive(fresh), *device_keys,
@@ -151,5 +218,5 @@ def reserve(client: redis.Redis, *, group_id: str, devices: Sequence[str], seq: 
 def release_unclaimed(client: redis.Redis, devices: Sequence[str], attempt: str) -> bool:
     """Let the devices reserved at send time under ``attempt`` go, if its leader has not claimed
     it (a group cancelled before it started, or never sent). True if it was unclaimed."""
-    return bool(client.eval(_RELEASE_UNCLAIMED, 2 + 2 * (len(devices) - 1), keys.group_run(attempt),
-                            keys.group_alive(attempt), *_device_keys(devices[1:]), attempt, GROUP_NUDGE_TTL_MS))
+    return bool(client.eval(_RELEASE_UNCLAIMED, 2 + 2 * len(devices), keys.group_run(attempt),
+                            keys.group_alive(attempt), *_device_keys(devices), attempt, GROUP_NUDGE_TTL_MS))

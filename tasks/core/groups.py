@@ -31,11 +31,12 @@ from typing import Any
 
 import redis
 
-from . import keys
+from . import claims, keys
 from .devices import Device, DeviceKind
 from .errors import ConfigError, GroupUnavailable
 from .priority import DEFAULT_LEVEL, Level, parse_level, precedence
 from .records import WorkerRecord
+from .replies import text
 
 #: Between the devices of a group's key: ``cpu0+cpu1``.
 GROUP_SEPARATOR = "+"
@@ -276,15 +277,11 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
     ``{device: what it still runs}`` of a group not running yet, ``closed``
     ``{device: single jobs waiting there}`` of the devices that take no new single job for it,
     and ``why`` why the group got its devices (None: not known)."""
-    pipe = client.pipeline(transaction=False)
-    devices = list(devices)
-    for device in devices:
-        pipe.zrange(keys.group_reservations(device), 0, -1)
-    attempts = list(dict.fromkeys(_text(a) for found in pipe.execute() for a in found))
+    attempts = claims.groups_on(client, devices, sent=True)
     pipe = client.pipeline(transaction=False)
     for attempt in attempts:
         pipe.hgetall(keys.group_run(attempt))
-    runs = [{_text(k): _text(v) for k, v in raw.items()} for raw in pipe.execute()]
+    runs = [{text(k): text(v) for k, v in raw.items()} for raw in pipe.execute()]
     pipe = client.pipeline(transaction=False)
     for fields in runs:
         pipe.get(keys.group_choice(fields.get("group") or "-"))
@@ -303,7 +300,7 @@ def read_groups(client: redis.Redis, devices: Iterable[str]) -> list[dict[str, A
             "closed": {k.split(":", 1)[1]: int(v or 0) for k, v in sorted(fields.items()) if k.startswith("closed:")},
             "since": float(fields.get("since") or 0.0), "seq": int(fields.get("seq") or 0),
             "level": _level(fields.get("level")).value,
-            "why": _text(why) if why is not None else None,
+            "why": text(why) if why is not None else None,
         })
     return sorted(out, key=lambda g: precedence(Level(g["level"]), g["seq"]))
 
@@ -314,7 +311,3 @@ def _level(value: str | None) -> Level:
         return parse_level(value or DEFAULT_LEVEL)
     except ConfigError:
         return DEFAULT_LEVEL
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -148,8 +148,9 @@ OPTUNA_PREFIX = f"{PREFIX}optuna"
 
 # -- distributed jobs (tasks.producer.fanout sends, tasks.worker.gang assembles) -----------------
 
-#: Counter that gives each distributed job its ``seq`` (its age).
-GANG_SEQ = f"{PREFIX}gang:seq"
+#: Counter that gives each distributed job and each device group its ``seq`` (its age): one
+#: counter, so that gangs and groups are ordered by their sends (:mod:`tasks.core.claims`).
+CLAIM_SEQ = f"{PREFIX}claim:seq"
 #: Lock held while one gang's ranks are sent: every device's queue has one gang's ranks before
 #: the next gang's (redis-py's ``Lock``).
 GANG_SEND_LOCK = f"{PREFIX}gang:send-lock"
@@ -170,10 +171,10 @@ def gang_alive(gang_id: str) -> str:
     return f"{PREFIX}gang:{gang_id}:alive"
 
 
-def gangs_needing(device: str) -> str:
-    """Sorted set ``{gang id: seq}`` of the assembling gangs whose rank on ``device`` has not
-    joined yet: a younger gang waiting on the device gives it up to them."""
-    return f"{PREFIX}gangs-needing:{device}"
+def device_claims(device: str) -> str:
+    """Sorted set ``{<kind>:<id>: precedence}`` of the gangs and device groups that want
+    ``device`` (:class:`tasks.core.claims.Claim`): later work waiting on it gives it up to them."""
+    return f"{PREFIX}claims:{device}"
 
 
 # -- device groups (tasks.worker.group) -----------------------------------------------------------
@@ -193,12 +194,6 @@ def group_alive(run_id: str) -> str:
     """Set, with a short TTL the leader refreshes, while a group's attempt waits or runs: a
     reservation whose key is gone is a dead leader's and is dropped."""
     return f"{PREFIX}group:{run_id}:alive"
-
-
-def group_reservations(device: str) -> str:
-    """Sorted set ``{group attempt id: seq}`` of the groups that reserved ``device``: its worker
-    takes no new single job while it is not empty, and holds the device for the oldest."""
-    return f"{PREFIX}group-reservations:{device}"
 
 
 def group_hold(device: str) -> str:
@@ -227,8 +222,6 @@ def group_wake(run_id: str) -> str:
     return f"{PREFIX}group:{run_id}:wake"
 
 
-#: Counter that gives each device group its ``seq`` (its age), as ``GANG_SEQ`` does for gangs.
-GROUP_SEQ = f"{PREFIX}group:seq"
 
 
 # -- throughput counters (tasks.core.jobcount's records: the store script writes, the exporter reads)

@@ -55,6 +55,7 @@ from .priority import USER_PATTERN
 from .queue_lists import USER_SEPARATOR, split_level
 from .queues import DEVICE_QUEUE_PREFIX, SWEEP_QUEUE_PREFIX, QueueName
 from .records import _Record, stored
+from .replies import text
 from .sentinel import SentinelURL, is_sentinel
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ _QUEUE_PREFIXES = (QueueName.CPU.value, QueueName.GPU.value, QueueName.FLEET.val
 #: a job's arguments, results or logs.
 _STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users",
                 "usage*", "xid-counts", "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*",
-                "reaper:stats", "dead-letters", "group*", "gang*", "preempt-claims:*")
+                "reaper:stats", "dead-letters", "group*", "gang*", "claims:*", "preempt-claims:*")
 #: Commands a user's producer may run: reads, the publish of a job, a result's wait. No command
 #: that takes from a list or empties one (purge), no KEYS/SCAN, no PUBLISH (Celery's control
 #: broadcast), no MONITOR, CONFIG, ACL or FLUSH.
@@ -298,10 +299,10 @@ def restore_acl_users(client: Any, url: str | None = None, *, missing_only: bool
         except ValidationError:
             continue
         if record.password_sha256 is not None:
-            hashes[_text(name)] = record.password_sha256
+            hashes[text(name)] = record.password_sha256
 
     def give(node: Any, rules: Callable[..., list[str]]) -> list[str]:
-        have = {_text(name) for name in node.execute_command("ACL", "USERS")}
+        have = {text(name) for name in node.execute_command("ACL", "USERS")}
         for user, hashed in hashes.items():
             if user not in have or not missing_only:
                 node.execute_command("ACL", "SETUSER", user, *rules(user, hashed=hashed))
@@ -330,7 +331,7 @@ class UserKeys:
         keys: dict[str, str] = {}
         for name, raw in client.hgetall(FLEET_USERS).items():
             try:
-                keys[_text(name)] = stored(FleetUser, raw).signing_key
+                keys[text(name)] = stored(FleetUser, raw).signing_key
             except ValidationError:
                 continue  # a record this version cannot read: its user's jobs are refused
         self._keys, self._read_at = keys, time.monotonic()
@@ -444,24 +445,20 @@ def relay_request(credentials: Credentials, action: Literal["cancel", "attach", 
     return unsigned.model_copy(update={"signature": relay_signature(credentials.signing_key, unsigned)})
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def denial(exc: BaseException, user: str | None) -> CredentialsError | None:
     """The one-line error for Redis refusing ``user``'s credentials or command (``WRONGPASS``,
     ``NOPERM``; raw, or wrapped by kombu or Celery), or None: ``exc`` is no such refusal."""
     seen: BaseException | None = exc
     while seen is not None:
-        text = str(seen)
+        said = str(seen)
         who = f"user {user!r}" if user else "the fleet's password"
-        if "WRONGPASS" in text or "invalid username-password" in text or "user is disabled" in text:
+        if "WRONGPASS" in said or "invalid username-password" in said or "user is disabled" in said:
             return CredentialsError(
                 f"Redis refused the credentials of {who} (wrong, revoked or removed): ask the fleet's "
                 f"admin for new ones (`devicefleet user add {user or '<your name>'}` on the fleet's admin host)")
-        if "NOPERM" in text or "no permissions" in text:
+        if "NOPERM" in said or "no permissions" in said:
             return CredentialsError(
                 f"{who} may not do this: a user's credentials send, watch, read and cancel their own jobs "
-                f"only, and read the fleet's status ({text.strip()}); the fleet's admin holds the rest")
+                f"only, and read the fleet's status ({said.strip()}); the fleet's admin holds the rest")
         seen = seen.__cause__ or seen.__context__
     return None

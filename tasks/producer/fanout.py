@@ -688,7 +688,7 @@ def _send_gang(app: Celery, plan: dict[str, JobSpec], live: Mapping[str, WorkerR
     # gang's on every device's queue, so two gangs sent at once do not each take one device
     # and wait for the other's. The workers' wait-die rule covers what order cannot.
     with client.lock(keys.GANG_SEND_LOCK, timeout=GANG_SEND_WAIT_S, blocking_timeout=GANG_SEND_WAIT_S):
-        gang = gang_spec(plan, live, distributed, seq=int(client.incr(keys.GANG_SEQ)))
+        gang = gang_spec(plan, live, distributed, seq=int(client.incr(keys.CLAIM_SEQ)))
         ranks = {device: spec.model_copy(update={"options": spec.options.model_copy(update={"gang": gang})})
                  for device, spec in plan.items()}
         result = _send(app, ranks)
@@ -716,7 +716,7 @@ def _send_groups(app: Celery, plan: dict[str, JobSpec], whys: Mapping[str, str],
 def group_job(spec: JobSpec, choice: GroupChoice, connections: Connections, app: Celery) -> JobSpec:
     """``spec`` as the job of the device group ``choice``, to send to its leader's queue: its
     options carry a fresh :class:`~tasks.core.records.GroupSpec` (its age from
-    ``keys.GROUP_SEQ``); why the group got its devices is stored for ``devicefleet status``; and
+    ``keys.CLAIM_SEQ``); why the group got its devices is stored for ``devicefleet status``; and
     the group's devices other than its leader are reserved for it
     (:func:`~tasks.core.group_reservation.reserve_at_send`, for
     :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S` until its leader claims them): a single job

@@ -33,7 +33,7 @@ and the peers fail naming it.
 **Preempted as a whole.** A rank's worker that finds higher-level work waiting for its device
 (:mod:`tasks.worker.preemption`) does not stop its rank alone (its peers would hang in their
 next collective): its :class:`GangWatch` first marks the gang's generation preempted in the
-gang's hash (:meth:`Rendezvous.preempt`), and every rank's watch, its own included, reads the
+gang's hash (:meth:`~tasks.core.rendezvous.Rendezvous.preempt`), and every rank's watch, its own included, reads the
 mark at its next look (:data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`) and stops its rank
 with the preemption's grace. Each rank goes back to the front of its queue (a preemption, not a
 failure: no death, no restart counted) and the gang assembles again in its next generation once
@@ -41,20 +41,14 @@ every device has taken its rank back; the generation a preemption ended is not c
 ``max_restarts``. A rank whose collective failed because a peer stopped first finds the mark
 too (it is written before any rank stops).
 
-**No deadlock.** Two gangs over overlapping devices could each hold a device the other waits
-for. The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``), so every
-device's queue holds one gang's ranks before the next's; but order alone is not enough (the
-reaper gives a dead worker's rank back at the front of its queue after its restarted worker may
-have taken another gang's rank). So ranks also follow *wait-die* (Rosenkrantz, Stearns and
-Lewis, 1978) over a gang's *precedence*: its level first (a higher level wins, whatever the
-ages), then its ``seq``, its age: :func:`tasks.core.priority.precedence`, the one rule device
-groups follow too (:attr:`Rendezvous.precedence`). A
-rank waiting for its gang on a device that a gang of higher precedence, still assembling, needs
-(``keys.gangs_needing``, scored by precedence) gives the device up (its message goes back to
-the queue, :class:`~tasks.core.errors.GiveWay`) and comes back
-:data:`~tasks.core.defaults.GIVE_WAY_S` later. A gang waits only for gangs of higher precedence
-and never the other way round (the order is total and a gang's precedence never changes), so
-no cycle of waits can form; a gang that has assembled never gives way, it runs to its end.
+**No deadlock.** The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``),
+so every device's queue holds one gang's ranks before the next's; where that order breaks (the
+reaper gives a dead worker's rank back at the front of its queue), and between a gang and a
+device group, the one give-way rule of :mod:`tasks.core.claims` orders them: a gang claims the
+devices whose rank has not joined, and a rank waiting on a device that a live claim before its
+gang's (:attr:`~tasks.core.rendezvous.Rendezvous.precedence`: level, then age) is on gives it up
+(:class:`~tasks.core.errors.GiveWay`) and comes back :data:`~tasks.core.defaults.GIVE_WAY_S`
+later. A gang that has assembled never gives way, it runs to its end.
 """
 
 from __future__ import annotations
@@ -63,333 +57,24 @@ import dataclasses
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 
-from ..core import keys
-from ..core.defaults import GANG_ALIVE_TTL_MS as ALIVE_TTL_MS
-from ..core.defaults import GANG_POLL_S as POLL_S
 from ..core.defaults import GANG_WATCH_INTERVAL_S as WATCH_INTERVAL_S
 from ..core.defaults import PREEMPT_GRACE_S
 from ..core.devices import host_name
 from ..core.errors import GangFailed, GiveWay, PeerLost
 from ..core.jobstate import JobState
-from ..core.priority import DEFAULT_LEVEL, Level, precedence
+from ..core.priority import DEFAULT_LEVEL, Level
 from ..core.records import GangSpec
+from ..core.rendezvous import Rendezvous
 from ..core.sentinel import first_host, is_sentinel
 from ..core.wire import ModeMessage, Outcome, Proceed, Rank, RankFailed, RunJob, StopJob, StopReason, StoreOpened
 from .supervisor import Ended, Watch, WatchOver
 
 logger = logging.getLogger(__name__)
-
-#: KEYS: gang hash, then gangs_needing(device) of every rank's device, in rank order.
-#: ARGV: rank, host, mode ('fresh' | 'after:<gen>'), precedence, gang id, max restarts, TTL s, the
-#: rank's task id and its attempt's fencing token ('' and '0' for a run under no lease).
-#: Join the current generation (recording the rank's task and token, whose lease its peers watch); first move the gang to the next one when this rank's earlier
-#: run joined a generation that had assembled (it died in it: 'fresh'), or when a collective of
-#: generation <gen> failed ('after:<gen>'). Returns {generation, ''} or {-1, why it failed}.
-_JOIN = """
-local gang = KEYS[1]
-local world = #KEYS - 1
-local failed = redis.call('hget', gang, 'failed')
-if failed then return {-1, failed} end
-local gen = tonumber(redis.call('hget', gang, 'gen') or '0')
-local function joined(g)
-  local n = 0
-  for r = 0, world - 1 do
-    if redis.call('hexists', gang, 'm:' .. g .. ':' .. r) == 1 then n = n + 1 end
-  end
-  return n
-end
-local bump = false
-if ARGV[3] == 'fresh' then
-  bump = redis.call('hexists', gang, 'm:' .. gen .. ':' .. ARGV[1]) == 1 and joined(gen) == world
-else
-  bump = tonumber(string.sub(ARGV[3], 7)) == gen
-end
-if bump then
-  gen = gen + 1
-  if gen - tonumber(redis.call('hget', gang, 'preempted') or '0') > tonumber(ARGV[6]) then
-    local why = 'gave up after ' .. ARGV[6] .. ' restarts (a rank died or lost its peers each time)'
-    redis.call('hset', gang, 'failed', why)
-    for r = 0, world - 1 do redis.call('zrem', KEYS[r + 2], ARGV[5]) end
-    return {-1, why}
-  end
-end
-redis.call('hset', gang, 'gen', gen, 'm:' .. gen .. ':' .. ARGV[1], ARGV[2])
-if ARGV[8] ~= '' then
-  redis.call('hset', gang, 'task:' .. ARGV[1], ARGV[8], 'token:' .. ARGV[1], ARGV[9])
-end
-local complete = joined(gen) == world
-for r = 0, world - 1 do
-  if complete or redis.call('hexists', gang, 'm:' .. gen .. ':' .. r) == 1 then
-    redis.call('zrem', KEYS[r + 2], ARGV[5])
-  else
-    redis.call('zadd', KEYS[r + 2], ARGV[4], ARGV[5])
-  end
-end
-redis.call('expire', gang, ARGV[7])
-return {gen, ''}
-"""
-
-#: KEYS: gang hash, then every rank's gangs_needing key. ARGV: gang id, why.
-#: Fail the gang (the first reason stays) and stop holding any device for it.
-_FAIL = """
-redis.call('hsetnx', KEYS[1], 'failed', ARGV[2])
-for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[1]) end
-return redis.call('hget', KEYS[1], 'failed')
-"""
-
-#: KEYS: gang hash, then every rank's gangs_needing key. ARGV: generation, max restarts, gang id,
-#: why. A rank's watch found a peer lost in generation <gen> (its lease gone, or a newer attempt's):
-#: move the gang to the next generation, or fail it once the restarts are spent, as the join
-#: does for a failed collective; nothing if the gang moved on or failed meanwhile. Returns the
-#: generation it moved to, or -1 with why it failed.
-_MOVE_ON = """
-local gang = KEYS[1]
-local failed = redis.call('hget', gang, 'failed')
-if failed then return {-1, failed} end
-local gen = tonumber(redis.call('hget', gang, 'gen') or '0')
-if gen ~= tonumber(ARGV[1]) then return {gen, ''} end
-if gen + 1 - tonumber(redis.call('hget', gang, 'preempted') or '0') > tonumber(ARGV[2]) then
-  local why = 'gave up after ' .. ARGV[2] .. ' restarts (' .. ARGV[4] .. ')'
-  redis.call('hset', gang, 'failed', why)
-  for i = 2, #KEYS do redis.call('zrem', KEYS[i], ARGV[3]) end
-  return {-1, why}
-end
-redis.call('hset', gang, 'gen', gen + 1)
-return {gen + 1, ''}
-"""
-
-#: KEYS: gang hash. ARGV: generation, level. Mark generation <gen> preempted for <level> work
-#: ('preempt' = '<gen>:<level>'; 'preempted' counts the generations so ended, which the restart
-#: budget leaves out), unless the gang failed or moved on. Returns 1 if the mark (this one or an
-#: earlier one for the same generation) is there.
-_PREEMPT = """
-if redis.call('hget', KEYS[1], 'failed') or redis.call('hget', KEYS[1], 'gen') ~= ARGV[1] then return 0 end
-local mark = redis.call('hget', KEYS[1], 'preempt')
-if mark and string.sub(mark, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return 1 end
-redis.call('hset', KEYS[1], 'preempt', ARGV[1] .. ':' .. ARGV[2])
-redis.call('hincrby', KEYS[1], 'preempted', 1)
-return 1
-"""
-
-#: KEYS: gang hash, this rank's gangs_needing key. ARGV: gang id, precedence, generation, rank.
-#: Leave the generation (to give the device up): the gang needs this device again.
-_LEAVE = """
-if redis.call('hget', KEYS[1], 'gen') == ARGV[3] and not redis.call('hget', KEYS[1], 'failed') then
-  redis.call('hdel', KEYS[1], 'm:' .. ARGV[3] .. ':' .. ARGV[4])
-  redis.call('zadd', KEYS[2], ARGV[2], ARGV[1])
-end
-return 1
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class Assembled:
-    """A generation in which every rank has joined."""
-
-    generation: int
-    #: ``{rank: host}`` of the generation's ranks.
-    hosts: dict[int, str]
-
-    def local_rank(self, rank: int) -> int:
-        """``rank``'s index among the generation's ranks on its host, as torchrun numbers them."""
-        same_host = [r for r in sorted(self.hosts) if self.hosts[r] == self.hosts.get(rank)]
-        return same_host.index(rank) if rank in same_host else 0
-
-
-class Rendezvous:
-    """One rank's side of its gang's rendezvous in Redis."""
-
-    def __init__(self, client: redis.Redis, spec: GangSpec, device: str, host: str,
-                 expires_s: int, task_id: str = "", token: int = 0, level: Level = DEFAULT_LEVEL) -> None:
-        self.client = client
-        #: The gang's place in wait-die (lower goes first): its level, then its age. A ``normal``
-        #: gang's is its ``seq`` (:func:`tasks.core.priority.precedence`).
-        self.precedence = precedence(level, spec.seq)
-        #: This rank's task and its attempt's fencing token (recorded at join: its peers watch
-        #: its lease); '' and 0 for a run under no lease (called in process).
-        self.task_id = task_id if token else ""
-        self.token = token
-        self.spec = spec
-        self.device = device
-        self.rank = spec.rank_of(device)
-        self.host = host
-        self.expires_s = expires_s
-        self.key = keys.gang(spec.id)
-        self._needing = [keys.gangs_needing(d) for d in spec.devices]
-        self._join = client.register_script(_JOIN)
-        self._fail = client.register_script(_FAIL)
-        self._leave = client.register_script(_LEAVE)
-        self._move_on = client.register_script(_MOVE_ON)
-        self._preempt = client.register_script(_PREEMPT)
-
-    def join(self, after: int | None = None) -> int:
-        """Join the current generation and return it; ``after``: the generation whose
-        collective just failed (the gang moves past it).
-
-        Raises:
-            GangFailed: the gang has failed or used up its restarts.
-        """
-        mode = "fresh" if after is None else f"after:{after}"
-        gen, why = self._join(keys=[self.key, *self._needing], args=[
-            self.rank, self.host, mode, self.precedence, self.spec.id, self.spec.max_restarts,
-            self.expires_s, self.task_id, self.token])
-        if int(gen) < 0:
-            raise GangFailed(f"distributed job {self.spec.id}: {_text(why)}")
-        return int(gen)
-
-    def move_on(self, gen: int, why: str) -> int:
-        """Move the gang past generation ``gen``, in which a peer was lost (``why``), as a failed
-        collective does (:meth:`join` ``after=gen``) but without joining the next: returns the
-        gang's generation now.
-
-        Raises:
-            GangFailed: the gang has failed, or this used up its restarts.
-        """
-        gen, failed = self._move_on(keys=[self.key, *self._needing],
-                                    args=[gen, self.spec.max_restarts, self.spec.id, why])
-        if int(gen) < 0:
-            raise GangFailed(f"distributed job {self.spec.id}: {_text(failed)}")
-        return int(gen)
-
-    def done(self) -> None:
-        """This rank's job ended ok: its lease goes with its result, and its peers, still
-        finishing theirs, must not take that for a lost peer. Best effort."""
-        try:
-            self.client.hset(self.key, f"done:{self.rank}", 1)
-        except redis.RedisError as exc:  # a peer may then take it for lost and restart the gang's last bit
-            logger.warning("%s: could not mark rank %d of %s done: %s", self.device, self.rank, self.spec.id, exc)
-
-    def peers(self) -> dict[int, tuple[str, int]]:
-        """``{rank: (task id, token)}`` of the other ranks that joined under a lease."""
-        others = [r for r in range(self.spec.world_size) if r != self.rank]
-        fields = [f"{what}:{r}" for r in others for what in ("task", "token")]
-        values = self.client.hmget(self.key, fields) if fields else []
-        out: dict[int, tuple[str, int]] = {}
-        for i, r in enumerate(others):
-            task_id, token = values[2 * i], values[2 * i + 1]
-            if task_id and token:
-                out[r] = (_text(task_id), int(token))
-        return out
-
-    def lost_peer(self, peers: dict[int, tuple[str, int]], jobs: JobState) -> str | None:
-        """Why one of ``peers`` (:meth:`peers`) is lost, from the fleet: its lease is gone
-        (expired, reaped) while it had not ended ok, or a newer attempt of its job holds it;
-        ``None`` if none is. Two round trips: the leases first, then the gang's ``done`` marks,
-        which a rank writes before its lease goes."""
-        ranks = sorted(peers)
-        tokens = jobs.lease_tokens([peers[r][0] for r in ranks])
-        gone = [(r, token) for r, token in zip(ranks, tokens, strict=True) if token != peers[r][1]]
-        if not gone:
-            return None
-        done = self.client.hmget(self.key, [f"done:{r}" for r, _ in gone])
-        for (r, token), finished in zip(gone, done, strict=True):
-            if finished:
-                continue
-            device = self.spec.devices[r]
-            if token is None:
-                return f"rank {r} on {device} lost its lease (its worker is cut off from Redis, or died)"
-            return f"rank {r} on {device}: a newer attempt (token {token}) holds its job"
-        return None
-
-    def fail(self, why: str) -> str:
-        """Fail the gang (the first reason given wins) and return the reason it failed for."""
-        return _text(self._fail(keys=[self.key, *self._needing], args=[self.spec.id, why]))
-
-    def state(self) -> tuple[str | None, int | None]:
-        """Why the gang failed (None: it has not) and its current generation."""
-        failed, current, _ = self.look()
-        return failed, current
-
-    def look(self) -> tuple[str | None, int | None, tuple[int, Level] | None]:
-        """:meth:`state`, and the generation a preemption ended with the level it was for
-        (None: never preempted), in one read."""
-        failed, current, mark = self.client.hmget(self.key, ["failed", "gen", "preempt"])
-        gen, _, level = _text(mark).partition(":") if mark else ("", "", "")
-        return ((_text(failed) if failed else None), (int(current) if current is not None else None),
-                (int(gen), Level(level)) if gen else None)
-
-    def preempt(self, gen: int, level: Level) -> bool:
-        """Mark generation ``gen`` preempted for ``level`` work: every rank's watch stops its
-        rank. False if the gang failed or moved on from ``gen`` meanwhile."""
-        return bool(self._preempt(keys=[self.key], args=[gen, level.value]))
-
-    def wait(self, gen: int, give_way: bool = True) -> Assembled:
-        """Wait until every rank has joined generation ``gen`` (joining again if the gang has
-        moved on meanwhile).
-
-        Raises:
-            GangFailed: the gang failed, or the wait outlasted ``join_timeout_s`` (the message
-                names the devices that did not come).
-            GiveWay: a gang of higher precedence (older, or of a higher level) that is
-                assembling needs this device.
-        """
-        deadline = time.monotonic() + self.spec.join_timeout_s
-        needing = keys.gangs_needing(self.device)
-        while True:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(keys.gang_alive(self.spec.id), 1, px=ALIVE_TTL_MS)
-            pipe.hgetall(self.key)
-            pipe.zrangebyscore(needing, "-inf", f"({self.precedence}", start=0, num=8)
-            _, fields, older = pipe.execute()
-            fields = {_text(k): _text(v) for k, v in fields.items()}
-            if "failed" in fields:
-                raise GangFailed(f"distributed job {self.spec.id}: {fields['failed']}")
-            current = int(fields.get("gen", gen))
-            if current != gen:
-                gen = self.join(after=None)
-                continue
-            hosts = {r: fields.get(f"m:{gen}:{r}") for r in range(self.spec.world_size)}
-            if all(hosts.values()):
-                return Assembled(gen, {r: str(h) for r, h in hosts.items()})
-            if give_way and older:
-                alive = [_text(g) for g, up in zip(older, self._alive(older), strict=True) if up]
-                if alive:
-                    self._leave(keys=[self.key, needing], args=[self.spec.id, self.precedence, gen, self.rank])
-                    raise GiveWay(self.device, alive[0])
-            if time.monotonic() > deadline:
-                missing = [d for r, d in enumerate(self.spec.devices) if not hosts[r]]
-                why = (f"{', '.join(missing)} did not join within join_timeout_s="
-                       f"{self.spec.join_timeout_s:g} (rank {self.rank} on {self.device} waited; is "
-                       f"{'its' if len(missing) == 1 else 'their'} worker up and free?)")
-                raise GangFailed(f"distributed job {self.spec.id}: {self.fail(why)}")
-            time.sleep(POLL_S)
-
-    def _alive(self, gangs: list[Any]) -> list[bool]:
-        pipe = self.client.pipeline(transaction=False)
-        for gang_id in gangs:
-            pipe.exists(keys.gang_alive(_text(gang_id)))
-        return [bool(n) for n in pipe.execute()]
-
-    def publish_store(self, gen: int, address: str, port: int) -> None:
-        """Rank 0's store for generation ``gen`` listens at ``address:port``."""
-        self.client.hset(self.key, f"master:{gen}", f"{address}:{port}")
-
-    def find_store(self, gen: int) -> tuple[str, int]:
-        """Wait until rank 0 has published its store for generation ``gen``: ``(address, port)``.
-
-        Raises:
-            GangFailed: the gang failed, or rank 0 did not publish its store within the join timeout.
-            PeerLost: the gang moved on to another generation meanwhile.
-        """
-        deadline = time.monotonic() + self.spec.join_timeout_s
-        field = f"master:{gen}"
-        while not (published := self.client.hget(self.key, field)):
-            failed, current = self.state()
-            if failed or time.monotonic() > deadline:
-                raise GangFailed(f"distributed job {self.spec.id}: rank 0 on {self.spec.devices[0]} "
-                                 "did not open its store" + (f" ({failed})" if failed else ""))
-            if current is not None and current != gen:
-                raise PeerLost(f"{self.spec.id} moved on from generation {gen} to {current}")
-            time.sleep(POLL_S)
-        host, _, port = _text(published).rpartition(":")
-        return host, int(port)
 
 
 def _preempted(rdv: Rendezvous, gen: int, job_id: str, watch: GangWatch) -> StopJob | None:
@@ -426,20 +111,16 @@ def route_address(redis_url: str) -> str:
         return "127.0.0.1"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class GangWatch(WatchOver):
     """The watch of one rank's run in one generation: the job's own watch (progress, stops), and
     the gang's side of it: rank 0's store published, a rank's own failure failing the gang, a
     gang that failed or moved on stopping the rank, and a lost peer moving the gang on.
 
-    A peer is lost when the fleet says so (:meth:`Rendezvous.lost_peer`): its lease is gone (its
+    A peer is lost when the fleet says so (:meth:`~tasks.core.rendezvous.Rendezvous.lost_peer`): its lease is gone (its
     worker cut off from Redis, which stops the rank itself, or dead) or a newer attempt holds its
     job. Its collective would wait out ``collective_timeout_s`` for a peer that cannot answer (a
     cut-off host drops every packet: nothing resets the connection), so the watch moves the gang
-    to its next generation itself (:meth:`Rendezvous.move_on`: a restart, or the gang fails once
+    to its next generation itself (:meth:`~tasks.core.rendezvous.Rendezvous.move_on`: a restart, or the gang fails once
     its restarts are spent) within the lease TTL and :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S` of the peer's last
     renewal, and the rank is stopped as for a gang that moved on.
 
@@ -450,7 +131,7 @@ class GangWatch(WatchOver):
 
     A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``, its message
     claimed as the supervisor acts on it) is held back until this thread has marked the gang
-    preempted (:meth:`Rendezvous.preempt`): the rank then stops with every other, each told by
+    preempted (:meth:`~tasks.core.rendezvous.Rendezvous.preempt`): the rank then stops with every other, each told by
     the mark, its stop carrying the level it makes way for."""
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,

@@ -4,20 +4,16 @@
 carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worker, the
 **leader** (:func:`run_group`), runs the whole group in the slot the message took:
 
-0. as it sends the group, its **producer reserves** the group's devices other than the leader
+0. as it sends the group, its **producer reserves** its devices
    (:func:`tasks.core.group_reservation.reserve_at_send`): an attempt id, ``sent`` (unclaimed),
-   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. Their keepers close
-   their gates (step 2) at once, while the message waits behind the leader's running job. The
-   leader's own device is left to its queue, first in, first out: what was sent to it before the
-   group runs first, what is sent after waits behind it;
+   whose ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`. The keepers of the
+   devices other than the leader's close their gates (step 2) at once; the leader's own device
+   is left to its queue, first in, first out;
 1. the leader, taking the message, **claims** that attempt if it is still alive and unclaimed,
-   else **reserves** anew under a fresh attempt id (:func:`tasks.core.group_reservation.reserve`,
-   one script): the attempt is added to every device's reservations
-   (:func:`tasks.core.keys.group_reservations`) scored by the group's precedence (its job's
-   level, then its age: :func:`tasks.core.priority.precedence`), its ``alive`` key
-   (:func:`tasks.core.keys.group_alive`) renewed to a lease's TTL and refreshed while it waits
-   and runs. Where its own device runs nothing else and no group before it in precedence
-   reserved it, the same
+   else **reserves** anew (:func:`tasks.core.group_reservation.reserve`): the attempt is in
+   every device's claims (:mod:`tasks.core.claims`) at the group's precedence (its job's level,
+   then its age), its ``alive`` key renewed to a lease's TTL and refreshed while it waits and
+   runs. Where its own device runs nothing else and no claim before it is there, the same
    script holds it (step 2) and starts the group if the other devices already hold it;
 2. each device's worker (:class:`GroupKeeper`, one thread per worker, the leader's own too)
    sees its device reserved and **closes its gate** (:class:`GroupGate`): no new single job of
@@ -33,7 +29,7 @@ carrying the group's :class:`~tasks.core.records.GroupSpec`. That device's worke
    memory budget is the sum of its devices' (:func:`~tasks.core.groups.group_budget`);
 4. at its end it drops its reservations and holds; the keepers open their gates.
 
-**Woken, not polled.** Whatever changes a device's reservations nudges its keeper
+**Woken, not polled.** Whatever changes a device's claims nudges its keeper
 (:func:`tasks.core.keys.group_nudge`, a list the keeper waits on with ``BLPOP``), as does a job
 leaving a closed gate; a keeper that holds its device for a group wakes its leader
 (:func:`tasks.core.keys.group_wake`). The polls remain as the fallback:
@@ -54,15 +50,12 @@ as for a job that ran when it was sent; once the job leaves, the keeper holds th
 again. A group that has started is not preempted: the job waits for its end. Only higher
 levels pass, so a stream of single jobs of the group's own level still cannot starve it.
 
-**No deadlock.** Two groups over overlapping devices each hold their leader's device; so a
-waiting leader follows *wait-die* over the precedence gangs use too
-(:func:`tasks.core.priority.precedence`, :mod:`tasks.worker.gang`): its job's level first, then
-its ``seq``, its age; a leader that finds a live reservation (claimed or not) before its own in
-precedence on any of its devices drops its own, gives its slot up and its message goes back to the queue
-(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later; it then
-reserves anew). A keeper holds its device for the first group in precedence only. A group only
-waits for groups before it and for running jobs, which end, and an unclaimed reservation expires, so no cycle
-forms; a group that has started never gives way.
+**No deadlock.** Gangs and groups follow one give-way rule over one claim set
+(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves): a waiting leader
+that finds a live claim before its own (level, then age) on any of its devices, a gang's or a
+group's, drops its reservation and its message goes back to the queue
+(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper
+holds its device for the first group only, and opens its gate while a gang's claim comes first.
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
 once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
@@ -84,81 +77,23 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import redis
 
-from ..core import group_reservation, keys
-from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_NUDGE_TTL_MS, GROUP_POLL_S, GROUP_REFRESH_S
+from ..core import claims, group_reservation, keys
+from ..core.defaults import GROUP_KEEPER_POLL_S, GROUP_POLL_S, GROUP_REFRESH_S
 from ..core.errors import GiveWay, NoJobProcess
 from ..core.groups import group_budget, group_cores, group_environment
 from ..core.periodic import PeriodicThread
 from ..core.placement import Constraints
-from ..core.priority import DEFAULT_LEVEL, Level, level_of, precedence
+from ..core.priority import DEFAULT_LEVEL, Level, precedence
 from ..core.records import GroupSpec
 from ..core.registry import read_worker
+from ..core.replies import text
 from ..core.wire import Outcome, RunJob
 from .supervisor import Apart, Ended, Supervisor, Watch
 
 logger = logging.getLogger(__name__)
-
-#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id.
-#: Start when every device holds this attempt: mark it running (a keeper never moves a hold
-#: off a running, live attempt). Returns 1 when started, else 0.
-_START = """
-for i = 2, #KEYS do
-  if redis.call('get', KEYS[i]) ~= ARGV[1] then return 0 end
-end
-redis.call('hset', KEYS[1], 'state', 'running', 'waiting_for', '{}')
-return 1
-"""
-
-#: KEYS: the device's hold, the held attempt's hash, its alive key, the wake list of the attempt
-#: to hold. ARGV: held attempt id ('' for none), the attempt to hold ('' to let go), the wake
-#: list's TTL in ms.
-#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive; wake the
-#: leader of the attempt now held.
-_MOVE_HOLD = """
-local held = redis.call('get', KEYS[1]) or ''
-if held ~= ARGV[1] then return 0 end
-if held ~= '' and redis.call('hget', KEYS[2], 'state') == 'running' and redis.call('exists', KEYS[3]) == 1 then
-  return 0
-end
-if ARGV[2] == '' then
-  redis.call('del', KEYS[1])
-else
-  redis.call('set', KEYS[1], ARGV[2])
-  redis.call('rpush', KEYS[4], 1)
-  redis.call('pexpire', KEYS[4], ARGV[3])
-end
-return 1
-"""
-
-#: KEYS: each device's hold. ARGV: attempt id. Let go of every hold of this attempt.
-_LET_GO = """
-for i = 1, #KEYS do
-  if redis.call('get', KEYS[i]) == ARGV[1] then redis.call('del', KEYS[i]) end
-end
-return 1
-"""
-
-
-def _run_script(pipe: redis.client.Pipeline, script: str, keys_: list[str], args: list[Any]) -> None:
-    """Queue ``script`` on ``pipe`` as an EVAL: a pipeline with registered scripts asks Redis
-    whether they are loaded first, one round trip more each time (these scripts are short)."""
-    pipe.eval(script, len(keys_), *keys_, *args)
-
-
-def _move_hold(pipe: redis.client.Pipeline, device: str, held: str, to: str) -> None:
-    """Queue on ``pipe`` the move of ``device``'s hold from ``held`` to ``to`` (:data:`_MOVE_HOLD`;
-    ``''``: none)."""
-    _run_script(pipe, _MOVE_HOLD, [keys.group_hold(device), keys.group_run(held or "-"), keys.group_alive(held or "-"),
-                                   keys.group_wake(to or "-")], [held, to, GROUP_NUDGE_TTL_MS])
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 class GroupGate:
     """Which jobs this worker runs now, and whether a group reserved its device (then no new
@@ -336,9 +271,7 @@ class GroupKeeper:
     def nudge(self) -> None:
         """Have the keeper look at its device now (from any thread of the worker)."""
         try:
-            pipe = self.client.pipeline(transaction=False)
-            group_reservation.nudge(pipe, self.device)
-            pipe.execute()
+            claims.nudge(self.client.pipeline(transaction=False), self.device).execute()
         except redis.RedisError as exc:  # it looks again within a poll
             logger.debug("%s: could not nudge its group keeper: %s", self.device, exc)
 
@@ -370,10 +303,10 @@ class GroupKeeper:
             if held is None:
                 return True
             pipe = self.client.pipeline(transaction=False)
-            _move_hold(pipe, self.device, _text(held), "")
+            group_reservation.move_hold(pipe, self.device, text(held), "")
             if pipe.execute()[-1]:
                 logger.info("%s: hold for group %s let go for a single job of a higher level", self.device,
-                            _text(held))
+                            text(held))
                 return True
             if self.client.get(hold) == held:  # its group runs
                 return False
@@ -385,46 +318,41 @@ class GroupKeeper:
             self._tick()
 
     def _tick(self) -> None:
-        reservations, hold = keys.group_reservations(self.device), keys.group_hold(self.device)
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self._nudge)  # what changed before the reads below is seen by them
-        pipe.zrange(reservations, 0, -1, withscores=True)
-        pipe.get(hold)
+        pipe.zrange(keys.device_claims(self.device), 0, -1, withscores=True)
+        pipe.get(keys.group_hold(self.device))
         _, entries, held = pipe.execute()
-        held = _text(held) if held is not None else ""
-        attempts = [(_text(a), score) for a, score in entries]
-        if attempts:
-            pipe = self.client.pipeline(transaction=False)
-            for attempt, _ in attempts:
-                pipe.exists(keys.group_alive(attempt))
-            alive = pipe.execute()
-            dead = [a for (a, _), up in zip(attempts, alive, strict=True) if not up]
-            if dead:
-                logger.info("%s: dropping the reservation of %s: its leader is gone", self.device, ", ".join(dead))
-                self.client.zrem(reservations, *dead)
-            attempts = sorted((score, a) for (a, score), up in zip(attempts, alive, strict=True) if up)  # type: ignore[misc]
-        if not attempts:
-            self._told = ("", 0)
-            self.gate.open()
-            if held:
-                self._move_hold(self.client.pipeline(transaction=False), held, "")
-            return
-        score, first = attempts[0]  # the first in precedence: of the highest level there
-        idle = self.gate.close(first, level_of(float(score)))
+        held = text(held) if held is not None else ""
+        # A sent group's claim on its leader's device closes no gate (its message is queued here).
+        live = [c for c in claims.live(self.client, self.device, entries) if c.kind != claims.SENT]
+        if not live or live[0].kind == claims.GANG:  # free, or a gang's rank must get in first
+            if not held or self._move_hold(self.client.pipeline(transaction=False), held, ""):
+                self._told = ("", 0)
+                self.gate.open()
+                return
+            # The group it is held for runs here: it keeps the device, and the gate shut, to its end.
+            live = [c for c in live if c.kind == claims.GROUP and c.id == held]
+            if not live:
+                return  # the hold moved meanwhile: looked at again at the next nudge or poll
+        first = live[0].id  # the first group in precedence: of the highest level there
+        idle = self.gate.close(first, live[0].level)
         told = (first, self.gate.held_back)
         pipe = self.client.pipeline(transaction=False)
         if self._told != told:  # the group's record says the device takes no new single job
             pipe.hset(keys.group_run(first), mapping={f"closed:{self.device}": self.gate.held_back})
             self._told = told
-        if held != first and (idle or (held and held not in {a for _, a in attempts})):
+        if held != first and (idle or (held and held not in {c.id for c in live})):
             self._move_hold(pipe, held, first if idle else "")
         elif len(pipe):
             pipe.execute()
 
-    def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> None:
-        _move_hold(pipe, self.device, held, to)
-        if pipe.execute()[-1] and to:
+    def _move_hold(self, pipe: redis.client.Pipeline, held: str, to: str) -> bool:
+        group_reservation.move_hold(pipe, self.device, held, to)
+        moved = bool(pipe.execute()[-1])
+        if moved and to:
             logger.info("%s: held for group %s", self.device, to)
+        return moved
 
 
 class GroupAlive(PeriodicThread):
@@ -497,35 +425,30 @@ class Reservation:
         the way to the start.
 
         Raises:
-            GiveWay: a group of higher precedence (of a higher level, or as high and older) that
-                is alive reserved one of its devices, and this one has not started (a group that started never gives way).
+            GiveWay: a live claim of higher precedence (a gang's or a group's, of a higher level,
+                or as high and older: :mod:`tasks.core.claims`) is on one of its devices, and this
+                group has not started (a group that started never gives way).
         """
-        holds = [self.key, *self._holds]
+        devices = self.spec.devices
         pipe = self.client.pipeline(transaction=False)
         pipe.set(keys.group_alive(self.attempt), 1, px=self.ttl_ms)
         pipe.pexpire(self.key, self.ttl_ms)
-        for device in self.spec.devices:
-            pipe.zrangebyscore(keys.group_reservations(device), "-inf", f"({self.precedence}")
+        for device in devices:
+            claims.read_before(pipe, device, self.precedence)
         pipe.get(self._holds[0])
-        _run_script(pipe, _START, holds, [self.attempt])
+        group_reservation.start(pipe, self.attempt, devices)
         *found, own, started = pipe.execute()[2:]
         if started:
             return True
-        before = {_text(a): device for device, entries in zip(self.spec.devices, found, strict=True) for a in entries}
-        if before:
-            pipe = self.client.pipeline(transaction=False)
-            for attempt in before:
-                pipe.exists(keys.group_alive(attempt))
-            for (attempt, device), up in zip(before.items(), pipe.execute(), strict=True):
-                if up:
-                    raise GiveWay(device, f"group {attempt}")
-        own = _text(own) if own is not None else ""
+        if (first := claims.before(self.client, zip(devices, found, strict=True))) is not None:
+            raise GiveWay(first[0], str(first[1]))
+        own = text(own) if own is not None else ""
         with self.gate.holds:
             if own == self.attempt or found[0] or not self.gate.close(self.attempt):
                 return False
             pipe = self.client.pipeline(transaction=False)
-            _move_hold(pipe, self.spec.leader, own, self.attempt)
-            _run_script(pipe, _START, holds, [self.attempt])
+            group_reservation.move_hold(pipe, self.spec.leader, own, self.attempt)
+            group_reservation.start(pipe, self.attempt, devices)
             return bool(pipe.execute()[-1])
 
     def wait(self, timeout_s: float) -> None:
@@ -537,24 +460,19 @@ class Reservation:
         holds = self.client.mget(self._holds)
         waiting: dict[str, str] = {}
         for device, held in zip(self.spec.devices, holds, strict=True):
-            if held is not None and _text(held) == self.attempt:
+            if held is not None and text(held) == self.attempt:
                 continue
             record = read_worker(self.client, device)
             busy = record.busy if record is not None else None
             waiting[device] = ("no live worker" if record is None else
                                f"{busy.job} {busy.job_id} since {busy.since:.0f}" if busy is not None else
-                               f"held for another group ({_text(held)})" if held is not None else "its worker to hold it")
+                               f"held for another group ({text(held)})" if held is not None else "its worker to hold it")
         self.client.hset(self.key, "waiting_for", json.dumps(waiting))
 
     def release(self) -> None:
         """Let every device go, and nudge their keepers: their gates open now."""
         pipe = self.client.pipeline(transaction=False)
-        for device in self.spec.devices:
-            pipe.zrem(keys.group_reservations(device), self.attempt)
-        pipe.delete(keys.group_alive(self.attempt), self.key, keys.group_wake(self.attempt))
-        _run_script(pipe, _LET_GO, self._holds, [self.attempt])
-        for device in self.spec.devices:
-            group_reservation.nudge(pipe, device)
+        group_reservation.release(pipe, self.attempt, self.spec.devices)
         pipe.execute()
 
 
