@@ -98,7 +98,7 @@ def out_of_service(client: redis.Redis, devices: list[str]) -> dict[str, DeviceS
 
 #: Lua: ``out_of_service(key, device)``, the state (a string) of ``device`` when it takes no new
 #: work, else false; ``key`` is ``keys.DEVICE_STATE``. For the scripts that decide whether a job
-#: may start (:data:`tasks.core.jobstate.TAKE`): the check costs no round trip of its own.
+#: may start (:data:`tasks.core.jobscripts.TAKE`): the check costs no round trip of its own.
 LUA_OUT_OF_SERVICE = """
 local out_of_service = function(key, device)
   if key == '' or device == '' then return false end

@@ -273,7 +273,7 @@ USER_SECONDS = f"{PREFIX}user-seconds"
 # -- caps on the devices a user or team holds at once (tasks.core.caps) -------------------------
 
 #: Hash ``{"user:<name>" | "team:<name>": Cap JSON}``: each cap an admin set (``devicefleet cap
-#: set``), read by the take script (:data:`tasks.core.jobstate.TAKE`) at each lease it hands out.
+#: set``), read by the take script (:data:`tasks.core.jobscripts.TAKE`) at each lease it hands out.
 CAPS = f"{PREFIX}caps"
 #: Hash ``{"<user> <kind> held|busy": seconds}``: the device-seconds each user's jobs held devices
 #: of a kind, and kept them busy (where measured), ever (Prometheus). Written by the store script
