@@ -94,8 +94,10 @@ class TakeKeys(ScriptParams):
 class TakeArgs(ScriptParams):
     """:data:`TAKE`'s ``ARGV``."""
 
-    #: Our lease value (a :class:`~tasks.core.records.LeaseRecord`, its token unstamped).
+    #: Our lease value (a :class:`~tasks.core.records.LeaseRecord`, its token unstamped), and the
+    #: same record with ``borrowed`` true: the one stored when the grant is borrowed.
     value: str
+    borrowed_value: str
     ttl_ms: int
     task_id: str
     #: The STARTED meta to store ('' for none) and its expiry in seconds.
@@ -165,8 +167,7 @@ if dead ~= '' and redis.call('sismember', key.fenced, dead) == 0 then
 end
 local token = redis.call('incr', key.fence)
 if tonumber(arg.keep_s) > 0 then redis.call('expire', key.fence, arg.keep_s) end
-local value = stamp_lease(arg.value, token)
-if borrowed then value = (string.gsub(value, '"borrowed":false}$', '"borrowed":true}', 1)) end
+local value = stamp_lease(borrowed and arg.borrowed_value or arg.value, token)
 redis.call('set', key.lease, value, 'PX', arg.ttl_ms)
 redis.call('hset', key.leases, arg.task_id, value)
 cap_audit(rules, key.cap_audit, arg.audit_keep, arg.task_id, arg.user, cap_kind, arg.device, borrowed)

@@ -343,13 +343,14 @@ class JobState:
         bound); ``device``: the taker's, refused while out of service ('' for no check). See
         :data:`~tasks.core.jobscripts.TAKE`."""
         task_id = record.task_id
-        value = record.to_json()
+        value, lent = record.to_json(), record.model_copy(update={"borrowed": True}).to_json()
         reply = self._take(
             keys=TakeKeys(meta=started.key if started else "", lease=keys.lease(task_id), leases=keys.LEASES,
                           deaths=keys.worker_deaths(task_id), fence=keys.fence(task_id),
                           fenced=keys.fenced(task_id), caps=keys.CAPS, cap_audit=keys.CAP_AUDIT,
                           device_state=keys.DEVICE_STATE if device else "").values(),
-            args=TakeArgs(value=value, ttl_ms=ttl_ms, task_id=task_id, started=started.value if started else "",
+            args=TakeArgs(value=value, borrowed_value=lent, ttl_ms=ttl_ms, task_id=task_id,
+                          started=started.value if started else "",
                           started_expires_s=started.expires_s if started else 0, replace=replace, dead=dead,
                           max_attempts=max_attempts, keep_s=keep_s, user=record.user or "", device=record.device,
                           lease_prefix=keys.lease(""), audit_keep=CAP_AUDIT_KEEP, service_device=device).values(),
@@ -363,8 +364,8 @@ class JobState:
             return TakeReply(status, capped=bytes_to_str(reply[1]))
         if status in (Took.OK, Took.LOST):
             token, borrowed = int(reply[-2]), bool(int(reply[-1]))
-            held = record.model_copy(update={"borrowed": True}).to_json() if borrowed else value
-            return TakeReply(status, attempt=Attempt(task_id, stamp_lease(held, token), token, borrowed),
+            attempt = Attempt(task_id, stamp_lease(lent if borrowed else value, token), token, borrowed)
+            return TakeReply(status, attempt=attempt,
                              lost_to=tuple(bytes_to_str(name) for name in reply[1]) if status is Took.LOST else (),
                              borrowed=borrowed)
         return TakeReply(status)
