@@ -84,63 +84,6 @@ from .jobscripts import (
 from .records import LeaseRecord
 from .transport import acked_in_redis
 
-#: A job failed fast (within ``BLACKHOLE_FAST_S`` of run time) on a device: the fleet decides,
-#: where it decides a job's end, whether the device is a black hole and what becomes of the job
-#: (the rule and K: docs/guides/devices.md, :data:`~tasks.core.defaults.BLACKHOLE_K`). KEYS:
-#: ``keys.fast_failures(device)``, ``keys.failed_on(task_id)``, ``keys.DEVICE_STATE``,
-#: ``keys.queue_ok(queue)`` of the shared queue it came from (its kind's, ``fleet``, a sweep's),
-#: ``keys.fast_failure_errors(device)``; ARGV: task id, device, its error (one line), K, the window
-#: in seconds, now (epoch seconds), the prefix of ``keys.fast_failures``.
-#:
-#: - failed on two devices: the job's fault; it is evidence against neither (taken out of every
-#:   device's window) -> ``{'store', ''}``;
-#: - else it joins the device's window of different jobs failed fast; at K of them, while another
-#:   device ended a job of the same queue ok since the first of them, and the device in service, it is
-#:   quarantined (``keys.DEVICE_STATE``, ``by`` fleet) with the jobs and their errors as reason;
-#: - the job: its first fast failure on this device -> ``{'again',
-#:   reason}``: not stored, back to its queue, no attempt spent (another device runs it, or this
-#:   one once more: a second failure here is stored); else ``{'store', reason}``. ``reason``: the
-#:   quarantine's, when this failure made it ('' otherwise).
-FAILED_FAST = """
-local device, job, now, window = ARGV[2], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[5])
-local before = redis.call('hexists', KEYS[2], device) == 1
-redis.call('hset', KEYS[2], device, ARGV[3])
-redis.call('expire', KEYS[2], window)
-local devices = redis.call('hkeys', KEYS[2])
-if #devices >= 2 then
-  for _, other in ipairs(devices) do redis.call('zrem', ARGV[7] .. other, job) end
-  return {'store', ''}
-end
-redis.call('zadd', KEYS[1], now, job)
-redis.call('zremrangebyscore', KEYS[1], '-inf', now - window)
-redis.call('expire', KEYS[1], window)
-redis.call('hset', KEYS[5], job, ARGV[3])
-redis.call('expire', KEYS[5], window)
-local reason = ''
-local jobs = redis.call('zrange', KEYS[1], 0, -1, 'withscores')
-if #jobs / 2 >= tonumber(ARGV[4]) and redis.call('hexists', KEYS[3], device) == 0 then
-  local first = tonumber(jobs[2])
-  local elsewhere = nil
-  local last_ok = redis.call('hgetall', KEYS[4])  -- where the same queue's jobs ended ok lately
-  for i = 1, #last_ok, 2 do
-    if last_ok[i] ~= device and tonumber(last_ok[i + 1]) >= first then elsewhere = last_ok[i] end
-  end
-  if elsewhere then
-    local evidence = {}
-    for i = 1, #jobs, 2 do
-      evidence[#evidence + 1] = jobs[i] .. ' (' .. (redis.call('hget', KEYS[5], jobs[i]) or '?') .. ')'
-    end
-    reason = 'black hole: ' .. (#jobs / 2) .. ' different jobs failed fast here while ' .. elsewhere ..
-      ' ended jobs ok: ' .. table.concat(evidence, '; ')
-    redis.call('hset', KEYS[3], device, cjson.encode({device = device, state = 'quarantined', reason = reason,
-      since = now, by = 'fleet', hardware = false, now = false}))
-  end
-end
-if not before then return {'again', reason} end
-return {'store', reason}
-"""
-
-
 def stamp_lease(value: str, token: int) -> str:
     """Lease value ``value`` as the take script stores it with fencing token ``token``."""
     return f'{{"token":{token}{value.removeprefix(UNSTAMPED_LEASE)}' if value.startswith(UNSTAMPED_LEASE) else value
@@ -252,17 +195,8 @@ class JobEnd:
     count: JobCount | None = None
     ack: MessageAck | None = None
     #: The shared queue the job came from ('' for its device's own, or none): the store records
-    #: where that queue's jobs end ok (a black hole's evidence: :data:`FAILED_FAST`).
+    #: where that queue's jobs end ok (a black hole's evidence: :data:`tasks.core.device_state.FAILED_FAST`).
     shared_queue: str = ""
-
-
-@dataclass(frozen=True)
-class FastFailure:
-    """What :data:`FAILED_FAST` decided: the job goes back to its queue (``again``) or its failure
-    is stored; ``quarantined``: the reason of the device's quarantine this failure made ('' none)."""
-
-    again: bool
-    quarantined: str = ""
 
 
 class Stored(str, Enum):
@@ -329,7 +263,6 @@ class JobState:
         self._reaped = client.register_script(REAPED)
         self._fenced = client.register_script(FENCED)
         self._progress = client.register_script(PROGRESS)
-        self._failed_fast = client.register_script(FAILED_FAST)
 
     def take(self, record: LeaseRecord, ttl_ms: int, *, started: StateMeta | None = None, replace: str = "",
              dead: str = "", max_attempts: int = 0, keep_s: int = 0, device: str = "") -> TakeReply:
@@ -409,17 +342,6 @@ class JobState:
         if ack is not None:
             acked_in_redis(ack.delivery_tag)
         return Stored.STORED if int(stored) else Stored.FINAL_THERE
-
-    def failed_fast(self, task_id: str, device: str, error: str, *, queue: str, now: float, k: int,
-                    window_s: int) -> FastFailure:
-        """Job ``task_id`` of shared queue ``queue`` failed fast on ``device`` with ``error``
-        (:data:`FAILED_FAST`): whether its failure is stored or it goes back to its queue, and
-        the quarantine of the device this failure made, if it did."""
-        reply = self._failed_fast(
-            keys=[keys.fast_failures(device), keys.failed_on(task_id), keys.DEVICE_STATE, keys.queue_ok(queue),
-                  keys.fast_failure_errors(device)],
-            args=[task_id, device, error, k, window_s, now, keys.FAST_FAILURES_PREFIX])
-        return FastFailure(again=bytes_to_str(reply[0]) == "again", quarantined=bytes_to_str(reply[1]))
 
     def lease_tokens(self, task_ids: list[str]) -> list[int | None]:
         """The fencing token of each job's lease now (``None``: no lease: it expired, was

@@ -42,7 +42,7 @@ FAST_FAILURES_PREFIX = f"{PREFIX}fast-failures:"
 def queue_ok(queue: str) -> str:
     """Hash ``{device: epoch seconds}``: when each device last ended ok a job of shared queue
     ``queue`` (the store script), the "succeeds elsewhere" of a black hole's evidence
-    (:data:`tasks.core.jobstate.FAILED_FAST`). TTL: :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`."""
+    (:data:`tasks.core.device_state.FAILED_FAST`). TTL: :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`."""
     return f"{PREFIX}queue-ok:{queue}"
 
 
