@@ -84,6 +84,7 @@ from .jobscripts import (
 from .records import LeaseRecord
 from .transport import acked_in_redis
 
+
 def stamp_lease(value: str, token: int) -> str:
     """Lease value ``value`` as the take script stores it with fencing token ``token``."""
     return f'{{"token":{token}{value.removeprefix(UNSTAMPED_LEASE)}' if value.startswith(UNSTAMPED_LEASE) else value
