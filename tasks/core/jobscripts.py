@@ -1,5 +1,5 @@
-"""The Lua scripts of a job's life in Redis (:mod:`tasks.core.jobstate`, whose :class:`~tasks.core.jobstate.JobState`
-is the one caller of each): what each reads and writes, and returns.
+"""The Lua scripts of a job's life in Redis (:mod:`tasks.core.jobstate`, whose
+:class:`~tasks.core.jobstate.JobState` is the one caller of each): what each reads, writes and returns.
 
 The two scripts with many keys and arguments, :data:`TAKE` and :data:`STORE`, take them as typed
 records (:class:`TakeKeys`, :class:`TakeArgs`, :class:`StoreKeys`, :class:`StoreArgs`): a
