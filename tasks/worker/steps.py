@@ -286,7 +286,9 @@ class PreemptionStep(bootsteps.StartStopStep):
 
 class ReaperStep(bootsteps.StartStopStep):
     """The reaper, which gives back the jobs of workers that died holding them
-    (:mod:`tasks.worker.reaper`)."""
+    (:mod:`tasks.worker.reaper`). It is the step's ``obj`` (what ``create`` returns), which
+    Celery's ``StartStopStep`` starts, stops and terminates, as Celery's own ``Beat`` step does:
+    so are the next two steps' services."""
 
     label = "Reaper"
     requires = (RegistryStep,)
@@ -297,13 +299,8 @@ class ReaperStep(bootsteps.StartStopStep):
         self.reaper = Reaper(built(parent, RegistryStep).client, parent.app, settings.reaper_interval_s,
                              orphan_grace_s=2 * settings.lease_ttl_s)
 
-    def start(self, parent: Any) -> None:
-        self.reaper.start()
-
-    def stop(self, parent: Any) -> None:
-        self.reaper.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> Reaper:
+        return self.reaper  # the step's obj: StartStopStep starts and stops it
 
 
 class CancelRelayStep(bootsteps.StartStopStep):
@@ -317,13 +314,8 @@ class CancelRelayStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.cancels = CancelRelay(built(parent, RegistryStep).client, parent.app, CANCEL_RELAY_INTERVAL_S)
 
-    def start(self, parent: Any) -> None:
-        self.cancels.start()
-
-    def stop(self, parent: Any) -> None:
-        self.cancels.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> CancelRelay:
+        return self.cancels  # the step's obj: StartStopStep starts and stops it
 
 
 class AclUsersStep(bootsteps.StartStopStep):
@@ -338,13 +330,8 @@ class AclUsersStep(bootsteps.StartStopStep):
         registry = built(parent, RegistryStep)
         self.acl_users = AclUsersKeeper(registry.client, registry.url, ACL_USERS_CHECK_S)
 
-    def start(self, parent: Any) -> None:
-        self.acl_users.start()
-
-    def stop(self, parent: Any) -> None:
-        self.acl_users.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> AclUsersKeeper:
+        return self.acl_users  # the step's obj: StartStopStep starts and stops it
 
 
 class ServiceStep(bootsteps.StartStopStep):
