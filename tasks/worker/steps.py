@@ -35,6 +35,8 @@ services it uses), starts them in that order and stops them in reverse::
     StopHandlersStep    -                                     a 2nd SIGTERM or a       -
                                                               SIGQUIT stops at once
 
+A step with one service hands it to Celery as the step's ``obj`` (what its ``create`` returns),
+which ``StartStopStep`` starts, stops and terminates, as Celery's own ``Beat`` step does.
 Everything is built in ``__init__``, before Celery creates its pool (``Blueprint.apply`` runs
 every step's ``__init__``, then each one's ``create``): the pool's size is the device's slot
 count, and the slots and the jobs are known only once the first job process said what it sees.
@@ -275,20 +277,13 @@ class PreemptionStep(bootsteps.StartStopStep):
                                      min_run_s=setup.config.preempt_min_run_s,
                                      grace_s=setup.config.preempt_grace_s)
 
-    def start(self, parent: Any) -> None:
-        self.preemption.start()
-
-    def stop(self, parent: Any) -> None:
-        self.preemption.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> Preemption:
+        return self.preemption  # the step's obj: StartStopStep starts and stops it
 
 
 class ReaperStep(bootsteps.StartStopStep):
     """The reaper, which gives back the jobs of workers that died holding them
-    (:mod:`tasks.worker.reaper`). It is the step's ``obj`` (what ``create`` returns), which
-    Celery's ``StartStopStep`` starts, stops and terminates, as Celery's own ``Beat`` step does:
-    so are the next two steps' services."""
+    (:mod:`tasks.worker.reaper`)."""
 
     label = "Reaper"
     requires = (RegistryStep,)
@@ -345,13 +340,8 @@ class ServiceStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.watch = ServiceWatch(built(parent, RegistryStep).client, built(parent, DeviceStep).setup.device.name)
 
-    def start(self, parent: Any) -> None:
-        self.watch.start()
-
-    def stop(self, parent: Any) -> None:
-        self.watch.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> ServiceWatch:
+        return self.watch  # the step's obj: StartStopStep starts and stops it
 
 
 class JobsStep(bootsteps.StartStopStep):
