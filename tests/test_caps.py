@@ -148,6 +148,28 @@ def test_over_a_borrowing_cap_the_lease_is_taken_as_borrowed(client):
     assert [(grant.count, grant.borrowed) for grant in read_audit(client)] == [(1, False), (2, True)]
 
 
+class _LaterLease(LeaseRecord):
+    """A lease record with a field after ``borrowed`` (as a later version may add one)."""
+
+    note: str = "added later"
+
+
+def test_a_borrowed_lease_is_stored_as_borrowed_wherever_the_field_stands_in_the_record(client):
+    """The take marks a borrowed lease whatever the record's field order: not by rewriting the end
+    of its JSON, which held only while ``borrowed`` was its last field."""
+    jobs = JobState(client)
+    set_cap(client, {"cpu": 0}, user="ann", borrow=True)
+    record = _LaterLease(device="cpu0", worker="w-cpu0", pid=1, host="h", task_id="a1", since=0.0, user="ann")
+    assert list(json.loads(record.to_json()))[-1] == "note"
+    reply = jobs.take(record, 10_000)
+    assert reply.status is Took.OK and reply.borrowed and reply.attempt is not None
+    stored = client.get(keys.lease("a1"))
+    assert stored == reply.attempt.lease == client.hget(keys.LEASES, "a1")
+    assert json.loads(stored)["borrowed"] is True and json.loads(stored)["note"] == "added later"
+    assert jobs.renew(reply.attempt, 10_000, restore=False) and jobs.release(reply.attempt)
+    assert client.get(keys.lease("a1")) is None and client.hget(keys.LEASES, "a1") is None
+
+
 def test_a_cap_for_an_unknown_team_or_no_cap_says_what_to_do(client):
     with pytest.raises(CapError, match=r"unknown team 'ml'; name its users first: devicefleet cap team ml"):
         set_cap(client, {"gpu": 2}, team="ml")

@@ -246,7 +246,7 @@ def test_demo_wait_ends_on_sigterm_even_if_its_interrupt_was_swallowed(monkeypat
     """A KeyboardInterrupt that the SIGTERM handler raises inside a finalizer (redis-py's
     ``ConnectionPool.__del__``) is swallowed by Python; seen once on CI, the demo then ran on and
     its fleet was orphaned. The demo's wait notices SIGTERM by itself within a second."""
-    from tasks import cli as cli_module
+    from tasks.cli import fleet as cli_module
     from tasks.core.errors import FanOutTimeout
 
     class StillRunning:
@@ -283,6 +283,26 @@ def test_gpu_fan_out_cpu_and_gpu0(fleet, app):
 # -- Celery's own commands and errors a new user meets -------------------------------------------
 
 CELERY = [sys.executable, "-m", "celery", "-A", "tasks"]
+
+
+def test_each_command_is_loaded_from_its_group_module_and_a_command_loads_only_its_own():
+    """The command is one module per command group (tasks/cli/, as rq's rq/cli/): the group's map
+    names every top-level command each module defines, and running one imports its module alone."""
+    import importlib
+
+    import click
+
+    from tasks.cli import COMMANDS
+
+    for module in set(COMMANDS.values()):
+        found = vars(importlib.import_module(f"tasks.cli.{module}"))
+        nested = {id(sub) for obj in found.values() if isinstance(obj, click.Group) for sub in obj.commands.values()}
+        top = {name for name, obj in found.items() if isinstance(obj, click.Command) and id(obj) not in nested}
+        assert top == {name for name, home in COMMANDS.items() if home == module}, module
+    code = ("import sys, click; from tasks.cli import cli; cli.get_command(click.Context(cli), 'status'); "
+            "print(sorted(m for m in sys.modules if m.startswith('tasks.cli.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(loaded.stdout.replace("'", '"')) == ["tasks.cli.devices", "tasks.cli.helpers", "tasks.cli.results"]
 
 
 @pytest.mark.timeout(120)
@@ -414,14 +434,14 @@ def test_a_ctrl_c_while_jobs_are_sent_cancels_them_once_the_handle_exists(tmp_pa
     """Ctrl-C that lands while `run` or `sweep` is still sending (before its wait's own handler)
     is held, not raised: the wait then cancels what was sent and the command exits 130, where
     before the KeyboardInterrupt escaped (click's "Aborted!", exit 1) and left the jobs running."""
-    from tasks import cli
+    from tasks.cli import work
 
     settings = Settings.load(redis_url="redis://:secret@127.0.0.1:1/0", state_dir=tmp_path)
-    with cli._interrupt_held() as pressed:
+    with work._interrupt_held() as pressed:
         os.kill(os.getpid(), signal.SIGINT)  # while "sending"
         assert pressed.wait(10)
         handle = _Sent()
-        results, cancelled = cli._wait_or_cancel(handle, "the fan-out", 60, None, settings, pressed)
+        results, cancelled = work._wait_or_cancel(handle, "the fan-out", 60, None, settings, pressed)
     assert cancelled and handle.cancelled and results == {"cpu0": {"status": "cancelled"}}
     assert handle.handler_while_cancelling is signal.default_int_handler  # a second Ctrl-C stops at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
@@ -435,7 +455,7 @@ def test_a_ctrl_c_while_the_wait_is_set_up_cancels_the_run_instead_of_aborting(m
     cancel's own wait a second Ctrl-C stops at once."""
     from contextlib import contextmanager
 
-    from tasks import cli
+    from tasks.cli import work
     from tasks.ops import fleet_lost
 
     @contextmanager
@@ -447,8 +467,8 @@ def test_a_ctrl_c_while_the_wait_is_set_up_cancels_the_run_instead_of_aborting(m
     handle = _Sent()
     before = signal.getsignal(signal.SIGINT)
     try:
-        with cli._interrupt_held() as pressed:  # as `devicefleet run` and `sweep` wait
-            results, cancelled = cli._wait_or_cancel(handle, "the test's run", 5, None, None,  # type: ignore[arg-type]
+        with work._interrupt_held() as pressed:  # as `devicefleet run` and `sweep` wait
+            results, cancelled = work._wait_or_cancel(handle, "the test's run", 5, None, None,  # type: ignore[arg-type]
                                                      pressed)
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C escaped the wait: the run was left going and the command aborted")

@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 import tasks
-from tasks.cli import cli, run
+from tasks.cli import cli
+from tasks.cli.work import run
 from tasks.core.commands import CommandParams, CommandPolicy, check_command, resolve_command
 from tasks.core.errors import CommandRefused, ConfigError, InvalidJobArguments
 from tasks.core.job import JobContext

@@ -23,9 +23,9 @@ from tasks.core.defaults import FINISHED_KEEP_S
 from tasks.core.devices import format_core_list
 from tasks.core.job import JobMetric
 from tasks.core.jobcount import JOBS_ERROR, JOBS_OK, SCRIPT_FIELDS, DeviceStats, JobCount, Tally
+from tasks.core.jobscripts import STORE, TAKE, StoreArgs, StoreKeys, TakeArgs, TakeKeys
 from tasks.core.jobstate import (
     END_FIELD,
-    STORE,
     Attempt,
     JobEnd,
     JobState,
@@ -77,6 +77,28 @@ def test_the_store_script_reads_exactly_the_fields_the_count_sends():
     # The two tallies are the two tables the script walks (HINCRBYFLOAT, HSET).
     assert {Tally.ADD.value, Tally.LATEST.value} <= read
     assert "pairs(count.add)" in STORE and "pairs(count.set)" in STORE
+
+
+#: Lua's reserved words: no field of a script's record may be one (``key.end`` does not parse).
+LUA_WORDS = set("and break do else elseif end false for function goto if in local nil not or repeat return then "
+                "true until while".split())
+
+
+@pytest.mark.parametrize(("script", "records"), [(TAKE, (TakeKeys, TakeArgs)), (STORE, (StoreKeys, StoreArgs))],
+                         ids=["take", "store"])
+def test_the_take_and_store_scripts_read_their_keys_and_arguments_by_their_records_field_names(script, records):
+    """The order of TAKE's and STORE's KEYS and ARGV comes from one record each: the caller passes
+    its fields' values in order, the script declares one table from the same fields and reads
+    every key and argument from it by name, never by position."""
+    body = script[script.index("local arg = {"):].partition("\n")[2]
+    assert "KEYS[" not in body and "ARGV[" not in body
+    for table, array, record in (("key", "KEYS", records[0]), ("arg", "ARGV", records[1])):
+        names = [field.name for field in fields(record)]
+        declared = ", ".join(f"{name} = {array}[{n}]" for n, name in enumerate(names, 1))
+        assert f"local {table} = {{{declared}}}\n" in script
+        assert set(re.findall(rf"\b{table}\.(\w+)", body)) == set(names), record.__name__
+        assert not set(names) & LUA_WORDS
+        assert record(**{name: name for name in names}).values() == names
 
 
 def test_the_reader_reads_every_field_the_count_tallies_by_the_same_name():

@@ -50,12 +50,15 @@ def test_the_app_adds_every_worker_step_and_each_starts_after_what_it_uses():
         # The health service writes the device's state with the registry's client.
         steps.HealthStep: [steps.RegistryStep.name],
         steps.ReaperStep: [steps.RegistryStep.name],
+        steps.CancelRelayStep: [steps.RegistryStep.name],
+        steps.AclUsersStep: [steps.RegistryStep.name],
         steps.PreemptionStep: [steps.SlotsStep.name, steps.RegistryStep.name],
         # Out of service, the consumer takes nothing from the jobs' first BRPOP on.
         steps.ServiceStep: [steps.RegistryStep.name],
         # Stopped before the heartbeat, the lease keeper and the reaper: a job finishing within its
         # stop timeout is stored with its lease while they still run.
-        steps.JobsStep: [steps.LeaseStep.name, steps.ReaperStep.name, steps.RegistryStep.name,
+        steps.JobsStep: [steps.LeaseStep.name, steps.ReaperStep.name, steps.CancelRelayStep.name,
+                         steps.AclUsersStep.name, steps.RegistryStep.name,
                          steps.JobProcessesStep.name, steps.PreemptionStep.name, steps.HealthStep.name,
                          steps.ServiceStep.name],
         steps.StopHandlersStep: [steps.JobsStep.name],

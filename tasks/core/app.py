@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: and the consumer's step that marks it ready.
 WORKER_STEPS = tuple(f"tasks.worker.steps:{step}" for step in (
     "DeviceStep", "JobProcessesStep", "SlotsStep", "RegistryStep", "HealthStep", "LeaseStep", "ReaperStep", "PreemptionStep",
-    "ServiceStep",
+    "CancelRelayStep", "AclUsersStep", "ServiceStep",
     "JobsStep", "GroupsStep", "StopHandlersStep",
 ))
 CONSUMER_STEP = "tasks.worker.steps:ConsumerReadyStep"

@@ -6,7 +6,7 @@ An admin sets them fleet-wide, live (``devicefleet cap set alice gpu=4 --borrow`
 workers read: a cap changes on a running fleet at once, on every host, with no restart, and the
 take script that enforces it reads it where it runs.
 
-The rule is checked where a lease is handed out, in the same script (:data:`tasks.core.jobstate.TAKE`,
+The rule is checked where a lease is handed out, in the same script (:data:`tasks.core.jobscripts.TAKE`,
 :data:`CAP_LUA`): no round trip of its own, and none at all for a fleet with no caps (one
 ``EXISTS`` inside the script). What a user holds is counted from the live leases
 (``keys.LEASES`` records whose key is still there, each with its user and device), so a dead
@@ -264,7 +264,7 @@ def read_audit(client: redis.Redis) -> list[CapGrant]:
     return [stored(CapGrant, raw) for raw in client.lrange(keys.CAP_AUDIT, 0, -1)]
 
 
-#: Lua functions of the take script's cap check (:data:`tasks.core.jobstate.TAKE`).
+#: Lua functions of the take script's cap check (:data:`tasks.core.jobscripts.TAKE`).
 #: ``cap_rules(caps_key, user, kind)``: the caps that count ``user``'s devices of ``kind``
 #: (nothing read past one ``EXISTS`` when no cap is set). ``cap_count(rules, leases_key,
 #: lease_prefix, kind, task_id)``: each rule's devices held, from the live leases (their key is

@@ -11,14 +11,18 @@ A device is ``ok`` unless something took it out of service:
 
 The state lives in one Redis hash with no TTL (it outlives a worker restart; a Redis restart keeps
 it as far as the server persists), one JSON :class:`DeviceState` per device that is not ``ok``.
-Every reader and writer goes through this module; the hash's layout is nowhere else.
+Every reader and writer goes through this module; the hash's layout is nowhere else: the fleet's
+own writer, the black-hole rule (:func:`failed_fast`, called where a device worker decides a job's
+end), is here too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import redis
+from kombu.utils.encoding import bytes_to_str
 from pydantic import BaseModel, ConfigDict
 
 from . import keys
@@ -98,7 +102,7 @@ def out_of_service(client: redis.Redis, devices: list[str]) -> dict[str, DeviceS
 
 #: Lua: ``out_of_service(key, device)``, the state (a string) of ``device`` when it takes no new
 #: work, else false; ``key`` is ``keys.DEVICE_STATE``. For the scripts that decide whether a job
-#: may start (:data:`tasks.core.jobstate.TAKE`): the check costs no round trip of its own.
+#: may start (:data:`tasks.core.jobscripts.TAKE`): the check costs no round trip of its own.
 LUA_OUT_OF_SERVICE = """
 local out_of_service = function(key, device)
   if key == '' or device == '' then return false end
@@ -109,6 +113,84 @@ local out_of_service = function(key, device)
   return false
 end
 """.replace("OUT_STATES", " or ".join(f"state.state == '{name}'" for name in sorted(OUT_OF_SERVICE)))
+
+
+#: A job failed fast (within ``BLACKHOLE_FAST_S`` of run time) on a device: the fleet decides,
+#: where it decides a job's end, whether the device is a black hole and what becomes of the job
+#: (the rule and K: docs/guides/devices.md, :data:`~tasks.core.defaults.BLACKHOLE_K`). KEYS:
+#: ``keys.fast_failures(device)``, ``keys.failed_on(task_id)``, ``keys.DEVICE_STATE``,
+#: ``keys.queue_ok(queue)`` of the shared queue it came from (its kind's, ``fleet``, a sweep's),
+#: ``keys.fast_failure_errors(device)``; ARGV: task id, device, its error (one line), K, the window
+#: in seconds, now (epoch seconds), the prefix of ``keys.fast_failures``.
+#:
+#: - failed on two devices: the job's fault; it is evidence against neither (taken out of every
+#:   device's window) -> ``{'store', ''}``;
+#: - else it joins the device's window of different jobs failed fast; at K of them, while another
+#:   device ended a job of the same queue ok since the first of them, and the device in service, it is
+#:   quarantined (``keys.DEVICE_STATE``, ``by`` fleet) with the jobs and their errors as reason;
+#: - the job: its first fast failure on this device -> ``{'again',
+#:   reason}``: not stored, back to its queue, no attempt spent (another device runs it, or this
+#:   one once more: a second failure here is stored); else ``{'store', reason}``. ``reason``: the
+#:   quarantine's, when this failure made it ('' otherwise).
+FAILED_FAST = """
+local device, job, now, window = ARGV[2], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[5])
+local before = redis.call('hexists', KEYS[2], device) == 1
+redis.call('hset', KEYS[2], device, ARGV[3])
+redis.call('expire', KEYS[2], window)
+local devices = redis.call('hkeys', KEYS[2])
+if #devices >= 2 then
+  for _, other in ipairs(devices) do redis.call('zrem', ARGV[7] .. other, job) end
+  return {'store', ''}
+end
+redis.call('zadd', KEYS[1], now, job)
+redis.call('zremrangebyscore', KEYS[1], '-inf', now - window)
+redis.call('expire', KEYS[1], window)
+redis.call('hset', KEYS[5], job, ARGV[3])
+redis.call('expire', KEYS[5], window)
+local reason = ''
+local jobs = redis.call('zrange', KEYS[1], 0, -1, 'withscores')
+if #jobs / 2 >= tonumber(ARGV[4]) and redis.call('hexists', KEYS[3], device) == 0 then
+  local first = tonumber(jobs[2])
+  local elsewhere = nil
+  local last_ok = redis.call('hgetall', KEYS[4])  -- where the same queue's jobs ended ok lately
+  for i = 1, #last_ok, 2 do
+    if last_ok[i] ~= device and tonumber(last_ok[i + 1]) >= first then elsewhere = last_ok[i] end
+  end
+  if elsewhere then
+    local evidence = {}
+    for i = 1, #jobs, 2 do
+      evidence[#evidence + 1] = jobs[i] .. ' (' .. (redis.call('hget', KEYS[5], jobs[i]) or '?') .. ')'
+    end
+    reason = 'black hole: ' .. (#jobs / 2) .. ' different jobs failed fast here while ' .. elsewhere ..
+      ' ended jobs ok: ' .. table.concat(evidence, '; ')
+    redis.call('hset', KEYS[3], device, cjson.encode({device = device, state = 'quarantined', reason = reason,
+      since = now, by = 'fleet', hardware = false, now = false}))
+  end
+end
+if not before then return {'again', reason} end
+return {'store', reason}
+"""
+
+
+@dataclass(frozen=True)
+class FastFailure:
+    """What :data:`FAILED_FAST` decided: the job goes back to its queue (``again``) or its failure
+    is stored; ``quarantined``: the reason of the device's quarantine this failure made ('' none)."""
+
+    again: bool
+    quarantined: str = ""
+
+
+def failed_fast(client: redis.Redis, task_id: str, device: str, error: str, *, queue: str, now: float, k: int,
+                window_s: int) -> FastFailure:
+    """Job ``task_id`` of shared queue ``queue`` failed fast on ``device`` with ``error``
+    (:data:`FAILED_FAST`, one script call): whether its failure is stored or it goes back to its
+    queue, and the quarantine of the device this failure made, if it did."""
+    reply = client.register_script(FAILED_FAST)(
+        keys=[keys.fast_failures(device), keys.failed_on(task_id), keys.DEVICE_STATE, keys.queue_ok(queue),
+              keys.fast_failure_errors(device)],
+        args=[task_id, device, error, k, window_s, now, keys.FAST_FAILURES_PREFIX])
+    return FastFailure(again=bytes_to_str(reply[0]) == "again", quarantined=bytes_to_str(reply[1]))
 
 
 def redis_now(client: redis.Redis) -> float:

@@ -3,7 +3,7 @@ used the fleet least.
 
 Usage is device-seconds, decayed over a half-life (:data:`~tasks.core.defaults.FAIRSHARE_HALF_LIFE_S`,
 an hour): a job's seconds count fully when it ends, half as much a half-life later. It is kept in Redis as ``(value, stamp)`` per user (``keys.USAGE``): the script
-that stores a job's result (:data:`tasks.core.jobstate.STORE`) decays the user's value to the
+that stores a job's result (:data:`tasks.core.jobscripts.STORE`) decays the user's value to the
 job's end and adds the job's seconds (:data:`USAGE_LUA`), in the call it makes anyway; a reader
 decays it to now (:func:`decayed`). So nothing is written per job that was not written already,
 and the order costs no round trip per job.
@@ -59,7 +59,7 @@ redis.call('lpush', KEYS[1], ARGV[2])
 return new
 """
 
-#: A Lua function of the store script (:data:`tasks.core.jobstate.STORE`): add a job's
+#: A Lua function of the store script (:data:`tasks.core.jobscripts.STORE`): add a job's
 #: device-seconds to its user's usage (``keys.USAGE``, decayed to the job's end first) and to the
 #: level's and user's counter (``keys.USER_SECONDS``), and its wait to its level's histogram.
 #: ``share``: ``{user, level, seconds, at, half_life}`` or empty; ``wait``: ``{key, bucket,

@@ -3,7 +3,7 @@ and the exporter share.
 
 A device worker counts each job it ends (:func:`tasks.worker.accounting.job_end` builds its
 :class:`JobCount`); the script that stores the job's result adds it to the device's stats hash
-``keys.stats(device)`` in the same call (:data:`tasks.core.jobstate.STORE`, which reads the
+``keys.stats(device)`` in the same call (:data:`tasks.core.jobscripts.STORE`, which reads the
 fields of :meth:`JobCount.script_arg`, :data:`SCRIPT_FIELDS`); :mod:`tasks.ops.exporter` reads
 the hash back as :class:`DeviceStats`. The hash's fields are the record's field names: each
 field of :class:`JobCount` says how it is tallied (:class:`Tally`), and :class:`DeviceStats`
@@ -125,10 +125,10 @@ class DeviceStats:
     gpu_memory_bytes: int | None = field(default=None, metadata=_read(int))
     #: Jobs this device's worker stopped itself, cut off from Redis (self-fencing), or because a
     #: newer attempt took their lease; counted when it reports them
-    #: (:data:`tasks.core.jobstate.FENCED`).
+    #: (:data:`tasks.core.jobscripts.FENCED`).
     jobs_fenced: int = field(default=0, metadata={"script": int})
     #: Writes of this device's attempts refused for an older fencing token than the job's (a
-    #: late store of a cut-off run: :data:`tasks.core.jobstate.STORE`).
+    #: late store of a cut-off run: :data:`tasks.core.jobscripts.STORE`).
     writes_refused: int = field(default=0, metadata={"script": int})
     #: Jobs this device's worker preempted: made way for higher-level work, sent back to their
     #: queue (:func:`count_preemption`).

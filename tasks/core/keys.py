@@ -42,7 +42,7 @@ FAST_FAILURES_PREFIX = f"{PREFIX}fast-failures:"
 def queue_ok(queue: str) -> str:
     """Hash ``{device: epoch seconds}``: when each device last ended ok a job of shared queue
     ``queue`` (the store script), the "succeeds elsewhere" of a black hole's evidence
-    (:data:`tasks.core.jobstate.FAILED_FAST`). TTL: :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`."""
+    (:data:`tasks.core.device_state.FAILED_FAST`). TTL: :data:`~tasks.core.defaults.BLACKHOLE_WINDOW_S`."""
     return f"{PREFIX}queue-ok:{queue}"
 
 
@@ -266,7 +266,7 @@ USER_SECONDS = f"{PREFIX}user-seconds"
 # -- caps on the devices a user or team holds at once (tasks.core.caps) -------------------------
 
 #: Hash ``{"user:<name>" | "team:<name>": Cap JSON}``: each cap an admin set (``devicefleet cap
-#: set``), read by the take script (:data:`tasks.core.jobstate.TAKE`) at each lease it hands out.
+#: set``), read by the take script (:data:`tasks.core.jobscripts.TAKE`) at each lease it hands out.
 CAPS = f"{PREFIX}caps"
 #: Hash ``{"<user> <kind> held|busy": seconds}``: the device-seconds each user's jobs held devices
 #: of a kind, and kept them busy (where measured), ever (Prometheus). Written by the store script

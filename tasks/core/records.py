@@ -487,7 +487,7 @@ class LeaseRecord(_Record):
     #: (:mod:`tasks.core.caps`), with the device's kind.
     user: str | None = None
     #: Whether the take script granted it over its user's cap, as borrowed work (a cap with
-    #: ``borrow``). Last, so that the script finds it at the end of the JSON to mark it.
+    #: ``borrow``): the script stores the record the taker wrote with it true, wherever it stands.
     borrowed: bool = False
 
 

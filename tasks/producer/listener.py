@@ -2,7 +2,7 @@
 
 Celery's Redis backend publishes every state it stores on a channel named by the task's meta key
 (``celery-task-meta-<id>``: ``RedisBackend._set``, and read by its ``ResultConsumer``); the
-fleet's backend does the same from its store script (:data:`tasks.core.jobstate.LUA_STATE_FUNCTIONS`),
+fleet's backend does the same from its store script (:data:`tasks.core.jobscripts.LUA_STATE_FUNCTIONS`),
 for STARTED, every PROGRESS report and the final state. A :class:`StateListener` subscribes to
 the channels its waiters ask for, reads them in one task and hands each waiter the decoded meta.
 

@@ -2,8 +2,8 @@
 elsewhere is quarantined, and the jobs it failed go back to their shared queue, no attempt spent.
 
 The decision is one script call where the fleet decides a job's end
-(:data:`tasks.core.jobstate.FAILED_FAST`, beside the store script, which records each device's
-last job ended ok and clears its window): it runs for a job that failed within
+(:data:`tasks.core.device_state.FAILED_FAST`, beside the state it writes; the store script records
+each device's last job ended ok and clears its window): it runs for a job that failed within
 :data:`~tasks.core.defaults.BLACKHOLE_FAST_S` of run time, before Celery stores anything, so a
 job it sends back to its queue has no failure stored and no chord counts it. A job that fails
 fast on two different devices is the job's fault: its failure is stored, as any job's, and no
@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from ..core.defaults import BLACKHOLE_FAST_S, BLACKHOLE_K, BLACKHOLE_WINDOW_S
-from ..core.jobstate import JobState
+from ..core.device_state import failed_fast
 from ..core.records import JobOptions
 from ..core.wire import Outcome
 from .accounting import shared_queue
@@ -43,15 +43,15 @@ def judged(worker: DeviceWorker, ended: Ended, options: JobOptions | None, reque
 
 
 def decide(worker: DeviceWorker, request: Any, ended: Ended) -> bool:
-    """Record this fast failure (:data:`~tasks.core.jobstate.FAILED_FAST`); True when the job goes
+    """Record this fast failure (:data:`~tasks.core.device_state.FAILED_FAST`); True when the job goes
     back to its queue instead of its failure being stored. A Redis error stores the failure."""
     device = worker.device.name
     error = ended.error
     text = f"{error.type}: {error.message}" if error is not None else "failed"
     text = " ".join(text.split())[:ERROR_CHARS]
     try:
-        decision = JobState(worker.client).failed_fast(
-            str(request.id), device, text, queue=shared_queue(request, device), now=time.time(),
+        decision = failed_fast(
+            worker.client, str(request.id), device, text, queue=shared_queue(request, device), now=time.time(),
             k=BLACKHOLE_K, window_s=BLACKHOLE_WINDOW_S)
     except redis.RedisError as exc:  # the job's end is stored as it came: nothing blamed
         logger.warning("%s: could not record the fast failure of job %s: %s", device, request.id, exc)

@@ -520,7 +520,7 @@ def started_meta(task: Any) -> StateMeta | None:
     if not hasattr(backend, "get_key_for_task"):
         return None
     request = task.request
-    # The token first: the take script stamps it there (jobstate.UNSTAMPED_META).
+    # The token first: the take script stamps it there (jobscripts.UNSTAMPED_META).
     meta = backend._get_result_meta(result={"token": None, "pid": os.getpid(), "hostname": request.hostname},
                                     state=STARTED, traceback=None, request=request)
     meta["task_id"] = str(request.id)

@@ -15,7 +15,7 @@ Publishing a report (:func:`publish`, in the worker, as each report arrives):
   :func:`tasks.core.keys.progress` (which outlives the job, so producers read each device's
   latest report through :meth:`tasks.producer.fanout.FanOut.progress` after it finished too),
   in one script call that refuses the report of an attempt older than the job's (fencing,
-  :data:`tasks.core.jobstate.PROGRESS`): a worker cut off from Redis, whose job a newer attempt
+  :data:`tasks.core.jobscripts.PROGRESS`): a worker cut off from Redis, whose job a newer attempt
   runs now, publishes none of its late reports, anywhere (the refusal is counted as the
   device's ``writes_refused``);
 - sends a ``task-progress`` task event. Flower keeps task state from events

@@ -4,7 +4,7 @@ Out of service (drained by an operator, quarantined by the fleet, suspect by its
 a worker takes nothing new, and keeps its heartbeat, leases and reaper as before:
 
 - the lease's take script reads the device's state in the same round trip that takes a job
-  (:data:`tasks.core.jobstate.TAKE`): a job that reaches the worker after the drain is refused at
+  (:data:`tasks.core.jobscripts.TAKE`): a job that reaches the worker after the drain is refused at
   once, and goes back to the front of its queue (:func:`tasks.worker.runner.hand_back`), no
   attempt spent;
 - :class:`ServiceWatch` reads the state every :data:`~tasks.core.defaults.DEVICE_STATE_CHECK_S`

@@ -23,6 +23,8 @@ services it uses), starts them in that order and stops them in reverse::
     PreemptionStep      the preemption watch                  look for higher-level    stop looking
                                                               work while jobs run
     ReaperStep          the reaper                            reap                     stop reaping
+    CancelRelayStep     the relay of the users' cancels       relay them               stop relaying
+    AclUsersStep        the keeper of the users' ACL users    make lost ones again     stop keeping
     ServiceStep         the watch of the device's state       read it: out of service, stop reading it
                                                               the consumer takes none
     JobsStep            the DeviceWorker of all the above;    -                        a running job gets its
@@ -33,6 +35,8 @@ services it uses), starts them in that order and stops them in reverse::
     StopHandlersStep    -                                     a 2nd SIGTERM or a       -
                                                               SIGQUIT stops at once
 
+A step with one service hands it to Celery as the step's ``obj`` (what its ``create`` returns),
+which ``StartStopStep`` starts, stops and terminates, as Celery's own ``Beat`` step does.
 Everything is built in ``__init__``, before Celery creates its pool (``Blueprint.apply`` runs
 every step's ``__init__``, then each one's ``create``): the pool's size is the device's slot
 count, and the slots and the jobs are known only once the first job process said what it sees.
@@ -273,19 +277,13 @@ class PreemptionStep(bootsteps.StartStopStep):
                                      min_run_s=setup.config.preempt_min_run_s,
                                      grace_s=setup.config.preempt_grace_s)
 
-    def start(self, parent: Any) -> None:
-        self.preemption.start()
-
-    def stop(self, parent: Any) -> None:
-        self.preemption.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> Preemption:
+        return self.preemption  # the step's obj: StartStopStep starts and stops it
 
 
 class ReaperStep(bootsteps.StartStopStep):
-    """The fleet's housekeeping: the reaper, which gives back the jobs of workers that died
-    holding them (:mod:`tasks.worker.reaper`); the users' cancel relay; their ACL users kept
-    (:mod:`tasks.worker.acl_keeper`)."""
+    """The reaper, which gives back the jobs of workers that died holding them
+    (:mod:`tasks.worker.reaper`)."""
 
     label = "Reaper"
     requires = (RegistryStep,)
@@ -295,23 +293,40 @@ class ReaperStep(bootsteps.StartStopStep):
         settings = built(parent, DeviceStep).setup.settings
         self.reaper = Reaper(built(parent, RegistryStep).client, parent.app, settings.reaper_interval_s,
                              orphan_grace_s=2 * settings.lease_ttl_s)
+
+    def create(self, parent: Any) -> Reaper:
+        return self.reaper  # the step's obj: StartStopStep starts and stops it
+
+
+class CancelRelayStep(bootsteps.StartStopStep):
+    """The users' own cancels (issue 49), sent on with the fleet's credentials
+    (:mod:`tasks.worker.cancels`)."""
+
+    label = "CancelRelay"
+    requires = (RegistryStep,)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.cancels = CancelRelay(built(parent, RegistryStep).client, parent.app, CANCEL_RELAY_INTERVAL_S)
+
+    def create(self, parent: Any) -> CancelRelay:
+        return self.cancels  # the step's obj: StartStopStep starts and stops it
+
+
+class AclUsersStep(bootsteps.StartStopStep):
+    """The users' Redis ACL users, made again where a restarted Redis (or replica, or sentinel)
+    lost them (:mod:`tasks.worker.acl_keeper`)."""
+
+    label = "AclUsers"
+    requires = (RegistryStep,)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
         registry = built(parent, RegistryStep)
-        # The users' own cancels (issue 49), sent on with the fleet's credentials.
-        self.cancels = CancelRelay(registry.client, parent.app, CANCEL_RELAY_INTERVAL_S)
-        # Their ACL users, made again where a restarted Redis (or replica, or sentinel) lost them.
         self.acl_users = AclUsersKeeper(registry.client, registry.url, ACL_USERS_CHECK_S)
 
-    def start(self, parent: Any) -> None:
-        self.reaper.start()
-        self.cancels.start()
-        self.acl_users.start()
-
-    def stop(self, parent: Any) -> None:
-        self.acl_users.stop()
-        self.cancels.stop()
-        self.reaper.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> AclUsersKeeper:
+        return self.acl_users  # the step's obj: StartStopStep starts and stops it
 
 
 class ServiceStep(bootsteps.StartStopStep):
@@ -325,13 +340,8 @@ class ServiceStep(bootsteps.StartStopStep):
         super().__init__(parent, **kwargs)
         self.watch = ServiceWatch(built(parent, RegistryStep).client, built(parent, DeviceStep).setup.device.name)
 
-    def start(self, parent: Any) -> None:
-        self.watch.start()
-
-    def stop(self, parent: Any) -> None:
-        self.watch.stop()
-
-    terminate = stop
+    def create(self, parent: Any) -> ServiceWatch:
+        return self.watch  # the step's obj: StartStopStep starts and stops it
 
 
 class JobsStep(bootsteps.StartStopStep):
@@ -341,7 +351,7 @@ class JobsStep(bootsteps.StartStopStep):
     gets its stop timeout (:meth:`~tasks.worker.device.DeviceWorker.drain`)."""
 
     label = "Jobs"
-    requires = (LeaseStep, ReaperStep, PreemptionStep, HealthStep, ServiceStep)
+    requires = (LeaseStep, ReaperStep, CancelRelayStep, AclUsersStep, PreemptionStep, HealthStep, ServiceStep)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
