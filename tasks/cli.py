@@ -52,6 +52,7 @@ from .core.errors import (
 )
 from .core.records import DistBackend, Entry, WorkerRecord
 from .core.settings import DEFAULT_METRICS_PORT, Settings
+from .core.stopflag import StopFlag
 from .ops.tensorboard import DEFAULT_PORT as TENSORBOARD_PORT
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
 
     settings = _settings(state_dir=state_dir)
     fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout, flower=flower)
-    stop = threading.Event()
+    stop = StopFlag()  # not threading.Event: its set() in a handler can deadlock (tasks.core.stopflag)
     starting = True
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -693,7 +694,7 @@ def status(as_json: bool, watch: bool, interval: float, print_url: bool, redis_u
         # the main thread happens to be (inside a Redis read, or inside rich's Live with its
         # refresh thread): a Ctrl-C there could leave `status --watch` running, and CI saw one
         # that did not exit.
-        stop = threading.Event()
+        stop = StopFlag()
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
         try:
             with Live(render(rep), console=console, refresh_per_second=4) as live:
@@ -898,7 +899,7 @@ def exporter(port: int, redis_url: str | None) -> None:
     from .core.hiding import environment_secrets, fleet_secrets, hide_from_children
     from .ops.exporter import MetricsExporter
 
-    stop = threading.Event()
+    stop = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     settings = _settings(redis_url=redis_url)
