@@ -2,8 +2,8 @@
 
 `devicefleet up` set a threading.Event from its SIGTERM handler while its main thread waited on
 that event every half second (Fleet.supervise): a handler that ran inside Event.wait, whose lock
-that thread then held, waited on it for ever ("SIGTERM: stopping the fleet" and nothing more,
-one suite run in several; tests/test_packaging.py's `up` stop found it)."""
+that thread then held, waited on it for ever ("SIGTERM: stopping the fleet" and nothing more: the
+stop of tests/test_packaging.py's `up`, once in a suite run on a loaded host)."""
 
 from __future__ import annotations
 
