@@ -191,4 +191,8 @@ def test_up_and_a_fan_out_from_a_folder_with_its_own_tasks_module_and_package(tm
         if up.poll() is None:
             up.kill()
             up.wait()
+        # A failed test leaves the pipe that communicate() closes open: the session fixture's
+        # gc.collect() then met it (a ResourceWarning, an error after another file's test).
+        if up.stdout is not None:
+            up.stdout.close()
         redis_server.stop()

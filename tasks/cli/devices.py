@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from ..core.defaults import STATUS_WATCH_INTERVAL_S
 from ..core.errors import EXIT_CONFIG, DeviceFleetError, FleetError, UnknownDevice
 from ..core.registry import reading
 from ..core.settings import read_fleet_file
+from ..core.stopflag import StopFlag
 from ..ops.devices_admin import drain, listing, undrain
 from ..ops.status import render, report
 from ..ops.status import table as fit_table
@@ -60,7 +60,7 @@ def status(as_json: bool, watch: bool, interval: float, print_url: bool, redis_u
         # the main thread happens to be (inside a Redis read, or inside rich's Live with its
         # refresh thread): a Ctrl-C there could leave `status --watch` running, and CI saw one
         # that did not exit.
-        stop = threading.Event()
+        stop = StopFlag()
         previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
         try:
             with Live(render(rep), console=console, refresh_per_second=4) as live:

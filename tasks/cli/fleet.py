@@ -22,6 +22,7 @@ from ..core.hiding import environment_secrets, fleet_secrets, hide_from_children
 from ..core.records import WorkerRecord
 from ..core.registry import live_workers, reading
 from ..core.settings import DEFAULT_METRICS_PORT
+from ..core.stopflag import StopFlag
 from ..ops.exporter import MetricsExporter
 from ..ops.fleet import Fleet
 from ..ops.status import table as fit_table
@@ -53,7 +54,7 @@ def up(cpu_workers: int | None, gpus: int | None, state_dir: Path | None, stop_t
     """
     settings = load_settings(state_dir=state_dir)
     fleet = Fleet(settings, cpu_workers=cpu_workers, gpus=gpus, stop_timeout=stop_timeout, flower=flower)
-    stop = threading.Event()
+    stop = StopFlag()  # not threading.Event: its set() in a handler can deadlock (tasks.core.stopflag)
     starting = True
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -209,7 +210,7 @@ def exporter(port: int, redis_url: str | None) -> None:
 
     `devicefleet up` runs this exporter itself; systemd hosts run devicefleet-metrics.service.
     """
-    stop = threading.Event()
+    stop = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     settings = load_settings(redis_url=redis_url)

@@ -48,6 +48,7 @@ from ..core.records import FleetDevice, FleetFile
 from ..core.registry import connect, live_workers
 from ..core.settings import Settings, read_fleet_file, redact_url
 from ..core.shadow import python_child
+from ..core.stopflag import StopFlag
 from ..core.worker_config import load_worker_config
 from .monitor import FleetMonitor
 from .proc import kill_group, log_tail, wait_until
@@ -272,7 +273,7 @@ class Fleet:
         """A Celery app connected to this fleet, for producers in this process."""
         return create_app(self.settings.model_copy(update={"redis_url": self.redis_url}))
 
-    def supervise(self, stop: threading.Event, poll_s: float = FLEET_SUPERVISE_S) -> None:
+    def supervise(self, stop: threading.Event | StopFlag, poll_s: float = FLEET_SUPERVISE_S) -> None:
         """Restart any worker that dies, as systemd's ``Restart=on-failure`` would, and the
         embedded Redis if it dies (on its port, from its append-only file), until ``stop``."""
         while not stop.wait(poll_s):

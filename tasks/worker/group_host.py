@@ -53,6 +53,7 @@ from ..core.children import spawn_child
 from ..core.defaults import GROUP_HOST_RECONNECT_S
 from ..core.errors import DeviceFleetError
 from ..core.shadow import CHILD_FLAGS
+from ..core.stopflag import StopFlag
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not paths:
         print("usage: python -m tasks.worker.group_host SOCKET...  (each GPU leader's socket)", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    stop = StopFlag()  # threading.Event's set() in a handler can deadlock
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     leaders = serve(paths)
