@@ -22,7 +22,6 @@ import redis
 
 from ..core.defaults import BLACKHOLE_FAST_S, BLACKHOLE_K, BLACKHOLE_WINDOW_S
 from ..core.jobstate import JobState
-from ..core.records import JobOptions
 from ..core.wire import Outcome
 from .accounting import shared_queue
 from .device import DeviceWorker
@@ -34,12 +33,12 @@ logger = logging.getLogger(__name__)
 ERROR_CHARS = 160
 
 
-def judged(worker: DeviceWorker, ended: Ended, options: JobOptions | None, request: Any, run_s: float) -> bool:
-    """Whether this ending is a fast failure the black-hole rule looks at: of a job from a shared
-    queue (one sent to this device by name could not have run elsewhere: no comparison)."""
+def judged(worker: DeviceWorker, ended: Ended, alone: bool, request: Any, run_s: float) -> bool:
+    """Whether this ending is a fast failure the black-hole rule looks at: of a job its run mode
+    ran on this device ``alone`` (:attr:`tasks.worker.modes.RunMode.alone`), from a shared queue
+    (one sent to this device by name could not have run elsewhere: no comparison)."""
     return (ended.outcome is Outcome.ERROR and run_s < BLACKHOLE_FAST_S and request.id is not None
-            and options is not None and options.group is None and options.gang is None and options.pack is None
-            and shared_queue(request, worker.device.name) != "")
+            and alone and shared_queue(request, worker.device.name) != "")
 
 
 def decide(worker: DeviceWorker, request: Any, ended: Ended) -> bool:
