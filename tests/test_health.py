@@ -23,7 +23,7 @@ from tasks.core.records import WorkerRecord
 from tasks.core.wire import STOPS, Outcome, StopJob, StopReason
 from tasks.core.xids import count_xid, read_xid_counts
 from tasks.ops.exporter import FleetCollector
-from tasks.worker.accounting import sent_by_name
+from tasks.worker.admission import sent_by_name
 from tasks.worker.health import (
     XIDS,
     Action,

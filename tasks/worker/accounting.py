@@ -88,13 +88,6 @@ def shared_queue(request: Any, device: str) -> str:
     return "" if name == device_queue(device) else name
 
 
-def sent_by_name(request: Any, device: str) -> bool:
-    """Whether the job of ``request`` came from ``device``'s own queue (``device.<name>``, at
-    any level), not a queue the device shares with others."""
-    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-    return isinstance(queue, str) and split_level(queue)[0] == device_queue(device)
-
-
 def _sender(request: Any) -> tuple[str | None, Level, float | None]:
     """The user, level and send time of a request's job, from its headers (a header that does
     not parse counts as none: the job's end is counted all the same)."""

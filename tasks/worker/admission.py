@@ -31,7 +31,6 @@ from ..core.queues import device_queue
 from ..core.records import JobOptions
 from ..core.validation import describe_validation_error
 from ..core.wire import Outcome
-from .accounting import sent_by_name
 from .device import DeviceWorker
 from .disposition import Disposition, Drop, Redeliver, Requeue, Store
 from .lease import Take, Taken
@@ -49,6 +48,8 @@ class Admitted:
     options: JobOptions
     mode: RunMode
     attempt: Attempt | None = None
+    #: Sent to this device by name (its own queue): it could have run nowhere else.
+    by_name: bool = False
 
 
 def admit(worker: DeviceWorker, task: Task, held: ExitStack) -> Admitted | Disposition:
@@ -69,11 +70,11 @@ def admit(worker: DeviceWorker, task: Task, held: ExitStack) -> Admitted | Dispo
             return mismatch
         if (refused := mode.admit(options, mismatch)) is not None:
             return Store(failed=refused)
-    job_id = str(request.id)
+    job_id, by_name = str(request.id), sent_by_name(request, worker.device.name)
     if worker.health is not None and (failed := worker.health.failed) is not None:
         # The device failed (drained: its service watch stops the consumer): a job sent to it
         # by name ends at once, one taken from a shared queue meanwhile goes back to it.
-        if sent_by_name(request, worker.device.name):
+        if by_name:
             return Store(failed=errors.DeviceFailed(
                 f"job {job_id} was not run: {worker.device} failed ({failed.reason}) and was drained"))
         if worker.health.on_failed is not None:  # the service watch, woken should it not have read the drain yet
@@ -86,7 +87,7 @@ def admit(worker: DeviceWorker, task: Task, held: ExitStack) -> Admitted | Dispo
     if (elsewhere := of_lease(worker, job_id, taken)) is not None:
         return elsewhere
     held.enter_context(worker.leases.running(job_id))
-    return Admitted(options, mode, taken.attempt)
+    return Admitted(options, mode, taken.attempt, by_name)
 
 
 def _shut_out(worker: DeviceWorker, job_id: str) -> Disposition:
@@ -140,6 +141,13 @@ def device_mismatch(worker: DeviceWorker, task: Task, options: JobOptions) -> De
     after = f" (handed back {handed_back} times: no matching device took it)" if handed_back else ""
     return DeviceMismatch(f"{worker.device.name} does not meet the job's constraints "
                           f"{options.constraints.describe()}: {why}; it did not run{after}")
+
+
+def sent_by_name(request: Any, device: str) -> bool:
+    """Whether the job of ``request`` came from ``device``'s own queue (``device.<name>``, at
+    any level), not a queue the device shares with others."""
+    queue = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    return isinstance(queue, str) and split_level(queue)[0] == device_queue(device)
 
 
 def job_options(request: Any) -> JobOptions:

@@ -405,13 +405,8 @@ class LeaseKeeper(PeriodicThread):
 
         ``max_attempts`` is the job's bound on runs that take their worker down (default: the
         :class:`~tasks.core.records.JobOptions` default); ``user`` whom it runs for (its cap).
-        Beside :attr:`Take.TAKEN`: :attr:`Take.RUNNING_ELSEWHERE` or :attr:`Take.FINISHED` (this
-        copy is dropped); :attr:`Take.CAPPED` (nothing written; taken again
-        :data:`~tasks.core.defaults.CAP_RETRY_S` later); :attr:`Take.UNCONFIRMED` (no replica had
-        the lease: the message is redelivered); :attr:`Take.OUT_OF_SERVICE` (nothing taken);
-        :attr:`Take.LOST` (the job took its worker down ``max_attempts`` times: recorded in
-        ``keys.DEAD_LETTERS``, its lease held to go with its stored failure, which
-        :attr:`Taken.error` is).
+        A job lost (:attr:`Take.LOST`) is recorded in ``keys.DEAD_LETTERS``, its lease held to go
+        with its stored failure, :attr:`Taken.error`.
         """
         request = task.request
         task_id = str(request.id)

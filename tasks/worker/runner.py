@@ -21,7 +21,7 @@ gives the run's :class:`~tasks.worker.supervisor.Ended`; that becomes a disposit
 (:func:`tasks.worker.disposition.settle`), which :func:`tasks.worker.disposition.apply` carries
 out: its end handed (the lease's attempt, the count and the acknowledgement:
 :func:`tasks.worker.accounting.job_end`) to the store of its result
-(:meth:`~tasks.worker.jobrun.JobRun.end`), which Celery's tracer makes once the task returns or
+(:meth:`~tasks.worker.disposition.JobRun.end`), which Celery's tracer makes once the task returns or
 raises; or nothing stored (fenced); or its message back on its queue (preempted, given way).
 """
 
@@ -44,11 +44,9 @@ from ..core.queues import key_device
 from ..core.records import Entry, ErrorInfo
 from ..core.wire import JobInfo
 from . import blackhole
-from .accounting import sent_by_name
 from .admission import Admitted, admit
 from .device import DeviceWorker
-from .disposition import JobFacts, apply, settle
-from .jobrun import JobRun, preemptions_of
+from .disposition import JobFacts, JobRun, preemptions_of, settle
 from .launch import Launch
 from .supervisor import Ended
 from .watch import JobWatch
@@ -126,7 +124,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     with ExitStack() as held:
         admitted = admit(worker, task, held)
         if not isinstance(admitted, Admitted):
-            return apply(admitted, JobRun(worker, task, job), ran=False)
+            return JobRun(worker, task, job).dispose(admitted, ran=False)
         options, mode, attempt = admitted.options, admitted.mode, admitted.attempt
         job_id = str(task.request.id or "")
         with mode.seat(worker.slots, job_id) as seat:
@@ -140,11 +138,10 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
             ended = _run(worker, watch, launch, mode.run)
             request = task.request
             facts = JobFacts(
-                options=options, by_name=sent_by_name(request, worker.device.name),
+                options=options, by_name=admitted.by_name,
                 borrowed=worker.leases.borrowed(run.job_id), preemptions=preemptions_of(request),
-                sent_back=lambda ended: blackhole.judged(worker, ended, mode.alone, request, run.run_s(ended))
-                and blackhole.decide(worker, request, ended))
-            return apply(settle(ended, facts), run)
+                sent_back=lambda ended: blackhole.sends_back(worker, request, ended, mode.alone, run.run_s(ended)))
+            return run.dispose(settle(ended, facts))
 
 
 def _run(worker: DeviceWorker, watch: JobWatch, launch: Launch, run: Callable[[Launch], Ended]) -> Ended:

@@ -1,6 +1,6 @@
 """Taking a pack's members from its leader's queue: waiting messages made Celery requests.
 
-A pack's leader (:class:`tasks.worker.modes.Pack`) takes more waiting trials of the queue and
+A pack's leader (:class:`tasks.worker.modes.pack.Pack`) takes more waiting trials of the queue and
 level its own message came from, in one round trip, on a channel of the worker's own (one per
 worker, :class:`Siblings`): the transport takes them (:func:`tasks.core.transport.take_waiting`,
 the one writer of kombu's bookkeeping beside kombu's own BRPOP and the store of a job's end),

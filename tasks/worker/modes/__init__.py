@@ -1,26 +1,12 @@
-"""How a job runs on its worker: one shape for every run mode, chosen by the job's options.
+"""How a job runs on its worker: one module per run mode, chosen by the job's options.
 
 A run mode (:class:`~tasks.worker.modes.base.RunMode`) has the hooks the runner asks of every
-job (:func:`tasks.worker.runner.execute`), so the runner never asks which mode a job runs in:
-its own checks before it runs (``admit``), whether it waits at a device group's gate
-(``gated``), where it sits (``seat``), whether the black-hole rule judges its failures
-(``alone``), and its run: it takes one :class:`~tasks.worker.launch.Launch` (the job's message
-and options, its watch, the slot it took, its lease's token, its start clock) and returns the
-run's :class:`~tasks.worker.supervisor.Ended`. It never raises for a job's own ending: the
-ending becomes a disposition (:func:`tasks.worker.disposition.settle`). The modes are built once
-per worker with its services bound (:class:`RunModes`, the device worker's ``modes``):
-
-- :class:`Plain` (:mod:`.plain`): the job in one of the worker's job processes, in its slot;
-- :class:`Gang` (:mod:`.gang`): a rank of a distributed job (:mod:`tasks.worker.gang` joins,
-  assembles, runs it again with its gang);
-- :class:`Group` (:mod:`.group`): a device group's job, led by this worker
-  (:mod:`tasks.worker.group` reserves and holds its devices, then runs it in one job process
-  over them all);
-- :class:`Pack` (:mod:`.pack`): a packed sweep's trial: it leads a pack or joins the pack of the
-  trial that took it (:mod:`tasks.worker.pack`).
-
-A new mode is one more module here, with the hooks it changes, and one more line in
-:meth:`RunModes.of`.
+job (:func:`tasks.worker.runner.execute`), so the runner never asks which mode a job runs in.
+The modes are built once per worker with its services bound (:class:`RunModes`, the device
+worker's ``modes``): :class:`Plain` (a job process in its slot), :class:`Gang` (a distributed
+job's rank), :class:`Group` (a device group's job, led here), :class:`Pack` (a packed sweep's
+trial, leading a pack or joining one). A new mode is one more module here, with the hooks it
+changes, and one more line in :meth:`RunModes.of`.
 """
 
 from __future__ import annotations
@@ -33,13 +19,13 @@ from ...core.records import JobOptions
 from ..group import GroupGate
 from ..pack import Rooms
 from ..supervisor import Supervisor
-from .base import Mode, RunMode, Seat
+from .base import RunMode, Seat
 from .gang import Gang
 from .group import Group
 from .pack import Pack
 from .plain import Plain
 
-__all__ = ["Gang", "Group", "Mode", "Pack", "Plain", "RunMode", "RunModes", "Seat"]
+__all__ = ["Gang", "Group", "Pack", "Plain", "RunMode", "RunModes", "Seat"]
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""What a run mode is (:class:`RunMode`) and the hooks every mode has unless it says otherwise
-(:class:`Mode`): the runner asks these, never which mode a job runs in."""
+"""What a run mode is (:class:`RunMode`): the hooks the runner asks of every job, never which
+mode it runs in."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 from ...core.errors import DeviceMismatch, NoJobProcess
 from ...core.records import JobOptions
@@ -29,44 +29,33 @@ class Seat:
     own: bool = True
 
 
-class RunMode(Protocol):
-    """A way to run a job: its own checks before it runs, where it sits, and its run, which
-    returns how it ended and never raises for the job's sake."""
+class RunMode:
+    """A way to run a job, with the hooks the runner asks of every job; each hook here is what
+    a mode that says nothing of its own does: no check beyond its device's, it waits at the
+    gate, it takes a slot of its own and may be preempted."""
 
     #: Whether its job runs on this device alone: the black-hole rule judges only such a job's
     #: fast failures (:mod:`tasks.worker.blackhole`).
-    alone: ClassVar[bool]
+    alone: ClassVar[bool] = False
 
     def admit(self, options: JobOptions, mismatch: DeviceMismatch | None) -> DeviceMismatch | None:
         """The mode's own checks of a job with constraints, once this device's were checked
         (``mismatch``: they failed): the refusal its end is stored with; None: it may run."""
-
-    def gated(self, job_id: str) -> bool:
-        """Whether the job waits at the gate a device group closes (:class:`tasks.worker.group.GroupGate`)."""
-
-    def seat(self, slots: Slots, job_id: str) -> AbstractContextManager[Seat]:
-        """Hold the job's seat for its run."""
-
-    def run(self, launch: Launch) -> Ended:
-        """Run ``launch``'s job to its end."""
-
-
-class Mode:
-    """The hooks of a mode that says nothing of its own: no check beyond its device's, it
-    waits at the gate, it takes a slot of its own and may be preempted."""
-
-    alone: ClassVar[bool] = False
-
-    def admit(self, options: JobOptions, mismatch: DeviceMismatch | None) -> DeviceMismatch | None:
         return mismatch
 
     def gated(self, job_id: str) -> bool:
+        """Whether the job waits at the gate a device group closes (:class:`tasks.worker.group.GroupGate`)."""
         return True
 
     @contextmanager
     def seat(self, slots: Slots, job_id: str) -> Iterator[Seat]:
+        """Hold the job's seat for its run."""
         with slots.take() as slot:
             yield Seat(slot)
+
+    def run(self, launch: Launch) -> Ended:
+        """Run ``launch``'s job to its end: how it ended, never raised for the job's sake."""
+        raise NotImplementedError
 
 
 def no_process(device: str, exc: NoJobProcess) -> Ended:

@@ -12,14 +12,14 @@ from ...core.records import GangSpec, JobOptions
 from .. import gang
 from ..launch import Launch
 from ..supervisor import Ended
-from .base import Mode
+from .base import RunMode
 from .plain import Plain
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Gang(Mode):
+class Gang(RunMode):
     """A rank of a distributed job: its gang joins, assembles and runs it again as a whole."""
 
     plain: Plain

@@ -16,12 +16,12 @@ from ..group import GroupGate
 from ..launch import Launch
 from ..slots import Slots
 from ..supervisor import Ended
-from .base import Mode, Seat
+from .base import RunMode, Seat
 from .plain import Plain
 
 
 @dataclass(frozen=True)
-class Group(Mode):
+class Group(RunMode):
     """A device group's job: its leader reserves and holds the group's devices (it waits at no
     gate), then runs it in one job process over them all; it stops only as a whole (never
     preempted)."""

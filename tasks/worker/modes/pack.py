@@ -16,14 +16,14 @@ from ..launch import Launch
 from ..pack import Room, Rooms
 from ..slots import Slots
 from ..supervisor import Ended, Watch
-from .base import Mode, Seat, no_process
+from .base import RunMode, Seat, no_process
 from .plain import Plain
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Pack(Mode):
+class Pack(RunMode):
     """A packed sweep's trial (:mod:`tasks.worker.pack`): a member taken by a leader joins its
     room (in its leader's slot, past the gate its leader passed, never preempted on its own:
     its leader's slot makes way as a whole); any other leads a pack of itself and the trials it

@@ -10,11 +10,11 @@ from ...core.wire import RunJob
 from ..launch import Launch
 from ..slots import Slot
 from ..supervisor import Apart, Ended, Supervisor, Watch
-from .base import Mode, no_process
+from .base import RunMode, no_process
 
 
 @dataclass(frozen=True)
-class Plain(Mode):
+class Plain(RunMode):
     """A job in one of the worker's job processes, in the slot it took."""
 
     alone: ClassVar[bool] = True
