@@ -4,6 +4,8 @@ and the one :func:`~tasks.worker.disposition.apply` that raises Celery's excepti
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -202,3 +204,17 @@ def test_apply_of_a_redelivery_rejects_back_to_the_queue():
     with pytest.raises(Reject) as rejected:
         apply(Redeliver("no replica"), FakeRun(), ran=False)  # type: ignore[arg-type]
     assert rejected.value.requeue is True and rejected.value.reason == "no replica"
+
+
+def test_only_apply_tells_celery_and_only_the_modes_ask_which_mode():
+    """One module of the worker raises Celery's Retry, Ignore or Reject; no module outside the
+    run modes asks which mode a job runs in (its options' group, gang or pack, a pack's room)."""
+    worker = Path(__file__).resolve().parent.parent / "tasks" / "worker"
+    tells, asks = [], []
+    for path in sorted(worker.rglob("*.py")):
+        text, name = path.read_text(), str(path.relative_to(worker))
+        if path.name != "disposition.py" and re.search(r"Ignore\(\)|\.retry\(|Reject\(", text):
+            tells.append(name)
+        if path.parent.name != "modes" and re.search(r"options\.(group|gang|pack) is|\.room_of\(", text):
+            asks.append(name)
+    assert (tells, asks) == ([], [])
