@@ -174,7 +174,7 @@ def test_apply_of_a_drop_ignores_and_a_fenced_one_leaves_its_lease_to_expire():
     run: Any = FakeRun()
     with pytest.raises(Ignore):
         apply(Drop(), run, ran=False)
-    assert run.leases.calls == [] and run.idled == []
+    assert run.leases.calls == [] and run.idled == []  # a copy dropped at its take: another holds the lease
     with pytest.raises(Ignore):
         apply(Drop(fenced=True), run)
     assert run.leases.calls == [("fenced", "j")] and run.idled == [False]
