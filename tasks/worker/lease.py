@@ -387,48 +387,33 @@ class LeaseKeeper(PeriodicThread):
             self.release(task_id)
 
     def hold(self, task: Any, max_attempts: int | None = None, user: str | None = None) -> Taken:
-        """Take ``task``'s lease and store its STARTED state (one round trip); returns what was
-        taken, never raises for the take's sake: the admission makes each refusal a disposition
-        (:func:`tasks.worker.admission.of_lease`).
+        """Take ``task``'s lease and store its STARTED state (one round trip: Celery's STARTED meta,
+        :func:`started_meta`; the job task has ``track_started`` off); returns what was taken, never
+        raises for the take's sake (the admission makes a refusal a disposition:
+        :func:`tasks.worker.admission.of_lease`).
 
-        With :attr:`Take.TAKEN` the lease is held until the job's result is stored: the job's end
-        takes the attempt (:meth:`finishing`) to the result backend, which releases the lease in
-        the script call that stores the result; the worker's ``task_postrun`` signal, which comes
-        after the result (or failure) is stored and before the message is acknowledged, settles
-        it (:meth:`settle`). So a copy redelivered at any moment finds the lease held or the
-        result stored, and never runs the job again. A run that stores nothing more (a dropped or
-        cancelled job: :func:`tasks.worker.disposition.apply`) settles it at once; one the worker
-        goes down under releases it (:meth:`running`).
-
-        The job task stores no STARTED state of its own (``track_started`` is off for it): this
-        is Celery's STARTED meta, made by the task's result backend, stored by the take script.
-
-        ``max_attempts`` is the job's bound on runs that take their worker down (default: the
-        :class:`~tasks.core.records.JobOptions` default); ``user`` whom it runs for (its cap).
-        A job lost (:attr:`Take.LOST`) is recorded in ``keys.DEAD_LETTERS``, its lease held to go
-        with its stored failure, :attr:`Taken.error`.
+        A lease taken is held until the job's result is stored: the job's end takes the attempt
+        (:meth:`finishing`) to the result backend, whose script call that stores the result
+        releases it; ``task_postrun``, after the store and before the acknowledgement, settles it
+        (:meth:`settle`). So a copy redelivered at any moment finds the lease held or the result
+        stored. ``max_attempts`` bounds the runs that take their worker down (default: the
+        :class:`~tasks.core.records.JobOptions` default); ``user`` is whom it runs for (its cap).
+        A job lost (:attr:`Take.LOST`) is kept as a dead letter (:func:`dead_letter`), its lease
+        held to go with its stored failure, :attr:`Taken.error`.
         """
-        request = task.request
-        task_id = str(request.id)
-        properties = request.properties or {}
-        delivery_info = request.delivery_info or {}
-        resend = ResendRecord(
-            name=task.name, kwargs=request.kwargs or {}, queue=delivery_info.get("routing_key"),
-            headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
-            group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
-        )
+        task_id, resend = str(task.request.id), resend_of(task)
         bound = max_attempts if max_attempts is not None else JobOptions().max_attempts
-        taken = self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task),
+        taken = self.take(task_id, (task.request.properties or {}).get("delivery_tag"), resend, started_meta(task),
                           max_attempts=bound, keep_s=deaths_kept_s(task.app), user=user)
         if taken.outcome is Take.LOST:
-            return dataclasses.replace(taken, error=self._lost(task_id, resend, taken.lost_to, bound))
+            lost = dead_letter(self._client, self.device, task_id, resend, taken.lost_to, bound)
+            return dataclasses.replace(taken, error=lost)
         return taken
 
     @contextmanager
     def running(self, task_id: str) -> Iterator[None]:
-        """The block of a job run under its lease: a BaseException that is not an Exception (the
-        worker is going down) releases the lease at once; anything else leaves it to the store
-        of the job's end (:meth:`hold`)."""
+        """A job's run under its lease: a BaseException not an Exception (the worker is going
+        down) releases it at once; anything else leaves it to the store of the job's end."""
         try:
             yield
         except Exception:
@@ -436,23 +421,6 @@ class LeaseKeeper(PeriodicThread):
         except BaseException:
             self.release(task_id)
             raise
-
-    def _lost(self, task_id: str, resend: ResendRecord, workers: tuple[str, ...], max_attempts: int) -> WorkerLost:
-        """Record a job given up as a dead letter; returns its error."""
-        letter = DeadLetter(task_id=task_id, job=resend.name.removeprefix(TASK_PREFIX), device=self.device,
-                            queue=resend.queue, kwargs=resend.kwargs, workers=list(workers),
-                            max_attempts=max_attempts, at=time.time(), group_id=resend.group_id)
-        try:
-            self._client.hset(keys.DEAD_LETTERS, task_id, letter.to_json())
-        except redis.RedisError as exc:  # the job still ends: its stored failure says why
-            logger.error("could not record job %s as a dead letter: %s", task_id, exc)
-        logger.error("job %s (%s) took its worker down %d times (%s); not running it again",
-                     task_id, letter.job, len(workers), ", ".join(workers))
-        return WorkerLost(
-            f"job {task_id} ({letter.job}) took its worker down {len(workers)} times ({', '.join(workers)}); "
-            f"not running it again (max_attempts={max_attempts}). It is kept as a dead letter "
-            "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
-        )
 
     def tick(self) -> None:
         if self.fence.has_reports():
@@ -488,6 +456,35 @@ class LeaseKeeper(PeriodicThread):
             for task_id, sent in renewed.items():
                 if task_id in self._held:
                     self.fence.confirmed(task_id, sent)
+
+
+def resend_of(task: Any) -> ResendRecord:
+    """What the reaper needs to send ``task``'s job again, from its request."""
+    request = task.request
+    return ResendRecord(
+        name=task.name, kwargs=request.kwargs or {}, queue=(request.delivery_info or {}).get("routing_key"),
+        headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
+        group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
+    )
+
+
+def dead_letter(client: redis.Redis, device: str, task_id: str, resend: ResendRecord, workers: tuple[str, ...],
+                max_attempts: int) -> WorkerLost:
+    """Record a job given up on ``device`` as a dead letter (``keys.DEAD_LETTERS``); returns its error."""
+    letter = DeadLetter(task_id=task_id, job=resend.name.removeprefix(TASK_PREFIX), device=device,
+                        queue=resend.queue, kwargs=resend.kwargs, workers=list(workers),
+                        max_attempts=max_attempts, at=time.time(), group_id=resend.group_id)
+    try:
+        client.hset(keys.DEAD_LETTERS, task_id, letter.to_json())
+    except redis.RedisError as exc:  # the job still ends: its stored failure says why
+        logger.error("could not record job %s as a dead letter: %s", task_id, exc)
+    logger.error("job %s (%s) took its worker down %d times (%s); not running it again",
+                 task_id, letter.job, len(workers), ", ".join(workers))
+    return WorkerLost(
+        f"job {task_id} ({letter.job}) took its worker down {len(workers)} times ({', '.join(workers)}); "
+        f"not running it again (max_attempts={max_attempts}). It is kept as a dead letter "
+        "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
+    )
 
 
 def started_meta(task: Any) -> StateMeta | None:
