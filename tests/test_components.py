@@ -74,6 +74,8 @@ from tasks.ops.status import render, report
 from tasks.worker import gang as gang_module
 from tasks.worker import lease as lease_module
 from tasks.worker import reaper as reaper_module
+from tasks.worker.admission import of_lease
+from tasks.worker.disposition import Store, apply
 from tasks.worker.gang import GangWatch
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper, Take
@@ -263,12 +265,34 @@ def _job_task(app: FleetCelery, task_id: str):  # type: ignore[no-untyped-def]
     return task
 
 
+def _run_of(keeper: LeaseKeeper, task: Any) -> Any:
+    """What :func:`tasks.worker.disposition.apply` needs of a job's run; its end's store is a
+    cancelled job's (REVOKED stored, nothing more for Celery to store)."""
+    return SimpleNamespace(task=task, worker=SimpleNamespace(leases=keeper), job_id=str(task.request.id),
+                           end=lambda ended=None, failed=None: None)
+
+
+@contextmanager
+def held_lease(keeper: LeaseKeeper, task: Any, max_attempts: int | None = None) -> Iterator[Any]:
+    """``task``'s lease as the runner holds it (:func:`tasks.worker.admission.admit`): taken for
+    the block, or its refusal applied (:func:`tasks.worker.disposition.apply` raises Celery's
+    exception for it); a lost job's WorkerLost raised, as the runner stores it."""
+    taken = keeper.hold(task, max_attempts=max_attempts)
+    if taken.error is not None:
+        raise taken.error
+    refused = of_lease(SimpleNamespace(service=None), str(task.request.id), taken)
+    if refused is not None:
+        apply(refused, _run_of(keeper, task), ran=False)
+    with keeper.running(str(task.request.id)):
+        yield taken.attempt
+
+
 def test_hold_takes_the_lease_for_the_block_and_records_how_to_resend(client, app):
     keeper = LeaseKeeper(client, "cpu9", "cpu9@here", ttl_s=5.0)
     task_id = str(uuid.uuid4())
     task = _job_task(app, task_id)
     try:
-        with keeper.hold(task):
+        with held_lease(keeper, task):
             record = lease_of(client, task_id)
             assert record is not None and record.delivery_tag == f"tag-{task_id}"
             assert record.resend is not None
@@ -294,11 +318,11 @@ def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, mon
     copy = LeaseKeeper(client, "cpu2", "cpu2@here", ttl_s=5.0)
     runs = []
     try:
-        with on_other_host(monkeypatch), keeper.hold(task):
+        with on_other_host(monkeypatch), held_lease(keeper, task):
             runs.append("original")
             assert app.backend.get_task_meta(task_id)["status"] == "STARTED"  # stored by the take
         # The function has returned; Celery has not stored the result yet. A copy now:
-        with pytest.raises(Ignore), copy.hold(task):
+        with pytest.raises(Ignore), held_lease(copy, task):
             runs.append("copy, before the result is stored")
         # What the runner hands the backend, Celery's store of the result, and the worker's
         # task_postrun after it:
@@ -307,7 +331,7 @@ def test_a_copy_redelivered_as_its_original_finishes_never_runs(client, app, mon
         keeper.settle(task_id, task.request)
         assert keeper.held() == [] and client.exists(keys.lease(task_id)) == 0  # released with it
         # A copy after that finds the result stored.
-        with pytest.raises(Ignore), copy.hold(task):
+        with pytest.raises(Ignore), held_lease(copy, task):
             runs.append("copy, after the release")
     finally:
         task.pop_request()
@@ -362,7 +386,10 @@ def test_hold_releases_at_once_when_the_block_ignores_or_the_worker_goes_down(cl
         task_id = str(uuid.uuid4())
         task = _job_task(app, task_id)
         try:
-            with pytest.raises(type(exc)), keeper.hold(task):
+            with pytest.raises(type(exc)), held_lease(keeper, task):
+                if isinstance(exc, Ignore):  # a cancelled job: its state stored, nothing more to store
+                    apply(Store(ended=Ended.by_worker(JobCancelled, "cancelled", pid=0, retired=None,
+                                                      outcome=Outcome.CANCELLED)), _run_of(keeper, task), ran=False)
                 raise exc
         finally:
             task.pop_request()
@@ -377,7 +404,7 @@ def test_hold_drops_a_copy_of_a_job_that_already_finished(client, app):
     ran = False
     try:
         with pytest.raises(Ignore):
-            with keeper.hold(task):
+            with held_lease(keeper, task):
                 ran = True
     finally:
         task.pop_request()
@@ -391,10 +418,10 @@ def test_hold_drops_a_second_copy_running_in_the_same_process(client, app):
     task_id = str(uuid.uuid4())
     task = _job_task(app, task_id)
     try:
-        with keeper.hold(task):
+        with held_lease(keeper, task):
             value = client.get(keys.lease(task_id))
             with pytest.raises(Ignore):
-                with keeper.hold(task):
+                with held_lease(keeper, task):
                     pytest.fail("a second copy ran while the first runs")
             # The dropped copy must not have released the running copy's lease.
             assert client.get(keys.lease(task_id)) == value
@@ -1579,7 +1606,7 @@ def test_hold_ends_a_lost_job_as_worker_lost_and_keeps_a_dead_letter(client, app
         client.rpush(keys.worker_deaths(task_id), f"cpu9@{OTHER_HOST} pid {pid}")
     task = _job_task(app, task_id)
     try:
-        with pytest.raises(WorkerLost) as lost, keeper.hold(task, max_attempts=2):
+        with pytest.raises(WorkerLost) as lost, held_lease(keeper, task, max_attempts=2):
             pytest.fail("a job that took its worker down max_attempts times ran again")
     finally:
         task.pop_request()

@@ -1,6 +1,6 @@
 """A run's ending as a value (pure logic, in process): the stop the worker sent travels into the
 run's :class:`~tasks.worker.supervisor.Ended` and settles its outcome, which the runner matches
-on (:func:`tasks.worker.runner.settle`; mypy's ``assert_never`` there holds every outcome to
+on (:func:`tasks.worker.disposition.settle`; mypy's ``assert_never`` there holds every outcome to
 one handling); a job's options choose its run mode."""
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from tasks.core.records import WorkerRecord
 from tasks.core.wire import STOPS, Outcome, StopJob, StopReason
 from tasks.core.xids import count_xid, read_xid_counts
 from tasks.ops.exporter import FleetCollector
+from tasks.worker.admission import sent_by_name
 from tasks.worker.health import (
     XIDS,
     Action,
@@ -37,7 +38,6 @@ from tasks.worker.health import (
 )
 from tasks.worker.heartbeat import Heartbeat
 from tasks.worker.lease import LeaseKeeper
-from tasks.worker.runner import sent_by_name
 from tasks.worker.supervisor import Ended
 
 from .conftest import test_env, wait_for

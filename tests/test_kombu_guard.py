@@ -41,7 +41,7 @@ RELIED_ON: list[tuple[str, tuple[str, ...] | None]] = [
     ("kombu.transport.redis:QoS.unacked_key", None),
     ("kombu.transport.redis:QoS.unacked_index_key", None),
     ("kombu.transport.virtual:QoS.ack", ("self", "delivery_tag")),
-    # a pack's leader takes its siblings (tasks/worker/siblings.py): the in-memory half of
+    # a pack's leader takes its siblings (tasks/core/transport.py take_waiting): the in-memory half of
     # QoS.append, the channel's Message class, and basic_get where a key prefix is set
     ("kombu.transport.virtual:QoS.append", ("self", "message", "delivery_tag")),
     ("kombu.transport.virtual:Channel.Message", None),

@@ -118,7 +118,7 @@ def test_a_packs_leader_sends_another_users_trial_back_to_run_alone() -> None:
     from tasks.core.records import JobOptions
     from tasks.core.wire import Outcome
     from tasks.worker.launch import Launch
-    from tasks.worker.modes import _one_users
+    from tasks.worker.modes.pack import _one_users
     from tasks.worker.pack import Room
     from tasks.worker.slots import Slot
 

@@ -26,6 +26,8 @@ from tasks.core.sentinel import Replication
 from tasks.core.settings import Settings
 from tasks.ops.redis_server import EmbeddedRedis
 from tasks.worker import fence, lease
+from tasks.worker.admission import of_lease
+from tasks.worker.disposition import apply
 from tasks.worker.lease import LeaseKeeper, Take
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,8 +61,11 @@ def test_a_lease_no_replica_confirmed_is_no_lease(client):
 
     task = SimpleNamespace(request=Context(id=str(uuid.uuid4()), properties={"delivery_tag": "tag-2"}),
                            name="devicefleet.tick", backend=None, app=SimpleNamespace(conf=SimpleNamespace(result_expires=0)))
-    with pytest.raises(Reject) as rejected, keeper.hold(task):
-        raise AssertionError("the job ran on a lease no replica had")
+    held = keeper.hold(task)
+    assert held.outcome is Take.UNCONFIRMED and held.attempt is None  # the job does not run
+    refused = of_lease(SimpleNamespace(service=None), "j", held)
+    with pytest.raises(Reject) as rejected:
+        apply(refused, SimpleNamespace(task=task, worker=SimpleNamespace(leases=keeper)), ran=False)
     assert rejected.value.requeue is True
     assert keeper.held() == []
 

@@ -245,7 +245,7 @@ def test_the_pipe_carries_typed_json_messages_and_refuses_anything_else():
 def test_a_job_process_error_becomes_an_exception_of_the_type_it_named():
     from tasks.core.errors import JobCrashed, OutOfMemory
     from tasks.core.records import ErrorInfo
-    from tasks.worker.runner import exception_of
+    from tasks.worker.disposition import exception_of
 
     crashed = exception_of(ErrorInfo(type="JobCrashed", message="killed by SIGSEGV"), "tasks.core.errors")
     assert type(crashed) is JobCrashed and str(crashed) == "killed by SIGSEGV"

@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import deque
 from queue import Empty
 from time import monotonic
@@ -122,7 +123,13 @@ KOMBU_SOURCES: dict[str, tuple[str, str]] = {
     "kombu.transport.redis:QoS.reject": (
         "747a02434344d1a6", "QoS.reject clears the acknowledged-in-Redis mark, then calls this"),
     "kombu.transport.redis:QoS.append": (
-        "35c655f6ecc62fe6", "QoS.append keeps a popped message whose record fails (POPPED)"),
+        "35c655f6ecc62fe6", "QoS.append keeps a popped message whose record fails (POPPED); TAKE writes "
+        "the record this writes (the index's score, the hash's [message, exchange, routing key])"),
+    "kombu.transport.virtual:QoS.append": (
+        "b388f0cd6485c28a", "take_waiting calls it for the in-memory half of a record TAKE wrote"),
+    "kombu.transport.virtual:Channel.basic_get": (
+        "ba4884c15b6bed6d", "take_waiting takes with it where a key prefix is set: re-check that it "
+        "records the message as delivered (QoS.append)"),
     "kombu.transport.redis:MultiChannelPoller._register_BRPOP": (
         "85724582464a615f", "the event loop's caller of _brpop_start: re-check when it calls it"),
     "kombu.utils.scheduling:round_robin_cycle.update": (
@@ -235,6 +242,62 @@ class QoS(kombu_redis.QoS):
             logger.warning("Redis went away after message %s left its queue, before it was recorded "
                            "as delivered; it goes back to its queue once Redis is back", delivery_tag)
             raise
+
+
+#: Pop up to ARGV[1] messages from KEYS[1..n-2] in order, each recorded in kombu's unacked hash
+#: (KEYS[n-1]: delivery tag -> [message, exchange, routing key], as kombu's QoS.append writes it)
+#: and index (KEYS[n]: the tag scored by ARGV[2], the time taken), in one round trip; returns the
+#: messages. A message that is not kombu's (no delivery tag) is left at the end of its list.
+TAKE = """
+local want = tonumber(ARGV[1])
+local taken = {}
+local hash, index = KEYS[#KEYS - 1], KEYS[#KEYS]
+for i = 1, #KEYS - 2 do
+  while #taken < want do
+    local raw = redis.call('RPOP', KEYS[i])
+    if not raw then break end
+    local ok, m = pcall(cjson.decode, raw)
+    if ok and type(m) == 'table' and type(m.properties) == 'table' and m.properties.delivery_tag then
+      local info = type(m.properties.delivery_info) == 'table' and m.properties.delivery_info or {}
+      local tag = m.properties.delivery_tag
+      redis.call('ZADD', index, ARGV[2], tag)
+      redis.call('HSET', hash, tag, '[' .. raw .. ',' .. cjson.encode(info.exchange or '') .. ','
+                 .. cjson.encode(info.routing_key or '') .. ']')
+      taken[#taken + 1] = raw
+    else
+      redis.call('RPUSH', KEYS[i], raw)
+      break
+    end
+  end
+end
+return taken
+"""
+
+
+def take_waiting(channel: Any, lists: list[str], count: int) -> list[Any]:
+    """Up to ``count`` waiting messages of ``lists`` (a queue's Redis lists, in order), each
+    recorded as delivered as kombu's BRPOP and ``QoS.append`` record one: in kombu's unacked hash
+    and index (:data:`TAKE`, one round trip for them all) and in ``channel``'s own bookkeeping,
+    so a worker that dies holding one gives it back the usual way (the reaper, the visibility
+    timeout) and its acknowledgement is kombu's. A pack's leader takes its members so
+    (:class:`tasks.worker.siblings.Siblings`). With a key prefix, which the script cannot name,
+    by kombu's ``basic_get``, a round trip each."""
+    if channel.global_keyprefix:
+        taken: list[Any] = []
+        for name in lists:
+            while len(taken) < count and (message := channel.basic_get(name, no_ack=False)) is not None:
+                taken.append(message)
+        return taken
+    script = channel.client.register_script(TAKE)  # EVALSHA: the script is sent once per server
+    raw = script(keys=[*lists, channel.unacked_key, channel.unacked_index_key], args=[count, time.time()],
+                 client=channel.client)
+    messages = []
+    for item in raw:
+        message = channel.Message(loads(bytes_to_str(item)), channel=channel)
+        # kombu internal: the in-memory half of QoS.append (the script wrote the Redis half).
+        kombu_virtual.QoS.append(channel.qos, message, message.delivery_tag)
+        messages.append(message)
+    return messages
 
 
 class LevelCycle(round_robin_cycle):  # type: ignore[misc]

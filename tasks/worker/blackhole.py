@@ -22,7 +22,6 @@ import redis
 
 from ..core.defaults import BLACKHOLE_FAST_S, BLACKHOLE_K, BLACKHOLE_WINDOW_S
 from ..core.device_state import failed_fast
-from ..core.records import JobOptions
 from ..core.wire import Outcome
 from .accounting import shared_queue
 from .device import DeviceWorker
@@ -34,15 +33,18 @@ logger = logging.getLogger(__name__)
 ERROR_CHARS = 160
 
 
-def judged(worker: DeviceWorker, ended: Ended, options: JobOptions | None, request: Any, run_s: float) -> bool:
-    """Whether this ending is a fast failure the black-hole rule looks at: of a job from a shared
-    queue (one sent to this device by name could not have run elsewhere: no comparison)."""
-    return (ended.outcome is Outcome.ERROR and run_s < BLACKHOLE_FAST_S and request.id is not None
-            and options is not None and options.group is None and options.gang is None and options.pack is None
-            and shared_queue(request, worker.device.name) != "")
+def sends_back(worker: DeviceWorker, request: Any, ended: Ended, alone: bool, run_s: float) -> bool:
+    """Whether this ending goes back to its queue instead of its failure being stored: a fast
+    failure of a job its run mode ran on this device ``alone``
+    (:attr:`tasks.worker.modes.base.RunMode.alone`), from a shared queue (one sent to this device by
+    name could not have run elsewhere: no comparison), that the rule decides against the device
+    (:func:`decide`)."""
+    queue = shared_queue(request, worker.device.name)
+    return (ended.outcome is Outcome.ERROR and run_s < BLACKHOLE_FAST_S and request.id is not None and alone
+            and queue != "" and decide(worker, request, ended, queue))
 
 
-def decide(worker: DeviceWorker, request: Any, ended: Ended) -> bool:
+def decide(worker: DeviceWorker, request: Any, ended: Ended, queue: str) -> bool:
     """Record this fast failure (:data:`~tasks.core.device_state.FAILED_FAST`); True when the job goes
     back to its queue instead of its failure being stored. A Redis error stores the failure."""
     device = worker.device.name
@@ -51,7 +53,7 @@ def decide(worker: DeviceWorker, request: Any, ended: Ended) -> bool:
     text = " ".join(text.split())[:ERROR_CHARS]
     try:
         decision = failed_fast(
-            worker.client, str(request.id), device, text, queue=shared_queue(request, device), now=time.time(),
+            worker.client, str(request.id), device, text, queue=queue, now=time.time(),
             k=BLACKHOLE_K, window_s=BLACKHOLE_WINDOW_S)
     except redis.RedisError as exc:  # the job's end is stored as it came: nothing blamed
         logger.warning("%s: could not record the fast failure of job %s: %s", device, request.id, exc)

@@ -13,7 +13,7 @@ failed, the GPU's recovery action). Each verdict is one of three actions:
 - ``drain``: a fatal hardware event; the device is drained (``by="health"``, ``hardware=True``)
   and the job running on it ends as a device failure (:class:`~tasks.core.errors.DeviceFailed`:
   back to its shared queue without spending an attempt, or its entry at once if it was sent to
-  this device by name: :func:`tasks.worker.runner.settle`).
+  this device by name: :func:`tasks.worker.disposition.settle`).
 
 A state is only ever raised here (ok < suspect < drained): an operator's undrain (after its
 probe) is what lowers it. Every Xid is counted in ``keys.XID_COUNTS`` (the exporter's

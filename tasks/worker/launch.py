@@ -22,7 +22,7 @@ class Launch:
 
     message: RunJob
     options: JobOptions
-    #: The job's own watch: its reports relayed, its stop asked (:class:`tasks.worker.runner.JobWatch`).
+    #: The job's own watch: its reports relayed, its stop asked (:class:`tasks.worker.watch.JobWatch`).
     watch: Watch
     slot: Slot
     #: The fencing token of the attempt that holds the job's lease (0: run under none).

@@ -14,7 +14,7 @@ long timeout and adds a lease per running job:
   stores the job's STARTED state, in one script call that first checks the job has no finished
   result stored. The key doubles as a mutex: a second copy of the same message (a
   visibility-timeout restore while the first still runs) finds it held by a live owner and is
-  dropped (:class:`celery.exceptions.Ignore`), so a job never runs twice at the same time;
+  dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at the same time;
 - the lease is released by the script call that stores the job's result
   (:class:`tasks.core.jobstate.JobEnd`), so a copy arriving at any moment finds the lease or
   the result;
@@ -38,13 +38,14 @@ is counted once, whoever sees it first). A job refused by a live owner, or sent 
 distributed rank that gave way, is no death. The take script refuses to run a job that has
 ``max_attempts`` deaths (:attr:`tasks.core.records.JobOptions.max_attempts`): it takes the lease
 and says :attr:`Take.LOST`, and :meth:`LeaseKeeper.hold` records a
-:class:`~tasks.core.records.DeadLetter` (``keys.DEAD_LETTERS``) and raises
+:class:`~tasks.core.records.DeadLetter` (``keys.DEAD_LETTERS``) and returns a
 :class:`~tasks.core.errors.WorkerLost`, which the runner stores as the job's failure (its
 lease released and its message acknowledged with it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -58,13 +59,11 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.exceptions import Ignore, Reject
 from celery.states import STARTED
 from kombu.utils.encoding import bytes_to_str
 from pydantic import ValidationError
 
 from ..core import keys
-from ..core.defaults import CAP_RETRY_S
 from ..core.devices import host_name
 from ..core.errors import WorkerLost
 from ..core.job import TASK_PREFIX
@@ -107,10 +106,6 @@ class Take(str, Enum):
     CAPPED = "capped"
 
 
-class OutOfService(Exception):
-    """The take refused the job: its device is out of service (its state is the message)."""
-
-
 @dataclass(frozen=True)
 class Taken:
     """What :meth:`LeaseKeeper.take` did: with :attr:`Take.TAKEN` and :attr:`Take.LOST` the
@@ -124,6 +119,8 @@ class Taken:
     out: str = ""
     #: With :attr:`Take.CAPPED`: why (``alice: 1/1 cpu (cap), borrowing off``).
     capped: str | None = None
+    #: With :attr:`Take.LOST` from :meth:`LeaseKeeper.hold`: the job's failure, to store.
+    error: WorkerLost | None = None
 
 
 def parse_lease(raw: str | bytes | None) -> LeaseRecord | None:
@@ -367,9 +364,9 @@ class LeaseKeeper(PeriodicThread):
 
     def settle(self, task_id: str, request: Any) -> None:
         """After the store of job ``task_id``'s outcome (``task_postrun``, which Celery sends
-        once the outcome is stored and before the message is acknowledged; or a block that
-        ended in Ignore): if the store ran with the job's end for the attempt held here
-        (:func:`tasks.core.jobstate.handover` on the task's ``request``), its script released
+        once the outcome is stored and before the message is acknowledged; or a run that stored
+        nothing more: :func:`tasks.worker.disposition.apply`): if the store ran with the job's end
+        for the attempt held here (:func:`tasks.core.jobstate.handover` on the task's ``request``), its script released
         the lease: forget it, no round trip. Else release what is still held (the store failed,
         or stored no end: a retry)."""
         with self._lock:
@@ -389,93 +386,41 @@ class LeaseKeeper(PeriodicThread):
         else:
             self.release(task_id)
 
-    @contextmanager
-    def hold(self, task: Any, max_attempts: int | None = None, user: str | None = None) -> Iterator[Attempt]:
-        """Take ``task``'s lease and store its STARTED state (one round trip) for the block, and
-        keep the lease until the job's result is stored.
+    def hold(self, task: Any, max_attempts: int | None = None, user: str | None = None) -> Taken:
+        """Take ``task``'s lease and store its STARTED state (one round trip: Celery's STARTED meta,
+        :func:`started_meta`; the job task has ``track_started`` off); returns what was taken, never
+        raises for the take's sake (the admission makes a refusal a disposition:
+        :func:`tasks.worker.admission.of_lease`).
 
-        Yields the :class:`~tasks.core.jobstate.Attempt` taken. The lease outlives the block:
-        the job's function has returned, but Celery has not stored its result yet. The job's
-        end takes the attempt (:meth:`finishing`) to the result backend, which releases the
-        lease in the script call that stores the result; the worker's ``task_postrun`` signal,
-        which comes after the result (or failure) is stored and before the message is
-        acknowledged, settles it (:meth:`settle`). So a copy redelivered at any moment finds the
-        lease held or the result stored, and never runs the job again. Only a block that ends in
-        :class:`~celery.exceptions.Ignore` (nothing more to store; a cancelled job's state is
-        stored already) or in a BaseException that is not an Exception (the worker is going
-        down) settles or releases it at once.
-
-        The job task stores no STARTED state of its own (``track_started`` is off for it): this
-        is Celery's STARTED meta, made by the task's result backend, stored by the take script.
-
-        ``max_attempts`` is the job's bound on runs that take their worker down (default: the
-        :class:`~tasks.core.records.JobOptions` default); ``user`` whom it runs for (its cap).
-
-        Raises:
-            celery.exceptions.Ignore: another live worker runs this job now, or it has already
-                finished (its result is stored); this copy is acknowledged and dropped, with
-                no result stored.
-            celery.exceptions.Retry: its user (or team) holds its cap of this device's kind
-                (:attr:`Take.CAPPED`): the message goes back to its queue, to be taken again
-                :data:`~tasks.core.defaults.CAP_RETRY_S` later; nothing was written.
-            celery.exceptions.Reject: no replica confirmed the lease (:attr:`Take.UNCONFIRMED`):
-                the message goes back to its queue (kombu's ``restore_by_tag`` on whichever
-                primary the channel reaches: on a new one, where the message still is, it
-                is given back to its queue), the job is not started.
-            OutOfService: the device is out of service: nothing taken, the block does not run.
-            WorkerLost: the job took its worker down ``max_attempts`` times; it is recorded in
-                ``keys.DEAD_LETTERS``, its lease is held (to go with its stored failure) and the
-                block does not run.
+        A lease taken is held until the job's result is stored: the job's end takes the attempt
+        (:meth:`finishing`) to the result backend, whose script call that stores the result
+        releases it; ``task_postrun``, after the store and before the acknowledgement, settles it
+        (:meth:`settle`). So a copy redelivered at any moment finds the lease held or the result
+        stored. ``max_attempts`` bounds the runs that take their worker down (default: the
+        :class:`~tasks.core.records.JobOptions` default); ``user`` is whom it runs for (its cap).
+        A job lost (:attr:`Take.LOST`) is kept as a dead letter (:func:`dead_letter`), its lease
+        held to go with its stored failure, :attr:`Taken.error`.
         """
-        request = task.request
-        task_id = str(request.id)
-        properties = request.properties or {}
-        delivery_info = request.delivery_info or {}
-        resend = ResendRecord(
-            name=task.name, kwargs=request.kwargs or {}, queue=delivery_info.get("routing_key"),
-            headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
-            group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
-        )
+        task_id, resend = str(task.request.id), resend_of(task)
         bound = max_attempts if max_attempts is not None else JobOptions().max_attempts
-        taken = self.take(task_id, properties.get("delivery_tag"), resend, started_meta(task),
+        taken = self.take(task_id, (task.request.properties or {}).get("delivery_tag"), resend, started_meta(task),
                           max_attempts=bound, keep_s=deaths_kept_s(task.app), user=user)
-        if taken.outcome is Take.CAPPED:
-            raise task.retry(countdown=CAP_RETRY_S, max_retries=None)
         if taken.outcome is Take.LOST:
-            raise self._lost(task_id, resend, taken.lost_to, bound)
-        if taken.outcome is Take.OUT_OF_SERVICE:
-            raise OutOfService(taken.out)
-        if taken.outcome is Take.UNCONFIRMED:
-            raise Reject(f"job {task_id}: no replica confirmed its lease", requeue=True)
-        if taken.outcome is not Take.TAKEN or taken.attempt is None:
-            raise Ignore()
+            lost = dead_letter(self._client, self.device, task_id, resend, taken.lost_to, bound)
+            return dataclasses.replace(taken, error=lost)
+        return taken
+
+    @contextmanager
+    def running(self, task_id: str) -> Iterator[None]:
+        """A job's run under its lease: a BaseException not an Exception (the worker is going
+        down) releases it at once; anything else leaves it to the store of the job's end."""
         try:
-            yield taken.attempt
-        except Ignore:
-            self.settle(task_id, request)  # the store of a cancelled job's state released it
-            raise
+            yield
         except Exception:
             raise  # Celery stores the failure (and the lease with it), then task_postrun settles it
         except BaseException:
             self.release(task_id)
             raise
-
-    def _lost(self, task_id: str, resend: ResendRecord, workers: tuple[str, ...], max_attempts: int) -> WorkerLost:
-        """Record a job given up as a dead letter; returns its error."""
-        letter = DeadLetter(task_id=task_id, job=resend.name.removeprefix(TASK_PREFIX), device=self.device,
-                            queue=resend.queue, kwargs=resend.kwargs, workers=list(workers),
-                            max_attempts=max_attempts, at=time.time(), group_id=resend.group_id)
-        try:
-            self._client.hset(keys.DEAD_LETTERS, task_id, letter.to_json())
-        except redis.RedisError as exc:  # the job still ends: its stored failure says why
-            logger.error("could not record job %s as a dead letter: %s", task_id, exc)
-        logger.error("job %s (%s) took its worker down %d times (%s); not running it again",
-                     task_id, letter.job, len(workers), ", ".join(workers))
-        return WorkerLost(
-            f"job {task_id} ({letter.job}) took its worker down {len(workers)} times ({', '.join(workers)}); "
-            f"not running it again (max_attempts={max_attempts}). It is kept as a dead letter "
-            "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
-        )
 
     def tick(self) -> None:
         if self.fence.has_reports():
@@ -511,6 +456,35 @@ class LeaseKeeper(PeriodicThread):
             for task_id, sent in renewed.items():
                 if task_id in self._held:
                     self.fence.confirmed(task_id, sent)
+
+
+def resend_of(task: Any) -> ResendRecord:
+    """What the reaper needs to send ``task``'s job again, from its request."""
+    request = task.request
+    return ResendRecord(
+        name=task.name, kwargs=request.kwargs or {}, queue=(request.delivery_info or {}).get("routing_key"),
+        headers=dict(request.headers or {}), chord=request.chord, group_id=request.group,
+        group_index=request.group_index, root_id=request.root_id, parent_id=request.parent_id,
+    )
+
+
+def dead_letter(client: redis.Redis, device: str, task_id: str, resend: ResendRecord, workers: tuple[str, ...],
+                max_attempts: int) -> WorkerLost:
+    """Record a job given up on ``device`` as a dead letter (``keys.DEAD_LETTERS``); returns its error."""
+    letter = DeadLetter(task_id=task_id, job=resend.name.removeprefix(TASK_PREFIX), device=device,
+                        queue=resend.queue, kwargs=resend.kwargs, workers=list(workers),
+                        max_attempts=max_attempts, at=time.time(), group_id=resend.group_id)
+    try:
+        client.hset(keys.DEAD_LETTERS, task_id, letter.to_json())
+    except redis.RedisError as exc:  # the job still ends: its stored failure says why
+        logger.error("could not record job %s as a dead letter: %s", task_id, exc)
+    logger.error("job %s (%s) took its worker down %d times (%s); not running it again",
+                 task_id, letter.job, len(workers), ", ".join(workers))
+    return WorkerLost(
+        f"job {task_id} ({letter.job}) took its worker down {len(workers)} times ({', '.join(workers)}); "
+        f"not running it again (max_attempts={max_attempts}). It is kept as a dead letter "
+        "(`devicefleet status`, tasks.dead_letters()); fix the job, then send it again as a new one."
+    )
 
 
 def started_meta(task: Any) -> StateMeta | None:

@@ -47,7 +47,7 @@ def pack_owner(members: Sequence[RunJob]) -> str:
 
     Raises:
         ValueError: they are not all one user's (a pack's leader takes only its own user's
-            trials: :class:`tasks.worker.modes.Pack`).
+            trials: :class:`tasks.worker.modes.pack.Pack`).
     """
     owners = {owner_of(member) for member in members}
     if len(owners) != 1:

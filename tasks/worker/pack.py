@@ -7,7 +7,7 @@ messages of the same queue and level (:class:`Siblings`: each recorded in kombu'
 any delivered message is, so a worker that dies with them gives them back the usual way) and
 runs each as a Celery request of its own, in a thread of its own: each takes its own lease,
 has its own watch (progress, cancel, fencing, time limit) and ends through the runner's one
-path (:func:`tasks.worker.runner.settle`): its entry stored, its message acknowledged. Those
+path (:func:`tasks.worker.disposition.settle`): its entry stored, its message acknowledged. Those
 threads meet the leader in a :class:`Room`; the leader's job process trains them all at once as
 one :class:`~tasks.core.wire.RunPack` (:meth:`tasks.worker.supervisor.Supervisor.run_pack`) and
 each member's :class:`~tasks.worker.supervisor.Ended` goes back to its own thread as soon as the
@@ -15,7 +15,7 @@ job process ends it. A member the worker could not place in the pack (its pack's
 the leader's run failed before the pack started) ends as :data:`~tasks.core.wire.Outcome.UNPACK`:
 its message goes back to its queue, to run alone. A place a member frees is refilled: the job
 process asks for one more (:class:`~tasks.core.wire.WantMember`), and the leader takes the next
-waiting trial as it took the first ones (``Pack._lead``'s refill, :mod:`tasks.worker.modes`).
+waiting trial as it took the first ones (``Pack._lead``'s refill, :mod:`tasks.worker.modes.pack`).
 """
 
 from __future__ import annotations

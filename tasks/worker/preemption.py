@@ -7,7 +7,7 @@ this worker runs a job below the top level, :class:`Preemption` looks every
 worker consumes now: its own, its kind's, ``fleet``, the config's ``extra_queues`` and the sweeps'
 own queues it was asked to consume (kombu's selected queues; one pipelined round trip of
 ``LLEN``; none while it runs nothing, or only top-level or non-preemptible jobs). When one holds a
-message and every slot is busy, the job's watch (:class:`tasks.worker.runner.JobWatch`) asks the
+message and every slot is busy, the job's watch (:class:`tasks.worker.watch.JobWatch`) asks the
 job to make way, once it has run ``preempt_min_run_s`` and unless its options say
 ``preemptible=False``:
 

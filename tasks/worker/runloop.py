@@ -118,7 +118,7 @@ class WatchOver:
 @dataclass(frozen=True)
 class Ended:
     """How a run ended, as the run loop saw it: the value the runner matches on
-    (:func:`tasks.worker.runner.settle`)."""
+    (:func:`tasks.worker.disposition.settle`)."""
 
     outcome: Outcome
     #: The job process's own account; None when the process died or was ended.

@@ -5,7 +5,7 @@ a worker takes nothing new, and keeps its heartbeat, leases and reaper as before
 
 - the lease's take script reads the device's state in the same round trip that takes a job
   (:data:`tasks.core.jobscripts.TAKE`): a job that reaches the worker after the drain is refused at
-  once, and goes back to the front of its queue (:func:`tasks.worker.runner.hand_back`), no
+  once, and goes back to the front of its queue (:func:`tasks.worker.admission.of_lease`), no
   attempt spent;
 - :class:`ServiceWatch` reads the state every :data:`~tasks.core.defaults.DEVICE_STATE_CHECK_S`
   and, out of service, stops the consumer's BRPOP (:func:`tasks.core.transport.consume`), so the
@@ -13,7 +13,7 @@ a worker takes nothing new, and keeps its heartbeat, leases and reaper as before
   it consumes again;
 - a running job finishes, unless the drain said ``--now``: then it is stopped as a preempted job
   is (its grace, then its process group ended) and handed back to its queue, no attempt spent
-  (:meth:`tasks.worker.runner.JobWatch.stop`).
+  (:meth:`tasks.worker.watch.JobWatch.stop`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Taking a pack's members from its leader's queue: waiting messages made Celery requests.
 
-A pack's leader (:class:`tasks.worker.modes.Pack`) takes more waiting trials of the queue and
-level its own message came from, in one round trip (:data:`TAKE`), on a channel of the worker's
-own (one per worker, :class:`Siblings`): each is recorded in kombu's unacked hash and index as
-kombu records any delivered message, so a worker that dies holding it gives it back the usual
-way (the reaper, kombu's visibility timeout). Each becomes a Celery request of the same
+A pack's leader (:class:`tasks.worker.modes.pack.Pack`) takes more waiting trials of the queue and
+level its own message came from, in one round trip, on a channel of the worker's own (one per
+worker, :class:`Siblings`): the transport takes them (:func:`tasks.core.transport.take_waiting`,
+the one writer of kombu's bookkeeping beside kombu's own BRPOP and the store of a job's end),
+each recorded in kombu's unacked hash and index as kombu records any delivered message, so a
+worker that dies holding it gives it back the usual way (the reaper, kombu's visibility timeout). Each becomes a Celery request of the same
 job task, executed in a thread of its own (``Request.execute``: Celery's tracer, as the pool
 would run it): the member takes its own lease, stores its own result and acknowledges its own
 message (:mod:`tasks.worker.runner`), and meets its leader in the room it was seated in.
@@ -26,46 +27,14 @@ from typing import Any
 
 from celery import Task
 from celery.worker.request import Request
-from kombu.transport import virtual as kombu_virtual
-from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
 
 from ..core.defaults import PACK_GATHER_MAX_S, PACK_GATHER_POLL_S, PACK_GATHER_S, PACK_THREAD_IDLE_S
 from ..core.priority import Level
 from ..core.queue_lists import QueueLists
+from ..core.transport import take_waiting
 from .pack import Room, Rooms
 
 logger = logging.getLogger(__name__)
-
-#: Pop up to ARGV[1] messages from KEYS[1..n-2] in order, each recorded in kombu's unacked hash
-#: (KEYS[n-1]: delivery tag -> [message, exchange, routing key], as kombu's QoS.append writes it)
-#: and index (KEYS[n]: the tag scored by ARGV[2], the time taken), in one round trip; returns the
-#: messages. A message that is not kombu's (no delivery tag) is left at the end of its list.
-TAKE = """
-local want = tonumber(ARGV[1])
-local taken = {}
-local hash, index = KEYS[#KEYS - 1], KEYS[#KEYS]
-for i = 1, #KEYS - 2 do
-  while #taken < want do
-    local raw = redis.call('RPOP', KEYS[i])
-    if not raw then break end
-    local ok, m = pcall(cjson.decode, raw)
-    if ok and type(m) == 'table' and type(m.properties) == 'table' and m.properties.delivery_tag then
-      local info = type(m.properties.delivery_info) == 'table' and m.properties.delivery_info or {}
-      local tag = m.properties.delivery_tag
-      redis.call('ZADD', index, ARGV[2], tag)
-      redis.call('HSET', hash, tag, '[' .. raw .. ',' .. cjson.encode(info.exchange or '') .. ','
-                 .. cjson.encode(info.routing_key or '') .. ']')
-      taken[#taken + 1] = raw
-    else
-      redis.call('RPUSH', KEYS[i], raw)
-      break
-    end
-  end
-end
-return taken
-"""
-
 
 class MemberThreads:
     """Daemon threads that run pack members, each kept for the next member until it has waited
@@ -121,7 +90,6 @@ class Siblings:
         self._lock = threading.Lock()
         self._connection: Any = None
         self._channel: Any = None
-        self._script: Any = None
 
     def take(self, task: Task, room: Room, wanted: int, level: Level) -> int:
         """Take up to ``wanted`` waiting messages of the queue the running ``task``'s message came
@@ -139,7 +107,7 @@ class Siblings:
             started = last = time.monotonic()
             while taken < wanted:
                 before = taken
-                for message in self._take_waiting(channel, lists, wanted - taken):
+                for message in take_waiting(channel, lists, wanted - taken):
                     self._start(task, room, message)
                     taken += 1
                 now = time.monotonic()
@@ -149,34 +117,11 @@ class Siblings:
                 time.sleep(PACK_GATHER_POLL_S)
         return taken
 
-    def _take_waiting(self, channel: Any, lists: list[str], count: int) -> list[Any]:
-        """Up to ``count`` waiting messages of ``lists``, in order, each recorded as delivered
-        in kombu's unacked hash and index (:data:`TAKE`, one round trip) and in the channel's
-        own bookkeeping, as kombu's ``basic_get`` records one (with a key prefix, which the
-        script cannot name: ``basic_get``, a round trip each)."""
-        if channel.global_keyprefix:
-            taken: list[Any] = []
-            for name in lists:
-                while len(taken) < count and (message := channel.basic_get(name, no_ack=False)) is not None:
-                    taken.append(message)
-            return taken
-        if self._script is None:
-            self._script = channel.client.register_script(TAKE)
-        raw = self._script(keys=[*lists, channel.unacked_key, channel.unacked_index_key], args=[count, time.time()],
-                           client=channel.client)
-        messages = []
-        for item in raw:
-            message = channel.Message(loads(bytes_to_str(item)), channel=channel)
-            # kombu internal: the in-memory half of QoS.append (the script wrote the Redis half).
-            kombu_virtual.QoS.append(channel.qos, message, message.delivery_tag)
-            messages.append(message)
-        return messages
-
     def close(self) -> None:
         with self._lock:
             if self._connection is not None:
                 self._connection.release()
-            self._connection = self._channel = self._script = None
+            self._connection = self._channel = None
 
     def _open(self, task: Task) -> Any:
         if self._channel is None:

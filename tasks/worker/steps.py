@@ -392,6 +392,7 @@ class JobsStep(bootsteps.StartStopStep):
         # with its lease and counted as usual.
         self.worker.begin_stop()
         self.worker.drain()
+        self.worker.siblings.close()  # no pack leads here now: its channel for taking members goes
 
     def terminate(self, parent: Any) -> None:
         pass  # a cold shutdown: no wait (the job processes step ends a running job)
