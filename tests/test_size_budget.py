@@ -19,14 +19,7 @@ MODULE_LINES = 600
 CLASS_LINES = 300
 
 #: ``path`` (a module) or ``path::Class`` (a class), relative to the repository, and why it is over.
-EXCEPTIONS: dict[str, str] = {
-    "tasks/worker/runner.py": "being split by issue 62 (admission, dispositions and run modes apart)",
-    "tasks/worker/supervisor.py": "being split by issue 62 (a process pool apart from one run loop)",
-    "tasks/worker/supervisor.py::Supervisor": "being split by issue 62 (a process pool apart from one run loop)",
-    "tasks/worker/gang.py": "being split by issue 62 (one give-way rule over one claim set)",
-    "tasks/worker/group.py": "being split by issue 62 (one give-way rule over one claim set)",
-    "tasks/worker/lease.py::LeaseKeeper": "being reworked by issue 62 (its take returns a value)",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def over_budget(package: Path = PACKAGE) -> dict[str, int]:
