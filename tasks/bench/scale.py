@@ -125,6 +125,14 @@ RECORD_BYTES = 782
 EVENT_BYTES = 700
 #: The ACL keeper's read of the fleet's users, per worker (seconds).
 ACL_READ_S = 3.0
+#: The round trips a simulated device means to make per second (the loops of :func:`_device`):
+#: both, the heartbeat's 4 every 2 s, the service check, nudge read, reaper look's 4 every
+#: second, the ACL keeper's 1 every 3 s; an idle one its poll's 2 (the users' read, BRPOP) and
+#: the nudge wait's 2 (BLPOP, DEL) every second; a busy one its lease's renewal every third of
+#: the TTL and the preemption scanner's 2 every PREEMPT_CHECK_S.
+_BOTH_PER_S = 4 / HEARTBEAT_INTERVAL_S + 4 / REAPER_INTERVAL_S + 1 / ACL_READ_S
+IDLE_COMMANDS_PER_S = _BOTH_PER_S + 2 + 2
+BUSY_COMMANDS_PER_S = _BOTH_PER_S + 3 / LEASE_TTL_S + 2 / PREEMPT_CHECK_S
 #: The kinds of the simulated devices: idle ones, and busy ones (whose queue holds the waiting work).
 IDLE_KIND, BUSY_KIND = "simidle", "simbusy"
 #: The simulated devices' stand-in for the ``fleet`` queue (the real one holds the real fan-outs'
@@ -159,8 +167,10 @@ async def _device(url: str, name: str, busy: bool, stop: asyncio.Event, shas: di
     import redis.asyncio as aredis
 
     # A real worker's connections: its blocking reads' own, and a pool for the rest.
-    client = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(url, max_connections=3, timeout=None))
-    poller = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(url, max_connections=2, timeout=None))
+    client = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(url, max_connections=3, timeout=None,
+                                                                                socket_connect_timeout=60))
+    poller = aredis.Redis(connection_pool=aredis.BlockingConnectionPool.from_url(url, max_connections=2, timeout=None,
+                                                                                socket_connect_timeout=60))
     kind = BUSY_KIND if busy else IDLE_KIND
     names = leveled([device_queue(name), kind, SIM_FLEET])
     record = json.dumps({"device": name, "pad": "x" * RECORD_BYTES})[:RECORD_BYTES]
@@ -173,17 +183,19 @@ async def _device(url: str, name: str, busy: bool, stop: asyncio.Event, shas: di
             pipe.pexpire(keys.job_schemas(name), 10_000)
             await pipe.execute()
         await client.publish("/0.celeryev/worker.heartbeat", "e" * EVENT_BYTES)
-        done[0] += 1
+        done[0] += 4
 
     async def each_second() -> None:  # the group host's nudge wait, the service check, the reaper's look
         await client.hget(keys.DEVICE_STATE, name)
         await client.get(keys.group_hold(name))
         await client.zrange(keys.group_reservations(name), 0, -1)
         await client.evalsha(shas["expired"], 1, keys.LEASES, keys.lease(""))
+        done[0] += 4
 
     async def nudges() -> None:
         await poller.blpop([keys.group_nudge(name)], timeout=1)
         await poller.delete(keys.group_nudge(name))
+        done[0] += 2
 
     async def poll() -> None:  # an idle worker's read of its users, then its BRPOP (transport)
         lists, found, usage = await client.evalsha(
@@ -194,11 +206,13 @@ async def _device(url: str, name: str, busy: bool, stop: asyncio.Event, shas: di
         pairs = [*brpop_keys(names, order, KOMBU_PRIORITY_STEPS, KOMBU_STEP_SEPARATOR, beside=beside),
                  *dict.fromkeys((wake_list(n), "") for n in names)]
         await poller.brpop([key for key, _ in pairs], timeout=1)
+        done[0] += 2
         done[1] += 1
 
     async def renew() -> None:
         await client.evalsha(shas["renew"], 3, keys.lease(task_id), keys.LEASES, keys.fence(task_id),
                              "sim", int(LEASE_TTL_S * 1000), task_id, "1", 0)
+        done[0] += 1
 
     async def scan() -> None:  # preemption: the waiting users beside each list, then the lengths above batch
         async with client.pipeline(transaction=False) as pipe:
@@ -211,9 +225,14 @@ async def _device(url: str, name: str, busy: bool, stop: asyncio.Event, shas: di
             for listed in above:
                 pipe.llen(listed)
             await pipe.execute()
+        done[0] += 2  # two round trips
+
+    async def acl() -> None:
+        await client.hgetall(keys.FLEET_USERS)
+        done[0] += 1
 
     loops = [_every(HEARTBEAT_INTERVAL_S, stop, heartbeat), _every(REAPER_INTERVAL_S, stop, each_second),
-             _every(ACL_READ_S, stop, lambda: client.hgetall(keys.FLEET_USERS))]
+             _every(ACL_READ_S, stop, acl)]
     if busy:
         loops += [_every(LEASE_TTL_S / 3, stop, renew), _every(PREEMPT_CHECK_S, stop, scan)]
     else:
@@ -237,7 +256,11 @@ def simulate(url: str, devices: int, busy: int, seconds: float, ready: Any, done
 
     async def main() -> None:
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(_device(url, f"sim{i}", i < busy, stop, shas, done)) for i in range(devices)]
+        tasks = []
+        for i in range(devices):  # joining as a fleet's workers start: a few at a time
+            tasks.append(asyncio.create_task(_device(url, f"sim{i}", i < busy, stop, shas, done)))
+            if i % 20 == 19:
+                await asyncio.sleep(0.05)
         ready.set()
         deadline = time.monotonic() + seconds
         while not finish.is_set() and time.monotonic() < deadline:
@@ -272,14 +295,14 @@ def simulated(app: Celery, devices: list[str], client: redis.Redis, *, sim_devic
     seed_users(client, users, waiting)
     context = multiprocessing.get_context("spawn")
     ready = context.Event()
-    done = context.Array("l", 2, lock=False)  # heartbeats, polls
+    done = context.Array("l", 2, lock=False)  # commands, polls
     finish = context.Event()
     window = 10.0 if runs < 20 else 30.0
     process = context.Process(target=simulate, args=(str(app.conf.broker_url), sim_devices, busy, 600, ready, done, finish),
                               daemon=True)
     process.start()
     try:
-        if not ready.wait(60):
+        if not ready.wait(300):
             raise RuntimeError("the simulated devices did not start")
         time.sleep(4.0)  # every device past its first poll and beat
         idle_cpu, t0, done0 = redis_proc.cpu_times(), time.monotonic(), list(done)
@@ -295,9 +318,10 @@ def simulated(app: Celery, devices: list[str], client: redis.Redis, *, sim_devic
     redis_s = (cpu_idle_end.user + cpu_idle_end.system) - (idle_cpu.user + idle_cpu.system)
     # The share of the intended load the simulating process made (one Python process: on a
     # loaded host it falls behind); Redis' CPU is scaled up by it.
-    beats = (done1[0] - done0[0]) / (sim_devices * idle_window / HEARTBEAT_INTERVAL_S)
+    intended = ((sim_devices - busy) * IDLE_COMMANDS_PER_S + busy * BUSY_COMMANDS_PER_S) * idle_window
+    beats = (done1[0] - done0[0]) / intended
     polls = (done1[1] - done0[1]) / max(1, sim_devices - busy) / idle_window
-    achieved = min(1.0, beats)
+    achieved = min(1.0, max(beats, 1e-9))
     busy_core = redis_s / idle_window / achieved
     # The jobs the busy devices end (one each job_s): their take and store, as measured on the fleet.
     jobs_core = busy / job_s * us_per_job / 1e6
