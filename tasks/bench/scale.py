@@ -297,14 +297,14 @@ def simulated(app: Celery, devices: list[str], client: redis.Redis, *, sim_devic
     ready = context.Event()
     done = context.Array("l", 2, lock=False)  # commands, polls
     finish = context.Event()
-    window = 10.0 if runs < 20 else 30.0
+    window = 4.0 if runs < 20 else 30.0
     process = context.Process(target=simulate, args=(str(app.conf.broker_url), sim_devices, busy, 600, ready, done, finish),
                               daemon=True)
     process.start()
     try:
         if not ready.wait(300):
             raise RuntimeError("the simulated devices did not start")
-        time.sleep(4.0)  # every device past its first poll and beat
+        time.sleep(window / 4)  # every device past its first poll and beat
         idle_cpu, t0, done0 = redis_proc.cpu_times(), time.monotonic(), list(done)
         time.sleep(window / 2)  # the load alone
         idle_window = time.monotonic() - t0
@@ -343,7 +343,7 @@ def measure(app: Celery, devices: list[str], *, quick: bool) -> dict[str, Any]:
     idle = idle_users(app, devices, client, 20 if quick else 300, 20 if quick else 60)
     out.update(idle_fanout_vs_one_user=idle["fanout_vs_one_user"], idle_argv_vs_one_user=idle["argv_vs_one_user"],
                idle_users=idle)
-    out["worker_rates"] = worker_rates(client, devices, 2.0 if quick else 10.0)
+    out["worker_rates"] = worker_rates(client, devices, 1.0 if quick else 10.0)
     # Redis' time per no-op job on the real fleet: every command over the fan-outs, per job.
     client.config_resetstat()
     runs = 10 if quick else 40
