@@ -47,30 +47,19 @@ def test_a_workers_read_names_each_level_queue_lists_then_its_users_lists():
 
 
 class _Redis:
-    """Just enough of a Redis client for UserOrder: counts its reads."""
+    """Just enough of a Redis client for UserOrder (its read, tasks.core.fairshare.WAITING_READ):
+    counts its reads."""
 
     def __init__(self) -> None:
         self.reads = 0
         self.usage = {b"ann": b"5 9999999999"}  # stamped ahead: not decayed
 
-    def pipeline(self, transaction: bool = True) -> _Redis:
-        return self
+    def register_script(self, source: str) -> Any:
+        def read(keys: list[str], args: list[str], client: object = None) -> list[object]:
+            self.reads += 1
+            return [[], [b"ann", b"ben"], [self.usage.get(b"ann"), self.usage.get(b"ben")]]
 
-    def __enter__(self) -> _Redis:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def hkeys(self, key: str) -> None:
-        pass
-
-    def hgetall(self, key: str) -> None:
-        pass
-
-    def execute(self) -> list[object]:
-        self.reads += 1
-        return [[b"ann", b"ben"], self.usage]
+        return read
 
 
 def test_a_worker_reads_the_order_again_at_most_once_per_refresh_period():

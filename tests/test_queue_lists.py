@@ -70,3 +70,93 @@ def test_a_queues_waiting_messages_are_counted_over_its_users_and_step_lists(cli
     assert lists.count(client, Level.BATCH) == 2
     assert lists.count(client, Level.BATCH, steps=False) == 1
     assert lists.count(client) == 5
+
+
+# -- the users a worker polls: those waiting, not every user ever seen (issue 63) ---------------------
+
+
+def test_a_list_keeps_its_waiting_users_until_their_list_is_found_empty_and_a_new_one_leaves_a_wake_mark(client):
+    from tasks.core.defaults import WAKE_KEEP, WAKE_WINDOW_S
+    from tasks.core.fairshare import PUBLISH, UserOrder
+
+    publish = client.register_script(PUBLISH)
+
+    def send(user: str, message: str, window_s: float = WAKE_WINDOW_S) -> None:
+        publish(keys=[f"cpu~{user}", keys.USERS, keys.waiting_users("cpu"), keys.wake("cpu")],
+                args=[user, message, window_s, WAKE_KEEP])
+
+    send("ann", "m1")
+    send("ben", "m2")
+    assert client.lrange(keys.wake("cpu"), 0, -1) == ["cpu~ben", "cpu~ann"]  # both new: a worker may not name them
+    order = UserOrder(refresh_s=0.0)
+    assert order.read(client, ["cpu", "cpu:batch"]).beside == {"cpu": {"ann", "ben"}, "cpu:batch": frozenset()}
+    client.rpop("cpu~ann")  # ann's job is taken: the next read takes her out of the poll
+    waiting = order.read(client, ["cpu", "cpu:batch"])
+    assert waiting.beside["cpu"] == {"ben"} and waiting.order == ("ben",)
+    assert client.zrange(keys.waiting_users("cpu"), 0, -1) == ["ben"]
+    assert client.hkeys(keys.USERS) == ["ann", "ben"]  # ever seen: kept, read by no poll
+    send("ann", "m3", window_s=0.0)  # she comes back: waiting again (no mark past the window)
+    assert order.read(client, ["cpu"]).beside["cpu"] == {"ann", "ben"}
+    assert client.llen(keys.wake("cpu")) == 2
+    assert QueueLists.waiting(client, "cpu").users == ("ann", "ben")
+
+
+def _polled_keys(client, seconds: float = 2.5) -> set[str]:  # type: ignore[no-untyped-def]
+    """Every key the fleet's workers named in a BRPOP over ``seconds`` (MONITOR)."""
+    import time
+
+    found: set[str] = set()
+    with client.monitor() as monitor:
+        deadline = time.monotonic() + seconds
+        for event in monitor.listen():
+            parts = event["command"].split(" ")
+            if parts[0].upper() == "BRPOP":
+                found.update(part.strip('"') for part in parts[1:-1])
+            if time.monotonic() > deadline:
+                return found
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_workers_poll_names_no_idle_user_and_a_new_users_job_is_taken_at_once(app, fleet):  # type: ignore[no-untyped-def]
+    import statistics
+    import time
+
+    from tasks import fan_out
+    from tasks.core.queues import device_queue
+    from tasks.core.registry import connect
+    from tasks.producer.fanout import JobSpec, prioritized
+
+    client = connect(fleet.redis_url)
+    fan_out("noop", ["cpu0", "cpu1"], app=app).get(timeout=60)
+    time.sleep(2.5)  # every worker has read its users again since: this user's lists are empty
+    before = _polled_keys(client)
+    noop = JobSpec.of("noop")
+
+    def send(user: str, device: str) -> None:  # through the fleet's publish; taken and dropped (expired)
+        prioritized(noop, user=user).signature(app, device_queue(device)).apply_async(expires=1e-3)
+
+    def taken(device: str) -> bool:
+        return not QueueLists.waiting(client, device_queue(device)).count(client)
+
+    for i in range(300):
+        send(f"idle{i}", ("cpu0", "cpu1")[i % 2])
+    deadline = time.monotonic() + 60
+    while not (taken("cpu0") and taken("cpu1")):
+        assert time.monotonic() < deadline, "300 users' jobs still wait"
+        time.sleep(0.1)
+    time.sleep(2.5)
+    after = _polled_keys(client)
+    assert before and after == before, sorted(after ^ before)[:10]  # 300 idle users: not one key more
+    assert not any("~idle" in key for key in after)
+    # A new user's first job is taken within a few round trips, not at the workers' next read.
+    waits = []
+    for i in range(5):
+        time.sleep(1.7)  # the worker's poll is under way, its read made before this user existed
+        t0 = time.monotonic()
+        send(f"fresh{i}", "cpu0")
+        while not taken("cpu0"):
+            assert time.monotonic() - t0 < 10, "a new user's job was not taken"
+            time.sleep(0.005)
+        waits.append(time.monotonic() - t0)
+    assert statistics.median(waits) < 0.15, waits  # without the wake marks: 0.31 to 0.39 s here

@@ -51,6 +51,11 @@ KEYS = (
     "pack.fleet_packed_vs_vmapped",
     "groups.hogwild_speedup",
     "groups.hogwild_accuracy_gap",
+    "scale.idle_fanout_vs_one_user",
+    "scale.idle_argv_vs_one_user",
+    "scale.sim_redis_core_busy",
+    "scale.sim_fanout_vs_alone",
+    "scale.saturation_devices",
 )
 GPU_KEYS = ("gpu.busy_fraction", "gpu.cpu_plus_gpu_speedup")
 #: Keys only some hosts print: Ray's (with the ``bench`` extra, in full runs), the GPU loader's.
@@ -103,6 +108,13 @@ GOALS = {
     # asks fleet_packed_vs_one_slot >= 50 and fleet_packed_vs_vmapped >= 0.5 (not judged here:
     # the same keys on a CPU host mean less).
     "pack.fleet_vs_plain_loop": (">=", 0.5),
+    # Issue 63: a two-device fan-out with 300 idle users within 1.2x of one user, a worker's
+    # BRPOP no longer for them; 1,000 simulated devices and 300 users (100 waiting): one Redis
+    # core below half busy, a real fan-out within 2x of the fleet of two alone.
+    "scale.idle_fanout_vs_one_user": ("<=", 1.2),
+    "scale.idle_argv_vs_one_user": ("<=", 1.0),
+    "scale.sim_redis_core_busy": ("<=", 0.5),
+    "scale.sim_fanout_vs_alone": ("<=", 2.0),
 }
 
 
@@ -139,6 +151,8 @@ def goal_met(key: str, value: float) -> bool | None:
 def _fmt(key: str, value: float) -> str:
     if key.endswith("_ms_p50") or key.endswith("_ms_p99"):
         return f"{value:.1f} ms"
+    if key.endswith("_devices"):
+        return f"{value:,.0f}"
     if key.endswith("jobs_per_s") or key.endswith("trials_per_s"):
         return f"{value:.0f}/s"
     if ".wait_s" in key or key.startswith("isolation.") or key.startswith("commands.log_latency"):
@@ -215,6 +229,12 @@ def table(figures: dict[str, Any]) -> Table:
             f"{flat['groups.hogwild_start_s']:.2f} s)")
         extra["groups.hogwild_accuracy_gap"] = (f"accuracy {flat['groups.hogwild_accuracy']:.4f} against "
                                                 f"{flat['groups.one_process_accuracy']:.4f} in one process")
+    if "scale.simulated" in flat:
+        sim = flat["scale.simulated"]
+        extra["scale.sim_redis_core_busy"] = (
+            f"{sim['devices']} devices, {sim['users']} users ({sim['waiting_users']} waiting); measured "
+            f"{sim['redis_core_busy_measured']:.3f} at {sim['load_achieved']:.0%} of the traffic")
+        extra["scale.saturation_devices"] = f"one core busy, per device {sim['core_per_device']:.2e} core"
     extra["isolation.cancel_grace_s"] = f"the bench fleet's cancel_grace_s (default {CANCEL_GRACE_S:g} s)"
     host = figures.get("host", {})
     out = Table(title=f"devicefleet bench{' --quick' if figures.get('quick') else ''}: "

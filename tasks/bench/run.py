@@ -29,6 +29,7 @@ from . import (
     pack,
     pipeline,
     producer,
+    scale,
     slots,
     sweep,
 )
@@ -36,7 +37,7 @@ from . import (
 #: The sections of a bench run, in the order they run (``pipeline`` needs no fleet; ``groups``
 #: measures its start and wait figures on the fleet, its Hogwild ones without it).
 SECTIONS = ("dispatch", "producer", "sweep", "fanout", "ddp", "gpu", "commands", "isolation", "slots", "pack",
-            "pipeline", "groups")
+            "pipeline", "groups", "scale")
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,9 @@ def _measure_fleet(fleet: Fleet, settings: Settings, chosen: set[str], quick: bo
     if "slots" in chosen:  # --quick on a CPU host (slots.on_bench_fleet): before isolation's crashes
         with _timed(figures, "slots"):
             figures["slots"] = slots.measure(settings, quick=quick, app=app)
+    if "scale" in chosen:
+        with _timed(figures, "scale"):
+            figures["scale"] = scale.measure(app, cpus, quick=quick)
     if "isolation" in chosen:  # last: it crashes and kills job processes
         with _timed(figures, "isolation"):
             figures["isolation"] = isolation.measure(app, cpus[0], quick=quick, cancel_grace_s=config.cancel_grace_s)

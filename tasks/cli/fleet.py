@@ -155,7 +155,7 @@ def demo(as_json: bool, epochs: int, model: str, cpu_workers: int | None) -> Non
 @click.option("--cpu-workers", type=click.IntRange(1, 256), default=2, show_default=True, help="CPU devices of the bench fleet.")
 @click.option("--section", "sections", multiple=True, metavar="NAME",
               help="Measure only this section (repeatable): dispatch, producer, sweep, fanout, ddp, gpu, commands, isolation, "
-                   "slots, pack, pipeline, groups.")
+                   "slots, pack, pipeline, groups, scale.")
 def bench(as_json: bool, quick: bool, cpu_workers: int, sections: tuple[str, ...]) -> None:
     """Measure a throwaway fleet against what users would do instead; print a table."""
     # Here, not above: the bench loads torch, which `devicefleet --help` (loading this module) must not.

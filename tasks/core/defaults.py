@@ -162,6 +162,14 @@ FAIRSHARE_HALF_LIFE_S = 3600.0
 #: How long a worker keeps the users' order (who has used least) before reading it again, at the
 #: start of its next blocking read: one pipelined round trip at most this often, never per job.
 FAIRSHARE_REFRESH_S = 0.5
+#: How long after a user joins a queue list's waiting users (:func:`tasks.core.keys.waiting_users`)
+#: each of her messages there also leaves a wake mark (:func:`tasks.core.keys.wake`): every idle
+#: worker has read the users again by then (its poll's 1 s timeout, then its read), so past it a
+#: mark would wake none.
+WAKE_WINDOW_S = 2.0
+#: The most wake marks one queue keeps (the newest): marks no worker needed (its read named the
+#: list already) cost a worker one poll each, so they are bounded.
+WAKE_KEEP = 32
 #: Bucket bounds (seconds) of the wait-time histogram per level (from send to start).
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 1800.0, 7200.0)
 

@@ -11,23 +11,33 @@ and the order costs no round trip per job.
 How a device picks a user: every list of a level (``cpu:batch``) has one list per user beside
 it (``cpu:batch~alice``, :func:`tasks.core.queue_lists.user_list`). The fleet's transport publishes
 a job to its user's list (:data:`PUBLISH`: one script call instead of kombu's ``LPUSH``, which
-also registers the user in ``keys.USERS``, the same round trip). A worker's blocking read (one ``BRPOP`` over all its
-lists, which pops from the first non-empty key in the order given) names, for each level
-highest first, the level's shared lists (bookkeeping such as a fan-out's collect step, which
-names no user), then every user's lists, users by usage, least first
-(:func:`tasks.core.queue_lists.brpop_keys`). The
-worker reads the users and their usage again at most every
-:data:`~tasks.core.defaults.FAIRSHARE_REFRESH_S` (:class:`UserOrder`: one pipelined round trip),
-at the start of a read. A sweep's own queue belongs to one user: its lists are ordered by its
+also registers the user in ``keys.USERS`` and adds her to the level list's waiting users,
+``keys.waiting_users``, in the same round trip). A worker's blocking read (one ``BRPOP`` over
+all its lists, which pops from the first non-empty key in the order given) names, for each
+level highest first, the level's shared lists (bookkeeping such as a fan-out's collect step,
+which names no user), then the lists of the users waiting beside them, users by usage, least
+first (:func:`tasks.core.queue_lists.brpop_keys`), then its queues' wake lists. A user with
+nothing waiting costs a worker nothing per poll: her lists are named by no worker, however many
+users the fleet has seen (what stays of her is her usage history).
+
+The worker reads the waiting users and their usage again at most every
+:data:`~tasks.core.defaults.FAIRSHARE_REFRESH_S` (:class:`UserOrder`: one script call,
+:data:`WAITING_READ`), at the start of a read. That read also takes a user out of a list's waiting
+users once her list there is empty, in the same script: a publish runs either wholly before
+(the list is not empty: she stays) or wholly after (it adds her again), so no message is left in
+a list no worker names. A sweep's own queue belongs to one user: its lists are ordered by its
 user's usage like any other. Levels still come strictly first: a user's ``batch`` work never
 goes before anyone's ``normal`` work.
 
-A user's very first jobs: a worker's read names only the users it knew when it began, so a new
-user's first jobs wait until each worker's next read that comes after a refresh: at most kombu's
-``brpop_timeout`` (1 s) plus :data:`~tasks.core.defaults.FAIRSHARE_REFRESH_S` for an idle worker,
-once per user in the fleet's life. A busy worker refreshes at the start of its next read (its
-order is older than the refresh period by then, unless it took a job in the last half second);
-preemption (:mod:`tasks.worker.preemption`) reads the users afresh at each look.
+A user new to a list's waiting users: a worker's read names only the users it found at its last
+read, so each of her messages there in her first :data:`~tasks.core.defaults.WAKE_WINDOW_S` also
+pushes the list's name to the queue's wake list (``keys.wake``), which every worker of the queue
+names last. A worker that pops a mark for a list its read did not name reads the users at once
+and polls again: her first job is taken within a few round trips, not at the next refresh.
+Marks are kept at most :data:`~tasks.core.defaults.WAKE_KEEP` per queue; one for a list the
+worker named already is dropped for one poll. Preemption (:mod:`tasks.worker.preemption`), the
+waiting view and the exporter read the waiting users too
+(:func:`tasks.core.queue_lists.waiting_users`).
 
 Messages given back to a queue (a dead worker's, kombu's restore) go to its shared list: ahead
 of the users' lists of their level, as they were taken once already.
@@ -38,7 +48,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -46,17 +57,59 @@ import redis
 from . import keys
 from .defaults import FAIRSHARE_HALF_LIFE_S, FAIRSHARE_REFRESH_S, USAGE_KEEP_DAYS, WAIT_BUCKETS_S
 from .priority import Level
+from .queue_lists import USER_SEPARATOR
+from .replies import text
 
 logger = logging.getLogger(__name__)
 
-#: Put a job's message on its user's list beside its queue list, and register the user (first
-#: seen, by Redis' clock). KEYS: the user's list (``cpu:batch~alice``), ``keys.USERS``; ARGV: the
-#: user, the message. Returns 1 when the user is new.
+#: Put a job's message on its user's list beside its queue list, register the user (first seen,
+#: by Redis' clock) and add her to the level list's waiting users; while she is new there (added
+#: less than ``ARGV[3]`` seconds ago), push the list's name to the queue's wake list, keeping its
+#: newest ``ARGV[4]``. KEYS: the user's list (``cpu:batch~alice``), ``keys.USERS``, the level
+#: list's ``keys.waiting_users``, the queue's ``keys.wake``; ARGV: the user, the message, the wake
+#: window, the wake marks kept. Returns 1 when the user is new to the fleet.
 PUBLISH = """
 local t = redis.call('time')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local new = redis.call('hsetnx', KEYS[2], ARGV[1], t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+local since = tonumber(redis.call('zscore', KEYS[3], ARGV[1]))
+if not since then
+  since = now
+  redis.call('zadd', KEYS[3], now, ARGV[1])
+end
 redis.call('lpush', KEYS[1], ARGV[2])
+if now - since < tonumber(ARGV[3]) then
+  redis.call('lpush', KEYS[4], KEYS[1])
+  redis.call('ltrim', KEYS[4], 0, tonumber(ARGV[4]) - 1)
+end
 return new
+"""
+
+#: A worker's read of the users waiting beside its level lists: each list's waiting users whose
+#: list there is not empty (one whose list is empty is taken out, in the same atomic call: see
+#: the module's docstring), and the usage of each. KEYS: ``keys.USAGE``, then each level list's
+#: ``keys.waiting_users``; ARGV: the user separator, then each level list's name. Returns
+#: ``[[users of each list], [every user found, once], [her usage field, or nil]]``.
+WAITING_READ = """
+local lists, seen, names = {}, {}, {}
+for i = 2, #KEYS do
+  local base, kept = ARGV[i], {}
+  for _, user in ipairs(redis.call('zrange', KEYS[i], 0, -1)) do
+    if redis.call('exists', base .. ARGV[1] .. user) == 1 then
+      kept[#kept + 1] = user
+      if not seen[user] then
+        seen[user] = true
+        names[#names + 1] = user
+      end
+    else
+      redis.call('zrem', KEYS[i], user)
+    end
+  end
+  lists[#lists + 1] = kept
+end
+local usage = {}
+if #names > 0 then usage = redis.call('hmget', KEYS[1], unpack(names)) end
+return {lists, names, usage}
 """
 
 #: A Lua function of the store script (:data:`tasks.core.jobscripts.STORE`): add a job's
@@ -137,39 +190,58 @@ def read_usage(client: redis.Redis, now: float | None = None) -> dict[str, float
     return parse_usage(client.hgetall(keys.USAGE), time.time() if now is None else now)
 
 
-def known_users(client: redis.Redis) -> list[str]:
-    """Every user who has sent a job (``keys.USERS``), by name, one ``HKEYS``."""
-    return sorted(u.decode() if isinstance(u, bytes) else str(u) for u in client.hkeys(keys.USERS))
+
+@dataclass(frozen=True)
+class Waiting:
+    """A worker's read of its users: each level list's waiting users (``beside``), and all of
+    them in serving order (``order``, least usage first)."""
+
+    beside: Mapping[str, frozenset[str]]
+    order: tuple[str, ...]
 
 
 class UserOrder:
-    """A worker's users in serving order, read again at most every ``refresh_s``: one pipelined
-    round trip (``HKEYS`` of the users, ``HGETALL`` of their usage)."""
+    """A worker's users waiting beside its level lists, in serving order, read again at most
+    every ``refresh_s`` (or at once after :meth:`stale`): one script call (:data:`WAITING_READ`)."""
 
     def __init__(self, refresh_s: float = FAIRSHARE_REFRESH_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.refresh_s = refresh_s
         self._clock = clock
-        self._users: list[str] = []
+        self._waiting = Waiting({}, ())
+        self._names: frozenset[str] = frozenset()
         self._read_at: float | None = None
+        self._script: Any = None
 
-    def users(self, client: redis.Redis) -> list[str]:
-        """The users, least usage first; the last order read if Redis does not answer now (the
-        read that follows says so)."""
-        now = self._clock()
-        if self._read_at is not None and now - self._read_at < self.refresh_s:
-            return self._users
+    def stale(self) -> None:
+        """Read again at the next :meth:`read` (a wake mark named a list the last read did not)."""
+        self._read_at = None
+
+    def users(self, client: redis.Redis, names: Sequence[str] = ()) -> list[str]:
+        """The users waiting beside level lists ``names``, least usage first (:meth:`read`)."""
+        return list(self.read(client, names).order)
+
+    def read(self, client: redis.Redis, names: Sequence[str]) -> Waiting:
+        """The users waiting beside level lists ``names``; the last read if it is younger than
+        the refresh period and was of these lists (in any order: kombu's cycle turns them), or if Redis does not answer now (the poll
+        that follows says so)."""
+        now, names = self._clock(), tuple(names)
+        if self._read_at is not None and now - self._read_at < self.refresh_s and self._names.issuperset(names):
+            return self._waiting
         try:
-            with client.pipeline(transaction=False) as pipe:
-                pipe.hkeys(keys.USERS)
-                pipe.hgetall(keys.USAGE)
-                names, usage = pipe.execute()
+            if self._script is None:
+                self._script = client.register_script(WAITING_READ)
+            lists, found, usage = self._script(keys=[keys.USAGE, *(keys.waiting_users(name) for name in names)],
+                                               args=[USER_SEPARATOR, *names], client=client)
         except redis.RedisError as exc:
-            logger.debug("could not read the users' usage: %s", exc)
-            return self._users
-        users = [u.decode() if isinstance(u, bytes) else str(u) for u in names]
-        self._users = order_users(users, parse_usage(usage, time.time()))
-        self._read_at = now
-        return self._users
+            logger.debug("could not read the waiting users: %s", exc)
+            return self._waiting
+        users = [text(user) for user in found]
+        order = order_users(users, parse_usage({u: v for u, v in zip(users, usage, strict=True) if v is not None},
+                                               time.time()))
+        self._waiting = Waiting({name: frozenset(text(u) for u in listed) for name, listed in zip(names, lists, strict=True)},
+                                tuple(order))
+        self._names, self._read_at = frozenset(names), now
+        return self._waiting
 
 
 def share_arg(user: str | None, level: Level, seconds: float, at: float, *, kind: str | None = None,

@@ -252,9 +252,26 @@ def preempt_claims(queue_list: str) -> str:
 
 # -- fair share between users (tasks.core.fairshare) -----------------------------------------------
 
-#: Hash ``{user: first seen}`` (Redis time, epoch seconds) of every user who sent a job: a
-#: worker names each one's lists in its blocking read. Written by the publish script.
+#: Hash ``{user: first seen}`` (Redis time, epoch seconds) of every user who sent a job, ever
+#: (``devicefleet status``, the exporter, a purge). Written by the publish script; no hot path
+#: reads it (a worker reads :func:`waiting_users`).
 USERS = f"{PREFIX}users"
+
+
+def waiting_users(queue_list: str) -> str:
+    """Sorted set ``{user: when added}`` (Redis time) of the users whose list beside level list
+    ``queue_list`` (``cpu:batch``) may hold messages: added by the publish script, a user taken
+    out by a worker's read once her list there is empty (:data:`tasks.core.fairshare.WAITING_READ`).
+    A worker names the lists of these users only, never of every user ever seen."""
+    return f"{PREFIX}waiting-users:{queue_list}"
+
+
+def wake(queue: str) -> str:
+    """List of one queue's (``cpu``) wake marks: the name of a user's list that got a message
+    while her place in :func:`waiting_users` was new (a worker's read may not name it yet). Every
+    worker of the queue names it last in its poll; one that pops a mark for a list it does not
+    name reads the users again at once (:mod:`tasks.core.fairshare`)."""
+    return f"{PREFIX}wake:{queue}"
 #: Hash ``{user: "<device-seconds> <epoch seconds>"}``: each user's usage, decayed to that time
 #: (read decayed to now). Written by the store script at each job's end.
 USAGE = f"{PREFIX}usage"

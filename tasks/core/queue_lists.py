@@ -25,11 +25,11 @@ step lists last. :class:`QueueLists` is one queue's lists as a record.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .fairshare import known_users
+from . import keys
 from .priority import DEFAULT_LEVEL, USER_PATTERN, Level
 
 #: Between a queue's name and its level: ``device.cpu0:urgent``. Not a character of a device,
@@ -122,12 +122,40 @@ def insert_in_level(order: list[str], name: str) -> None:
     order.insert(at, name)
 
 
+def known_users(client: Any) -> list[str]:
+    """Every user who has ever sent a job (``keys.USERS``), by name, one ``HKEYS``: never on a
+    hot path (a worker reads the users waiting, :func:`waiting_users`)."""
+    return sorted(u.decode() if isinstance(u, bytes) else str(u) for u in client.hkeys(keys.USERS))
+
+
+def waiting_users(client: Any, names: Sequence[str]) -> dict[str, list[str]]:
+    """``{level list: its waiting users}`` (``keys.waiting_users``, by name) of each of level
+    lists ``names``: one pipelined ``ZRANGE`` each, read only. A user may be listed whose list
+    is empty by now (a worker's read takes her out, :data:`tasks.core.fairshare.WAITING_READ`):
+    her list counts nothing."""
+    if not names:
+        return {}
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.zrange(keys.waiting_users(name), 0, -1)
+        found = pipe.execute()
+    return {name: sorted(u.decode() if isinstance(u, bytes) else str(u) for u in users)
+            for name, users in zip(names, found, strict=True)}
+
+
+def wake_list(name: str) -> str:
+    """The wake list (``keys.wake``) of the queue of list ``name`` (``cpu:batch~alice`` -> ``cpu``'s)."""
+    return keys.wake(split_level(name)[0])
+
+
 def brpop_keys(names: Sequence[str], users: Sequence[str], steps: Iterable[int] = (),
-               sep: str = KOMBU_STEP_SEPARATOR) -> list[tuple[str, str]]:
+               sep: str = KOMBU_STEP_SEPARATOR, beside: Mapping[str, Collection[str]] | None = None,
+               ) -> list[tuple[str, str]]:
     """``(list, level list)`` for a worker's blocking read over level lists ``names`` (sorted by
     level, as :class:`tasks.core.transport.LevelCycle` keeps them), in the order it names them:
     for each level, its level lists, then each user's (``users`` in serving order) beside each of
-    them; then kombu's lists of each non-zero priority step of ``steps``, beside each level list.
+    them (with ``beside``, only where the user waits beside it: ``beside[name]``); then kombu's
+    lists of each non-zero priority step of ``steps``, beside each level list.
     The level list is the queue a message popped from the list is delivered as."""
     out: list[tuple[str, str]] = []
     i = 0
@@ -138,7 +166,8 @@ def brpop_keys(names: Sequence[str], users: Sequence[str], steps: Iterable[int] 
             group.append(names[i])
             i += 1
         out.extend((name, name) for name in group)
-        out.extend((user_list(name, user), name) for user in users for name in group)
+        out.extend((user_list(name, user), name) for user in users for name in group
+                   if beside is None or user in beside.get(name, ()))
     out.extend((step_list(name, step, sep), name) for step in steps if step for name in names)
     return out
 
@@ -167,6 +196,13 @@ class QueueLists:
     def read(cls, client: Any, queue: str) -> QueueLists:
         """``queue``'s lists for every user who has sent a job (by name), one ``HKEYS``."""
         return cls(queue, tuple(known_users(client)))
+
+    @classmethod
+    def waiting(cls, client: Any, queue: str) -> QueueLists:
+        """``queue``'s lists for the users waiting beside any of its level lists (by name), one
+        pipelined round trip: what a hot path reads instead of every user ever seen."""
+        found = waiting_users(client, [level_queue(queue, level) for level in Level])
+        return cls(queue, tuple(sorted({user for users in found.values() for user in users})))
 
     def level(self, level: Level) -> str:
         """The queue's own list of ``level`` (jobs that name no user, messages given back)."""

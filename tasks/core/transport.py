@@ -18,9 +18,11 @@ on the same connection pool. This channel builds that client once per pool and r
 redis-py clients are thread-safe and take a connection from the pool per command, as before.
 
 A job that names a user is published to its user's list beside its queue's, by one script call
-that also registers the user, and a worker's BRPOP names each level's lists, then the users'
-lists of that level, users by usage (:mod:`tasks.core.fairshare`: the fair share within a level);
-the key a message is popped from is delivered as its queue's. Every list's name comes from
+that also registers the user and adds her to the level list's waiting users, and a worker's BRPOP
+names each level's lists, then the lists of that level's waiting users, users by usage
+(:mod:`tasks.core.fairshare`: the fair share within a level), then its queues' wake lists
+(a new waiting user's mark: the worker reads the users at once and polls again); the key a
+message is popped from is delivered as its queue's. Every list's name comes from
 :mod:`tasks.core.queue_lists`.
 
 Why the BRPOP is a copy of kombu's (``_brpop_start``, ``_brpop_read``) rather than kombu's own
@@ -75,11 +77,12 @@ from kombu.utils.objects import cached_property
 from kombu.utils.scheduling import round_robin_cycle
 
 from . import keys
+from .defaults import WAKE_KEEP, WAKE_WINDOW_S
 from .errors import NoFleetError
-from .fairshare import PUBLISH, UserOrder, known_users
+from .fairshare import PUBLISH, UserOrder
 from .keys import FRONT_HEADER
 from .priority import USER_PATTERN
-from .queue_lists import brpop_keys, insert_in_level, queue_rank, user_list, user_lists
+from .queue_lists import brpop_keys, insert_in_level, known_users, queue_rank, user_list, user_lists, wake_list
 from .sentinel import ReadOnlyAwareConnection, Replication
 
 logger = logging.getLogger(__name__)
@@ -362,7 +365,8 @@ class HardenedChannel(_ChannelBase):
     def _user_order(self) -> UserOrder:
         return UserOrder()
 
-    #: The list each key of the BRPOP in flight stands for (a user's list -> its queue list).
+    #: The list each key of the BRPOP in flight stands for (a user's list -> its queue list; a
+    #: wake list -> "").
     _queue_of_key: dict[str, str] = {}
 
     # kombu internals: the publish of one message to a queue (LPUSH: the back, as BRPOP pops
@@ -390,7 +394,8 @@ class HardenedChannel(_ChannelBase):
             script = self._publish_script
             if script is None:
                 script = self._publish_script = client.register_script(PUBLISH)
-            script(keys=[user_list(queue, user), keys.USERS], args=[user, dumps(message)], client=client)
+            script(keys=[user_list(queue, user), keys.USERS, keys.waiting_users(queue), wake_list(queue)],
+                   args=[user, dumps(message), WAKE_WINDOW_S, WAKE_KEEP], client=client)
 
     _publish_script: Any = None
 
@@ -422,8 +427,9 @@ class HardenedChannel(_ChannelBase):
         if not queues or not CONSUMING.is_set():  # none, or out of service: the poll times out idle
             return
         with self.conn_or_acquire() as client:
-            users = self._user_order.users(client)
-        pairs = brpop_keys(queues, users, self.priority_steps, self.sep)
+            waiting = self._user_order.read(client, queues)
+        pairs = [*brpop_keys(queues, waiting.order, self.priority_steps, self.sep, beside=waiting.beside),
+                 *dict.fromkeys((wake_list(name), "") for name in queues)]
         self._queue_of_key = dict(pairs)
         self._in_poll = self.client.connection
         self._brpop_sent_at = monotonic()  # type: ignore[assignment]  # kombu declares it None
@@ -443,6 +449,10 @@ class HardenedChannel(_ChannelBase):
                 raise Empty()
             dest, item = dest__item
             key = bytes_to_str(dest)  # a global key prefix is stripped by kombu's client already
+            if self._queue_of_key.get(key) == "":  # a wake mark: a list this poll did not name?
+                if bytes_to_str(item) not in self._queue_of_key:
+                    self._user_order.stale()  # read the users at once; the next poll names it
+                raise Empty()
             queue = self._queue_of_key.get(key) or key.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(queue)
             self.connection._deliver(loads(bytes_to_str(item)), queue)

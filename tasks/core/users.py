@@ -176,7 +176,8 @@ _QUEUE_PREFIXES = (QueueName.CPU.value, QueueName.GPU.value, QueueName.FLEET.val
 #: a job's arguments, results or logs.
 _STATUS_KEYS = ("workers", "worker:*", "job-schemas:*", "device-state", "leases", "lease:*", "caps", "users",
                 "usage*", "xid-counts", "user-seconds", "stats-devices", "stats:*", "finished:*", "wait:*",
-                "reaper:stats", "dead-letters", "group*", "gang*", "claims:*", "preempt-claims:*")
+                "reaper:stats", "dead-letters", "group*", "gang*", "claims:*", "preempt-claims:*",
+                "waiting-users:*")
 #: Commands a user's producer may run: reads, the publish of a job, a result's wait. No command
 #: that takes from a list or empties one (purge), no KEYS/SCAN, no PUBLISH (Celery's control
 #: broadcast), no MONITOR, CONFIG, ACL or FLUSH.
@@ -207,8 +208,9 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
     (keys that end in :func:`owner_suffix`). Selectors: a script call (``EVALSHA``)
     over any key, as every command a script runs is checked against these same rules (Redis 7),
     so a script can do no more than its caller (the publish script, the producer's read of the
-    registry); the publish script's ``HSETNX`` of her name in the users hash, the only write
-    she may make to a fleet key; ``LRANGE`` and ``LINDEX`` of her own queue lists (her waiting
+    registry); the publish script's ``HSETNX`` of her name in the users hash, ``ZADD`` to a
+    list's waiting users and ``LPUSH``/``LTRIM`` of a queue's wake marks, the only writes she may
+    make to fleet keys; ``LRANGE`` and ``LINDEX`` of her own queue lists (her waiting
     jobs; of the others' lists, whose messages hold their jobs' arguments, she reads the lengths
     only). Channels: her results'.
     """
@@ -231,7 +233,7 @@ def acl_rules(user: str, password: str | None = None, *, hashed: str | None = No
              # Her own queued jobs, read (``tasks.waiting``, the status' oldest): no other list's
              # messages (their jobs' arguments), only their lengths.
              "(+lrange +lindex " + " ".join(own_lists) + ")",
-             f"(+hsetnx ~{PREFIX}users)"]
+             f"(+hsetnx ~{PREFIX}users)", f"(+zadd ~{PREFIX}waiting-users:*)", f"(+lpush +ltrim ~{PREFIX}wake:*)"]
     return rules
 
 

@@ -39,10 +39,10 @@ from ..core import keys
 from ..core.caps import read_cap_uses
 from ..core.defaults import RATE_WINDOW_S, WAIT_BUCKETS_S
 from ..core.device_state import STATES, DeviceState, parse_states
-from ..core.fairshare import known_users, read_usage, read_user_seconds, read_wait_times
+from ..core.fairshare import read_usage, read_user_seconds, read_wait_times
 from ..core.job import JobMetric
 from ..core.jobcount import DeviceStats
-from ..core.queue_lists import leveled, lists_beside, step_lists
+from ..core.queue_lists import known_users, leveled, lists_beside, step_lists, waiting_users
 from ..core.queues import QueueName, device_queue
 from ..core.records import EntryStatus, WorkerRecord
 from ..core.registry import connect, live_workers
@@ -169,9 +169,10 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "health": health.get(device, DeviceState(device=device)).model_dump(exclude={"device"}),
         }
     queues = {}
-    users = known_users(client)
-    for name in fleet_queues(live, devices):
-        depth, age = queue_depth(client, name, now, users)
+    names = fleet_queues(live, devices)
+    beside = waiting_users(client, names)  # the users waiting beside each, not every user ever seen
+    for name in names:
+        depth, age = queue_depth(client, name, now, beside[name])
         queues[name] = {"depth": depth, "oldest_age_s": age}
     usage = read_usage(client, now)
     user_seconds = read_user_seconds(client)
@@ -184,7 +185,7 @@ def fleet_snapshot(client: redis.Redis, now: float | None = None) -> dict[str, A
             "usage": [{"name": row.name, "kind": row.kind, "held_s": row.held_s, "busy_s": row.busy_s} for row in used],
             "users": {user: {"usage_s": usage.get(user, 0.0),
                              "device_seconds": {level: s for (u, level), s in user_seconds.items() if u == user}}
-                      for user in sorted(set(users) | set(usage) | {u for u, _ in user_seconds})},
+                      for user in sorted(set(known_users(client)) | set(usage) | {u for u, _ in user_seconds})},
             "wait_times": {level.value: fields for level, fields in read_wait_times(client).items()},
             "xids": read_xid_counts(client)}
 

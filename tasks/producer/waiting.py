@@ -28,7 +28,8 @@ job ahead of it, hers or not (the ACL lets a user read the lengths of every list
 messages of her own).
 
 Reads only: one ``HGETALL`` of the caps (and, when some are set, of the leases, with one
-pipelined ``EXISTS`` per lease), one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
+pipelined ``EXISTS`` per lease), one pipelined ``ZRANGE`` of the users waiting beside each level
+list, one ``LLEN`` per list, one ``LRANGE`` of at most :data:`WAITING_READ_LIMIT`
 messages per non-empty list (the next ones to start), one ``SCAN`` for sweep lists.
 """
 
@@ -46,10 +47,19 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..core import keys
 from ..core.caps import blocking, kind_of, read_cap_uses
 from ..core.defaults import WAITING_READ_LIMIT
-from ..core.fairshare import known_users, order_users, read_usage
+from ..core.fairshare import order_users, read_usage
 from ..core.job import COLLECT_TASK, TASK_PREFIX
 from ..core.priority import Level
-from ..core.queue_lists import brpop_keys, count_waiting, insert_in_level, leveled, queue_rank, split_level, split_user
+from ..core.queue_lists import (
+    brpop_keys,
+    count_waiting,
+    insert_in_level,
+    leveled,
+    queue_rank,
+    split_level,
+    split_user,
+    waiting_users,
+)
 from ..core.queues import SWEEP_QUEUE_PREFIX
 from ..core.records import JobOptions, SweepRecord, WorkerRecord, stored
 from ..core.registry import live_workers
@@ -124,9 +134,11 @@ def read_waiting(client: redis.Redis) -> list[WaitingJob]:
         for device in devices:
             if device in orders and name not in orders[device]:
                 insert_in_level(orders[device], name)  # an attached sweep's list: kombu adds it last
-    # Each level's users' lists after its queue lists, users by usage (what a worker's read names).
-    users = order_users(known_users(client), read_usage(client))
-    orders = {device: [key for key, _queue in brpop_keys(order, users)] for device, order in orders.items()}
+    # Each level's waiting users' lists after its queue lists, users by usage (what a worker's
+    # read names: the users waiting beside each list, not every user ever seen).
+    beside = waiting_users(client, sorted({name for order in orders.values() for name in order}))
+    users = order_users({user for listed in beside.values() for user in listed}, read_usage(client))
+    orders = {device: [key for key, _queue in brpop_keys(order, users, beside=beside)] for device, order in orders.items()}
     names = sorted({name for order in orders.values() for name in order})
     depths = dict(zip(names, count_waiting(client, names), strict=True))
     busy_text = {device: _busy_text(record) for device, record in live.items()}

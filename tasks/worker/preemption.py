@@ -51,10 +51,17 @@ import redis
 from ..core import keys
 from ..core.caps import blocking, read_cap_uses
 from ..core.defaults import PREEMPT_CHECK_S, PREEMPT_CLAIM_HOLD_S, PREEMPT_GRACE_S
-from ..core.fairshare import known_users
 from ..core.periodic import PeriodicThread
 from ..core.priority import Level
-from ..core.queue_lists import count_waiting, leveled, lists_beside, split_level, split_user, user_lists
+from ..core.queue_lists import (
+    count_waiting,
+    leveled,
+    lists_beside,
+    split_level,
+    split_user,
+    user_lists,
+    waiting_users,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,13 +260,15 @@ class Preemption(PeriodicThread):
             self._waiting = None
             self._lender_lists, self._lender_count = [], 0
             return
-        users = known_users(self._client)  # each user's list beside each queue list (tasks.core.fairshare)
+        # The lists of the users waiting beside each queue list (tasks.core.fairshare), not of
+        # every user ever seen: one pipelined round trip.
+        beside = waiting_users(self._client, list(self._lists()))
         if borrowed:
-            self._look_for_lenders(users, borrowed, generation)
+            self._look_for_lenders(beside, borrowed, generation)
         if lowest == 0:
             self._waiting = None
             return
-        above = sorted(((level, listed) for name in self._lists() if (level := split_level(name)[1]).rank < lowest
+        above = sorted(((level, listed) for name, users in beside.items() if (level := split_level(name)[1]).rank < lowest
                         for listed in lists_beside(name, users)),
                        key=lambda pair: pair[0].rank)
         lengths = count_waiting(self._client, [name for _, name in above])
@@ -277,15 +286,16 @@ class Preemption(PeriodicThread):
             expired = time.monotonic() - self._hold_s
             self._held = {name: held for name, held in self._held.items() if held[1] > expired}
 
-    def _look_for_lenders(self, users: list[str], borrowed: dict[str, tuple[str, str]], generation: int) -> None:
+    def _look_for_lenders(self, beside: dict[str, list[str]], borrowed: dict[str, tuple[str, str]],
+                          generation: int) -> None:
         """Find the work, at any level, of users other than the borrowers that their caps let run
         on this device (the lists of this worker's queues it waits in): what takes a borrowed
         job's device back. Reads the caps and the live leases only while a borrowed job runs."""
         borrowers = {user for user, _ in borrowed.values()}
         kind = next(iter(borrowed.values()))[1]
-        others = [user for user in users if user not in borrowers]
-        candidates = sorted(((split_level(name)[1], listed) for name in self._lists()
-                             for listed in user_lists(name, others)), key=lambda pair: pair[0].rank)
+        candidates = sorted(((split_level(name)[1], listed) for name, users in beside.items()
+                             for listed in user_lists(name, [user for user in users if user not in borrowers])),
+                            key=lambda pair: pair[0].rank)
         lengths = count_waiting(self._client, [name for _, name in candidates]) if candidates else []
         found = [(level, name) for (level, name), length in zip(candidates, lengths, strict=True) if length]
         if found:

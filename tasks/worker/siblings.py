@@ -101,7 +101,7 @@ class Siblings:
         taken = 0
         with self._lock:
             channel = self._open(task)
-            lists = QueueLists.read(channel.client, queue).of_level(level)
+            lists = QueueLists.waiting(channel.client, queue).of_level(level)
             # A sweep publishes its trials in a burst, and the leader may have come first: go on
             # taking while they still arrive (one more within PACK_GATHER_S), PACK_GATHER_MAX_S at most.
             started = last = time.monotonic()
