@@ -1,24 +1,9 @@
 """A device group's reservation in Redis: its claims (:mod:`tasks.core.claims`) and holds.
 
 The protocol as a whole is in :mod:`tasks.worker.group`; this module holds the steps its
-producer, its leader and its devices' keepers take on the same keys, each one script (one round
-trip, atomic):
-
-- :func:`reserve_at_send`: the **producer**, as it sends a group, gives it its age (``seq``, from
-  the counter gangs share) and claims its devices other than the leader, each claim scored by the
-  group's precedence (:func:`tasks.core.priority.precedence`: its job's level, then its age); the
-  leader's own queue is first in, first out (what was sent to it before the group runs before
-  it, what is sent after waits behind it), so its claim there is a ``sent`` one, which closes
-  no gate. The reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
-  message no leader takes in that time (its producer died before sending it, or the leader's
-  queue is long) lets the devices go, and its leader reserves them again when it takes it;
-- :func:`reserve`: the **leader**, taking the message, claims that reservation (it renews it to a
-  lease's TTL and adds its own device) if it is still unclaimed and alive, else reserves anew
-  under a fresh attempt id; :func:`start` starts it once every device holds it, :func:`release`
-  ends it;
-- :func:`move_hold`: a **keeper** holds its device for a group, or lets the hold go;
-- :func:`release_unclaimed`: a producer cancelling a group its leader has not taken yet lets its
-  devices go at once (a claimed group is its leader's to release: it sees the cancel).
+producer (:func:`reserve_at_send`, :func:`release_unclaimed`), its leader (:func:`reserve`,
+:func:`start`, :func:`release`) and its devices' keepers (:func:`move_hold`) take on the same
+keys, each one script (one round trip, atomic).
 
 A leader waits on its wake list (:func:`tasks.core.keys.group_wake`) for
 :data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout, which Redis

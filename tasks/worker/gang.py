@@ -44,11 +44,7 @@ too (it is written before any rank stops).
 **No deadlock.** The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``),
 so every device's queue holds one gang's ranks before the next's; where that order breaks (the
 reaper gives a dead worker's rank back at the front of its queue), and between a gang and a
-device group, the one give-way rule of :mod:`tasks.core.claims` orders them: a gang claims the
-devices whose rank has not joined, and a rank waiting on a device that a live claim before its
-gang's (:attr:`~tasks.core.rendezvous.Rendezvous.precedence`: level, then age) is on gives it up
-(:class:`~tasks.core.errors.GiveWay`) and comes back :data:`~tasks.core.defaults.GIVE_WAY_S`
-later. A gang that has assembled never gives way, it runs to its end.
+device group, the one give-way rule of :mod:`tasks.core.claims` orders them.
 """
 
 from __future__ import annotations

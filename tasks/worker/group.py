@@ -51,11 +51,7 @@ again. A group that has started is not preempted: the job waits for its end. Onl
 levels pass, so a stream of single jobs of the group's own level still cannot starve it.
 
 **No deadlock.** Gangs and groups follow one give-way rule over one claim set
-(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves): a waiting leader
-that finds a live claim before its own (level, then age) on any of its devices, a gang's or a
-group's, drops its reservation and its message goes back to the queue
-(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper
-holds its device for the first group only, and opens its gate while a gang's claim comes first.
+(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves).
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
 once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
