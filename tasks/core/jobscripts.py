@@ -71,22 +71,20 @@ end
 
 @dataclass(frozen=True)
 class TakeKeys(ScriptParams):
-    """:data:`TAKE`'s ``KEYS``."""
+    """:data:`TAKE`'s ``KEYS`` (each the :mod:`tasks.core.keys` key of its name, as
+    :meth:`tasks.core.jobstate.JobState.take` builds them; '' skips what reads it)."""
 
     #: The job's result meta key ('' to skip the check that it is finished).
     meta: str
-    #: ``keys.lease(task_id)``, ``keys.LEASES``, ``keys.worker_deaths(task_id)``.
     lease: str
     leases: str
     deaths: str
-    #: ``keys.fence(task_id)`` (the job's token), ``keys.fenced(task_id)`` (the owners that fenced
-    #: themselves: no death).
     fence: str
+    #: The owners that fenced themselves (no death).
     fenced: str
-    #: ``keys.CAPS``, ``keys.CAP_AUDIT`` (:mod:`tasks.core.caps`).
     caps: str
     cap_audit: str
-    #: ``keys.DEVICE_STATE`` ('' for no check of the taker's device).
+    #: '' for no check of the taker's device.
     device_state: str
 
 
@@ -100,7 +98,7 @@ class TakeArgs(ScriptParams):
     borrowed_value: str
     ttl_ms: int
     task_id: str
-    #: The STARTED meta to store ('' for none) and its expiry in seconds.
+    #: The STARTED meta to store ('' for none).
     started: str | bytes
     started_expires_s: int
     #: The lease we expect to replace ('' takes a free lease only; else the lease key's value or,
@@ -113,7 +111,7 @@ class TakeArgs(ScriptParams):
     max_attempts: int
     keep_s: int
     #: The job's user ('' for none: no cap applies) and the lease's device (whose kind a cap
-    #: counts); the lease keys' prefix; the audit entries kept.
+    #: counts).
     user: str
     device: str
     lease_prefix: str
@@ -125,19 +123,12 @@ class TakeArgs(ScriptParams):
 #: Take a job: one round trip (KEYS :class:`TakeKeys`, ARGV :class:`TakeArgs`). Taking INCRs the
 #: job's fencing token and stamps it into our lease value and the STARTED meta (their ``"token"``
 #: left ``null`` at a known place: :data:`UNSTAMPED_LEASE`, :data:`UNSTAMPED_META`); a dead owner
-#: that reported it fenced itself (in ``keys.fenced``) is no death. The token comes back after
-#: ``'ok'`` and ``'lost'``. Returns ``{'finished'}`` (the result is stored: do not run),
-#: ``{'held', value}`` (another lease is there), ``{'expired', value}`` (another lease is
-#: recorded, its key expired: its owner is dead or late to renew), ``{'changed'}`` (another lease
-#: replaced the one we read; a lease gone altogether, which a reaper gave back, is taken without
-#: counting the death again), ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker
-#: down ``max_attempts`` times: do not run it, end it) or ``{'ok'}`` (taken).
-#:
-#: Caps (:mod:`tasks.core.caps`): a job whose user (or team) holds its cap of the device's kind,
-#: counted from the live leases, is refused: ``{'capped', reason}`` (nothing written); over a cap
-#: that borrows it is taken as borrowed (its lease's ``borrowed`` true; the reply's last element
-#: 1). Each grant to a capped user or team is appended to the audit list. A device out of service
-#: takes nothing (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
+#: that reported it fenced itself (in ``keys.fenced``) is no death. Returns
+#: ``{status, ...}``, a status of :class:`~tasks.core.jobstate.Took`: after ``'held'`` and
+#: ``'expired'`` the lease found, after ``'capped'`` and ``'out'`` why (nothing written), after
+#: ``'lost'`` the workers it took down; ``'ok'`` and ``'lost'`` end with the token and 1 when the
+#: grant is borrowed over a cap (:mod:`tasks.core.caps`: each grant to a capped user or team is
+#: appended to the audit list).
 TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + CAP_LUA + TakeKeys.lua("key", "KEYS") + (
     TakeArgs.lua("arg", "ARGV") + """
 if key.meta ~= '' and finished(key.meta) then return {'finished'} end
@@ -204,28 +195,25 @@ return 1
 
 @dataclass(frozen=True)
 class StoreKeys(ScriptParams):
-    """:data:`STORE`'s ``KEYS``."""
+    """:data:`STORE`'s ``KEYS`` (each the :mod:`tasks.core.keys` key of its name, as
+    :meth:`tasks.core.jobstate.JobState.finish` builds them)."""
 
-    #: The task's meta key; ``keys.lease(task_id)``, ``keys.LEASES``.
     meta: str
     lease: str
     leases: str
-    #: The device's stats hash, ``keys.STATS_DEVICES``, the device's finished set.
     stats: str
     stats_devices: str
     finished: str
     #: kombu's unacked hash and its index ('' for no message to acknowledge).
     unacked: str
     unacked_index: str
-    #: ``keys.fence(task_id)``.
     fence: str
-    #: ``keys.USAGE``, ``keys.USER_SECONDS`` (the job's usage: :data:`tasks.core.fairshare.USAGE_LUA`;
-    #: its wait goes to the histogram key its count names).
+    #: The job's usage (:data:`tasks.core.fairshare.USAGE_LUA`).
     usage: str
     user_seconds: str
-    #: ``keys.fast_failures(device)`` (a job ended ok empties it); ``keys.queue_ok(queue)`` of the
-    #: shared queue the job came from ('' for none: where that queue's jobs end ok, by device).
+    #: Emptied by a job ended ok.
     fast_failures: str
+    #: Of the shared queue the job came from ('' for none): where its jobs end ok, by device.
     queue_ok: str
 
 
@@ -236,7 +224,7 @@ class StoreArgs(ScriptParams):
     #: The encoded meta, its expiry in seconds (0: none).
     meta: str | bytes
     expires_s: int
-    #: The lease value to release ('' if none), the task id.
+    #: The lease value to release ('' if none).
     lease: str
     task_id: str
     #: The job's count ('' if none: :meth:`~tasks.core.jobcount.JobCount.script_arg`, whose fields
@@ -254,10 +242,8 @@ class StoreArgs(ScriptParams):
 
 #: Store a task's state unless a final one is stored; with a job's end
 #: (:class:`~tasks.core.jobstate.JobEnd`), release its lease, count it and acknowledge its
-#: message (KEYS :class:`StoreKeys`, ARGV :class:`StoreArgs`). Returns 1 if stored, 0 if a final
-#: state was there already (nothing stored or counted; the lease is released and the message
-#: acknowledged all the same), -1 if the token is older than the job's (a newer attempt holds the
-#: job: nothing is written but the device's ``writes_refused`` count).
+#: message (KEYS :class:`StoreKeys`, ARGV :class:`StoreArgs`). Returns 1, 0 or -1:
+#: :class:`~tasks.core.jobstate.Stored` (-1 writes the device's ``writes_refused`` count).
 STORE = LUA_STATE_FUNCTIONS + USAGE_LUA + StoreKeys.lua("key", "KEYS") + StoreArgs.lua("arg", "ARGV") + """
 local release = function()
   if arg.delivery_tag ~= '' then
