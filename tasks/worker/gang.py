@@ -15,9 +15,7 @@ does for its workers, and never in the job process (which holds no key to Redis)
    process runs ``init_process_group`` and the job (:mod:`tasks.jobproc.rank`);
 3. watches the gang while the rank runs (:class:`GangWatch`): a gang that failed or moved to
    another generation stops the rank (``StopReason.GANG``), and a peer the fleet says is lost
-   (its lease gone or a newer attempt's: its host cut off from Redis, or its worker dead) moves
-   the gang on first, within the lease TTL, where its collective would hang until
-   ``collective_timeout_s``.
+   moves the gang on first.
 
 **Restarts.** One loop for ``@job`` ranks and command ranks. A rank whose job process crashed,
 or whose collective lost a peer (the outcome ``peer_lost``, :func:`tasks.jobproc.rank.peer_lost`)
@@ -123,12 +121,8 @@ class GangWatch(WatchOver):
     The gang is read from a thread of its own, every :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`: the supervisor's
     loop, which asks :meth:`stop`, never waits on Redis (a cut-off worker's reads hang for as long
     as its TCP retries last, and its own job's self-fencing must not wait for them). :meth:`close`
-    ends it.
-
-    A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``, its message
-    claimed as the supervisor acts on it) is held back until this thread has marked the gang
-    preempted (:meth:`~tasks.core.rendezvous.Rendezvous.preempt`): the rank then stops with every other, each told by
-    the mark, its stop carrying the level it makes way for."""
+    ends it. A preemption its own worker asks for is held back until this thread has marked the
+    gang preempted (the module's *Preempted as a whole*)."""
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
                  jobs: JobState | None = None, preempt_grace_s: float = PREEMPT_GRACE_S) -> None:
