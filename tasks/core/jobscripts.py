@@ -74,7 +74,7 @@ class TakeKeys(ScriptParams):
     """:data:`TAKE`'s ``KEYS`` (each the :mod:`tasks.core.keys` key of its name, as
     :meth:`tasks.core.jobstate.JobState.take` builds them; '' skips what reads it)."""
 
-    #: The job's result meta key ('' to skip the check that it is finished).
+    #: The job's result meta key.
     meta: str
     lease: str
     leases: str
@@ -84,13 +84,12 @@ class TakeKeys(ScriptParams):
     fenced: str
     caps: str
     cap_audit: str
-    #: '' for no check of the taker's device.
     device_state: str
 
 
 @dataclass(frozen=True)
 class TakeArgs(ScriptParams):
-    """:data:`TAKE`'s ``ARGV``."""
+    """:data:`TAKE`'s ``ARGV`` (what they mean: :meth:`tasks.core.jobstate.JobState.take`)."""
 
     #: Our lease value (a :class:`~tasks.core.records.LeaseRecord`, its token unstamped), and the
     #: same record with ``borrowed`` true: the one stored when the grant is borrowed.
@@ -101,14 +100,10 @@ class TakeArgs(ScriptParams):
     #: The STARTED meta to store ('' for none).
     started: str | bytes
     started_expires_s: int
-    #: The lease we expect to replace ('' takes a free lease only; else the lease key's value or,
-    #: when that key has expired, the value recorded in ``keys.LEASES``), and its dead owner to
-    #: count ('' for none).
     replace: str
     dead: str
-    #: The job's ``max_attempts`` (0: no bound); how long its deaths and its token are kept in
-    #: seconds (0: for ever).
     max_attempts: int
+    #: How long the job's deaths and its token are kept in seconds (0: for ever).
     keep_s: int
     #: The job's user ('' for none: no cap applies) and the lease's device (whose kind a cap
     #: counts).
@@ -116,7 +111,6 @@ class TakeArgs(ScriptParams):
     device: str
     lease_prefix: str
     audit_keep: int
-    #: The taker's device, refused while out of service ('' for no check).
     service_device: str
 
 
