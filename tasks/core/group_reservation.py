@@ -47,12 +47,9 @@ return seq
 #: KEYS: the sent attempt's hash and alive key, a fresh attempt's hash and alive key, then each
 #: device's claims, nudge and hold (the leader's first). ARGV: the sent attempt id, the
 #: fresh one, ttl ms, precedence, job id, since, group id, leader, devices, nudge ttl ms, '1' if
-#: the leader's device runs nothing but this group's job, seq, level.
-#: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one (its
-#: hash says ``waiting``); the ``sent`` claim on the leader's device goes either way. Hold the
-#: leader's device if it runs nothing else, no claim of higher precedence is on it and no group
-#: holds it; start (``running``) if every device holds the attempt.
-#: Returns 1 if it claimed the sent attempt, plus 2 if it started.
+#: the leader's device runs nothing but this group's job, seq, level. :func:`reserve`'s step (the
+#: ``sent`` claim on the leader's device goes either way); returns 1 if it claimed the sent
+#: attempt, plus 2 if it started.
 _RESERVE = """
 local claimed = 0
 local run, alive, attempt = KEYS[3], KEYS[4], ARGV[2]
@@ -93,9 +90,7 @@ end
 return 1
 """
 
-#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id.
-#: Start when every device holds this attempt: mark it running (a keeper never moves a hold
-#: off a running, live attempt). Returns 1 when started, else 0.
+#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id (:func:`start`).
 _START = """
 for i = 2, #KEYS do
   if redis.call('get', KEYS[i]) ~= ARGV[1] then return 0 end
@@ -106,9 +101,7 @@ return 1
 
 #: KEYS: the device's hold, the held attempt's hash, its alive key, the wake list of the attempt
 #: to hold. ARGV: held attempt id ('' for none), the attempt to hold ('' to let go), the wake
-#: list's TTL in ms.
-#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive; wake the
-#: leader of the attempt now held.
+#: list's TTL in ms (:func:`move_hold`; the leader of the attempt now held is woken).
 _MOVE_HOLD = """
 local held = redis.call('get', KEYS[1]) or ''
 if held ~= ARGV[1] then return 0 end

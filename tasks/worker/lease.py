@@ -7,17 +7,11 @@ and the whole sequence (take, renew, finish, release, reap, deaths) are in
 
 Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
-long timeout and adds a lease per running job:
+long timeout and adds a lease per running job, taken as the job starts and released with the
+store of its result (:mod:`tasks.core.jobstate`): a second copy of the same message (a
+visibility-timeout restore while the first still runs) finds it held by a live owner and is
+dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at the same time;
 
-- when a worker starts a job it takes the lease ``keys.lease(task_id)`` with a TTL
-  (``lease_ttl_s``), records ``{task id: owner, delivery tag}`` in the hash ``keys.LEASES`` and
-  stores the job's STARTED state, in one script call that first checks the job has no finished
-  result stored. The key doubles as a mutex: a second copy of the same message (a
-  visibility-timeout restore while the first still runs) finds it held by a live owner and is
-  dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at the same time;
-- the lease is released by the script call that stores the job's result
-  (:class:`tasks.core.jobstate.JobEnd`), so a copy arriving at any moment finds the lease or
-  the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
 - a :class:`~tasks.worker.reaper.Reaper` thread gives back to their queues the jobs whose lease
   expired with their owner dead (or orphaned: :mod:`tasks.worker.reaper`).
