@@ -100,10 +100,8 @@ class JobFacts:
 
 
 def settle(ended: Ended, job: JobFacts) -> Disposition:
-    """Where a run that ``ended`` so goes, by its outcome: its end stored; nothing stored
-    (fenced); or its message back on its queue (preempted: at once, at the front; given way:
-    later; unpacked: at once, to run alone; its device failed under it; a black hole's first
-    fast failure). mypy's ``assert_never`` holds every outcome to one disposition."""
+    """Where a run that ``ended`` so goes, by its outcome (mypy's ``assert_never`` holds every
+    outcome to one disposition)."""
     match ended.outcome:
         case Outcome.FENCED:
             # Cut off from Redis, it stopped the job itself: no result of this attempt may be stored.
