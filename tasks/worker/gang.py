@@ -270,7 +270,7 @@ def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, exp
 
 def refuse_rank(client: redis.Redis, spec: GangSpec, device: str, why: str, expires_s: int) -> str:
     """Fail gang ``spec`` because ``device``'s worker will not run its rank (``why``: its device
-    does not meet the job's constraints, :func:`tasks.worker.runner.execute`): its peers end at
+    does not meet the job's constraints, :func:`tasks.worker.admission.admit`): its peers end at
     once naming it, rather than wait ``join_timeout_s`` for a rank that never joins. Returns the
     reason the gang failed for (an earlier one wins)."""
     rdv = Rendezvous(client, spec, device, host_name(), expires_s)

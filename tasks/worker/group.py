@@ -476,7 +476,7 @@ def refused_members(client: redis.Redis, spec: GroupSpec, leader: str, constrain
     """Why devices of group ``spec`` other than its ``leader`` do not meet ``constraints``
     (``cpu1: label rack is "b", not "a"``; ``""`` when each does): the producer placed the group
     where they held, but a member may have changed since (restarted with other labels); its
-    leader checks its own device itself (:func:`tasks.worker.runner.execute`). A member with no
+    leader checks its own device itself (:func:`tasks.worker.admission.device_mismatch`). A member with no
     live record is left to the group's wait, as without constraints. A question only: letting
     the group's devices go is :func:`let_go`'s."""
     whys = []
