@@ -18,10 +18,7 @@ dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at t
 
 A worker cut off from Redis (a network partition) is not dead, and its job must not run on
 beside the copy the reaper gives to another worker: the keeper's :class:`~tasks.worker.fence.Fence`
-stops a job whose lease Redis has not confirmed for long enough that it may expire (self-fencing,
-:mod:`tasks.worker.fence`), and every write of an attempt carries its fencing token, which the
-scripts refuse once a newer attempt took the job (:mod:`tasks.core.jobstate`). The worker reports
-the stop once it reaches Redis again: the partition counts no death against the job.
+stops it (self-fencing, :mod:`tasks.worker.fence`).
 
 A job that takes its whole worker down (it kills it, or the machine's OOM killer does) would
 then run again for ever, its worker restarted each time. So each such death is counted where it
@@ -160,13 +157,9 @@ class LeaseKeeper(PeriodicThread):
     then it is renewed (never restored once finishing: the store may have deleted it).
 
     Self-fencing (:mod:`tasks.worker.fence`): the keeper tells its :attr:`fence` which renewals
-    Redis confirmed (on a fleet with replicas: which ones a replica had too, Redis's ``WAIT``,
-    asked by :class:`~tasks.worker.replicated.ReplicatedWrites`, the owner of the keeper's writes
-    and their confirmation) and which leases a newer attempt took; a job the
-    fence says must stop (:meth:`must_stop`, which the job's watch asks; its stop has
-    :attr:`fence_grace_s`) is never renewed, and once stopped (:meth:`fenced`) its lease is left
-    to expire (never renewed, released or restored) and the stop is reported to Redis as soon as
-    it can be reached: the reaper gives the job back and no death is counted for it.
+    Redis confirmed (on a fleet with replicas, :class:`~tasks.worker.replicated.ReplicatedWrites`
+    asks a replica too) and which leases a newer attempt took; a job the fence says must stop
+    (:meth:`must_stop`) is never renewed, and once stopped (:meth:`fenced`) is the fence's.
     """
 
     name = "devicefleet-leases"
