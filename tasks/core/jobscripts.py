@@ -166,8 +166,7 @@ return {'ok', token, lent}
 """)
 
 #: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, TTL ms, task id, '1'
-#: to restore a lost lease, our token. Renew our lease (or restore it after a Redis restart lost
-#: it); leave another worker's alone, and refuse (0) once a newer attempt has a token.
+#: to restore a lost lease, our token (:meth:`~tasks.core.jobstate.JobState.renew`).
 RENEW = """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then return 0 end
 local v = redis.call('get', KEYS[1])
@@ -177,8 +176,8 @@ redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
 return 1
 """
-#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, task id, our token.
-#: Delete only what is ours; an older token than the job's is refused (returns 0).
+#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, task id, our token
+#: (:meth:`~tasks.core.jobstate.JobState.release`).
 RELEASE = """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[3]) then return 0 end
 if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
@@ -284,13 +283,11 @@ return 1
 """
 
 
-#: Publish a running job's progress report for its attempt: its PROGRESS state (unless a final
-#: state is stored: a late report never overwrites the result) and its report under
-#: ``keys.progress(task_id)``. KEYS: the task's meta key, ``keys.progress(task_id)``,
-#: ``keys.fence(task_id)``, the device's stats hash, ``keys.STATS_DEVICES``; ARGV: the encoded
-#: meta, its expiry in seconds (0: none), the report (JSON), its expiry in seconds, the attempt's
-#: fencing token, the device. Returns 1, or 0 if the token is older than the job's (a newer
-#: attempt runs it: nothing written but the device's ``writes_refused`` count).
+#: :meth:`~tasks.core.jobstate.JobState.progress` (its PROGRESS state unless a final state is
+#: stored: a late report never overwrites the result). KEYS: the task's meta key,
+#: ``keys.progress(task_id)``, ``keys.fence(task_id)``, the device's stats hash,
+#: ``keys.STATS_DEVICES``; ARGV: the encoded meta, its expiry in seconds (0: none), the report
+#: (JSON), its expiry in seconds, the attempt's fencing token, the device.
 PROGRESS = LUA_STATE_FUNCTIONS + """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then
   redis.call('sadd', KEYS[5], ARGV[6])

@@ -232,12 +232,8 @@ class GroupGate:
 
 class GroupKeeper:
     """The thread that keeps one device's side of the groups that reserve it: drop dead
-    reservations, close or open the gate, hold the device for the first group in precedence once idle.
-
-    It looks when nudged (:func:`tasks.core.keys.group_nudge`: a reservation added or dropped,
-    a job leaving the closed gate), waiting on the nudge list with ``BLPOP``, and every
-    ``poll_s`` otherwise (a dead leader's reservation, a lost nudge): idle, two round trips to
-    Redis a ``poll_s``."""
+    reservations, close or open the gate, hold the device for the first group in precedence once
+    idle. It looks when nudged, and every ``poll_s`` otherwise (the module's *Woken, not polled*)."""
 
     def __init__(self, client: redis.Redis, device: str, gate: GroupGate, poll_s: float = GROUP_KEEPER_POLL_S) -> None:
         self.client = client

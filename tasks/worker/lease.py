@@ -74,7 +74,8 @@ logger = logging.getLogger(__name__)
 DEATHS_KEPT_S: int = Settings.model_fields["result_expires_s"].default
 
 class Take(str, Enum):
-    """What :meth:`LeaseKeeper.take` found."""
+    """What :meth:`LeaseKeeper.take` found (where the message goes then:
+    :func:`tasks.worker.admission.of_lease`)."""
 
     #: The lease is ours: run the job.
     TAKEN = "taken"
@@ -86,14 +87,11 @@ class Take(str, Enum):
     #: as :class:`~tasks.core.errors.WorkerLost` instead of running it.
     LOST = "lost"
     #: The primary took the lease but no replica had it in time (a primary cut off from its
-    #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease. It was released;
-    #: the message goes back to its queue, the job is not started.
+    #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease, and was released.
     UNCONFIRMED = "unconfirmed"
-    #: This device is out of service (drained, quarantined, suspect: :mod:`tasks.core.device_state`):
-    #: nothing taken; the message goes back to its queue for another device, no attempt spent.
+    #: This device is out of service (:mod:`tasks.core.device_state`): nothing taken.
     OUT_OF_SERVICE = "out of service"
-    #: Its user (or team) holds its cap of this device's kind (:mod:`tasks.core.caps`): not
-    #: taken; the message goes back to its queue and is taken again later.
+    #: Its user (or team) holds its cap of this device's kind (:mod:`tasks.core.caps`): not taken.
     CAPPED = "capped"
 
 
