@@ -315,14 +315,11 @@ return out
 """
 
 
-#: The reaper gave back (or could not give back) a dead owner's job, or an orphan's (its owner
-#: alive but no longer running it). KEYS: ``keys.LEASES``, ``keys.REAPER_STATS``,
-#: ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read, the dead owner to count
-#: ('' for an orphan: no death), how long the deaths are kept in seconds (0: for ever). Counts
-#: the owner's death only if the lease is still the one read: a worker that took it over
-#: meanwhile has counted it; nor one the owner reported it fenced itself (KEYS[4],
-#: ``keys.fenced(task_id)``): that was a partition, not a crash. Returns 1 if the lease record
-#: was removed.
+#: :meth:`~tasks.core.jobstate.JobState.reaped`. KEYS: ``keys.LEASES``, ``keys.REAPER_STATS``,
+#: ``keys.worker_deaths(task_id)``, ``keys.fenced(task_id)``; ARGV: task id, the lease record
+#: read, the dead owner, how long the deaths are kept. A lease no longer the one read was taken
+#: over by a worker that counted the death; an owner that reported it fenced itself was cut
+#: off, not dead: no death either.
 REAPED = """
 redis.call('hincrby', KEYS[2], 'restored', 1)
 if ARGV[3] == '' then redis.call('hincrby', KEYS[2], 'orphans', 1) end
@@ -334,13 +331,10 @@ if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
 return 1
 """
 
-#: A worker that stopped a job itself, cut off from Redis (self-fencing), reports it once it
-#: reaches Redis again: its loss of the job was a partition, not a crash. KEYS:
-#: ``keys.fenced(task_id)``, ``keys.worker_deaths(task_id)``, ``keys.REAPER_STATS``, the
-#: device's stats hash, ``keys.STATS_DEVICES``; ARGV: the worker's death note (``"<worker> pid
-#: <pid>"``), how long it is kept in seconds (0: for ever), the device (its ``jobs_fenced``).
-#: Records the note (a reaper or a take later counts no death for it) and takes back a death a
-#: reaper counted for it meanwhile. Returns how many deaths it took back.
+#: :meth:`~tasks.core.jobstate.JobState.fenced`. KEYS: ``keys.fenced(task_id)``,
+#: ``keys.worker_deaths(task_id)``, ``keys.REAPER_STATS``, the device's stats hash,
+#: ``keys.STATS_DEVICES``; ARGV: the worker's death note, how long it is kept, the device (its
+#: ``jobs_fenced``). The note recorded, a reaper or a take later counts no death for it.
 FENCED = """
 redis.call('sadd', KEYS[1], ARGV[1])
 if tonumber(ARGV[2]) > 0 then redis.call('expire', KEYS[1], ARGV[2]) end
