@@ -322,6 +322,10 @@ class JobOptions(_Record):
     def _check_pack(cls, value: object) -> int | str | None:
         return parse_pack(value)
 
+    @property
+    def is_default(self) -> bool:
+        return self == JobOptions()
+
 
 def parse_pack(value: object) -> int | str | None:
     """``pack=``: None, a trial count >= 1, or ``"auto"``.
