@@ -10,13 +10,10 @@ the kwargs, an unknown job or device, a group that cannot form, a command not al
 usage errors too); 1 (:data:`~tasks.core.errors.EXIT_FAILED`) a job failed (or the command failed otherwise); 3
 (``EXIT_FLEET_LOST``) the fleet went away under a waiting producer, or there is none to reach.
 
-One module per command group, as rq splits ``rq/cli/``, each imported only when one of its
-commands runs (or a help lists them: :class:`~tasks.cli.helpers.Commands`), so that a command
-loads what it uses: :mod:`~tasks.cli.fleet` (``up``, ``demo``, ``bench``, ``exporter``,
-``tensorboard``), :mod:`~tasks.cli.worker`, :mod:`~tasks.cli.deploy`, :mod:`~tasks.cli.work`
-(``run``, ``sweep``, ``optimize``), :mod:`~tasks.cli.devices` (``status``, ``device``) and
-:mod:`~tasks.cli.users` (``user``, ``cap``, ``usage``); what they share is in
-:mod:`~tasks.cli.helpers` and, for the commands that send work, :mod:`~tasks.cli.results`.
+One module per command group (:data:`COMMANDS`), as rq splits ``rq/cli/``, each imported only
+when one of its commands runs (or a help lists them: :class:`~tasks.cli.helpers.Commands`); what
+they share is in :mod:`~tasks.cli.helpers` and, for the commands that send work,
+:mod:`~tasks.cli.results`.
 """
 
 from __future__ import annotations

@@ -59,10 +59,9 @@ def setup_logging(verbose: int) -> None:
 
 class Commands(click.Group):
     """The ``devicefleet`` group: each command (or group of them) is imported from the module of
-    :mod:`tasks.cli` that ``lazy`` names for it, only when it runs or a help lists it, so a command
-    loads what it uses and no other's; a devicefleet error that ends one of its commands is one
-    line (:func:`fail`), its exit status by :func:`~tasks.core.errors.exit_status`: 2 refused before
-    anything was sent, 3 the fleet lost or not there, else 1."""
+    :mod:`tasks.cli` that ``lazy`` names for it, only when it runs or a help lists it; a
+    devicefleet error that ends one of its commands is one line (:func:`fail`), with the exit
+    status :mod:`tasks.cli` lists."""
 
     def __init__(self, *args: Any, lazy: Mapping[str, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -115,23 +115,21 @@ end
 """.replace("OUT_STATES", " or ".join(f"state.state == '{name}'" for name in sorted(OUT_OF_SERVICE)))
 
 
-#: A job failed fast (within ``BLACKHOLE_FAST_S`` of run time) on a device: the fleet decides,
-#: where it decides a job's end, whether the device is a black hole and what becomes of the job
-#: (the rule and K: docs/guides/devices.md, :data:`~tasks.core.defaults.BLACKHOLE_K`). KEYS:
+#: A job failed fast on a device: is the device a black hole, and what becomes of the job
+#: (:mod:`tasks.worker.blackhole`; K: :data:`~tasks.core.defaults.BLACKHOLE_K`). KEYS:
 #: ``keys.fast_failures(device)``, ``keys.failed_on(task_id)``, ``keys.DEVICE_STATE``,
 #: ``keys.queue_ok(queue)`` of the shared queue it came from (its kind's, ``fleet``, a sweep's),
 #: ``keys.fast_failure_errors(device)``; ARGV: task id, device, its error (one line), K, the window
 #: in seconds, now (epoch seconds), the prefix of ``keys.fast_failures``.
 #:
-#: - failed on two devices: the job's fault; it is evidence against neither (taken out of every
-#:   device's window) -> ``{'store', ''}``;
+#: - failed on two devices: evidence against neither (taken out of every device's window) ->
+#:   ``{'store', ''}``;
 #: - else it joins the device's window of different jobs failed fast; at K of them, while another
 #:   device ended a job of the same queue ok since the first of them, and the device in service, it is
 #:   quarantined (``keys.DEVICE_STATE``, ``by`` fleet) with the jobs and their errors as reason;
-#: - the job: its first fast failure on this device -> ``{'again',
-#:   reason}``: not stored, back to its queue, no attempt spent (another device runs it, or this
-#:   one once more: a second failure here is stored); else ``{'store', reason}``. ``reason``: the
-#:   quarantine's, when this failure made it ('' otherwise).
+#: - its first fast failure on this device -> ``{'again', reason}`` (back to its queue: a second
+#:   one here is stored), else ``{'store', reason}``; ``reason``: the quarantine's, when this
+#:   failure made it ('' otherwise).
 FAILED_FAST = """
 local device, job, now, window = ARGV[2], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[5])
 local before = redis.call('hexists', KEYS[2], device) == 1

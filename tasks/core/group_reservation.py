@@ -1,24 +1,9 @@
 """A device group's reservation in Redis: its claims (:mod:`tasks.core.claims`) and holds.
 
 The protocol as a whole is in :mod:`tasks.worker.group`; this module holds the steps its
-producer, its leader and its devices' keepers take on the same keys, each one script (one round
-trip, atomic):
-
-- :func:`reserve_at_send`: the **producer**, as it sends a group, gives it its age (``seq``, from
-  the counter gangs share) and claims its devices other than the leader, each claim scored by the
-  group's precedence (:func:`tasks.core.priority.precedence`: its job's level, then its age); the
-  leader's own queue is first in, first out (what was sent to it before the group runs before
-  it, what is sent after waits behind it), so its claim there is a ``sent`` one, which closes
-  no gate. The reservation's ``alive`` key lives :data:`~tasks.core.defaults.GROUP_CLAIM_TTL_S`: a group whose
-  message no leader takes in that time (its producer died before sending it, or the leader's
-  queue is long) lets the devices go, and its leader reserves them again when it takes it;
-- :func:`reserve`: the **leader**, taking the message, claims that reservation (it renews it to a
-  lease's TTL and adds its own device) if it is still unclaimed and alive, else reserves anew
-  under a fresh attempt id; :func:`start` starts it once every device holds it, :func:`release`
-  ends it;
-- :func:`move_hold`: a **keeper** holds its device for a group, or lets the hold go;
-- :func:`release_unclaimed`: a producer cancelling a group its leader has not taken yet lets its
-  devices go at once (a claimed group is its leader's to release: it sees the cancel).
+producer (:func:`reserve_at_send`, :func:`release_unclaimed`), its leader (:func:`reserve`,
+:func:`start`, :func:`release`) and its devices' keepers (:func:`move_hold`) take on the same
+keys, each one script (one round trip, atomic).
 
 A leader waits on its wake list (:func:`tasks.core.keys.group_wake`) for
 :data:`~tasks.core.defaults.GROUP_POLL_S` at most: a fractional ``BLPOP`` timeout, which Redis
@@ -62,12 +47,9 @@ return seq
 #: KEYS: the sent attempt's hash and alive key, a fresh attempt's hash and alive key, then each
 #: device's claims, nudge and hold (the leader's first). ARGV: the sent attempt id, the
 #: fresh one, ttl ms, precedence, job id, since, group id, leader, devices, nudge ttl ms, '1' if
-#: the leader's device runs nothing but this group's job, seq, level.
-#: Claim the sent attempt if it is unclaimed and alive, else reserve under the fresh one (its
-#: hash says ``waiting``); the ``sent`` claim on the leader's device goes either way. Hold the
-#: leader's device if it runs nothing else, no claim of higher precedence is on it and no group
-#: holds it; start (``running``) if every device holds the attempt.
-#: Returns 1 if it claimed the sent attempt, plus 2 if it started.
+#: the leader's device runs nothing but this group's job, seq, level. :func:`reserve`'s step (the
+#: ``sent`` claim on the leader's device goes either way); returns 1 if it claimed the sent
+#: attempt, plus 2 if it started.
 _RESERVE = """
 local claimed = 0
 local run, alive, attempt = KEYS[3], KEYS[4], ARGV[2]
@@ -108,9 +90,7 @@ end
 return 1
 """
 
-#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id.
-#: Start when every device holds this attempt: mark it running (a keeper never moves a hold
-#: off a running, live attempt). Returns 1 when started, else 0.
+#: KEYS: the group attempt's hash, then each device's hold. ARGV: attempt id (:func:`start`).
 _START = """
 for i = 2, #KEYS do
   if redis.call('get', KEYS[i]) ~= ARGV[1] then return 0 end
@@ -121,9 +101,7 @@ return 1
 
 #: KEYS: the device's hold, the held attempt's hash, its alive key, the wake list of the attempt
 #: to hold. ARGV: held attempt id ('' for none), the attempt to hold ('' to let go), the wake
-#: list's TTL in ms.
-#: Move the hold, unless it changed meanwhile or the held attempt runs and is alive; wake the
-#: leader of the attempt now held.
+#: list's TTL in ms (:func:`move_hold`; the leader of the attempt now held is woken).
 _MOVE_HOLD = """
 local held = redis.call('get', KEYS[1]) or ''
 if held ~= ARGV[1] then return 0 end

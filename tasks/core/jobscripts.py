@@ -71,28 +71,25 @@ end
 
 @dataclass(frozen=True)
 class TakeKeys(ScriptParams):
-    """:data:`TAKE`'s ``KEYS``."""
+    """:data:`TAKE`'s ``KEYS`` (each the :mod:`tasks.core.keys` key of its name, as
+    :meth:`tasks.core.jobstate.JobState.take` builds them; '' skips what reads it)."""
 
-    #: The job's result meta key ('' to skip the check that it is finished).
+    #: The job's result meta key.
     meta: str
-    #: ``keys.lease(task_id)``, ``keys.LEASES``, ``keys.worker_deaths(task_id)``.
     lease: str
     leases: str
     deaths: str
-    #: ``keys.fence(task_id)`` (the job's token), ``keys.fenced(task_id)`` (the owners that fenced
-    #: themselves: no death).
     fence: str
+    #: The owners that fenced themselves (no death).
     fenced: str
-    #: ``keys.CAPS``, ``keys.CAP_AUDIT`` (:mod:`tasks.core.caps`).
     caps: str
     cap_audit: str
-    #: ``keys.DEVICE_STATE`` ('' for no check of the taker's device).
     device_state: str
 
 
 @dataclass(frozen=True)
 class TakeArgs(ScriptParams):
-    """:data:`TAKE`'s ``ARGV``."""
+    """:data:`TAKE`'s ``ARGV`` (what they mean: :meth:`tasks.core.jobstate.JobState.take`)."""
 
     #: Our lease value (a :class:`~tasks.core.records.LeaseRecord`, its token unstamped), and the
     #: same record with ``borrowed`` true: the one stored when the grant is borrowed.
@@ -100,44 +97,32 @@ class TakeArgs(ScriptParams):
     borrowed_value: str
     ttl_ms: int
     task_id: str
-    #: The STARTED meta to store ('' for none) and its expiry in seconds.
+    #: The STARTED meta to store ('' for none).
     started: str | bytes
     started_expires_s: int
-    #: The lease we expect to replace ('' takes a free lease only; else the lease key's value or,
-    #: when that key has expired, the value recorded in ``keys.LEASES``), and its dead owner to
-    #: count ('' for none).
     replace: str
     dead: str
-    #: The job's ``max_attempts`` (0: no bound); how long its deaths and its token are kept in
-    #: seconds (0: for ever).
     max_attempts: int
+    #: How long the job's deaths and its token are kept in seconds (0: for ever).
     keep_s: int
     #: The job's user ('' for none: no cap applies) and the lease's device (whose kind a cap
-    #: counts); the lease keys' prefix; the audit entries kept.
+    #: counts).
     user: str
     device: str
     lease_prefix: str
     audit_keep: int
-    #: The taker's device, refused while out of service ('' for no check).
     service_device: str
 
 
 #: Take a job: one round trip (KEYS :class:`TakeKeys`, ARGV :class:`TakeArgs`). Taking INCRs the
 #: job's fencing token and stamps it into our lease value and the STARTED meta (their ``"token"``
 #: left ``null`` at a known place: :data:`UNSTAMPED_LEASE`, :data:`UNSTAMPED_META`); a dead owner
-#: that reported it fenced itself (in ``keys.fenced``) is no death. The token comes back after
-#: ``'ok'`` and ``'lost'``. Returns ``{'finished'}`` (the result is stored: do not run),
-#: ``{'held', value}`` (another lease is there), ``{'expired', value}`` (another lease is
-#: recorded, its key expired: its owner is dead or late to renew), ``{'changed'}`` (another lease
-#: replaced the one we read; a lease gone altogether, which a reaper gave back, is taken without
-#: counting the death again), ``{'lost', {worker, ...}}`` (taken, but the job has taken its worker
-#: down ``max_attempts`` times: do not run it, end it) or ``{'ok'}`` (taken).
-#:
-#: Caps (:mod:`tasks.core.caps`): a job whose user (or team) holds its cap of the device's kind,
-#: counted from the live leases, is refused: ``{'capped', reason}`` (nothing written); over a cap
-#: that borrows it is taken as borrowed (its lease's ``borrowed`` true; the reply's last element
-#: 1). Each grant to a capped user or team is appended to the audit list. A device out of service
-#: takes nothing (:mod:`tasks.core.device_state`): ``{'out', state}``, nothing written.
+#: that reported it fenced itself (in ``keys.fenced``) is no death. Returns
+#: ``{status, ...}``, a status of :class:`~tasks.core.jobstate.Took`: after ``'held'`` and
+#: ``'expired'`` the lease found, after ``'capped'`` and ``'out'`` why (nothing written), after
+#: ``'lost'`` the workers it took down; ``'ok'`` and ``'lost'`` end with the token and 1 when the
+#: grant is borrowed over a cap (:mod:`tasks.core.caps`: each grant to a capped user or team is
+#: appended to the audit list).
 TAKE = LUA_STATE_FUNCTIONS + LUA_OUT_OF_SERVICE + CAP_LUA + TakeKeys.lua("key", "KEYS") + (
     TakeArgs.lua("arg", "ARGV") + """
 if key.meta ~= '' and finished(key.meta) then return {'finished'} end
@@ -181,8 +166,7 @@ return {'ok', token, lent}
 """)
 
 #: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, TTL ms, task id, '1'
-#: to restore a lost lease, our token. Renew our lease (or restore it after a Redis restart lost
-#: it); leave another worker's alone, and refuse (0) once a newer attempt has a token.
+#: to restore a lost lease, our token (:meth:`~tasks.core.jobstate.JobState.renew`).
 RENEW = """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then return 0 end
 local v = redis.call('get', KEYS[1])
@@ -192,8 +176,8 @@ redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('hset', KEYS[2], ARGV[3], ARGV[1])
 return 1
 """
-#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, task id, our token.
-#: Delete only what is ours; an older token than the job's is refused (returns 0).
+#: KEYS: lease key, leases hash, ``keys.fence(task_id)``; ARGV: our value, task id, our token
+#: (:meth:`~tasks.core.jobstate.JobState.release`).
 RELEASE = """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[3]) then return 0 end
 if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[1]) end
@@ -204,28 +188,25 @@ return 1
 
 @dataclass(frozen=True)
 class StoreKeys(ScriptParams):
-    """:data:`STORE`'s ``KEYS``."""
+    """:data:`STORE`'s ``KEYS`` (each the :mod:`tasks.core.keys` key of its name, as
+    :meth:`tasks.core.jobstate.JobState.finish` builds them)."""
 
-    #: The task's meta key; ``keys.lease(task_id)``, ``keys.LEASES``.
     meta: str
     lease: str
     leases: str
-    #: The device's stats hash, ``keys.STATS_DEVICES``, the device's finished set.
     stats: str
     stats_devices: str
     finished: str
     #: kombu's unacked hash and its index ('' for no message to acknowledge).
     unacked: str
     unacked_index: str
-    #: ``keys.fence(task_id)``.
     fence: str
-    #: ``keys.USAGE``, ``keys.USER_SECONDS`` (the job's usage: :data:`tasks.core.fairshare.USAGE_LUA`;
-    #: its wait goes to the histogram key its count names).
+    #: The job's usage (:data:`tasks.core.fairshare.USAGE_LUA`).
     usage: str
     user_seconds: str
-    #: ``keys.fast_failures(device)`` (a job ended ok empties it); ``keys.queue_ok(queue)`` of the
-    #: shared queue the job came from ('' for none: where that queue's jobs end ok, by device).
+    #: Emptied by a job ended ok.
     fast_failures: str
+    #: Of the shared queue the job came from ('' for none): where its jobs end ok, by device.
     queue_ok: str
 
 
@@ -236,7 +217,7 @@ class StoreArgs(ScriptParams):
     #: The encoded meta, its expiry in seconds (0: none).
     meta: str | bytes
     expires_s: int
-    #: The lease value to release ('' if none), the task id.
+    #: The lease value to release ('' if none).
     lease: str
     task_id: str
     #: The job's count ('' if none: :meth:`~tasks.core.jobcount.JobCount.script_arg`, whose fields
@@ -254,10 +235,8 @@ class StoreArgs(ScriptParams):
 
 #: Store a task's state unless a final one is stored; with a job's end
 #: (:class:`~tasks.core.jobstate.JobEnd`), release its lease, count it and acknowledge its
-#: message (KEYS :class:`StoreKeys`, ARGV :class:`StoreArgs`). Returns 1 if stored, 0 if a final
-#: state was there already (nothing stored or counted; the lease is released and the message
-#: acknowledged all the same), -1 if the token is older than the job's (a newer attempt holds the
-#: job: nothing is written but the device's ``writes_refused`` count).
+#: message (KEYS :class:`StoreKeys`, ARGV :class:`StoreArgs`). Returns 1, 0 or -1:
+#: :class:`~tasks.core.jobstate.Stored` (-1 writes the device's ``writes_refused`` count).
 STORE = LUA_STATE_FUNCTIONS + USAGE_LUA + StoreKeys.lua("key", "KEYS") + StoreArgs.lua("arg", "ARGV") + """
 local release = function()
   if arg.delivery_tag ~= '' then
@@ -304,13 +283,11 @@ return 1
 """
 
 
-#: Publish a running job's progress report for its attempt: its PROGRESS state (unless a final
-#: state is stored: a late report never overwrites the result) and its report under
-#: ``keys.progress(task_id)``. KEYS: the task's meta key, ``keys.progress(task_id)``,
-#: ``keys.fence(task_id)``, the device's stats hash, ``keys.STATS_DEVICES``; ARGV: the encoded
-#: meta, its expiry in seconds (0: none), the report (JSON), its expiry in seconds, the attempt's
-#: fencing token, the device. Returns 1, or 0 if the token is older than the job's (a newer
-#: attempt runs it: nothing written but the device's ``writes_refused`` count).
+#: :meth:`~tasks.core.jobstate.JobState.progress` (its PROGRESS state unless a final state is
+#: stored: a late report never overwrites the result). KEYS: the task's meta key,
+#: ``keys.progress(task_id)``, ``keys.fence(task_id)``, the device's stats hash,
+#: ``keys.STATS_DEVICES``; ARGV: the encoded meta, its expiry in seconds (0: none), the report
+#: (JSON), its expiry in seconds, the attempt's fencing token, the device.
 PROGRESS = LUA_STATE_FUNCTIONS + """
 if tonumber(redis.call('get', KEYS[3]) or 0) > tonumber(ARGV[5]) then
   redis.call('sadd', KEYS[5], ARGV[6])
@@ -338,14 +315,11 @@ return out
 """
 
 
-#: The reaper gave back (or could not give back) a dead owner's job, or an orphan's (its owner
-#: alive but no longer running it). KEYS: ``keys.LEASES``, ``keys.REAPER_STATS``,
-#: ``keys.worker_deaths(task_id)``; ARGV: task id, the lease record read, the dead owner to count
-#: ('' for an orphan: no death), how long the deaths are kept in seconds (0: for ever). Counts
-#: the owner's death only if the lease is still the one read: a worker that took it over
-#: meanwhile has counted it; nor one the owner reported it fenced itself (KEYS[4],
-#: ``keys.fenced(task_id)``): that was a partition, not a crash. Returns 1 if the lease record
-#: was removed.
+#: :meth:`~tasks.core.jobstate.JobState.reaped`. KEYS: ``keys.LEASES``, ``keys.REAPER_STATS``,
+#: ``keys.worker_deaths(task_id)``, ``keys.fenced(task_id)``; ARGV: task id, the lease record
+#: read, the dead owner, how long the deaths are kept. A lease no longer the one read was taken
+#: over by a worker that counted the death; an owner that reported it fenced itself was cut
+#: off, not dead: no death either.
 REAPED = """
 redis.call('hincrby', KEYS[2], 'restored', 1)
 if ARGV[3] == '' then redis.call('hincrby', KEYS[2], 'orphans', 1) end
@@ -357,13 +331,10 @@ if tonumber(ARGV[4]) > 0 then redis.call('expire', KEYS[3], ARGV[4]) end
 return 1
 """
 
-#: A worker that stopped a job itself, cut off from Redis (self-fencing), reports it once it
-#: reaches Redis again: its loss of the job was a partition, not a crash. KEYS:
-#: ``keys.fenced(task_id)``, ``keys.worker_deaths(task_id)``, ``keys.REAPER_STATS``, the
-#: device's stats hash, ``keys.STATS_DEVICES``; ARGV: the worker's death note (``"<worker> pid
-#: <pid>"``), how long it is kept in seconds (0: for ever), the device (its ``jobs_fenced``).
-#: Records the note (a reaper or a take later counts no death for it) and takes back a death a
-#: reaper counted for it meanwhile. Returns how many deaths it took back.
+#: :meth:`~tasks.core.jobstate.JobState.fenced`. KEYS: ``keys.fenced(task_id)``,
+#: ``keys.worker_deaths(task_id)``, ``keys.REAPER_STATS``, the device's stats hash,
+#: ``keys.STATS_DEVICES``; ARGV: the worker's death note, how long it is kept, the device (its
+#: ``jobs_fenced``). The note recorded, a reaper or a take later counts no death for it.
 FENCED = """
 redis.call('sadd', KEYS[1], ARGV[1])
 if tonumber(ARGV[2]) > 0 then redis.call('expire', KEYS[1], ARGV[2]) end

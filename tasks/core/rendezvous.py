@@ -82,10 +82,8 @@ return redis.call('hget', KEYS[1], 'failed')
 """
 
 #: KEYS: gang hash, then every rank's device_claims key. ARGV: generation, max restarts, the gang's claim,
-#: why. A rank's watch found a peer lost in generation <gen> (its lease gone, or a newer attempt's):
-#: move the gang to the next generation, or fail it once the restarts are spent, as the join
-#: does for a failed collective; nothing if the gang moved on or failed meanwhile. Returns the
-#: generation it moved to, or -1 with why it failed.
+#: why (:meth:`Rendezvous.move_on`; nothing if the gang moved on or failed meanwhile). Returns
+#: {generation, ''} or {-1, why it failed}.
 _MOVE_ON = """
 local gang = KEYS[1]
 local failed = redis.call('hget', gang, 'failed')

@@ -428,11 +428,6 @@ def relay_signature(signing_key: str, request: CancelRequest) -> str:
     return job_signature(signing_key, _relay_message(request), request.user)
 
 
-def cancel_signature(signing_key: str, task_id: str, user: str) -> str:
-    """The signature of ``user``'s request to cancel their job ``task_id``."""
-    return job_signature(signing_key, f"cancel {task_id}", user)
-
-
 def cancel_request(credentials: Credentials, task_id: str, *, store: bool = False) -> CancelRequest:
     """The request, signed, to cancel job ``task_id`` of the credentials' user (``store``: see
     :class:`CancelRequest`)."""

@@ -297,22 +297,21 @@ ModeMessage = StoreOpened | RankFailed
 
 
 class Outcome(str, Enum):
+    """How a run ended (where its message goes then: :func:`tasks.worker.disposition.settle`)."""
+
     OK = "ok"
     ERROR = "error"
     CANCELLED = "cancelled"
-    #: A rank gives its device to an older gang (:class:`~tasks.core.errors.GiveWay`, decided by
-    #: the worker's gang): the worker sends its message back to the queue.
+    #: A rank or a group gives its devices to earlier work (:class:`~tasks.core.errors.GiveWay`).
     GIVE_WAY = "give_way"
     #: A member of a pack that its pack could not run to its end (the pack's process died, or
-    #: its leader ended before the pack started): the worker sends its message back to its
-    #: queue to run alone, so a trial that kills its process kills only itself the next time
-    #: (:mod:`tasks.worker.pack`). Never a job process's own saying.
+    #: its leader ended before the pack started: :mod:`tasks.worker.pack`). Never a job
+    #: process's own saying.
     UNPACK = "unpack"
     #: A rank's gang lost a peer (:class:`~tasks.core.errors.PeerLost`): the worker's gang runs
     #: it again in the next generation.
     PEER_LOST = "peer_lost"
-    #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`): the
-    #: worker sends its message back to its queue.
+    #: The job made way for higher-level work (:class:`~tasks.core.errors.Preempted`).
     PREEMPTED = "preempted"
     #: Its worker stopped it, cut off from Redis or superseded by a newer attempt (self-fencing,
     #: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`): no result of this attempt is stored; its
@@ -321,8 +320,7 @@ class Outcome(str, Enum):
     #: (:meth:`tasks.worker.runloop.Ended.under`).
     FENCED = "fenced"
     #: Its device failed under it (:class:`~tasks.core.errors.DeviceFailed`, decided by the
-    #: worker's health service): the worker hands it back to its shared queue without spending
-    #: an attempt, or stores its entry if it was sent to the device by name. The worker's own.
+    #: worker's health service). The worker's own.
     DEVICE_FAILED = "device_failed"
 
 

@@ -36,9 +36,8 @@ ERROR_CHARS = 160
 def sends_back(worker: DeviceWorker, request: Any, ended: Ended, alone: bool, run_s: float) -> bool:
     """Whether this ending goes back to its queue instead of its failure being stored: a fast
     failure of a job its run mode ran on this device ``alone``
-    (:attr:`tasks.worker.modes.base.RunMode.alone`), from a shared queue (one sent to this device by
-    name could not have run elsewhere: no comparison), that the rule decides against the device
-    (:func:`decide`)."""
+    (:attr:`tasks.worker.modes.base.RunMode.alone`), from a shared queue, that the rule decides
+    against the device (:func:`decide`)."""
     queue = shared_queue(request, worker.device.name)
     return (ended.outcome is Outcome.ERROR and run_s < BLACKHOLE_FAST_S and request.id is not None and alone
             and queue != "" and decide(worker, request, ended, queue))

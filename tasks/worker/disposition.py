@@ -1,12 +1,7 @@
-"""Where a job's message goes: a :data:`Disposition`, decided as a value, applied in one place.
-
-A job's life on its worker is three stages with a typed value between each
-(:func:`tasks.worker.runner.execute`): its admission gives :class:`~tasks.worker.admission.Admitted`
-or a disposition; its run mode gives the run's :class:`~tasks.worker.supervisor.Ended`, which
-:func:`settle` maps to a disposition; :func:`apply` carries it out, the one place of the worker
-that raises Celery's control-flow exceptions (``Retry``, ``Ignore``, ``Reject``), on the job's
-:class:`JobRun` (its busy state, its entry, the store of its end).
-"""
+"""Where a job's message goes: a :data:`Disposition`, decided as a value (:func:`settle`, or the
+job's admission: :func:`tasks.worker.runner.execute`), applied in one place (:func:`apply`, the one
+place of the worker that raises Celery's ``Retry``, ``Ignore``, ``Reject``) on the job's
+:class:`JobRun` (its busy state, its entry, the store of its end)."""
 
 from __future__ import annotations
 
@@ -105,10 +100,8 @@ class JobFacts:
 
 
 def settle(ended: Ended, job: JobFacts) -> Disposition:
-    """Where a run that ``ended`` so goes, by its outcome: its end stored; nothing stored
-    (fenced); or its message back on its queue (preempted: at once, at the front; given way:
-    later; unpacked: at once, to run alone; its device failed under it; a black hole's first
-    fast failure). mypy's ``assert_never`` holds every outcome to one disposition."""
+    """Where a run that ``ended`` so goes, by its outcome (mypy's ``assert_never`` holds every
+    outcome to one disposition)."""
     match ended.outcome:
         case Outcome.FENCED:
             # Cut off from Redis, it stopped the job itself: no result of this attempt may be stored.
@@ -222,10 +215,6 @@ class JobRun:
         if self.slot is not None:
             self.worker.heartbeat.update_slot(self.slot.index, busy=BusyInfo(
                 job=self.job.name, job_id=self.job_id, since=self.started), after_s=HEARTBEAT_COALESCE_S)
-
-    def dispose(self, disposition: Disposition, ran: bool = True) -> dict[str, Any]:
-        """:func:`apply` ``disposition`` to this job (``ran``: after its run)."""
-        return apply(disposition, self, ran)
 
     def run_s(self, ended: Ended) -> float:
         """Seconds the job ran: its own process's measure (its process's start and imports not

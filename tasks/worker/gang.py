@@ -15,9 +15,7 @@ does for its workers, and never in the job process (which holds no key to Redis)
    process runs ``init_process_group`` and the job (:mod:`tasks.jobproc.rank`);
 3. watches the gang while the rank runs (:class:`GangWatch`): a gang that failed or moved to
    another generation stops the rank (``StopReason.GANG``), and a peer the fleet says is lost
-   (its lease gone or a newer attempt's: its host cut off from Redis, or its worker dead) moves
-   the gang on first, within the lease TTL, where its collective would hang until
-   ``collective_timeout_s``.
+   moves the gang on first.
 
 **Restarts.** One loop for ``@job`` ranks and command ranks. A rank whose job process crashed,
 or whose collective lost a peer (the outcome ``peer_lost``, :func:`tasks.jobproc.rank.peer_lost`)
@@ -44,11 +42,7 @@ too (it is written before any rank stops).
 **No deadlock.** The producer sends each gang's ranks under one lock (``keys.GANG_SEND_LOCK``),
 so every device's queue holds one gang's ranks before the next's; where that order breaks (the
 reaper gives a dead worker's rank back at the front of its queue), and between a gang and a
-device group, the one give-way rule of :mod:`tasks.core.claims` orders them: a gang claims the
-devices whose rank has not joined, and a rank waiting on a device that a live claim before its
-gang's (:attr:`~tasks.core.rendezvous.Rendezvous.precedence`: level, then age) is on gives it up
-(:class:`~tasks.core.errors.GiveWay`) and comes back :data:`~tasks.core.defaults.GIVE_WAY_S`
-later. A gang that has assembled never gives way, it runs to its end.
+device group, the one give-way rule of :mod:`tasks.core.claims` orders them.
 """
 
 from __future__ import annotations
@@ -127,12 +121,8 @@ class GangWatch(WatchOver):
     The gang is read from a thread of its own, every :data:`~tasks.core.defaults.GANG_WATCH_INTERVAL_S`: the supervisor's
     loop, which asks :meth:`stop`, never waits on Redis (a cut-off worker's reads hang for as long
     as its TCP retries last, and its own job's self-fencing must not wait for them). :meth:`close`
-    ends it.
-
-    A preemption its own worker asks for (the inner watch's ``StopReason.PREEMPT``, its message
-    claimed as the supervisor acts on it) is held back until this thread has marked the gang
-    preempted (:meth:`~tasks.core.rendezvous.Rendezvous.preempt`): the rank then stops with every other, each told by
-    the mark, its stop carrying the level it makes way for."""
+    ends it. A preemption its own worker asks for is held back until this thread has marked the
+    gang preempted (the module's *Preempted as a whole*)."""
 
     def __init__(self, inner: Watch, rdv: Rendezvous, job_id: str, generation: int, address: str,
                  jobs: JobState | None = None, preempt_grace_s: float = PREEMPT_GRACE_S) -> None:
@@ -280,7 +270,7 @@ def run_rank(client: redis.Redis, spec: GangSpec, device: str, address: str, exp
 
 def refuse_rank(client: redis.Redis, spec: GangSpec, device: str, why: str, expires_s: int) -> str:
     """Fail gang ``spec`` because ``device``'s worker will not run its rank (``why``: its device
-    does not meet the job's constraints, :func:`tasks.worker.runner.execute`): its peers end at
+    does not meet the job's constraints, :func:`tasks.worker.admission.admit`): its peers end at
     once naming it, rather than wait ``join_timeout_s`` for a rank that never joins. Returns the
     reason the gang failed for (an earlier one wins)."""
     rdv = Rendezvous(client, spec, device, host_name(), expires_s)

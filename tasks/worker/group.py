@@ -51,11 +51,7 @@ again. A group that has started is not preempted: the job waits for its end. Onl
 levels pass, so a stream of single jobs of the group's own level still cannot starve it.
 
 **No deadlock.** Gangs and groups follow one give-way rule over one claim set
-(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves): a waiting leader
-that finds a live claim before its own (level, then age) on any of its devices, a gang's or a
-group's, drops its reservation and its message goes back to the queue
-(:class:`~tasks.core.errors.GiveWay`, :data:`~tasks.core.defaults.GIVE_WAY_S` later). A keeper
-holds its device for the first group only, and opens its gate while a gang's claim comes first.
+(:mod:`tasks.core.claims`, which says why it neither deadlocks nor starves).
 
 **An unclaimed reservation.** A group cancelled before its leader took it lets its devices go at
 once (its producer's cancel, :func:`tasks.core.group_reservation.release_unclaimed`); one whose
@@ -236,12 +232,8 @@ class GroupGate:
 
 class GroupKeeper:
     """The thread that keeps one device's side of the groups that reserve it: drop dead
-    reservations, close or open the gate, hold the device for the first group in precedence once idle.
-
-    It looks when nudged (:func:`tasks.core.keys.group_nudge`: a reservation added or dropped,
-    a job leaving the closed gate), waiting on the nudge list with ``BLPOP``, and every
-    ``poll_s`` otherwise (a dead leader's reservation, a lost nudge): idle, two round trips to
-    Redis a ``poll_s``."""
+    reservations, close or open the gate, hold the device for the first group in precedence once
+    idle. It looks when nudged, and every ``poll_s`` otherwise (the module's *Woken, not polled*)."""
 
     def __init__(self, client: redis.Redis, device: str, gate: GroupGate, poll_s: float = GROUP_KEEPER_POLL_S) -> None:
         self.client = client
@@ -480,7 +472,7 @@ def refused_members(client: redis.Redis, spec: GroupSpec, leader: str, constrain
     """Why devices of group ``spec`` other than its ``leader`` do not meet ``constraints``
     (``cpu1: label rack is "b", not "a"``; ``""`` when each does): the producer placed the group
     where they held, but a member may have changed since (restarted with other labels); its
-    leader checks its own device itself (:func:`tasks.worker.runner.execute`). A member with no
+    leader checks its own device itself (:func:`tasks.worker.admission.device_mismatch`). A member with no
     live record is left to the group's wait, as without constraints. A question only: letting
     the group's devices go is :func:`let_go`'s."""
     whys = []

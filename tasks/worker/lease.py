@@ -7,27 +7,18 @@ and the whole sequence (take, renew, finish, release, reap, deaths) are in
 
 Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
 (an hour), and a shorter timeout runs long jobs twice (celery#4984, #3501). devicefleet keeps the
-long timeout and adds a lease per running job:
+long timeout and adds a lease per running job, taken as the job starts and released with the
+store of its result (:mod:`tasks.core.jobstate`): a second copy of the same message (a
+visibility-timeout restore while the first still runs) finds it held by a live owner and is
+dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at the same time;
 
-- when a worker starts a job it takes the lease ``keys.lease(task_id)`` with a TTL
-  (``lease_ttl_s``), records ``{task id: owner, delivery tag}`` in the hash ``keys.LEASES`` and
-  stores the job's STARTED state, in one script call that first checks the job has no finished
-  result stored. The key doubles as a mutex: a second copy of the same message (a
-  visibility-timeout restore while the first still runs) finds it held by a live owner and is
-  dropped (:class:`tasks.worker.disposition.Drop`), so a job never runs twice at the same time;
-- the lease is released by the script call that stores the job's result
-  (:class:`tasks.core.jobstate.JobEnd`), so a copy arriving at any moment finds the lease or
-  the result;
 - a :class:`LeaseKeeper` thread renews the leases of the jobs this process runs;
 - a :class:`~tasks.worker.reaper.Reaper` thread gives back to their queues the jobs whose lease
   expired with their owner dead (or orphaned: :mod:`tasks.worker.reaper`).
 
 A worker cut off from Redis (a network partition) is not dead, and its job must not run on
 beside the copy the reaper gives to another worker: the keeper's :class:`~tasks.worker.fence.Fence`
-stops a job whose lease Redis has not confirmed for long enough that it may expire (self-fencing,
-:mod:`tasks.worker.fence`), and every write of an attempt carries its fencing token, which the
-scripts refuse once a newer attempt took the job (:mod:`tasks.core.jobstate`). The worker reports
-the stop once it reaches Redis again: the partition counts no death against the job.
+stops it (self-fencing, :mod:`tasks.worker.fence`).
 
 A job that takes its whole worker down (it kills it, or the machine's OOM killer does) would
 then run again for ever, its worker restarted each time. So each such death is counted where it
@@ -83,7 +74,8 @@ logger = logging.getLogger(__name__)
 DEATHS_KEPT_S: int = Settings.model_fields["result_expires_s"].default
 
 class Take(str, Enum):
-    """What :meth:`LeaseKeeper.take` found."""
+    """What :meth:`LeaseKeeper.take` found (where the message goes then:
+    :func:`tasks.worker.admission.of_lease`)."""
 
     #: The lease is ours: run the job.
     TAKEN = "taken"
@@ -95,14 +87,11 @@ class Take(str, Enum):
     #: as :class:`~tasks.core.errors.WorkerLost` instead of running it.
     LOST = "lost"
     #: The primary took the lease but no replica had it in time (a primary cut off from its
-    #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease. It was released;
-    #: the message goes back to its queue, the job is not started.
+    #: replicas: :class:`~tasks.core.sentinel.Replication`): it is no lease, and was released.
     UNCONFIRMED = "unconfirmed"
-    #: This device is out of service (drained, quarantined, suspect: :mod:`tasks.core.device_state`):
-    #: nothing taken; the message goes back to its queue for another device, no attempt spent.
+    #: This device is out of service (:mod:`tasks.core.device_state`): nothing taken.
     OUT_OF_SERVICE = "out of service"
-    #: Its user (or team) holds its cap of this device's kind (:mod:`tasks.core.caps`): not
-    #: taken; the message goes back to its queue and is taken again later.
+    #: Its user (or team) holds its cap of this device's kind (:mod:`tasks.core.caps`): not taken.
     CAPPED = "capped"
 
 
@@ -166,13 +155,9 @@ class LeaseKeeper(PeriodicThread):
     then it is renewed (never restored once finishing: the store may have deleted it).
 
     Self-fencing (:mod:`tasks.worker.fence`): the keeper tells its :attr:`fence` which renewals
-    Redis confirmed (on a fleet with replicas: which ones a replica had too, Redis's ``WAIT``,
-    asked by :class:`~tasks.worker.replicated.ReplicatedWrites`, the owner of the keeper's writes
-    and their confirmation) and which leases a newer attempt took; a job the
-    fence says must stop (:meth:`must_stop`, which the job's watch asks; its stop has
-    :attr:`fence_grace_s`) is never renewed, and once stopped (:meth:`fenced`) its lease is left
-    to expire (never renewed, released or restored) and the stop is reported to Redis as soon as
-    it can be reached: the reaper gives the job back and no death is counted for it.
+    Redis confirmed (on a fleet with replicas, :class:`~tasks.worker.replicated.ReplicatedWrites`
+    asks a replica too) and which leases a newer attempt took; a job the fence says must stop
+    (:meth:`must_stop`) is never renewed, and once stopped (:meth:`fenced`) is the fence's.
     """
 
     name = "devicefleet-leases"

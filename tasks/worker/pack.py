@@ -3,19 +3,15 @@
 A sweep sent with ``pack=K`` (:func:`tasks.sweep`) puts its trials on its own queue, each an
 ordinary trial message (its own id, lease, fencing token and entry) whose options say ``pack``.
 The worker that takes one of them (the *leader*, in its slot) takes up to ``K - 1`` more waiting
-messages of the same queue and level (:class:`Siblings`: each recorded in kombu's unacked hash as
-any delivered message is, so a worker that dies with them gives them back the usual way) and
-runs each as a Celery request of its own, in a thread of its own: each takes its own lease,
-has its own watch (progress, cancel, fencing, time limit) and ends through the runner's one
-path (:func:`tasks.worker.disposition.settle`): its entry stored, its message acknowledged. Those
-threads meet the leader in a :class:`Room`; the leader's job process trains them all at once as
-one :class:`~tasks.core.wire.RunPack` (:meth:`tasks.worker.supervisor.Supervisor.run_pack`) and
-each member's :class:`~tasks.worker.supervisor.Ended` goes back to its own thread as soon as the
-job process ends it. A member the worker could not place in the pack (its pack's process died,
-the leader's run failed before the pack started) ends as :data:`~tasks.core.wire.Outcome.UNPACK`:
-its message goes back to its queue, to run alone. A place a member frees is refilled: the job
-process asks for one more (:class:`~tasks.core.wire.WantMember`), and the leader takes the next
-waiting trial as it took the first ones (``Pack._lead``'s refill, :mod:`tasks.worker.modes.pack`).
+messages of the same queue and level (:mod:`tasks.worker.siblings`), each run in a thread of its
+own through the runner's one path (its own lease, watch and stored end). Those threads meet the
+leader in a :class:`Room`; the leader's job process trains them all at once as one
+:class:`~tasks.core.wire.RunPack` (:meth:`tasks.worker.supervisor.Supervisor.run_pack`), and each
+member's :class:`~tasks.worker.supervisor.Ended` goes back to its own thread as soon as the job
+process ends it. A member the pack could not finish ends as
+:data:`~tasks.core.wire.Outcome.UNPACK`: its message goes back to its queue, to run alone. A place
+a member frees is refilled with the next waiting trial (``Pack._lead``'s refill,
+:mod:`tasks.worker.modes.pack`).
 """
 
 from __future__ import annotations

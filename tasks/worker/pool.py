@@ -4,14 +4,11 @@
 to a job (:meth:`ProcessPool._take`), takes it back or retires it (:meth:`ProcessPool._give_back`)
 and keeps the spares warm from a thread of its own; a run is :mod:`tasks.worker.runloop`'s.
 
-A process belongs to the user of the first job it runs and never runs another user's
-(:mod:`tasks.worker.owners`): a job takes a warm process of its own user, else the unowned spare,
-and a fresh spare is spawned in the background. Up to ``kept_user_processes`` idle processes of
-other users stay warm beyond the slots and spares (users who alternate each find theirs); past
-that, the least recently used is retired to make room for the spare. Under job accounts
-(:mod:`tasks.core.accounts`) each process starts as its user's system account, so it is that
-user's from its start: a job of a user with no process waits for one started for them, and the
-spare is the last user's (:func:`owners.plan_accounts_spawn`).
+A process belongs to the user of the first job it runs (:mod:`tasks.worker.owners`, which
+chooses the process a job takes and, under job accounts, whose process starts next); a fresh
+spare is spawned in the background. Up to ``kept_user_processes`` idle processes of other users
+stay warm beyond the slots and spares (users who alternate each find theirs); past that, the
+least recently used is retired to make room for the spare.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """One run loop: a job, or a pack of trials, in one job process, from its message to its end.
 
 :class:`RunLoop` sends the run to a process its pool handed out (:mod:`tasks.worker.pool`) and
-reads what the process says until every member has ended; a lone job is a pack of one member,
-sent as its own :class:`~tasks.core.wire.RunJob` (a :class:`~tasks.core.wire.RunPack`'s members
-are trained as one packed model: :mod:`tasks.jobproc.pack_run`). What a member says goes to its
-:class:`Watch` (which relays it to Redis: the job process has no door to it); a stop its watch
-asks for is sent to it, which raises at its next ``ctx.progress()``, and one that has not ended
-``cancel_grace_s`` later has its process group ended (SIGTERM, then SIGKILL); a process that
-dies ends a lone job as ``JobCrashed``, naming the signal and its last lines; a run past its
-slot's memory budget (sampled every :data:`~tasks.core.defaults.MEMORY_SAMPLE_S` by a
-:class:`~tasks.worker.memory.MemoryMeter`) has its process group ended at once, a lone job as
-``OutOfMemory`` with the figures. A pack's members that could not finish end as
-:data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone.
+reads what the process says until every member has ended (a lone job is a pack of one member; a
+pack's are trained as one packed model: :mod:`tasks.jobproc.pack_run`). What a member says goes to
+its :class:`Watch`; a stop its watch asks for is sent to it, which raises at its next
+``ctx.progress()``, and one that has not ended ``cancel_grace_s`` later has its process group
+ended (SIGTERM, then SIGKILL); a process that dies ends a lone job as ``JobCrashed``, naming the
+signal and its last lines; a run past its slot's memory budget (:class:`Budget`) has its process
+group ended at once, a lone job as ``OutOfMemory`` with the figures. A pack's members that could
+not finish end as :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone.
 """
 
 from __future__ import annotations

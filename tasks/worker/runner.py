@@ -10,19 +10,14 @@ the task ends in FAILURE with the job's own exception type, and the error entry 
 it (:func:`tasks.core.backend.attach_entry`) so that a fan-out's chord still collects every
 device.
 
-The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is one
-lifecycle with a typed value between each stage (:func:`execute`): its admission
-(:func:`tasks.worker.admission.admit`: its options, user, constraints, health, the gate, its
-lease) gives :class:`~tasks.worker.admission.Admitted` or a
+The job itself runs in a job process (:mod:`tasks.worker.supervisor`); a job's life here is three
+stages with a typed value between each (:func:`execute`): its admission
+(:func:`tasks.worker.admission.admit`) gives :class:`~tasks.worker.admission.Admitted` or a
 :data:`~tasks.worker.disposition.Disposition`; an admitted job runs in its run mode
-(:mod:`tasks.worker.modes`: plain, a gang's rank, a device group, a pack) while a
-:class:`~tasks.worker.watch.JobWatch` publishes its progress and says when to stop it, which
-gives the run's :class:`~tasks.worker.supervisor.Ended`; that becomes a disposition
-(:func:`tasks.worker.disposition.settle`), which :func:`tasks.worker.disposition.apply` carries
-out: its end handed (the lease's attempt, the count and the acknowledgement:
-:func:`tasks.worker.accounting.job_end`) to the store of its result
-(:meth:`~tasks.worker.disposition.JobRun.end`), which Celery's tracer makes once the task returns or
-raises; or nothing stored (fenced); or its message back on its queue (preempted, given way).
+(:mod:`tasks.worker.modes`) while a :class:`~tasks.worker.watch.JobWatch` publishes its progress
+and says when to stop it, which gives the run's :class:`~tasks.worker.supervisor.Ended`; that
+becomes a disposition (:func:`tasks.worker.disposition.settle`), which
+:func:`tasks.worker.disposition.apply` carries out.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ from ..core.wire import JobInfo
 from . import blackhole
 from .admission import Admitted, admit
 from .device import DeviceWorker
-from .disposition import JobFacts, JobRun, preemptions_of, settle
+from .disposition import JobFacts, JobRun, apply, preemptions_of, settle
 from .launch import Launch
 from .supervisor import Ended
 from .watch import JobWatch
@@ -124,7 +119,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
     with ExitStack() as held:
         admitted = admit(worker, task, held)
         if not isinstance(admitted, Admitted):
-            return JobRun(worker, task, job).dispose(admitted, ran=False)
+            return apply(admitted, JobRun(worker, task, job), ran=False)
         options, mode, attempt = admitted.options, admitted.mode, admitted.attempt
         job_id = str(task.request.id or "")
         with mode.seat(worker.slots, job_id) as seat:
@@ -141,7 +136,7 @@ def execute(worker: DeviceWorker, task: Task, job: JobInfo, kwargs: Any) -> dict
                 options=options, by_name=admitted.by_name,
                 borrowed=worker.leases.borrowed(run.job_id), preemptions=preemptions_of(request),
                 sent_back=lambda ended: blackhole.sends_back(worker, request, ended, mode.alone, run.run_s(ended)))
-            return run.dispose(settle(ended, facts))
+            return apply(settle(ended, facts), run)
 
 
 def _run(worker: DeviceWorker, watch: JobWatch, launch: Launch, run: Callable[[Launch], Ended]) -> Ended:

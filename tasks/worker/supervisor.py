@@ -1,11 +1,9 @@
 """The owner of a device's job processes: one runs the job, a spare waits, a thread spawns.
 
-A device worker never runs a job itself. :class:`Supervisor` keeps one job process
-(:mod:`tasks.worker.jobprocess`) per slot alive and ready (torch and the job modules imported),
-and a spare (its pool: :class:`~tasks.worker.pool.ProcessPool`), hands each running job to one
-of them (:meth:`Supervisor.run`, a pack's trials :meth:`Supervisor.run_pack`) and watches it to
-its end (one :class:`~tasks.worker.runloop.RunLoop`, which hands what the job says to its
-:class:`Watch` and ends it for a stop, a crash or its memory budget).
+A device worker never runs a job itself. :class:`Supervisor` keeps its job processes
+(:mod:`tasks.worker.jobprocess`) warm (its pool: :class:`~tasks.worker.pool.ProcessPool`), hands
+each running job to one of them (:meth:`Supervisor.run`, a pack's trials
+:meth:`Supervisor.run_pack`) and watches it to its end (:class:`~tasks.worker.runloop.RunLoop`).
 
 A process is retired (ended, and a fresh one spawned in the background while the spare takes
 the next job) after a crash or a kill, when it says so itself (a CUDA error that may have
@@ -89,15 +87,9 @@ class Supervisor(ProcessPool):
     def run_pack(self, pack: RunPack, watches: Mapping[str, Watch], slot: Slot,
                  on_end: Callable[[str, Ended], None], refill: Refill | None = None) -> None:
         """Run ``pack`` (several trials of one job, trained at once: :mod:`tasks.worker.pack`)
-        in one ready job process, in ``slot``, and watch each member with its own watch of
-        ``watches``: its reports relayed, its own stop sent to it alone (the first member's
-        preemption or worker stop to all: the pack holds one slot and makes way as a whole),
-        and its ending handed to ``on_end(job_id, ended)`` as soon as the process ends it. Every
-        member gets exactly one ending; those the pack could not finish (its process died, went
-        past the slot's budget, or a member did not stop within its grace) end as
-        :data:`~tasks.core.wire.Outcome.UNPACK`, to run again alone. With ``refill``, a place a
-        member frees is offered to the next trial ``refill()`` takes from the pack's queue (its
-        message and its watch; None: no more), watched and ended as the first members are.
+        in one ready job process, in ``slot``, each member watched by its watch of ``watches``
+        and its one ending handed to ``on_end(job_id, ended)`` as soon as the process ends it
+        (how a pack's members stop, end and are refilled from ``refill``: :class:`~tasks.worker.runloop.RunLoop`).
 
         Raises:
             NoJobProcess: none became ready within the start timeout (no member was ended).
@@ -125,10 +117,8 @@ class Supervisor(ProcessPool):
         return RunLoop(process, members, watches, self.policy.cancel_grace_s, budget, on_end, packed, refill)
 
     def _run_apart(self, job: RunJob, watch: Watch, apart: Apart) -> Ended:
-        """Run ``job`` in a process of its own, started with ``apart.env`` over the device's
-        environment and pinned to ``job.cores`` (a GPU group's, whose ``CUDA_VISIBLE_DEVICES``
-        lists all its GPUs), within ``apart.budget_bytes`` of memory where this device measures
-        it, and end that process after it (:meth:`~tasks.worker.pool.ProcessPool._take_apart`).
+        """Run ``job`` in a process of its own (:class:`Apart`), pinned to ``job.cores``, and
+        end that process after it (:meth:`~tasks.worker.pool.ProcessPool._take_apart`).
 
         Raises:
             NoJobProcess: it did not become ready within the start timeout.

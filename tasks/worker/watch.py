@@ -26,15 +26,10 @@ class JobWatch:
     """What a running job's supervisor asks of the worker: publish a report or a command's log
     lines (the job process has no door to Redis: the worker relays them); stop it now?
 
-    A job stops when the producer cancelled it (Celery's revoke adds its id to the worker's
-    ``revoked`` set), when it is past its time limit, when higher-level work waits for its
-    device (:mod:`tasks.worker.preemption`), when the worker is stopping and the job has had
-    its stop timeout, or when its worker fences itself off it (its lease has gone unconfirmed
-    too long, or a newer attempt took it: :meth:`tasks.worker.lease.LeaseKeeper.must_stop`).
-    :meth:`stop` only answers which stop is due; :meth:`act_on` does what sending it takes
-    (a preemption's claim on the message it makes way for). The stop sent travels into the
-    run's :class:`~tasks.worker.supervisor.Ended`, whose outcome
-    :func:`tasks.worker.disposition.settle` matches on.
+    A job stops for a :class:`~tasks.core.wire.StopReason`: :meth:`stop` only answers which stop
+    is due; :meth:`act_on` does what sending it takes (a preemption's claim on the message it
+    makes way for). The stop sent travels into the run's :class:`~tasks.worker.supervisor.Ended`,
+    whose outcome :func:`tasks.worker.disposition.settle` matches on.
     """
 
     def __init__(self, worker: DeviceWorker, task: Task, job_id: str, options: JobOptions, slot: int = 0,
