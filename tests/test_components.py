@@ -553,9 +553,53 @@ def test_a_reaper_round_with_nothing_expired_is_one_script_call(client, app):
     reaper.tick()
     calls = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in client.info("commandstats").items()
              if not name.startswith(("cmdstat_config", "cmdstat_info"))}  # this test's own
-    assert calls == {"evalsha": 1, "hgetall": 1, "exists": 1}  # the script; no lock, no broker connection
+    # The script: its turn (kept), its look; no lock, no broker connection.
+    assert calls == {"evalsha": 1, "get": 1, "set": 1, "hgetall": 1, "exists": 1}
     assert client.info("stats")["total_connections_received"] == connections
     assert client.hexists(keys.LEASES, "job-9")
+
+
+def test_one_reaper_looks_a_turn_and_another_after_it(client, app):
+    task_id = str(uuid.uuid4())
+    _dead_lease(client, task_id, resend=NOOP_RESEND)
+    jobs = JobState(client)
+    assert list(jobs.expired_on_turn("a", 500) or {}) == [task_id]  # a's turn, for 0.5 s
+    client.config_resetstat()
+    assert jobs.expired_on_turn("b", 500) is None  # not b's turn: no scan
+    calls = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in client.info("commandstats").items()
+             if not name.startswith(("cmdstat_config", "cmdstat_info"))}
+    assert calls == {"evalsha": 1, "get": 1}
+    assert list(jobs.expired_on_turn("a", 500) or {}) == [task_id]  # a's own turn: a may look again
+    first = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0, token="a")
+    second = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0, token="b")
+    second.tick()
+    assert client.hexists(keys.LEASES, task_id) and client.llen("device.cpu9") == 0, "reaped on another's turn"
+    time.sleep(0.6)  # a's turn is over (a dead reaper's ends so)
+    second.tick()  # b's turn now
+    assert not client.hexists(keys.LEASES, task_id) and client.llen("device.cpu9") == 1
+    assert client.get(keys.REAPER_TURN) == "b"
+    first.tick()
+    assert client.get(keys.REAPER_TURN) == "b" and 0 < client.pttl(keys.REAPER_TURN) <= 500
+
+
+def test_a_reaper_watching_an_orphan_looks_on_others_turns_and_gives_it_back_after_its_grace(client, app):
+    orphan = str(uuid.uuid4())
+    record = _dead_lease(client, orphan, resend=NOOP_RESEND, device="cpu5", pid=os.getpid())
+    register(client, worker_record("cpu5", host=OTHER_HOST, pid=record.pid))  # alive, runs nothing
+    reaper = Reaper(client, app, interval_s=0.1, orphan_grace_s=0.3, token="a")
+    reaper.tick()  # its turn: the orphan first seen
+    assert reaper.orphans.pending and client.hexists(keys.LEASES, orphan)
+    client.set(keys.REAPER_TURN, "b", px=60_000)  # another reaper's turn from now on
+    wait_for(lambda: (reaper.tick(), not client.hexists(keys.LEASES, orphan))[1], 10, "the orphan given back")
+    assert client.llen("device.cpu9") == 1
+    reaper.tick()  # its next look finds it gone: watched no more
+    assert not reaper.orphans.pending
+    assert client.hgetall(keys.REAPER_STATS) == {"restored": "1", "orphans": "1"}
+    # Not watching one, it looks on its turns only: another's costs no scan.
+    again = str(uuid.uuid4())
+    _dead_lease(client, again, resend=NOOP_RESEND, device="cpu5", pid=os.getpid())
+    reaper.tick()
+    assert not reaper.orphans.pending
 
 
 def test_the_reaper_thread_gives_back_jobs(client, app):

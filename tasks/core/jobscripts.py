@@ -301,8 +301,15 @@ return 1
 
 
 #: The leases left without their key (expired, or lost): KEYS[1] ``keys.LEASES``; ARGV[1] the
-#: lease keys' prefix (``keys.lease("")``). Returns ``[task id, lease record, ...]``.
+#: lease keys' prefix (``keys.lease("")``). Returns ``[task id, lease record, ...]``. With KEYS[2]
+#: ``keys.REAPER_TURN``, ARGV[2] a reaper's token and ARGV[3] its interval (ms), first its turn:
+#: another reaper's, false and no scan (one ``GET``); else its own for that long from now.
 EXPIRED_LEASES = """
+if KEYS[2] then
+  local holder = redis.call('get', KEYS[2])
+  if holder and holder ~= ARGV[2] then return false end
+  redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3])
+end
 local out = {}
 local all = redis.call('hgetall', KEYS[1])
 for i = 1, #all, 2 do

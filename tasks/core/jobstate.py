@@ -25,8 +25,9 @@ A job's life, one script call a step:
    (:class:`~tasks.core.jobcount.JobCount`) added to the fleet's metrics and its message
    acknowledged (:class:`MessageAck`), so a copy arriving at any moment finds the lease or the
    result;
-4. **reap** (:meth:`JobState.expired`, :meth:`JobState.reaped`): a lease whose key expired with
-   its owner dead is given back to its queue by any worker's reaper, which counts the death; so
+4. **reap** (:meth:`JobState.expired_on_turn`, :meth:`JobState.expired`, :meth:`JobState.reaped`): a
+   lease whose key expired with its owner dead is given back to its queue by the reaper whose
+   turn it is (one look a fleet an interval), which counts the death; so
    is an orphan's, whose owner is alive but has not run the job for a while (the write that
    ended it was lost in a failover), with no death counted; **release**
    (:meth:`JobState.release`) gives a lease up without a result (a dropped copy, a retry).
@@ -88,6 +89,11 @@ from .transport import acked_in_redis
 def stamp_lease(value: str, token: int) -> str:
     """Lease value ``value`` as the take script stores it with fencing token ``token``."""
     return f'{{"token":{token}{value.removeprefix(UNSTAMPED_LEASE)}' if value.startswith(UNSTAMPED_LEASE) else value
+
+
+def _pairs(reply: list[bytes]) -> dict[str, str]:
+    """``{task id: lease record}`` of :data:`~tasks.core.jobscripts.EXPIRED_LEASES`' flat reply."""
+    return {bytes_to_str(task_id): bytes_to_str(raw) for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}
 
 
 def _token(value: str | bytes | None) -> int | None:
@@ -364,8 +370,14 @@ class JobState:
     def expired(self) -> dict[str, str]:
         """``{task id: lease record}`` of the leases whose key is gone: the reaper's candidates,
         whose owner may still be alive (late to renew)."""
-        reply = self._expired(keys=[keys.LEASES], args=[keys.lease("")])
-        return {bytes_to_str(task_id): bytes_to_str(raw) for task_id, raw in zip(reply[::2], reply[1::2], strict=True)}
+        return _pairs(self._expired(keys=[keys.LEASES], args=[keys.lease("")]))
+
+    def expired_on_turn(self, token: str, turn_ms: int) -> dict[str, str] | None:
+        """:meth:`expired` if it is reaper ``token``'s turn (:data:`~tasks.core.keys.REAPER_TURN`),
+        taken or kept for ``turn_ms`` from now in the same call; None if another reaper's turn is
+        running (one ``GET``, no scan): one look a fleet a reaper's interval, not one a worker."""
+        reply = self._expired(keys=[keys.LEASES, keys.REAPER_TURN], args=[keys.lease(""), token, turn_ms])
+        return None if reply is None else _pairs(reply)
 
     def reaped(self, task_id: str, raw: str, dead: str, keep_s: int) -> bool:
         """The reaper gave back job ``task_id`` whose lease record read ``raw``: remove the

@@ -70,6 +70,9 @@ def failed_on(task_id: str) -> str:
 LEASES = f"{PREFIX}leases"
 #: Lock that keeps reaping to one worker at a time (redis-py's ``Lock``).
 REAPER_LOCK = f"{PREFIX}reaper:lock"
+#: The reaper whose turn it is to look for expired leases (its token), for one interval: one look a
+#: fleet, not one a worker (:meth:`tasks.core.jobstate.JobState.expired_on_turn`). TTL: the interval.
+REAPER_TURN = f"{PREFIX}reaper:turn"
 #: Hash of counts of what the reaper did: ``{"restored": n, "orphans": m}`` (orphans: given back
 #: from a live owner that no longer ran them, counted in ``restored`` too), and ``fenced``: the
 #: jobs workers reported they stopped themselves, cut off from Redis (no death counted).

@@ -2,13 +2,17 @@
 
 Celery's Redis transport returns an unacknowledged message only after ``visibility_timeout``
 (an hour). Every running job holds a lease (:mod:`tasks.worker.lease`) that its worker renews;
-a :class:`Reaper` thread (in every worker; a Redis lock lets one reap at a time) looks at each
-recorded lease whose key has expired and whose owner is not alive in the fleet registry, and
+a :class:`Reaper` thread (in every worker) looks, on its turn, at each recorded lease whose key
+has expired and whose owner is not alive in the fleet registry, and
 gives the message back to the front of its queue with the transport's own
 ``QoS.restore_by_tag``, which also removes it from kombu's ``unacked`` hash so the transport
 does not restore it a second time an hour later. If the message is gone from Redis (a dropped
 duplicate copy acknowledged its delivery tag), the job is sent again from its lease record
-(:func:`resend_job`).
+(:func:`resend_job`). The turn (:data:`~tasks.core.keys.REAPER_TURN`, one reaper's for an
+interval, taken in the look's own script call: :meth:`JobState.expired_on_turn`) makes one look a
+fleet an interval, not one a worker: the look reads every lease, so a look a worker would cost
+Redis devices x running jobs; another reaper's tick costs one ``GET``. A Redis lock lets one
+reaper reap at a time.
 
 A lease can also be orphaned: its owner is alive but no longer runs the job, and the write that
 ended it (the stored result, which releases the lease and acknowledges the message) is gone, lost
@@ -26,13 +30,15 @@ given up (:mod:`tasks.worker.lease`). A job stopped by its worker's self-fencing
 death back.
 
 Recovery from a killed worker therefore takes about ``max(lease_ttl_s, heartbeat_ttl_s) +
-reaper_interval_s``, whatever the job's length.
+reaper_interval_s``, whatever the job's length, while any worker lives: a dead reaper's turn
+expires an interval after its last look.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import redis
 from celery import Celery
@@ -55,7 +61,13 @@ def runs_job(owner: WorkerRecord, task_id: str) -> bool:
 class Orphans:
     """The expired leases a reaper has seen with a live owner that does not run their job, and
     since when (see the module's docstring): one is due to be given back once it has stayed so,
-    the same lease record, for ``grace_s``."""
+    the same lease record, for ``grace_s``.
+
+    A reaper looks on its turns only, but while it watches one (:attr:`pending`) it looks every
+    tick, its turn or not (:meth:`Reaper.tick`): the grace must be seen whole, in looks an interval
+    apart, or a lease its owner renewed, then let expire again, between two looks turns apart
+    would seem orphaned all along and go back early. One is given back all the same: some reaper
+    has the turn every interval, sees it, and from then looks every tick until its grace ends."""
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
@@ -68,6 +80,11 @@ class Orphans:
             self._seen[task_id] = (raw, now)
             return False
         return now - seen[1] >= self.grace_s
+
+    @property
+    def pending(self) -> bool:
+        """Whether an orphan is watched: its reaper must look every tick."""
+        return bool(self._seen)
 
     def keep(self, task_ids: set[str]) -> None:
         """Forget every lease but ``task_ids`` (the expired ones of this round)."""
@@ -142,8 +159,9 @@ def resend_job(app: Celery, task_id: str, resend: ResendRecord) -> None:
 
 
 class Reaper(PeriodicThread):
-    """Looks for expired leases every ``interval_s`` and, when there are some, runs
-    :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time.
+    """Looks for expired leases every ``interval_s`` when it is its turn (one reaper's a fleet
+    for ``interval_s``: :meth:`JobState.expired_on_turn`, ``token`` its own) and, when there are
+    some, runs :func:`reap_once`; redis-py's ``Lock`` keeps it to one reaper at a time.
 
     An orphaned lease (a live owner that does not run its job) is given back once this reaper
     has seen it so for ``orphan_grace_s`` (default: twice ``lease_ttl_s``, in which an owner that
@@ -151,8 +169,11 @@ class Reaper(PeriodicThread):
 
     name = "devicefleet-reaper"
 
-    def __init__(self, client: redis.Redis, app: Celery, interval_s: float, orphan_grace_s: float) -> None:
+    def __init__(self, client: redis.Redis, app: Celery, interval_s: float, orphan_grace_s: float,
+                 token: str = "") -> None:
         super().__init__(interval_s)
+        self.token = token or uuid.uuid4().hex
+        self._turn_ms = max(1, round(interval_s * 1000))
         self._client = client
         self._jobs = JobState(client)
         self._app = app
@@ -161,8 +182,14 @@ class Reaper(PeriodicThread):
         self._lock_timeout_s = max(1.0, interval_s * 5)
 
     def tick(self) -> None:
-        # One round trip in the usual case, with nothing to reap: the lock only when there is.
-        if not self._jobs.expired():
+        # One round trip in the usual case, another's turn or nothing to reap: the lock only when
+        # there is. Watching an orphan, it looks on others' turns too (Orphans).
+        expired = self._jobs.expired_on_turn(self.token, self._turn_ms)
+        if expired is None and self.orphans.pending:
+            expired = self._jobs.expired()
+        if expired is None:
+            return
+        if not expired:
             self.orphans.keep(set())
             return
         lock = self._client.lock(keys.REAPER_LOCK, timeout=self._lock_timeout_s, blocking=False)
