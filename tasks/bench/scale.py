@@ -14,7 +14,8 @@
   read, :data:`tasks.core.fairshare.WAITING_READ`, then a ``BRPOP`` of 1 s over its real key list,
   :func:`tasks.core.queue_lists.brpop_keys` and its wake lists), the group host's nudge
   (``BLPOP`` of 1 s, ``DEL``, ``GET``, ``ZRANGE``), its service check (``HGET`` of the device
-  state) and the reaper's look (:data:`tasks.core.jobstate.EXPIRED_LEASES`); every 2 s its
+  state) and the reaper's look (:data:`tasks.core.jobstate.EXPIRED_LEASES` with the reaper's
+  turn: a scan of the leases by one device a second, a ``GET`` by the others); every 2 s its
   heartbeat (``SET`` of a 782-byte record with its TTL, ``SADD``, ``PEXPIRE`` of its job
   schemas) and Celery's worker heartbeat event (``PUBLISH``); every 3 s the ACL keeper's
   ``HGETALL``. A busy one (its job runs, a lower level than the waiting work's) polls no
@@ -187,7 +188,8 @@ async def _device(url: str, name: str, busy: bool, stop: asyncio.Event, shas: di
         await client.hget(keys.DEVICE_STATE, name)
         await client.get(keys.group_hold(name))
         await client.zrange(keys.device_claims(name), 0, -1, withscores=True)
-        await client.evalsha(shas["expired"], 1, keys.LEASES, keys.lease(""))
+        await client.evalsha(shas["expired"], 2, keys.LEASES, keys.REAPER_TURN, keys.lease(""), name,
+                             round(REAPER_INTERVAL_S * 1000))  # a scan on its turn only
         done[0] += 4
 
     async def nudges() -> None:
