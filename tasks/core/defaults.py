@@ -55,8 +55,8 @@ RESULT_EXPIRES_S = 86_400
 #: missed (a stalled event loop, a slow Redis) before the worker counts as gone.
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10.0
-#: A running job's lease (renewed every third of it) and how often a worker looks for the expired
-#: leases of dead workers (``DEVICEFLEET_LEASE_TTL_S``, ``DEVICEFLEET_REAPER_INTERVAL_S``): a
+#: A running job's lease (renewed every third of it) and how often the fleet looks for the expired
+#: leases of dead workers (one worker's reaper a turn) (``DEVICEFLEET_LEASE_TTL_S``, ``DEVICEFLEET_REAPER_INTERVAL_S``): a
 #: killed worker's job runs again after about max(lease, heartbeat TTL) + reaper interval,
 #: whatever the job's length (Celery's visibility timeout would be an hour: celery#4984, #3501).
 LEASE_TTL_S = 10.0

@@ -88,8 +88,8 @@ class Settings(BaseSettings):
     #: How often a worker refreshes its registry entry, and how long the entry lives.
     heartbeat_interval_s: float = Field(default=HEARTBEAT_INTERVAL_S, gt=0, le=60)
     heartbeat_ttl_s: float = Field(default=HEARTBEAT_TTL_S, gt=0, le=600)
-    #: Lease of a running job (renewed every third of it) and how often a worker looks for the
-    #: expired leases of dead workers: a killed worker's job runs again after about
+    #: Lease of a running job (renewed every third of it) and how often the fleet looks for the
+    #: expired leases of dead workers (one worker's reaper a turn): a killed worker's job runs again after about
     #: max(lease_ttl_s, heartbeat_ttl_s) + reaper_interval_s.
     lease_ttl_s: float = Field(default=LEASE_TTL_S, gt=0, le=600)
     reaper_interval_s: float = Field(default=REAPER_INTERVAL_S, gt=0, le=60)
