@@ -22,7 +22,8 @@ from tasks import Fleet, fan_out
 from tasks.core.app import create_app
 from tasks.core.defaults import ACL_USERS_CHECK_S
 from tasks.core.errors import ConfigError, CredentialsError
-from tasks.core.keys import FLEET_USERS
+from tasks.core.jobstate import JobState
+from tasks.core.keys import FLEET_USERS, REAPER_TURN
 from tasks.core.registry import connect, live_workers
 from tasks.core.settings import check_sender
 from tasks.core.users import (
@@ -219,9 +220,14 @@ def test_bob_cannot_cancel_alices_job_or_purge_a_queue(acl_fleet, tmp_path):
     bob_client = connect(read_credentials(files["bob"]).redis_url)
     for refused in (lambda: bob_client.delete("cpu"), lambda: bob_client.ltrim("cpu~alice", 1, 0),
                     lambda: bob_client.rpop("device.cpu0"), lambda: bob_client.publish("/0.celery.pidbox", "{}"),
-                    lambda: bob_client.set("devicefleet:lease:x~alice", "1"), lambda: bob_client.hset(FLEET_USERS, "bob", "{}")):
+                    lambda: bob_client.set("devicefleet:lease:x~alice", "1"), lambda: bob_client.hset(FLEET_USERS, "bob", "{}"),
+                    # Nor hold the reaper's turn (no dead worker's job would go back), nor through its script.
+                    lambda: bob_client.set(REAPER_TURN, "bob", px=60_000)):
         with pytest.raises(redis.exceptions.NoPermissionError):
             refused()
+    with pytest.raises(redis.exceptions.ResponseError, match="can't access"):
+        JobState(bob_client).expired_on_turn("bob", 60_000)
+    assert admin.get(REAPER_TURN) != "bob"
     bob_client.close()
     with pytest.raises(Exception, match="NOPERM|no permissions"):  # Celery's revoke broadcast
         bob.control.revoke("00000000-0000-0000-0000-000000000000~alice")

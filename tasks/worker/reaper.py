@@ -8,8 +8,8 @@ gives the message back to the front of its queue with the transport's own
 ``QoS.restore_by_tag``, which also removes it from kombu's ``unacked`` hash so the transport
 does not restore it a second time an hour later. If the message is gone from Redis (a dropped
 duplicate copy acknowledged its delivery tag), the job is sent again from its lease record
-(:func:`resend_job`). The turn (:data:`~tasks.core.keys.REAPER_TURN`, one reaper's for an
-interval, taken in the look's own script call: :meth:`JobState.expired_on_turn`) makes one look a
+(:func:`resend_job`). The turn (:data:`~tasks.core.keys.REAPER_TURN`, one reaper's for an interval
+from its last look, taken or kept in the look's script call: :meth:`JobState.expired_on_turn`) makes one look a
 fleet an interval, not one a worker: the look reads every lease, so a look a worker would cost
 Redis devices x running jobs; another reaper's tick costs one ``GET``. A Redis lock lets one
 reaper reap at a time.
