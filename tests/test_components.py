@@ -574,7 +574,7 @@ def test_one_reaper_looks_a_turn_and_another_after_it(client, app):
     second = Reaper(client, app, interval_s=0.5, orphan_grace_s=10.0, token="b")
     second.tick()
     assert client.hexists(keys.LEASES, task_id) and client.llen("device.cpu9") == 0, "reaped on another's turn"
-    time.sleep(0.6)  # a's turn is over (a dead reaper's ends so)
+    wait_for(lambda: not client.exists(keys.REAPER_TURN), 10, "a's turn to expire (a dead reaper's ends so)")
     second.tick()  # b's turn now
     assert not client.hexists(keys.LEASES, task_id) and client.llen("device.cpu9") == 1
     assert client.get(keys.REAPER_TURN) == "b"
