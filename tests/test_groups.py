@@ -621,8 +621,39 @@ def group_host(tmp_path: Path) -> Iterator[tuple[GroupHostLink, subprocess.Popen
         wait_for(lambda: link.connected, 30, "the group host to connect to the leader's socket")
         yield link, host
     finally:
+        link.close()
         host.terminate()
         host.wait(10)
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_host_that_reconnects_at_once_is_taken_and_a_closed_link_leaves_nothing_open(tmp_path):
+    """A group host connecting again while the leader's reader still ends its old connection
+    (which it closes) is taken without an error in the accepting thread, every time; and
+    ``close`` stops listening and ends every connection: no thread left, no socket left open."""
+    path = str(tmp_path / "gpu0.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen()
+    link = GroupHostLink(listener, "cpu0")
+    hosts: list[socket.socket] = []
+    try:
+        for i in range(42):
+            if 0 < i < 41:
+                hosts[-1].close()  # the old host's end goes as the new one connects
+            hosts.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+            hosts[-1].settimeout(10)
+            hosts[-1].connect(path)
+        # The last host kept the one before it open: the leader ends that one once it takes the last.
+        assert hosts[-2].recv(16) == b""
+        link.close()
+        threads = [t for t in threading.enumerate() if t.name.startswith("devicefleet-group-host")]
+        assert threads == []
+        assert hosts[-1].recv(16) == b""  # the leader's end of the last connection is gone
+    finally:
+        for host in hosts:
+            host.close()
         listener.close()
 
 

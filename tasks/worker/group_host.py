@@ -85,6 +85,15 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return json.loads(data), fds
 
 
+def _end(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways, which wakes a thread blocked reading or accepting on it (a
+    close would not). Its reader may have closed it already, or its peer gone: both are fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 # -- the leader's end -----------------------------------------------------------------------------
 
 
@@ -139,7 +148,9 @@ class GroupHostLink:
         #: By request id: the connection it went out on, and what waits for its answer / its end.
         self._pending: dict[int, tuple[socket.socket, Future[tuple[RemoteChild, socket.socket]]]] = {}
         self._children: dict[int, tuple[socket.socket, RemoteChild]] = {}
-        threading.Thread(target=self._accept, name="devicefleet-group-host", daemon=True).start()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._accept, name="devicefleet-group-host", daemon=True)]
+        self._threads[0].start()
 
     @property
     def connected(self) -> bool:
@@ -151,22 +162,44 @@ class GroupHostLink:
         with self._lock:
             conn = self._conn
         if conn is not None:
-            conn.shutdown(socket.SHUT_RDWR)
+            _end(conn)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop listening and end the group host's connection (the worker is leaving). The
+        listening socket is systemd's (or the caller's) to close; this wakes its ``accept``."""
+        with self._lock:
+            self._closed = True
+            conn = self._conn
+        _end(self._listener)  # on Linux, wakes the accepting thread with EINVAL
+        if conn is not None:
+            _end(conn)
+        deadline = time.monotonic() + timeout
+        self._threads[0].join(timeout)  # the acceptor first: it adds each connection's reader
+        for thread in self._threads[1:]:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while True:
             try:
                 conn, _ = self._listener.accept()
             except OSError as exc:
-                logger.warning("%s: stopped listening for the group host: %s", self.label, exc)
+                if not self._closed:
+                    logger.warning("%s: stopped listening for the group host: %s", self.label, exc)
                 return
             with self._lock:
-                old, self._conn = self._conn, conn
-                self._lock.notify_all()
+                closed = self._closed
+                if not closed:
+                    old, self._conn = self._conn, conn
+                    self._lock.notify_all()
+            if closed:  # accepted as the link closed: no reader is started for it
+                conn.close()
+                return
             if old is not None:  # its reader sees the end (a close would not wake it) and closes it
-                old.shutdown(socket.SHUT_RDWR)
+                _end(old)
             logger.info("%s: the group host connected", self.label)
-            threading.Thread(target=self._read, args=(conn,), name="devicefleet-group-host-read", daemon=True).start()
+            reader = threading.Thread(target=self._read, args=(conn,), name="devicefleet-group-host-read", daemon=True)
+            reader.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [reader]
 
     def _read(self, conn: socket.socket) -> None:
         while True:

@@ -118,6 +118,8 @@ class ProcessPool:
             self._cond.notify_all()
         for process in processes:
             process.kill("the worker is leaving")
+        if self.group_host is not None:
+            self.group_host.close()
         if self._thread.is_alive():
             self._thread.join(SUPERVISOR_JOIN_S)
 
