@@ -631,7 +631,8 @@ def group_host(tmp_path: Path) -> Iterator[tuple[GroupHostLink, subprocess.Popen
 def test_a_group_host_that_reconnects_at_once_is_taken_and_a_closed_link_leaves_nothing_open(tmp_path):
     """A group host connecting again while the leader's reader still ends its old connection
     (which it closes) is taken without an error in the accepting thread, every time; and
-    ``close`` stops listening and ends every connection: no thread left, no socket left open."""
+    ``close`` stops listening and ends every connection (no thread left, no socket left open)
+    but leaves the listening socket, systemd's, to the worker's next start."""
     path = str(tmp_path / "gpu0.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -651,6 +652,12 @@ def test_a_group_host_that_reconnects_at_once_is_taken_and_a_closed_link_leaves_
         threads = [t for t in threading.enumerate() if t.name.startswith("devicefleet-group-host")]
         assert threads == []
         assert hosts[-1].recv(16) == b""  # the leader's end of the last connection is gone
+        # The listening socket is systemd's: the worker's next start takes a host on it again.
+        again = GroupHostLink(listener, "cpu0")
+        hosts.append(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))
+        hosts[-1].connect(path)
+        wait_for(lambda: again.connected, 10, "the next link to take a host on the same socket")
+        again.close()
     finally:
         for host in hosts:
             host.close()

@@ -32,6 +32,10 @@ class StopFlag:
     def is_set(self) -> bool:
         return self._set
 
+    def fileno(self) -> int:
+        """Readable once the flag is set: a thread may ``select`` on it beside its own sockets."""
+        return self._read
+
     def wait(self, timeout: float | None = None) -> bool:
         """Whether the flag is set, waiting up to ``timeout`` seconds (None: until it is)."""
         if not self._set:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -148,7 +149,7 @@ class GroupHostLink:
         #: By request id: the connection it went out on, and what waits for its answer / its end.
         self._pending: dict[int, tuple[socket.socket, Future[tuple[RemoteChild, socket.socket]]]] = {}
         self._children: dict[int, tuple[socket.socket, RemoteChild]] = {}
-        self._closed = False
+        self._closed = StopFlag()
         self._threads = [threading.Thread(target=self._accept, name="devicefleet-group-host", daemon=True)]
         self._threads[0].start()
 
@@ -166,11 +167,11 @@ class GroupHostLink:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop listening and end the group host's connection (the worker is leaving). The
-        listening socket is systemd's (or the caller's) to close; this wakes its ``accept``."""
+        listening socket itself is left as it is: under systemd it is the socket unit's, and
+        the worker's next start listens on it again."""
+        self._closed.set()
         with self._lock:
-            self._closed = True
             conn = self._conn
-        _end(self._listener)  # on Linux, wakes the accepting thread with EINVAL
         if conn is not None:
             _end(conn)
         deadline = time.monotonic() + timeout
@@ -181,25 +182,24 @@ class GroupHostLink:
     def _accept(self) -> None:
         while True:
             try:
+                select.select([self._listener, self._closed], [], [])
+                if self._closed.is_set():
+                    return
                 conn, _ = self._listener.accept()
             except OSError as exc:
-                if not self._closed:
-                    logger.warning("%s: stopped listening for the group host: %s", self.label, exc)
+                logger.warning("%s: stopped listening for the group host: %s", self.label, exc)
                 return
             with self._lock:
-                closed = self._closed
-                if not closed:
-                    old, self._conn = self._conn, conn
-                    self._lock.notify_all()
-            if closed:  # accepted as the link closed: no reader is started for it
-                conn.close()
-                return
+                old, self._conn = self._conn, conn
+                self._lock.notify_all()
             if old is not None:  # its reader sees the end (a close would not wake it) and closes it
                 _end(old)
             logger.info("%s: the group host connected", self.label)
             reader = threading.Thread(target=self._read, args=(conn,), name="devicefleet-group-host-read", daemon=True)
             reader.start()
             self._threads = [t for t in self._threads if t.is_alive()] + [reader]
+            if self._closed.is_set():  # closed as it connected: close() may not have seen it
+                _end(conn)
 
     def _read(self, conn: socket.socket) -> None:
         while True:
