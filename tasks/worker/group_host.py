@@ -182,7 +182,7 @@ class GroupHostLink:
     def _accept(self) -> None:
         while True:
             try:
-                select.select([self._listener, self._closed], [], [])
+                select.select([self._listener.fileno(), self._closed.fileno()], [], [])
                 if self._closed.is_set():
                     return
                 conn, _ = self._listener.accept()
