@@ -330,6 +330,9 @@ GROUP_REFRESH_S = 1.0
 #: Seconds between the group host's tries to reach a GPU leader that is not listening (yet):
 #: its unit starts it, so a try a second costs nothing and a group waits at most this long.
 GROUP_HOST_RECONNECT_S = 1.0
+#: How long a leaving worker waits for its group-host link's threads (the acceptor, each
+#: connection's reader) once it has ended their connection.
+GROUP_HOST_CLOSE_S = 5.0
 
 # -- Producers ---------------------------------------------------------------------------------
 

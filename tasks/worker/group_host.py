@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.children import spawn_child
-from ..core.defaults import GROUP_HOST_RECONNECT_S
+from ..core.defaults import GROUP_HOST_CLOSE_S, GROUP_HOST_RECONNECT_S
 from ..core.errors import DeviceFleetError
 from ..core.shadow import CHILD_FLAGS
 from ..core.stopflag import StopFlag
@@ -165,7 +165,7 @@ class GroupHostLink:
         if conn is not None:
             _end(conn)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = GROUP_HOST_CLOSE_S) -> None:
         """Stop listening and end the group host's connection (the worker is leaving). The
         listening socket itself is left as it is: under systemd it is the socket unit's, and
         the worker's next start listens on it again."""
