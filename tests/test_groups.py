@@ -41,7 +41,7 @@ from tasks.core.wire import Outcome, ProcessSpec, RunJob
 from tasks.ops.status import render, report
 from tasks.producer.fanout import FanOut
 from tasks.worker.group import GroupGate
-from tasks.worker.group_host import GroupHostLink
+from tasks.worker.group_host import GroupHostLink, _Leader
 from tasks.worker.jobenv import job_environment
 from tasks.worker.memory import ResidentMeter
 from tasks.worker.supervisor import Apart, ProcessPolicy, Supervisor
@@ -662,6 +662,20 @@ def test_a_group_host_that_reconnects_at_once_is_taken_and_a_closed_link_leaves_
         for host in hosts:
             host.close()
         listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_group_host_whose_leader_goes_before_its_answer_serves_it_again():
+    """The leader's connection closing before the host's answer to a spawn could go (the worker
+    died meanwhile) ends that connection's service, so the host connects again: it does not
+    end the thread that serves that leader."""
+    host_end, leader_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    leader_end.send(json.dumps({"op": "spawn", "id": 0, "env": "not a mapping", "cwd": "/"}).encode())
+    leader_end.close()
+    try:
+        _Leader("gpu0.sock")._serve(host_end)  # returns: the run loop closes it and connects again
+    finally:
+        host_end.close()
 
 
 @pytest.mark.timeout(120)

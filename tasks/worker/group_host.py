@@ -308,7 +308,11 @@ class _Leader:
             if message is None:
                 return
             if message.get("op") == "spawn":
-                self._spawn(conn, message)
+                try:
+                    self._spawn(conn, message)
+                except OSError as exc:  # its answer could not go: the leader is gone (a process
+                    logger.warning("%s: %s", self.path, exc)  # started for it ends with the rest)
+                    return
 
     def _spawn(self, conn: socket.socket, message: dict[str, Any]) -> None:
         ident = message.get("id")
