@@ -41,6 +41,12 @@ waiting view and the exporter read the waiting users too
 
 Messages given back to a queue (a dead worker's, kombu's restore) go to its shared list: ahead
 of the users' lists of their level, as they were taken once already.
+
+Messages in a user's list that no waiting set names (published by a release that kept no waiting
+sets, before an upgrade) would be polled by no worker. So the first read of a list by a worker
+(:class:`UserOrder`, once per list a process reads) adopts them: every user ever seen whose list
+beside it holds messages is added to its waiting users (:data:`ADOPT_WAITING`, one script, a
+check per user ever seen and list, once per worker start, not per poll).
 """
 
 from __future__ import annotations
@@ -110,6 +116,25 @@ end
 local usage = {}
 if #names > 0 then usage = redis.call('hmget', KEYS[1], unpack(names)) end
 return {lists, names, usage}
+"""
+
+#: Add to each level list's waiting users every user ever seen (``keys.USERS``) whose list beside
+#: it holds messages (published with no waiting set to name them: the module's docstring). KEYS:
+#: ``keys.USERS``, then each level list's ``keys.waiting_users``; ARGV: the user separator, then
+#: each level list's name. Returns how many users it added.
+ADOPT_WAITING = """
+local t = redis.call('time')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local users = redis.call('hkeys', KEYS[1])
+local added = 0
+for i = 2, #KEYS do
+  for _, user in ipairs(users) do
+    if redis.call('exists', ARGV[i] .. ARGV[1] .. user) == 1 then
+      added = added + redis.call('zadd', KEYS[i], 'NX', now, user)
+    end
+  end
+end
+return added
 """
 
 #: A Lua function of the store script (:data:`tasks.core.jobscripts.STORE`): add a job's
@@ -211,6 +236,8 @@ class UserOrder:
         self._names: frozenset[str] = frozenset()
         self._read_at: float | None = None
         self._script: Any = None
+        #: The level lists this process adopted the waiting users of (:data:`ADOPT_WAITING`).
+        self._adopted: set[str] = set()
 
     def stale(self) -> None:
         """Read again at the next :meth:`read` (a wake mark named a list the last read did not)."""
@@ -225,6 +252,8 @@ class UserOrder:
         the refresh period and was of these lists (in any order: kombu's cycle turns them), or if Redis does not answer now (the poll
         that follows says so)."""
         now, names = self._clock(), tuple(names)
+        if new := [name for name in names if name not in self._adopted]:
+            self._adopt(client, new)
         if self._read_at is not None and now - self._read_at < self.refresh_s and self._names.issuperset(names):
             return self._waiting
         try:
@@ -242,6 +271,24 @@ class UserOrder:
                                 tuple(order))
         self._names, self._read_at = frozenset(names), now
         return self._waiting
+
+
+    def _adopt(self, client: redis.Redis, names: Sequence[str]) -> None:
+        """Adopt the waiting users of ``names`` (:data:`ADOPT_WAITING`); tried again at the next
+        read where Redis did not answer, never where it refused (credentials without the right)."""
+        try:
+            added = client.eval(ADOPT_WAITING, 1 + len(names), keys.USERS,
+                                *(keys.waiting_users(name) for name in names), USER_SEPARATOR, *names)
+        except redis.exceptions.NoPermissionError as exc:
+            logger.warning("could not look for user lists no worker polls beside %s: %s", ", ".join(names), exc)
+        except redis.RedisError as exc:
+            logger.debug("could not look for user lists no worker polls yet: %s", exc)
+            return
+        else:
+            if added:
+                logger.warning("found %d user list(s) beside %s with messages no worker polled: polled now",
+                               added, ", ".join(names))
+        self._adopted.update(names)
 
 
 def share_arg(user: str | None, level: Level, seconds: float, at: float, *, kind: str | None = None,

@@ -194,6 +194,9 @@ class GangWatch(WatchOver):
             except redis.RedisError as exc:  # looked at again in WATCH_INTERVAL_S; its collectives tell meanwhile
                 logger.debug("%s: could not look at %s: %s", self.rdv.device, self.rdv.spec.id, exc)
                 continue
+            except Exception:  # a malformed record in Redis: the watch goes on (a lost peer must still be seen)
+                logger.exception("%s: could not look at %s", self.rdv.device, self.rdv.spec.id)
+                continue
             if verdict is not None:
                 self._verdict = verdict
                 return

@@ -85,12 +85,13 @@ def install_stop_handlers(on_exit: Callable[[], None]) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     celery_term = signal.getsignal(signal.SIGTERM)
-    seen = threading.Event()
+    seen = False  # a plain flag: a lock taken in a signal handler can deadlock (tasks.core.stopflag)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
-        if seen.is_set():
+        nonlocal seen
+        if seen:
             force_stop(signum, on_exit)
-        seen.set()
+        seen = True
         logger.warning("SIGTERM: warm shutdown, finishing the running job (again to stop at once)")
         if callable(celery_term):
             celery_term(signum, frame)
