@@ -104,7 +104,7 @@ def test_a_list_keeps_its_waiting_users_until_their_list_is_found_empty_and_a_ne
 def test_messages_in_a_users_list_no_waiting_set_names_are_adopted_at_a_workers_first_read(client):
     """A user's list that holds messages but is in no waiting set (published before the waiting
     sets existed: an upgrade) is added to its level list's waiting users at a worker's first read
-    of that list, so its messages are polled; once per list a worker reads, not per read."""
+    of that list, so its messages are polled; once a fleet for each list, not per read or worker."""
     from tasks.core.fairshare import UserOrder
 
     client.hset(keys.USERS, mapping={"old": "1.0", "gone": "1.0"})  # both sent jobs once
@@ -115,7 +115,9 @@ def test_messages_in_a_users_list_no_waiting_set_names_are_adopted_at_a_workers_
     client.rpop("cpu~old")
     client.lpush("cpu~gone", "pushed by hand, after this worker's first read")
     assert order.read(client, ["cpu"]).beside == {"cpu": frozenset()}  # adopted once: not again
-    assert UserOrder(refresh_s=0.0).read(client, ["cpu"]).beside == {"cpu": {"gone"}}  # a worker that starts now
+    assert UserOrder(refresh_s=0.0).read(client, ["cpu"]).beside == {"cpu": frozenset()}  # nor by the next worker
+    assert UserOrder(refresh_s=0.0).read(client, ["cpu", "gpu"]).beside == {"cpu": frozenset(), "gpu": frozenset()}
+    assert client.smembers(keys.WAITING_ADOPTED) == {"cpu", "gpu"}
 
 
 def _polled_keys(client, seconds: float = 2.5) -> set[str]:  # type: ignore[no-untyped-def]

@@ -261,6 +261,11 @@ def preempt_claims(queue_list: str) -> str:
 USERS = f"{PREFIX}users"
 
 
+#: Set of the level lists whose users' lists have been adopted into their waiting users, once a
+#: fleet (:data:`tasks.core.fairshare.ADOPT_WAITING`: lists written before the waiting sets).
+WAITING_ADOPTED = f"{PREFIX}waiting-adopted"
+
+
 def waiting_users(queue_list: str) -> str:
     """Sorted set ``{user: when added}`` (Redis time) of the users whose list beside level list
     ``queue_list`` (``cpu:batch``) may hold messages: added by the publish script, a user taken
