@@ -275,7 +275,6 @@ class UserOrder:
         self._names, self._read_at = frozenset(names), now
         return self._waiting
 
-
     def _adopt(self, client: redis.Redis, names: Sequence[str]) -> None:
         """Adopt the waiting users of ``names`` (:data:`ADOPT_WAITING`); tried again at the next
         read where Redis did not answer, never where it refused (credentials without the right)."""

@@ -186,7 +186,7 @@ class GroupHostLink:
                 if self._closed.is_set():
                     return
                 conn, _ = self._listener.accept()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: the listening socket was closed
                 logger.warning("%s: stopped listening for the group host: %s", self.label, exc)
                 return
             with self._lock:
@@ -310,8 +310,8 @@ class _Leader:
             if message.get("op") == "spawn":
                 try:
                     self._spawn(conn, message)
-                except OSError as exc:  # its answer could not go: the leader is gone (a process
-                    logger.warning("%s: %s", self.path, exc)  # started for it ends with the rest)
+                except OSError as exc:  # its answer could not go: the leader is gone, and a
+                    logger.warning("%s: %s", self.path, exc)  # process started for it ends (run)
                     return
 
     def _spawn(self, conn: socket.socket, message: dict[str, Any]) -> None:
